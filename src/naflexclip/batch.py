@@ -1,0 +1,93 @@
+"""Microbatch helpers: size, kind (dense or NaFlex), device moves, concatenation and splitting.
+
+A microbatch is `{"image": dense [B, C, H, W] or NaFlex dict, "text": long [B, T], ...}`
+(see DESIGN.md); NaFlex dicts hold `patches [B, L, P*P*C]`, `patch_coord [B, L, 2]` (row, col)
+and `patch_valid [B, L]` (True for real patches), `L` being that microbatch's padded length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+NAFLEX_KEYS = ("patches", "patch_coord", "patch_valid")
+
+
+def is_naflex(image: Any) -> bool:
+    """True for a NaFlex dict, False for a dense tensor; ValueError for anything else."""
+    if isinstance(image, dict):
+        missing = [key for key in NAFLEX_KEYS if key not in image]
+        if missing:
+            raise ValueError(f"NaFlex image dict is missing {missing}; it has keys {sorted(image)}")
+        return True
+    if isinstance(image, torch.Tensor):
+        return False
+    raise ValueError(f"image must be a dense tensor or a NaFlex dict, got {type(image).__name__}")
+
+
+def batch_size(microbatch: dict[str, Any]) -> int:
+    """Number of image–text pairs in a microbatch (image and text rows must agree)."""
+    text = microbatch["text"]
+    image = microbatch["image"]
+    image_rows = image["patches"].shape[0] if is_naflex(image) else image.shape[0]
+    if image_rows != text.shape[0]:
+        raise ValueError(f"microbatch has {image_rows} images but {text.shape[0]} texts")
+    return int(text.shape[0])
+
+
+def to_device(
+    microbatch: dict[str, Any], device: torch.device | str, dtype: torch.dtype | None = None
+) -> dict[str, Any]:
+    """Move `image` and `text` to `device`; floating image tensors are cast to `dtype` if given."""
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if dtype is not None and t.is_floating_point():
+            return t.to(device=device, dtype=dtype, non_blocking=True)
+        return t.to(device=device, non_blocking=True)
+
+    image = microbatch["image"]
+    moved_image = {k: move(v) for k, v in image.items()} if isinstance(image, dict) else move(image)
+    return {**microbatch, "image": moved_image, "text": move(microbatch["text"])}
+
+
+def concat_microbatches(microbatches: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One batch of all rows, in order; NaFlex sequences are padded to the longest `L`."""
+    text = torch.cat([mb["text"] for mb in microbatches])
+    images = [mb["image"] for mb in microbatches]
+    if not is_naflex(images[0]):
+        return {"image": torch.cat(images), "text": text}
+    max_len = max(img["patches"].shape[1] for img in images)
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        extra = max_len - t.shape[1]
+        if extra == 0:
+            return t
+        filler = t.new_zeros((t.shape[0], extra, *t.shape[2:]))
+        return torch.cat([t, filler], dim=1)
+
+    image = {key: torch.cat([pad(img[key]) for img in images]) for key in NAFLEX_KEYS}
+    return {"image": image, "text": text}
+
+
+def split_batch(batch: dict[str, Any], sizes: Sequence[int]) -> list[dict[str, Any]]:
+    """Split a batch into consecutive microbatches of `sizes` rows; NaFlex pieces are trimmed
+    to their own longest valid sequence, as a token-budget loader would produce them."""
+    total = batch_size(batch)
+    if sum(sizes) != total or any(size < 1 for size in sizes):
+        raise ValueError(f"split sizes {list(sizes)} do not partition a batch of {total} rows")
+    pieces = []
+    start = 0
+    for size in sizes:
+        rows = slice(start, start + size)
+        start += size
+        image = batch["image"]
+        if is_naflex(image):
+            valid = image["patch_valid"][rows]
+            length = int(valid.sum(dim=1).max())
+            piece_image = {key: image[key][rows, :length] for key in NAFLEX_KEYS}
+        else:
+            piece_image = image[rows]
+        pieces.append({"image": piece_image, "text": batch["text"][rows]})
+    return pieces

@@ -1,0 +1,351 @@
+"""The accumulation window: one scale per optimizer step, and two exact ways to accumulate.
+
+A window is every microbatch behind one optimizer step (all ranks). After
+`accumulate_gradients`, the parameters' `.grad` holds (after DDP/FSDP averaging)
+
+    s(W) · ∇θ L(W)
+
+where `L(W)` is the contrastive loss of all `N` pairs as one batch and `s(W)` is
+`window_loss_scale` over every microbatch size in the window — however the same ordered examples are
+split into microbatches and ranks. See docs/accumulation.md for the math.
+
+Phases (GradCache, Gao et al. 2021, https://arxiv.org/abs/2101.06983):
+  cache  — forward every microbatch without grad, recording its RNG state;
+  loss   — `s · L(W)` once over the cached features; backward gives every feature row's gradient and
+           the gradient of `logit_scale`/`logit_bias` (counted here, once);
+  replay — per microbatch: restore RNG, forward with grad, backward the cached row gradients.
+The `replay` method (OpenCLIP's scheme) instead differentiates `s · L(W)` once per microbatch with
+that microbatch's rows live and the others cached; `logit_scale`/`logit_bias` are live in one replay.
+
+This module knows nothing of loaders, optimizers, logging or process groups: distributed feature
+exchange comes in as a `WindowExchange`, gradient-sync suppression as a `no_sync` context factory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager as ContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from naflexclip.batch import batch_size, is_naflex
+
+SCALE_MODES = ("none", "linear", "sqrt")
+METHODS = ("cache", "replay")
+FEATURE_KEYS = ("image_features", "text_features")
+SCALAR_KEYS = ("logit_scale", "logit_bias")
+
+
+def window_loss_scale(
+    batch_sizes: Sequence[int], reference_batch_size: int | None, mode: str
+) -> float:
+    """The one loss multiplier `s(W)` of a window, from the sizes of *every* microbatch in it.
+
+    batch_sizes: all ranks' microbatch sizes (length `R·n`); reference_batch_size: `B_ref`
+    (`--batch-size`); mode: `none` → 1, `linear` → mean size / B_ref, `sqrt` → its square root.
+    """
+    if mode not in SCALE_MODES:
+        raise ValueError(f"unknown loss scale mode {mode!r}; choose one of {SCALE_MODES}")
+    if len(batch_sizes) == 0:
+        raise ValueError("empty window: batch_sizes=[] has no microbatches")
+    for size in batch_sizes:
+        if size < 1:
+            raise ValueError(f"microbatch size {size} < 1 in window batch_sizes={list(batch_sizes)}")
+    if mode == "none":
+        return 1.0
+    if reference_batch_size is None or reference_batch_size <= 0:
+        raise ValueError(
+            f"loss scale mode {mode!r} needs a positive reference batch size (--batch-size), "
+            f"got {reference_batch_size!r}"
+        )
+    # mean microbatch size over the whole window / B_ref: one number for every microbatch in it
+    linear = sum(batch_sizes) / (len(batch_sizes) * reference_batch_size)
+    return linear if mode == "linear" else math.sqrt(linear)
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    """What one window did. `loss` is L(W) (unscaled); the backward used `scale · L(W)`."""
+
+    loss: float
+    scale: float
+    num_examples: int  # N: pairs in the whole window, all ranks (= negatives per example)
+    num_microbatches: int  # R·n
+    batch_sizes: tuple[int, ...]  # every microbatch in the window, rank-major
+
+
+class WindowExchange(Protocol):
+    """How a window sees the other ranks' microbatches (see naflexclip.distributed)."""
+
+    rank: int
+    world_size: int
+
+    def gather_sizes(self, local_sizes: Sequence[int]) -> list[list[int]]:
+        """Every rank's microbatch sizes, indexed by rank."""
+        ...
+
+    def gather_rows(self, local_rows: torch.Tensor, rows_per_rank: Sequence[int]) -> torch.Tensor:
+        """Concatenate every rank's `[rows_r, ...]` tensor in rank order (no autograd)."""
+        ...
+
+
+class LocalExchange:
+    """The single-process exchange: this process is the whole window."""
+
+    rank = 0
+    world_size = 1
+
+    def gather_sizes(self, local_sizes: Sequence[int]) -> list[list[int]]:
+        return [list(local_sizes)]
+
+    def gather_rows(self, local_rows: torch.Tensor, rows_per_rank: Sequence[int]) -> torch.Tensor:
+        return local_rows
+
+
+class RngState:
+    """The CPU and CUDA generator states before a microbatch's first forward, so that its
+    grad forward draws the same dropout / drop-path / patch-dropout numbers (GradCache's RandContext)."""
+
+    def __init__(self, devices: Sequence[torch.device]) -> None:
+        self.cuda_devices = sorted({d.index or 0 for d in devices if d.type == "cuda"})
+        self.cpu_state = torch.get_rng_state()
+        self.cuda_states = [torch.cuda.get_rng_state(i) for i in self.cuda_devices]
+
+    @contextlib.contextmanager
+    def replayed(self) -> Iterator[None]:
+        """Run the block with the recorded state; the surrounding RNG stream is left untouched."""
+        with torch.random.fork_rng(devices=self.cuda_devices, enabled=True):
+            torch.set_rng_state(self.cpu_state)
+            for index, state in zip(self.cuda_devices, self.cuda_states, strict=True):
+                torch.cuda.set_rng_state(state, index)
+            yield
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; multiplies the incoming gradient by a constant."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+def _tensors(microbatch: dict[str, Any]) -> list[torch.Tensor]:
+    image = microbatch["image"]
+    images = list(image.values()) if isinstance(image, dict) else [image]
+    return [*images, microbatch["text"]]
+
+
+def _loss_precision(t: torch.Tensor) -> torch.Tensor:
+    # the N×N loss is computed in at least float32 even when the towers ran in bf16/fp16
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def _check_window(microbatches: Sequence[dict[str, Any]]) -> bool:
+    """Validate the local microbatches; return True for a NaFlex window, False for dense."""
+    if len(microbatches) == 0:
+        raise ValueError("empty window: no microbatches given")
+    kinds = [is_naflex(mb["image"]) for mb in microbatches]
+    if any(kinds) and not all(kinds):
+        raise ValueError(
+            "window mixes dense and NaFlex microbatches: "
+            f"kinds {['naflex' if k else 'dense' for k in kinds]}"
+        )
+    for index, mb in enumerate(microbatches):
+        if batch_size(mb) < 1:
+            raise ValueError(f"microbatch {index} is empty (batch size {batch_size(mb)})")
+    return kinds[0]
+
+
+@dataclass
+class _Window:
+    """The state shared by the phases of one window."""
+
+    model: nn.Module
+    loss_fn: Callable[..., torch.Tensor]
+    microbatches: Sequence[dict[str, Any]]
+    scale: float
+    exchange: WindowExchange
+    no_sync: Callable[[], ContextManager[Any]]
+    autocast: Callable[[], ContextManager[Any]]
+    grad_scaler: Any
+    rows_per_rank: list[int]
+
+    def forward(self, microbatch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        with self.autocast():
+            out = self.model(image=microbatch["image"], text=microbatch["text"])
+        for key in FEATURE_KEYS + ("logit_scale",):
+            if key not in out:
+                raise ValueError(f"model output has no {key!r}; it returned keys {sorted(out)}")
+        return out
+
+    def gather(self, local_rows: torch.Tensor) -> torch.Tensor:
+        return self.exchange.gather_rows(local_rows, self.rows_per_rank)
+
+    @property
+    def local_offset(self) -> int:
+        return sum(self.rows_per_rank[: self.exchange.rank])
+
+    def scaled_for_backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """`s·L` times the fp16 gradient scaler's factor, if any (the scaler is undone at unscale_)."""
+        scaled = self.scale * loss
+        return self.grad_scaler.scale(scaled) if self.grad_scaler is not None else scaled
+
+    def backward(self, objective: torch.Tensor, last: bool) -> None:
+        # gradients are synchronised once per window: only on the window's last backward
+        with contextlib.nullcontext() if last else self.no_sync():
+            objective.backward()
+
+    def cache(self) -> tuple[list[RngState], dict[str, torch.Tensor]]:
+        """Phase 1: no-grad forwards; returns RNG states and the local features/scalars."""
+        states, outputs = [], []
+        with torch.no_grad():
+            for mb in self.microbatches:
+                states.append(RngState([t.device for t in _tensors(mb)]))
+                outputs.append(self.forward(mb))
+        cached = {key: torch.cat([out[key] for out in outputs]) for key in FEATURE_KEYS}
+        for key in SCALAR_KEYS:
+            if outputs[0].get(key) is not None:
+                cached[key] = outputs[0][key]
+        return states, cached
+
+    def window_loss(self, features: dict[str, torch.Tensor]) -> torch.Tensor:
+        """L(W) over the whole window (all ranks' rows) — unscaled."""
+        return self.loss_fn(
+            _loss_precision(features["image_features"]),
+            _loss_precision(features["text_features"]),
+            _loss_precision(features["logit_scale"]),
+            _loss_precision(features["logit_bias"]) if features.get("logit_bias") is not None else None,
+        )
+
+
+def _run_cache(window: _Window) -> torch.Tensor:
+    states, local = window.cache()
+    # phase 2: s·L(W) once, on detached leaves for every row of every rank
+    leaves = {key: window.gather(local[key]).detach().requires_grad_() for key in FEATURE_KEYS}
+    for key in SCALAR_KEYS:
+        if key in local:
+            leaves[key] = local[key].detach().requires_grad_()
+    loss = window.window_loss(leaves)
+    # the leaves are detached from the towers: this backward touches no parameter
+    window.scaled_for_backward(loss).backward()
+    # DDP/FSDP average gradients over ranks; the rows of this rank carry all of their gradient,
+    # so multiply by R here and the average becomes the sum over ranks.
+    offset, rows = window.local_offset, window.rows_per_rank[window.exchange.rank]
+    row_grads = {
+        key: leaves[key].grad[offset : offset + rows] * window.exchange.world_size for key in FEATURE_KEYS
+    }
+    # every rank computed the same scalar gradients: the average over ranks is that value, once
+    scalar_grads = {key: leaves[key].grad for key in SCALAR_KEYS if key in leaves}
+
+    # phase 3: replay each microbatch with grad and push its cached row gradients into the towers
+    start = 0
+    last_index = len(window.microbatches) - 1
+    for index, (mb, state) in enumerate(zip(window.microbatches, states, strict=True)):
+        size = batch_size(mb)
+        with state.replayed():
+            out = window.forward(mb)
+        # d(surrogate)/d(features) is exactly the cached row gradient (already carrying s and R)
+        surrogate = sum(
+            (_loss_precision(out[key]) * row_grads[key][start : start + size]).sum() for key in FEATURE_KEYS
+        )
+        if index == last_index:
+            # logit_scale / logit_bias: their gradient was taken once in phase 2
+            surrogate = surrogate + sum((out[key] * grad).sum() for key, grad in scalar_grads.items())
+        start += size
+        window.backward(surrogate, last=index == last_index)
+    return loss.detach()
+
+
+def _run_replay(window: _Window) -> torch.Tensor:
+    states, local = window.cache()
+    cached = {key: window.gather(local[key]) for key in FEATURE_KEYS}
+    offset = window.local_offset
+    last_index = len(window.microbatches) - 1
+    loss = None
+    start = offset
+    for index, (mb, state) in enumerate(zip(window.microbatches, states, strict=True)):
+        size = batch_size(mb)
+        with state.replayed():
+            out = window.forward(mb)
+        features: dict[str, torch.Tensor] = {}
+        for key in FEATURE_KEYS:
+            # live rows for this microbatch, cached rows elsewhere; × R undoes the DDP average
+            live = _ScaleGrad.apply(out[key], float(window.exchange.world_size))
+            features[key] = torch.cat(
+                [cached[key][:start], live.to(cached[key].dtype), cached[key][start + size :]]
+            )
+        for key in SCALAR_KEYS:
+            if out.get(key) is not None:
+                # live in exactly one replay (the last), a constant in the others
+                features[key] = out[key] if index == last_index else out[key].detach()
+        start += size
+        loss = window.window_loss(features)
+        window.backward(window.scaled_for_backward(loss), last=index == last_index)
+    assert loss is not None
+    return loss.detach()
+
+
+def accumulate_gradients(
+    model: nn.Module,
+    loss_fn: Callable[..., torch.Tensor],
+    microbatches: Sequence[dict[str, Any]],
+    *,
+    loss_scale: str = "none",
+    reference_batch_size: int | None = None,
+    method: str = "cache",
+    exchange: WindowExchange | None = None,
+    no_sync: Callable[[], ContextManager[Any]] | None = None,
+    autocast: Callable[[], ContextManager[Any]] | None = None,
+    grad_scaler: Any = None,
+) -> WindowStats:
+    """Add `s(W)·∇θ L(W)` for this window to the parameters' `.grad` (no optimizer step).
+
+    model: any module whose `forward(image=, text=)` returns OpenCLIP's output dict.
+    loss_fn: `loss(image_features, text_features, logit_scale, logit_bias=None)` over `[N, D]` rows.
+    microbatches: this rank's microbatches of the window, in order (sizes may differ).
+    loss_scale / reference_batch_size: `--naflex-loss-scale` / `--batch-size`; dense windows scale 1.
+    method: `cache` (gradient caching, default) or `replay` (OpenCLIP's scheme); both exact.
+    exchange: the other ranks (default: this process is the whole window).
+    no_sync: context factory that suppresses DDP/FSDP gradient sync, entered for every backward
+        but the window's last, so gradients are synchronised once per window.
+    autocast: context factory for the tower forwards (mixed precision); the loss runs in ≥ fp32.
+    grad_scaler: a `torch.amp.GradScaler` for fp16; it scales the backward, not `s(W)`.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown accumulation method {method!r}; choose one of {METHODS}")
+    naflex = _check_window(microbatches)
+    exchange = exchange or LocalExchange()
+    local_sizes = [batch_size(mb) for mb in microbatches]
+    sizes_per_rank = exchange.gather_sizes(local_sizes)
+    all_sizes = [size for rank_sizes in sizes_per_rank for size in rank_sizes]
+    # the window's one coefficient, from every rank's microbatch sizes, before any replay
+    scale = window_loss_scale(all_sizes, reference_batch_size, loss_scale if naflex else "none")
+    window = _Window(
+        model=model,
+        loss_fn=loss_fn,
+        microbatches=microbatches,
+        scale=scale,
+        exchange=exchange,
+        no_sync=no_sync or contextlib.nullcontext,
+        autocast=autocast or contextlib.nullcontext,
+        grad_scaler=grad_scaler,
+        rows_per_rank=[sum(rank_sizes) for rank_sizes in sizes_per_rank],
+    )
+    loss = _run_cache(window) if method == "cache" else _run_replay(window)
+    return WindowStats(
+        loss=float(loss),
+        scale=scale,
+        num_examples=sum(all_sizes),
+        num_microbatches=len(all_sizes),
+        batch_sizes=tuple(all_sizes),
+    )
