@@ -1,0 +1,41 @@
+"""The per-microbatch loss scale of OpenCLIP's accumulation loop, kept only as the counter-example.
+
+`open_clip_train`'s `--accum-freq` replay differentiates a loss over the whole cached window once per
+microbatch but multiplies each replay by a coefficient from *that microbatch's own* size. Splitting
+the same examples as `[1, 2]` or `[2, 1]` then weights them differently. `naflexclip verify` and the
+tests run this rule beside the window to show the comparison has teeth; training never uses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from naflexclip.batch import batch_size
+from naflexclip.window import window_loss_scale
+
+
+def per_microbatch_scale_gradients(
+    model: nn.Module,
+    loss_fn: Callable[..., torch.Tensor],
+    microbatches: Sequence[dict[str, Any]],
+    *,
+    loss_scale: str,
+    reference_batch_size: int | None,
+) -> None:
+    """Accumulate gradients with OpenCLIP's rule: replay j backpropagates `s([b_j]) · L(W)`."""
+    with torch.no_grad():
+        outputs = [model(image=mb["image"], text=mb["text"]) for mb in microbatches]
+    cached_image = [out["image_features"] for out in outputs]
+    cached_text = [out["text_features"] for out in outputs]
+    for index, mb in enumerate(microbatches):
+        out = model(image=mb["image"], text=mb["text"])
+        image = torch.cat(cached_image[:index] + [out["image_features"]] + cached_image[index + 1 :])
+        text = torch.cat(cached_text[:index] + [out["text_features"]] + cached_text[index + 1 :])
+        loss = loss_fn(image, text, out["logit_scale"], out.get("logit_bias"))
+        # the bug: a coefficient per replay, from this microbatch's size alone
+        own_scale = window_loss_scale([batch_size(mb)], reference_batch_size, loss_scale)
+        (own_scale * loss).backward()

@@ -1,0 +1,289 @@
+"""`naflexclip verify`: audit the accumulation window against one full batch, before a long run.
+
+It builds a model (a preset, or a trained checkpoint), takes a window of NaFlex examples (random
+sequences of varied lengths, or the first batches of `--train-data`), computes the full-batch reference
+`s(W)·∇θ L(W)` in float64, then accumulates the same examples split at random into `--accum-freq`
+microbatches with each chosen method, and prints the worst relative error per parameter group against
+DESIGN.md's tolerances. For contrast it also runs OpenCLIP's per-microbatch rule on the same splits.
+Exit code 0 when every group passes, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from naflexclip.batch import batch_size, concat_microbatches, split_batch
+from naflexclip.legacy import per_microbatch_scale_gradients
+from naflexclip.loss import create_loss
+from naflexclip.model import PRESETS, create_model
+from naflexclip.window import METHODS, SCALE_MODES, accumulate_gradients, window_loss_scale
+
+FLOAT64_TOLERANCE = 1e-10
+FLOAT32_TOLERANCE = 1e-4
+# timm's NaFlexVit resamples its learned position table in float32 even in a float64 model,
+# so that one tensor's gradient agrees only to ~1e-8 (DESIGN.md, tolerances).
+POS_EMBED_TOLERANCE = 1e-6
+
+
+def tolerance_for(param_name: str, dtype: torch.dtype) -> float:
+    """DESIGN.md's relative tolerance for one parameter's gradient."""
+    if dtype != torch.float64:
+        return FLOAT32_TOLERANCE
+    return POS_EMBED_TOLERANCE if "pos_embed" in param_name else FLOAT64_TOLERANCE
+
+
+def relative_error(grad: torch.Tensor | None, reference: torch.Tensor | None) -> float:
+    """‖grad − reference‖ / ‖reference‖ (absolute when the reference is zero; None counts as zero)."""
+    if grad is None and reference is None:
+        return 0.0
+    grad = torch.zeros_like(reference) if grad is None else grad
+    reference = torch.zeros_like(grad) if reference is None else reference
+    diff = (grad.double() - reference.double()).norm().item()
+    ref_norm = reference.double().norm().item()
+    return diff / ref_norm if ref_norm > 0 else diff
+
+
+def parameter_group(name: str) -> str:
+    """Report group of a parameter: `visual.blocks`, `visual.embeds.pos_embed`, `text.transformer`, ..."""
+    if "pos_embed" in name:
+        return "visual.embeds.pos_embed"
+    parts = name.split(".")
+    return ".".join(parts[:2])
+
+
+def random_naflex_batch(
+    num_examples: int,
+    *,
+    patch_size: int,
+    context_length: int,
+    seq_lens: Sequence[int] = (4, 9, 16, 25, 36),
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float64,
+    vocab_size: int = 49408,
+) -> dict[str, Any]:
+    """A NaFlex batch of random images with varied grids (each ≤ a length from `seq_lens`) and random
+    token ids ending in the end-of-text token, padded to the longest sequence."""
+    gen = generator or torch.Generator().manual_seed(0)
+    max_len = max(seq_lens)
+    dim = patch_size * patch_size * 3
+    patches = torch.zeros(num_examples, max_len, dim, dtype=dtype)
+    coords = torch.zeros(num_examples, max_len, 2, dtype=torch.long)
+    valid = torch.zeros(num_examples, max_len, dtype=torch.bool)
+    text = torch.zeros(num_examples, context_length, dtype=torch.long)
+    for row in range(num_examples):
+        budget = seq_lens[int(torch.randint(len(seq_lens), (1,), generator=gen))]
+        # a random aspect ratio whose grid fits the budget, as NaFlex resizing produces
+        height = int(torch.randint(1, budget + 1, (1,), generator=gen))
+        width = max(1, budget // height)
+        length = height * width
+        grid = torch.stack(torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij"), -1)
+        patches[row, :length] = torch.randn(length, dim, generator=gen, dtype=dtype)
+        coords[row, :length] = grid.reshape(length, 2)
+        valid[row, :length] = True
+        num_tokens = int(torch.randint(2, context_length + 1, (1,), generator=gen))
+        text[row, 0] = vocab_size - 2  # start of text
+        text[row, 1 : num_tokens - 1] = torch.randint(1, vocab_size - 2, (num_tokens - 2,), generator=gen)
+        text[row, num_tokens - 1] = vocab_size - 1  # end of text: open_clip pools at the argmax id
+    longest = int(valid.sum(1).max())
+    image = {"patches": patches[:, :longest], "patch_coord": coords[:, :longest], "patch_valid": valid[:, :longest]}
+    return {"image": image, "text": text}
+
+
+def random_split_sizes(num_examples: int, num_microbatches: int, rng: random.Random) -> list[int]:
+    """Uneven sizes ≥ 1 summing to `num_examples` (a random composition)."""
+    if not 1 <= num_microbatches <= num_examples:
+        raise ValueError(f"cannot split {num_examples} examples into {num_microbatches} non-empty microbatches")
+    cuts = sorted(rng.sample(range(1, num_examples), num_microbatches - 1))
+    bounds = [0, *cuts, num_examples]
+    return [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def full_batch_gradients(
+    model: nn.Module, loss_fn: nn.Module, batch: dict[str, Any], scale: float
+) -> dict[str, torch.Tensor]:
+    """The reference: `scale · ∇θ L` of all rows as one batch, by one explicit backward."""
+    model.zero_grad(set_to_none=True)
+    out = model(image=batch["image"], text=batch["text"])
+    loss = loss_fn(out["image_features"], out["text_features"], out["logit_scale"], out.get("logit_bias"))
+    (scale * loss).backward()
+    return collect_gradients(model)
+
+
+def collect_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        name: p.grad.detach().clone()
+        for name, p in model.named_parameters()
+        if p.requires_grad and p.grad is not None
+    }
+
+
+def gradient_errors(
+    model: nn.Module, grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]
+) -> dict[str, float]:
+    """Relative error per parameter name."""
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    return {name: relative_error(grads.get(name), reference.get(name)) for name in names}
+
+
+@dataclass
+class GroupResult:
+    group: str
+    num_params: int
+    worst_error: float
+    tolerance: float
+    legacy_error: float
+
+    @property
+    def passed(self) -> bool:
+        return self.worst_error <= self.tolerance
+
+
+@dataclass
+class VerifyResult:
+    groups: list[GroupResult]
+    splits: list[list[int]]
+    scale: float
+    loss: float
+
+    @property
+    def passed(self) -> bool:
+        return all(g.passed for g in self.groups)
+
+
+def verify_window(
+    model: nn.Module,
+    loss_fn: nn.Module,
+    batch: dict[str, Any],
+    *,
+    accum_freq: int,
+    reference_batch_size: int | None,
+    loss_scale: str,
+    methods: Sequence[str],
+    num_splits: int,
+    seed: int,
+) -> VerifyResult:
+    """Compare accumulated gradients of random splits of `batch` with its full-batch reference."""
+    dtype = next(model.parameters()).dtype
+    num_examples = batch_size(batch)
+    rng = random.Random(seed)
+    splits = [random_split_sizes(num_examples, accum_freq, rng) for _ in range(num_splits)]
+    scale = window_loss_scale(splits[0], reference_batch_size, loss_scale)
+    reference = full_batch_gradients(model, loss_fn, concat_microbatches(split_batch(batch, splits[0])), scale)
+    worst: dict[str, float] = {}
+    legacy_worst: dict[str, float] = {}
+    loss = math.nan
+    for sizes in splits:
+        microbatches = split_batch(batch, sizes)
+        for method in methods:
+            model.zero_grad(set_to_none=True)
+            stats = accumulate_gradients(
+                model, loss_fn, microbatches, loss_scale=loss_scale,
+                reference_batch_size=reference_batch_size, method=method,
+            )
+            loss = stats.loss
+            for name, err in gradient_errors(model, collect_gradients(model), reference).items():
+                worst[name] = max(worst.get(name, 0.0), err)
+        model.zero_grad(set_to_none=True)
+        per_microbatch_scale_gradients(
+            model, loss_fn, microbatches, loss_scale=loss_scale, reference_batch_size=reference_batch_size
+        )
+        for name, err in gradient_errors(model, collect_gradients(model), reference).items():
+            legacy_worst[name] = max(legacy_worst.get(name, 0.0), err)
+    model.zero_grad(set_to_none=True)
+    return VerifyResult(_group_results(worst, legacy_worst, dtype), splits, scale, loss)
+
+
+def _group_results(worst: dict[str, float], legacy: dict[str, float], dtype: torch.dtype) -> list[GroupResult]:
+    groups: dict[str, GroupResult] = {}
+    for name, err in worst.items():
+        key = parameter_group(name)
+        g = groups.setdefault(key, GroupResult(key, 0, 0.0, tolerance_for(name, dtype), 0.0))
+        g.num_params += 1
+        g.worst_error = max(g.worst_error, err)
+        g.legacy_error = max(g.legacy_error, legacy.get(name, 0.0))
+    return list(groups.values())
+
+
+def format_table(result: VerifyResult) -> str:
+    header = f"{'parameter group':<28} {'tensors':>7} {'max rel err':>12} {'tolerance':>10} {'':>5}  {'OpenCLIP rule':>13}"
+    lines = [header, "-" * len(header)]
+    for g in result.groups:
+        status = "ok" if g.passed else "FAIL"
+        lines.append(
+            f"{g.group:<28} {g.num_params:>7} {g.worst_error:>12.2e} {g.tolerance:>10.0e} {status:>5}  "
+            f"{g.legacy_error:>13.2e}"
+        )
+    return "\n".join(lines)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "verify",
+        help="check that accumulated gradients equal the full-batch gradient",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+    )
+    parser.add_argument("--model", default="tiny", help=f"model preset, one of {sorted(PRESETS)}")
+    parser.add_argument("--siglip", action="store_true", help="SigLIP loss and logit_bias (default: CLIP)")
+    parser.add_argument("--accum-freq", type=int, default=4, help="microbatches per window")
+    parser.add_argument("--batch-size", type=int, default=4, help="reference batch size B_ref")
+    parser.add_argument("--naflex-loss-scale", default="linear", choices=SCALE_MODES)
+    parser.add_argument("--accum-method", default="all", choices=(*METHODS, "all"))
+    parser.add_argument("--splits", type=int, default=3, help="random splits of the window to check")
+    parser.add_argument("--num-examples", type=int, default=None,
+                        help="examples in the window (default: accum-freq × batch-size)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float64", choices=("float64", "float32"))
+    parser.set_defaults(func=run)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.accum_freq < 1:
+        raise ValueError(f"--accum-freq must be ≥ 1, got {args.accum_freq}")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ValueError(f"--batch-size must be ≥ 1, got {args.batch_size}")
+    if args.splits < 1:
+        raise ValueError(f"--splits must be ≥ 1, got {args.splits}")
+    if args.num_examples is not None and args.num_examples < args.accum_freq:
+        raise ValueError(f"--num-examples {args.num_examples} is smaller than --accum-freq {args.accum_freq}")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        _check_args(args)
+        model = create_model(args.model, siglip=args.siglip)
+    except ValueError as err:
+        print(f"naflexclip verify: error: {err}")
+        return 2
+    dtype = torch.float64 if args.dtype == "float64" else torch.float32
+    torch.manual_seed(args.seed)
+    model = model.to(dtype).eval()  # eval: dropout would make the full batch and the splits draw differently
+    num_examples = args.num_examples or args.accum_freq * args.batch_size
+    batch = random_naflex_batch(
+        num_examples, patch_size=model.image_patch_size, context_length=model.context_length,
+        generator=torch.Generator().manual_seed(args.seed), dtype=dtype,
+    )
+    methods = list(METHODS) if args.accum_method == "all" else [args.accum_method]
+    result = verify_window(
+        model, create_loss(args.siglip), batch, accum_freq=args.accum_freq,
+        reference_batch_size=args.batch_size, loss_scale=args.naflex_loss_scale, methods=methods,
+        num_splits=args.splits, seed=args.seed,
+    )
+    loss_name = "SigLIP" if args.siglip else "CLIP"
+    print(
+        f"window: {num_examples} examples, accum-freq {args.accum_freq}, B_ref {args.batch_size}, "
+        f"{loss_name}, scale {args.naflex_loss_scale} → s(W) = {result.scale:.6g}, L(W) = {result.loss:.6g}"
+    )
+    print(f"splits: {result.splits}; methods: {', '.join(methods)}; {args.dtype}")
+    print(format_table(result))
+    verdict = "PASS" if result.passed else "FAIL"
+    print(f"{verdict}: accumulated gradient {'equals' if result.passed else 'differs from'} "
+          f"s(W)·∇L(W) of the full batch within DESIGN.md tolerances")
+    return 0 if result.passed else 1
