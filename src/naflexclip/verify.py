@@ -213,7 +213,9 @@ def _group_results(worst: dict[str, float], legacy: dict[str, float], dtype: tor
 
 
 def format_table(result: VerifyResult) -> str:
-    header = f"{'parameter group':<28} {'tensors':>7} {'max rel err':>12} {'tolerance':>10} {'':>5}  {'OpenCLIP rule':>13}"
+    header = (
+        f"{'parameter group':<28} {'tensors':>7} {'max rel err':>12} {'tolerance':>10} {'':>5}  {'OpenCLIP rule':>13}"
+    )
     lines = [header, "-" * len(header)]
     for g in result.groups:
         status = "ok" if g.passed else "FAIL"
