@@ -1,0 +1,168 @@
+"""DataConfig: the typed data-pipeline config and the OpenCLIP-named flags that fill it.
+
+Defaults are sized for a CPU demo: sequence lengths (64, 128, 256) at a token budget of
+4096 tokens per microbatch give microbatches of 64, 32 and 16 rows. Real runs use OpenCLIP's
+(128, 256, 576, 784, 1024) and a budget of 16k-64k tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+DATASET_TYPES = ("synthetic", "webdataset", "csv", "folder", "auto")
+DEFAULT_SEQ_LENS = (64, 128, 256)
+
+
+@dataclass
+class DataConfig:
+    """Where the data comes from and how microbatches are sized.
+
+    `naflex_seq_lens`: sequence lengths (patches per image) a microbatch can be drawn at;
+    `naflex_seq_len_probs`: their weights (uniform when None);
+    `naflex_max_tokens_per_batch`: token budget, batch size = budget // seq_len rounded down
+    to a multiple of `naflex_batch_divisor` (at least 1).
+    """
+
+    train_data: str | None = None
+    val_data: str | None = None
+    dataset_type: str = "auto"
+    csv_img_key: str = "filepath"
+    csv_caption_key: str = "title"
+    csv_separator: str = "\t"
+    naflex_seq_lens: tuple[int, ...] = DEFAULT_SEQ_LENS
+    naflex_seq_len_probs: tuple[float, ...] | None = None
+    naflex_max_tokens_per_batch: int = 4096
+    naflex_batch_divisor: int = 1
+    workers: int = 2
+    seed: int = 0
+    synthetic_seed: int = 0
+    synthetic_train_size: int = 4096
+    synthetic_val_size: int = 512
+    train_num_samples: int | None = None
+    val_num_samples: int | None = None
+    shuffle_buffer: int = 1000
+    augment: bool = False
+
+    def __post_init__(self) -> None:
+        self.naflex_seq_lens = tuple(int(s) for s in self.naflex_seq_lens)
+        if self.naflex_seq_len_probs is not None:
+            self.naflex_seq_len_probs = tuple(float(p) for p in self.naflex_seq_len_probs)
+        if self.dataset_type not in DATASET_TYPES:
+            raise ValueError(f"--dataset-type must be one of {DATASET_TYPES}, got {self.dataset_type!r}")
+        if self.dataset_type in ("webdataset", "csv", "folder") and not self.train_data and not self.val_data:
+            raise ValueError(f"--dataset-type {self.dataset_type} needs --train-data or --val-data, got neither")
+        if not self.naflex_seq_lens or any(s < 1 for s in self.naflex_seq_lens):
+            raise ValueError(f"--naflex-seq-lens must be positive integers, got {self.naflex_seq_lens}")
+        if len(set(self.naflex_seq_lens)) != len(self.naflex_seq_lens):
+            raise ValueError(f"--naflex-seq-lens must not repeat a length, got {self.naflex_seq_lens}")
+        probs = self.naflex_seq_len_probs
+        if probs is not None:
+            if len(probs) != len(self.naflex_seq_lens):
+                raise ValueError(
+                    f"--naflex-seq-len-probs needs one weight per --naflex-seq-lens entry "
+                    f"({len(self.naflex_seq_lens)}), got {probs}"
+                )
+            if any(p < 0 or not math.isfinite(p) for p in probs) or sum(probs) <= 0:
+                raise ValueError(f"--naflex-seq-len-probs must be non-negative with a positive sum, got {probs}")
+        if self.naflex_max_tokens_per_batch < max(self.naflex_seq_lens):
+            raise ValueError(
+                f"--naflex-max-tokens-per-batch must be >= the largest --naflex-seq-lens "
+                f"({max(self.naflex_seq_lens)}), got {self.naflex_max_tokens_per_batch}"
+            )
+        if self.naflex_batch_divisor < 1:
+            raise ValueError(f"--naflex-batch-divisor must be >= 1, got {self.naflex_batch_divisor}")
+        if self.workers < 0:
+            raise ValueError(f"--workers must be >= 0, got {self.workers}")
+        for name in ("synthetic_train_size", "synthetic_val_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("train_num_samples", "val_num_samples"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.shuffle_buffer < 0:
+            raise ValueError(f"--shuffle-buffer must be >= 0, got {self.shuffle_buffer}")
+
+    def source(self, split: str) -> tuple[str, str | None] | None:
+        """(dataset type, path) that feeds `split` ("train" or "val"), or None when the split has no data.
+
+        No --train-data and no --val-data (or --dataset-type synthetic) means the built-in dataset for
+        both splits; otherwise a split without its own path has no data.
+        """
+        if split not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        if self.dataset_type == "synthetic" or (self.train_data is None and self.val_data is None):
+            return ("synthetic", None)
+        path = self.train_data if split == "train" else self.val_data
+        if path is None:
+            return None
+        kind = infer_dataset_type(path) if self.dataset_type == "auto" else self.dataset_type
+        return (kind, path)
+
+
+def infer_dataset_type(path: str | None) -> str:
+    """Guess the dataset type from a path: .tar shards, .csv/.tsv tables, else a folder."""
+    if not path:
+        return "synthetic"
+    first = path.split("::")[0]
+    if first.endswith(".tar") or ".tar" in first.rsplit("/", 1)[-1]:
+        return "webdataset"
+    if first.endswith((".csv", ".tsv")):
+        return "csv"
+    return "folder"
+
+
+def add_data_args(parser: argparse.ArgumentParser) -> None:
+    """Add the data flags (OpenCLIP names) to `parser`; `--seed` belongs to the calling command."""
+    group = parser.add_argument_group("data")
+    group.add_argument("--train-data", default=None,
+                       help="training data: shards ('dir/{00000..00031}.tar'), a .csv/.tsv, or a folder; "
+                            "the built-in synthetic dataset when omitted")
+    group.add_argument("--val-data", default=None, help="validation data, same forms as --train-data")
+    group.add_argument("--dataset-type", default="auto", choices=DATASET_TYPES)
+    group.add_argument("--csv-img-key", default="filepath")
+    group.add_argument("--csv-caption-key", default="title")
+    group.add_argument("--csv-separator", default="\t")
+    group.add_argument("--naflex-seq-lens", type=int, nargs="+", default=list(DEFAULT_SEQ_LENS))
+    group.add_argument("--naflex-seq-len-probs", type=float, nargs="+", default=None)
+    group.add_argument("--naflex-max-tokens-per-batch", type=int, default=4096)
+    group.add_argument("--naflex-batch-divisor", type=int, default=1)
+    group.add_argument("--workers", type=int, default=2, help="DataLoader worker processes per rank")
+    group.add_argument("--train-num-samples", type=int, default=None,
+                       help="samples per epoch for webdataset (counted from the shards when omitted)")
+    group.add_argument("--val-num-samples", type=int, default=None)
+    group.add_argument("--shuffle-buffer", type=int, default=1000, help="webdataset shuffle buffer (samples)")
+    group.add_argument("--synthetic-train-size", type=int, default=4096)
+    group.add_argument("--synthetic-val-size", type=int, default=512)
+    group.add_argument("--synthetic-seed", type=int, default=0,
+                       help="seed of the built-in dataset's content (independent of --seed)")
+    group.add_argument("--augment", action="store_true",
+                       help="random resized crop to sequence at train time (timm RandomResizedCropToSequence)")
+
+
+def data_config_from_args(args: argparse.Namespace) -> DataConfig:
+    """Build a DataConfig from flags added by `add_data_args` plus the command's `--seed`."""
+    probs = args.naflex_seq_len_probs
+    return DataConfig(
+        train_data=args.train_data,
+        val_data=args.val_data,
+        dataset_type=args.dataset_type,
+        csv_img_key=args.csv_img_key,
+        csv_caption_key=args.csv_caption_key,
+        csv_separator=args.csv_separator,
+        naflex_seq_lens=tuple(args.naflex_seq_lens),
+        naflex_seq_len_probs=tuple(probs) if probs is not None else None,
+        naflex_max_tokens_per_batch=args.naflex_max_tokens_per_batch,
+        naflex_batch_divisor=args.naflex_batch_divisor,
+        workers=args.workers,
+        seed=args.seed,
+        synthetic_seed=args.synthetic_seed,
+        synthetic_train_size=args.synthetic_train_size,
+        synthetic_val_size=args.synthetic_val_size,
+        train_num_samples=args.train_num_samples,
+        val_num_samples=args.val_num_samples,
+        shuffle_buffer=args.shuffle_buffer,
+        augment=args.augment,
+    )

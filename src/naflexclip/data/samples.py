@@ -1,0 +1,135 @@
+"""Sample decoding: image bytes/PIL and caption bytes to (RGB image, caption), or a named skip reason.
+
+Every way a sample can be unusable maps to one reason in `SKIP_REASONS`; readers and the loader
+count them instead of crashing. Palette, CMYK, greyscale, 16-bit and alpha images are converted
+to 8-bit RGB (alpha composited over white), not skipped.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from collections.abc import Callable
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+SKIP_REASONS = (
+    "missing_file",  # CSV row / folder entry whose image file does not exist
+    "missing_image",  # WebDataset sample with no image member
+    "empty_image",  # zero-byte image data
+    "not_an_image",  # bytes PIL cannot identify as an image
+    "corrupt_image",  # truncated or corrupt image data
+    "degenerate_image",  # zero-size or 1xN / Nx1 image
+    "decompression_bomb",  # more pixels than PIL.Image.MAX_IMAGE_PIXELS
+    "missing_caption",  # no caption member / cell
+    "empty_caption",  # caption is empty or whitespace
+    "caption_not_utf8",  # caption bytes are not valid UTF-8
+    "truncated_shard",  # a tar shard that ends early or is not a tar (counted once per shard)
+    "missing_shard",  # a shard URL that cannot be opened
+)
+
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
+
+
+class SkipSample(Exception):
+    """A sample that cannot be used; `reason` is one of SKIP_REASONS."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        assert reason in SKIP_REASONS, reason
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """Convert any PIL mode to 8-bit RGB: alpha over white, 16/32-bit scaled down, palette/CMYK/L expanded."""
+    if img.mode == "RGB":
+        return img
+    if img.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
+        arr = np.asarray(img).astype(np.float32)
+        if arr.max(initial=0.0) > 255.0:
+            arr = arr / 257.0  # 16-bit range -> 8-bit
+        return Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8), "L").convert("RGB")
+    if img.mode == "P":
+        img = img.convert("RGBA" if "transparency" in img.info else "RGB")
+    if img.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        rgba = img.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return img.convert("RGB")
+
+
+DraftFn = Callable[[tuple[int, int]], tuple[int, int]]
+
+
+def decode_image(data: bytes | None, draft: DraftFn | None = None) -> Image.Image:
+    """Decode image bytes to an RGB PIL image, raising SkipSample with the reason when unusable.
+
+    `draft`: maps the stored (height, width) to the smallest (height, width) the transform needs;
+    a JPEG is then decoded at a reduced scale still at least that big (libjpeg DCT scaling), which
+    makes big JPEGs much cheaper to decode.
+    """
+    if data is None:
+        raise SkipSample("missing_image")
+    if len(data) == 0:
+        raise SkipSample("empty_image")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        try:
+            img = Image.open(io.BytesIO(data))
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+            raise SkipSample("decompression_bomb", str(exc)) from None
+        except UnidentifiedImageError as exc:
+            raise SkipSample("not_an_image", str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - any header parse failure is a corrupt image
+            raise SkipSample("corrupt_image", f"{type(exc).__name__}: {exc}") from None
+        return _load_checked(img, draft)
+
+
+def read_image_file(path: str) -> bytes:
+    """Read an image file's bytes; a missing file is SkipSample("missing_file")."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise SkipSample("missing_file", path) from None
+
+
+def _load_checked(img: Image.Image, draft: DraftFn | None) -> Image.Image:
+    width, height = img.size
+    if min(width, height) < 2:
+        raise SkipSample("degenerate_image", f"{width}x{height}")
+    if draft is not None and img.format == "JPEG":
+        need_h, need_w = draft((height, width))
+        img.draft("RGB", (need_w, need_h))
+    try:
+        img.load()
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise SkipSample("decompression_bomb", str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - truncated data, bad CRC, broken codec stream
+        raise SkipSample("corrupt_image", f"{type(exc).__name__}: {exc}") from None
+    try:
+        return to_rgb(img)
+    except Exception as exc:  # noqa: BLE001
+        raise SkipSample("corrupt_image", f"{img.mode}: {exc}") from None
+
+
+def decode_caption(data: bytes | str | None) -> str:
+    """Caption bytes/str to stripped text, raising SkipSample for missing, empty or non-UTF-8 captions."""
+    if data is None:
+        raise SkipSample("missing_caption")
+    if isinstance(data, bytes):
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise SkipSample("caption_not_utf8") from None
+    else:
+        text = data
+        try:
+            text.encode("utf-8")  # surrogate escapes from a non-UTF-8 CSV fail here
+        except UnicodeEncodeError:
+            raise SkipSample("caption_not_utf8") from None
+    text = text.strip()
+    if not text:
+        raise SkipSample("empty_caption")
+    return text

@@ -1,0 +1,206 @@
+"""Built-in synthetic image-caption dataset: coloured shapes on varied backgrounds, made from (seed, index).
+
+Each image holds 1-3 objects, each with a shape (8 kinds), a colour (10), a size (small/large)
+and a slot along the image's long side, over a plain, gradient, striped or noisy grey-toned
+background. Widths and heights are drawn log-uniformly from 48-512 px with aspect ratio in
+[1/4, 4]. Captions come from several templates that name every object with its size, colour
+and shape, so retrieval among images that share colours or shapes needs the attributes bound
+to the right object. Splits use separate seed streams ("train", "val", "zeroshot"), so their
+samples never coincide. Nothing is downloaded: an image is drawn when it is indexed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+SHAPES = ("circle", "square", "triangle", "star", "hexagon", "cross", "diamond", "ring")
+COLOURS = ("red", "orange", "yellow", "green", "cyan", "blue", "purple", "pink", "brown", "white")
+SIZES = ("small", "large")
+ATTRIBUTES = {"shape": SHAPES, "colour": COLOURS, "size": SIZES}
+COLOUR_RGB = {
+    "red": (220, 30, 30), "orange": (245, 140, 20), "yellow": (240, 225, 30), "green": (40, 165, 60),
+    "cyan": (40, 205, 225), "blue": (40, 70, 220), "purple": (140, 50, 190), "pink": (250, 125, 195),
+    "brown": (125, 75, 30), "white": (252, 252, 252),
+}
+BACKGROUND_STYLES = ("plain", "gradient", "stripes", "noise")
+MIN_SIDE, MAX_SIDE, MAX_ASPECT = 48, 512, 4.0
+SPLIT_STREAMS = {"train": 0, "val": 1, "zeroshot": 2}
+
+TEMPLATES = (
+    "a photo of {objects}.",
+    "{objects} on a {background} background.",
+    "an image showing {objects}.",
+    "{count}: {objects}.",
+    "a picture with {objects}",
+    "{ordered}, from {direction}.",
+)
+COUNT_WORDS = ("one shape", "two shapes", "three shapes")
+
+
+@dataclass(frozen=True)
+class SceneObject:
+    """One drawn object: indices into SHAPES, COLOURS, SIZES."""
+
+    shape: int
+    colour: int
+    size: int
+
+    def phrase(self) -> str:
+        return f"a {SIZES[self.size]} {COLOURS[self.colour]} {SHAPES[self.shape]}"
+
+
+def _rng(seed: int, split: str, index: int) -> np.random.Generator:
+    if split not in SPLIT_STREAMS:
+        raise ValueError(f"split must be one of {tuple(SPLIT_STREAMS)}, got {split!r}")
+    return np.random.default_rng(np.random.SeedSequence([seed & 0xFFFFFFFF, SPLIT_STREAMS[split], index]))
+
+
+def _image_size(rng: np.random.Generator) -> tuple[int, int]:
+    log_lo, log_hi = np.log(MIN_SIDE), np.log(MAX_SIDE)
+    width = float(np.exp(rng.uniform(log_lo, log_hi)))
+    height = float(np.exp(rng.uniform(log_lo, log_hi)))
+    height = min(max(height, width / MAX_ASPECT), width * MAX_ASPECT)  # aspect in [1/4, 4]
+    return int(round(width)), int(round(height))
+
+
+def _background(rng: np.random.Generator, width: int, height: int) -> tuple[np.ndarray, str]:
+    level = int(rng.integers(60, 190))
+    tint = rng.integers(-12, 13, size=3)
+    base = np.clip(level + tint, 0, 255).astype(np.float32)
+    style = BACKGROUND_STYLES[int(rng.integers(len(BACKGROUND_STYLES)))]
+    canvas = np.broadcast_to(base, (height, width, 3)).copy()
+    if style == "gradient":
+        ramp = np.linspace(-35, 35, width if rng.random() < 0.5 else height, dtype=np.float32)
+        canvas += ramp[None, :, None] if ramp.shape[0] == width else ramp[:, None, None]
+    elif style == "stripes":
+        period = int(rng.integers(6, 24))
+        stripes = ((np.arange(height) // period) % 2 * 24 - 12).astype(np.float32)
+        canvas += stripes[:, None, None]
+    elif style == "noise":
+        canvas += rng.normal(0, 12, size=(height, width, 1)).astype(np.float32)
+    name = "dark" if level < 125 else "light"
+    return np.clip(canvas, 0, 255).astype(np.uint8), name
+
+
+def _draw(draw: ImageDraw.ImageDraw, obj: SceneObject, cx: float, cy: float, r: float) -> None:
+    fill = COLOUR_RGB[COLOURS[obj.colour]]
+    shape = SHAPES[obj.shape]
+    box = (cx - r, cy - r, cx + r, cy + r)
+    if shape == "circle":
+        draw.ellipse(box, fill=fill)
+    elif shape == "ring":
+        draw.ellipse(box, outline=fill, width=max(2, int(r * 0.35)))
+    elif shape == "square":
+        s = r * 0.85
+        draw.rectangle((cx - s, cy - s, cx + s, cy + s), fill=fill)
+    elif shape == "triangle":
+        draw.regular_polygon((cx, cy + r * 0.15, r), 3, fill=fill)
+    elif shape == "hexagon":
+        draw.regular_polygon((cx, cy, r), 6, fill=fill)
+    elif shape == "diamond":
+        draw.polygon([(cx, cy - r), (cx + r * 0.7, cy), (cx, cy + r), (cx - r * 0.7, cy)], fill=fill)
+    elif shape == "cross":
+        t = r * 0.33
+        draw.rectangle((cx - r, cy - t, cx + r, cy + t), fill=fill)
+        draw.rectangle((cx - t, cy - r, cx + t, cy + r), fill=fill)
+    elif shape == "star":
+        angles = np.pi / 2 + np.arange(10) * np.pi / 5
+        radii = np.where(np.arange(10) % 2 == 0, r, r * 0.42)
+        points = [(cx + rr * np.cos(a), cy - rr * np.sin(a)) for a, rr in zip(angles, radii, strict=True)]
+        draw.polygon(points, fill=fill)
+
+
+def _join(phrases: list[str]) -> str:
+    if len(phrases) == 1:
+        return phrases[0]
+    return ", ".join(phrases[:-1]) + " and " + phrases[-1]
+
+
+def render_scene(
+    rng: np.random.Generator, num_objects: int, size: tuple[int, int] | None = None
+) -> tuple[Image.Image, list[SceneObject], str, bool]:
+    """Draw `num_objects` random objects; returns (image, objects in slot order, background word, wide)."""
+    width, height = size or _image_size(rng)
+    canvas, background = _background(rng, width, height)
+    img = Image.fromarray(canvas, "RGB")
+    draw = ImageDraw.Draw(img)
+    wide = width >= height
+    long_side, short_side = (width, height) if wide else (height, width)
+    slot = long_side / num_objects
+    cell = min(slot, short_side)
+    objects = []
+    for k in range(num_objects):
+        obj = SceneObject(int(rng.integers(len(SHAPES))), int(rng.integers(len(COLOURS))), int(rng.integers(2)))
+        frac = rng.uniform(0.32, 0.45) if obj.size == 0 else rng.uniform(0.7, 0.95)
+        r = 0.5 * frac * cell
+        along = slot * k + slot / 2 + rng.uniform(-1, 1) * max(0.0, slot / 2 - r)
+        across = short_side / 2 + rng.uniform(-1, 1) * max(0.0, short_side / 2 - r)
+        cx, cy = (along, across) if wide else (across, along)
+        _draw(draw, obj, cx, cy, r)
+        objects.append(obj)
+    return img, objects, background, wide
+
+
+def caption_for(rng: np.random.Generator, objects: list[SceneObject], background: str, wide: bool) -> str:
+    """A caption naming every object's size, colour and shape, from a randomly chosen template."""
+    template = TEMPLATES[int(rng.integers(len(TEMPLATES)))]
+    phrases = [o.phrase() for o in objects]
+    ordered = _join(phrases)
+    shuffled = _join([phrases[i] for i in rng.permutation(len(phrases))])
+    return template.format(
+        objects=shuffled, ordered=ordered, background=background, count=COUNT_WORDS[len(objects) - 1],
+        direction="left to right" if wide else "top to bottom",
+    )
+
+
+def synthetic_sample(seed: int, split: str, index: int) -> tuple[Image.Image, str]:
+    """The (RGB image, caption) pair at `index` of `split` ("train" or "val"); pure function of its args."""
+    rng = _rng(seed, split, index)
+    num_objects = int(rng.integers(1, 4))
+    img, objects, background, wide = render_scene(rng, num_objects)
+    return img, caption_for(rng, objects, background, wide)
+
+
+def zero_shot_sample(seed: int, index: int) -> tuple[Image.Image, str, dict[str, int]]:
+    """A single-object validation image, its caption and labels {"shape", "colour", "size"} (class indices)."""
+    rng = _rng(seed, "zeroshot", index)
+    img, objects, background, wide = render_scene(rng, 1)
+    obj = objects[0]
+    return img, caption_for(rng, objects, background, wide), {
+        "shape": obj.shape, "colour": obj.colour, "size": obj.size,
+    }
+
+
+def zero_shot_prompts(attribute: str) -> list[str]:
+    """One prompt per class of `attribute` ("shape", "colour" or "size"), in class order."""
+    if attribute == "shape":
+        return [f"a photo of a {shape}." for shape in SHAPES]
+    if attribute == "colour":
+        return [f"a photo of a {colour} shape." for colour in COLOURS]
+    if attribute == "size":
+        return [f"a photo of a {size} shape." for size in SIZES]
+    raise ValueError(f"attribute must be one of {tuple(ATTRIBUTES)}, got {attribute!r}")
+
+
+def zero_shot_prompt_ensemble(attribute: str) -> list[list[str]]:
+    """Per class of `attribute`, captions in the training style that vary the other attributes.
+
+    Average the text embeddings of each inner list to get a class embedding that does not lean
+    on one particular shape (for colour) or colour (for shape).
+    """
+    if attribute not in ATTRIBUTES:
+        raise ValueError(f"attribute must be one of {tuple(ATTRIBUTES)}, got {attribute!r}")
+    prompts: list[list[str]] = []
+    for k in range(len(ATTRIBUTES[attribute])):
+        texts = []
+        for shape in range(len(SHAPES)):
+            for colour in range(len(COLOURS)):
+                for size in range(len(SIZES)):
+                    obj = SceneObject(shape, colour, size)
+                    if getattr(obj, attribute) == k:
+                        texts.append(f"a photo of {obj.phrase()}.")
+        prompts.append(texts)
+    return prompts

@@ -1,0 +1,99 @@
+"""NaFlex image transform (timm's) and batch collation into the project's microbatch format.
+
+Per sample: timm `ResizeToSequence` (eval) or `RandomResizedCropToSequence` (train augment) keeps
+the aspect ratio and fits the patch grid to the sampled sequence length, then timm
+`patchify_image` with `channels_last=True` gives patches flattened as (ph, pw, C), the layout
+timm's NaFlexVit embeds. Patches stay uint8 until collation, where a whole microbatch is
+normalised at once (OpenAI CLIP mean/std) and padding rows are zeroed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
+from PIL import Image
+from timm.data.naflex_transforms import (
+    RandomResizedCropToSequence,
+    ResizeToSequence,
+    get_image_size_for_seq,
+    patchify_image,
+)
+
+INTERPOLATION = "bicubic"
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer():  # one per process; the BPE vocab ships in the open_clip wheel
+    from open_clip.tokenizer import SimpleTokenizer
+
+    return SimpleTokenizer()
+
+
+def tokenize(texts: list[str], context_length: int) -> torch.Tensor:
+    """open_clip SimpleTokenizer ids, long [len(texts), context_length] (vocab 49408, truncated with EOT)."""
+    return _tokenizer()(list(texts), context_length=context_length)
+
+
+class NaFlexTransform:
+    """PIL RGB image + sequence length -> uint8 patches [N, P*P*3], patch_coord long [N, 2] (row, col).
+
+    `augment=True` uses timm's RandomResizedCropToSequence (scale 0.5-1, ratio 3/4-4/3); otherwise the
+    deterministic ResizeToSequence. N <= seq_len always.
+    """
+
+    def __init__(self, patch_size: int, augment: bool = False) -> None:
+        self.patch_size = patch_size
+        self.augment = augment
+        self._resizers: dict[int, torch.nn.Module] = {}
+
+    def _resizer(self, seq_len: int) -> torch.nn.Module:
+        if seq_len not in self._resizers:
+            if self.augment:
+                self._resizers[seq_len] = RandomResizedCropToSequence(
+                    patch_size=self.patch_size, max_seq_len=seq_len, scale=(0.5, 1.0),
+                    ratio=(3 / 4, 4 / 3), interpolation=INTERPOLATION,
+                )
+            else:
+                self._resizers[seq_len] = ResizeToSequence(
+                    patch_size=self.patch_size, max_seq_len=seq_len, interpolation=INTERPOLATION
+                )
+        return self._resizers[seq_len]
+
+    def target_hw(self, image_hw: tuple[int, int], seq_len: int) -> tuple[int, int]:
+        """(height, width) the eval resize gives an image of `image_hw` at `seq_len`."""
+        return get_image_size_for_seq(image_hw, self.patch_size, seq_len)[1]
+
+    def __call__(self, img: Image.Image, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        resized = self._resizer(seq_len)(img)
+        pixels = torch.from_numpy(np.asarray(resized, dtype=np.uint8).copy()).permute(2, 0, 1).contiguous()
+        patches, coord, _ = patchify_image(pixels, (self.patch_size, self.patch_size), channels_last=True)
+        return patches, coord
+
+
+def collate(
+    samples: list[tuple[torch.Tensor, torch.Tensor]], seq_len: int, patch_size: int
+) -> dict[str, torch.Tensor]:
+    """Pad uint8 (patches, patch_coord) samples to `seq_len` and normalise: the NaFlex image dict.
+
+    Returns patches float32 [B, seq_len, P*P*3], patch_coord long [B, seq_len, 2] (row, col),
+    patch_valid bool [B, seq_len] (True for real patches; padding rows are all-zero).
+    """
+    batch = len(samples)
+    dim = patch_size * patch_size * 3
+    raw = torch.zeros(batch, seq_len, dim, dtype=torch.uint8)
+    patch_coord = torch.zeros(batch, seq_len, 2, dtype=torch.long)
+    patch_valid = torch.zeros(batch, seq_len, dtype=torch.bool)
+    for i, (patches, coord) in enumerate(samples):
+        n = patches.shape[0]
+        raw[i, :n] = patches
+        patch_coord[i, :n] = coord
+        patch_valid[i, :n] = True
+    # (x / 255 - mean) / std per channel; channel is the fastest axis of a (ph, pw, C) patch
+    scale = torch.tensor([1.0 / (255.0 * s) for s in OPENAI_DATASET_STD])
+    shift = torch.tensor([m / s for m, s in zip(OPENAI_DATASET_MEAN, OPENAI_DATASET_STD, strict=True)])
+    pixels = raw.view(batch, seq_len, dim // 3, 3).float().mul_(scale).sub_(shift)
+    pixels.mul_(patch_valid[:, :, None, None])
+    return {"patches": pixels.view(batch, seq_len, dim), "patch_coord": patch_coord, "patch_valid": patch_valid}
