@@ -1,0 +1,458 @@
+"""Multi-process plumbing on torch.distributed: process group, feature exchange, sync control, faults.
+
+The window (naflexclip.window) holds the math; this module only hands it what it needs across ranks:
+
+- `init_distributed` reads torchrun's environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`) and starts one
+  process group (NCCL on CUDA, gloo on CPU) whose collectives carry a timeout; without that
+  environment it is a single process with no process group, and everything here is a no-op.
+- `wrap_model` — DDP (default) or FSDP2 `fully_shard`; `no_sync_context` — the context the window
+  enters around every backward but the window's last, so gradients are synchronised once per window.
+- `window_exchange` → `ProcessGroupExchange`: every rank's microbatch sizes, and one no-grad
+  all-gather of feature rows with uneven per-rank row counts (pad to the largest, then trim).
+- `check_consistency` / `any_rank_true`: ranks agree on step/window/schedule, and skip the same steps.
+- `fault_guard`: a rank that raises records why in the rendezvous store; a rank whose collective fails
+  or times out names the rank that raised, died or stopped answering, in one line.
+- `full_state_dict` / `load_full_state_dict`: a gathered state dict on rank 0 for checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager as ContextManager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from naflexclip.window import LocalExchange, WindowExchange
+
+# rendezvous-store keys used to say which rank failed and which are still alive
+_STORE_PREFIX = "naflexclip/fault"
+
+
+@dataclass(frozen=True)
+class DistributedEnv:
+    """Where this process sits in the job. `backend` is None when there is no process group."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None
+    timeout_s: float = 600.0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+class DistributedFault(RuntimeError):
+    """Another rank raised, died or stopped answering; the message names it."""
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _resolve_device(device: str | None, local_rank: int) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        # one process per GPU: torchrun's LOCAL_RANK picks this process's GPU
+        if not torch.cuda.is_available():
+            raise ValueError("device 'cuda' requested but CUDA is not available")
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(
+                f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA devices are visible"
+            )
+        return torch.device("cuda", local_rank)
+    return torch.device(device)
+
+
+def init_distributed(device: str | None = None, timeout_s: float = 600.0) -> DistributedEnv:
+    """Join torchrun's job (or run as one process) and return where this process sits.
+
+    device: None → `cuda:{LOCAL_RANK}` when CUDA is available else `cpu`; `"cuda"` → `cuda:{LOCAL_RANK}`;
+        anything else (`"cpu"`, `"cuda:1"`) is used as given.
+    timeout_s: every collective of the process group fails after this many seconds instead of hanging.
+    """
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"inconsistent torchrun environment: RANK={rank}, WORLD_SIZE={world_size}")
+    resolved = _resolve_device(device, local_rank)
+    if resolved.type == "cuda":
+        torch.cuda.set_device(resolved)
+    if world_size == 1:
+        return DistributedEnv(0, 1, local_rank, resolved, None, timeout_s)
+    backend = "nccl" if resolved.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            timeout=timedelta(seconds=timeout_s),
+            # binds the NCCL communicator to this GPU eagerly (and lets barrier() know the device)
+            device_id=resolved if resolved.type == "cuda" else None,
+        )
+    elif dist.get_world_size() != world_size or dist.get_rank() != rank:
+        raise RuntimeError(
+            f"a process group is already initialised as rank {dist.get_rank()}/{dist.get_world_size()}, "
+            f"but the environment says RANK={rank}, WORLD_SIZE={world_size}"
+        )
+    return DistributedEnv(rank, world_size, local_rank, resolved, dist.get_backend(), timeout_s)
+
+
+def barrier(env: DistributedEnv) -> None:
+    """Wait for every rank (no-op in one process)."""
+    if env.distributed:
+        with _translate_faults(env, "barrier"):
+            if env.backend == "nccl":
+                dist.barrier(device_ids=[env.device.index])
+            else:
+                dist.barrier()
+
+
+def cleanup(env: DistributedEnv) -> None:
+    """Tear down the process group, if this job has one."""
+    if env.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------- models
+
+
+def _is_fsdp(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def _shard_units(model: nn.Module) -> list[nn.Module]:
+    """Transformer blocks of both towers: each becomes one FSDP2 unit (one all-gather per block)."""
+    units: list[nn.Module] = []
+    visual_blocks = getattr(getattr(model, "visual", None), "blocks", None)
+    text_blocks = getattr(getattr(getattr(model, "text", None), "transformer", None), "resblocks", None)
+    for blocks in (visual_blocks, text_blocks):
+        if isinstance(blocks, nn.Module):
+            units.extend(blocks.children())
+    return units
+
+
+def wrap_model(model: nn.Module, env: DistributedEnv, fsdp: bool = False) -> nn.Module:
+    """DDP (default) or FSDP2 `fully_shard` around a model already on `env.device`; identity in one process.
+
+    Both average gradients over ranks; the window multiplies this rank's row gradients by
+    `world_size`, so the average is the single-process gradient of the whole window.
+    """
+    if not env.distributed:
+        return model
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for unit in _shard_units(model):
+            fully_shard(unit)
+        # the root unit holds embeddings, projections, logit_scale/logit_bias
+        fully_shard(model)
+        return model
+    return DistributedDataParallel(
+        model,
+        device_ids=[env.device.index] if env.device.type == "cuda" else None,
+        # the model's buffers are constants (attention masks), identical after DDP's initial
+        # broadcast: re-broadcasting them before every forward would add one collective per microbatch
+        broadcast_buffers=False,
+    )
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's module under DDP (FSDP2 shards in place, so it is its own module)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def no_sync_context(model: nn.Module) -> Callable[[], ContextManager[Any]]:
+    """The context factory the window enters around every backward but the window's last.
+
+    DDP: `model.no_sync`; FSDP2: `set_requires_gradient_sync(False)`, restored to True on exit;
+    anything else: a null context.
+    """
+    if isinstance(model, DistributedDataParallel):
+        return model.no_sync
+    if _is_fsdp(model):
+
+        @contextlib.contextmanager
+        def fsdp_no_sync() -> Iterator[None]:
+            model.set_requires_gradient_sync(False)  # type: ignore[operator]
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+        return fsdp_no_sync
+    return contextlib.nullcontext
+
+
+# ------------------------------------------------------------------------------------ feature exchange
+
+
+class ProcessGroupExchange:
+    """The window's view of the other ranks through the default process group (no autograd)."""
+
+    def __init__(self, env: DistributedEnv) -> None:
+        self.env = env
+        self.rank = env.rank
+        self.world_size = env.world_size
+
+    def gather_sizes(self, local_sizes: Sequence[int]) -> list[list[int]]:
+        """Every rank's microbatch sizes, indexed by rank; ranks may hold different numbers of microbatches."""
+        env = self.env
+        with _translate_faults(env, "exchanging microbatch sizes"):
+            # one fixed-size gather of the counts, then one of the sizes padded to the longest list
+            counts = _all_gather_tensor(env, torch.tensor([len(local_sizes)], dtype=torch.int64, device=env.device))
+            num_max = int(counts.max())
+            padded = torch.zeros(num_max, dtype=torch.int64, device=env.device)
+            padded[: len(local_sizes)] = torch.tensor(list(local_sizes), dtype=torch.int64)
+            sizes = _all_gather_tensor(env, padded).view(self.world_size, num_max).tolist()
+        return [row[: int(count)] for row, count in zip(sizes, counts.tolist(), strict=True)]
+
+    def gather_rows(self, local_rows: torch.Tensor, rows_per_rank: Sequence[int]) -> torch.Tensor:
+        """Concatenate every rank's `[rows_r, ...]` tensor in rank order (no autograd)."""
+        if len(rows_per_rank) != self.world_size:
+            raise ValueError(f"rows_per_rank has {len(rows_per_rank)} entries for world size {self.world_size}")
+        if local_rows.shape[0] != rows_per_rank[self.rank]:
+            raise ValueError(
+                f"rank {self.rank} has {local_rows.shape[0]} rows but rows_per_rank says {rows_per_rank[self.rank]}"
+            )
+        num_max = max(rows_per_rank)
+        with torch.no_grad(), _translate_faults(self.env, "gathering features"):
+            padded = local_rows.detach()
+            if padded.shape[0] < num_max:
+                # all_gather wants equal shapes: pad this rank's rows with zeros, trim them after
+                filler = padded.new_zeros((num_max - padded.shape[0], *padded.shape[1:]))
+                padded = torch.cat([padded, filler])
+            gathered = _all_gather_tensor(self.env, padded.contiguous())
+            gathered = gathered.view(self.world_size, num_max, *local_rows.shape[1:])
+            return torch.cat([gathered[r, :rows] for r, rows in enumerate(rows_per_rank)])
+
+
+def _all_gather_tensor(env: DistributedEnv, tensor: torch.Tensor) -> torch.Tensor:
+    """`[world_size * rows, ...]`: every rank's equal-shaped tensor, in rank order."""
+    out = tensor.new_empty((env.world_size * tensor.shape[0], *tensor.shape[1:]))
+    dist.all_gather_into_tensor(out, tensor)
+    return out
+
+
+def window_exchange(env: DistributedEnv) -> WindowExchange:
+    """`LocalExchange` in one process, else the process-group exchange."""
+    return ProcessGroupExchange(env) if env.distributed else LocalExchange()
+
+
+# -------------------------------------------------------------------------------------- agreement
+
+
+def _digest(values: dict[str, Any]) -> int:
+    """A signed 63-bit digest of the names, types and exact values (repr of floats is exact)."""
+    text = repr(sorted((key, type(value).__name__, repr(value)) for key, value in values.items()))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def check_consistency(env: DistributedEnv, **values: int | float | str) -> None:
+    """All ranks must agree on `values` (step, epoch, window, schedule hash, ...), else RuntimeError.
+
+    Cheap: one all-gather of an int64 digest; the values themselves are exchanged only on a mismatch,
+    to say which rank differs and how. Every rank raises the same error (no rank is left in a collective).
+    """
+    if not env.distributed:
+        return
+    with _translate_faults(env, "checking cross-rank consistency"):
+        digest = torch.tensor([_digest(values)], dtype=torch.int64, device=env.device)
+        digests = _all_gather_tensor(env, digest).tolist()
+        if len(set(digests)) == 1:
+            return
+        every: list[dict[str, Any] | None] = [None] * env.world_size
+        dist.all_gather_object(every, dict(values))
+    reference = every[0] or {}
+    problems = []
+    for rank, rank_values in enumerate(every[1:], start=1):
+        rank_values = rank_values or {}
+        for key in sorted(set(reference) | set(rank_values)):
+            if key not in rank_values:
+                problems.append(f"rank {rank} has no {key!r} (rank 0 has {reference[key]!r})")
+            elif key not in reference:
+                problems.append(f"rank {rank} has {key}={rank_values[key]!r} which rank 0 lacks")
+            elif repr(rank_values[key]) != repr(reference[key]) or type(rank_values[key]) is not type(reference[key]):
+                problems.append(f"rank {rank} has {key}={rank_values[key]!r} but rank 0 has {reference[key]!r}")
+    raise RuntimeError("ranks disagree: " + "; ".join(problems))
+
+
+def any_rank_true(env: DistributedEnv, flag: bool) -> bool:
+    """True on every rank if `flag` is True on any rank (e.g. a non-finite loss → all skip the step)."""
+    if not env.distributed:
+        return bool(flag)
+    with _translate_faults(env, "agreeing on a flag"):
+        value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=env.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+# ------------------------------------------------------------------------------------------- faults
+
+
+def _store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # no store (e.g. a custom init): fall back to an anonymous message
+        return None
+
+
+def _record_failure(env: DistributedEnv, error: BaseException) -> None:
+    """Leave this rank's error in the rendezvous store so the other ranks can name it."""
+    store = _store()
+    if store is None:
+        return
+    message = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    with contextlib.suppress(Exception):
+        store.set(f"{_STORE_PREFIX}/failed/{env.rank}", message[:500])
+
+
+def _diagnose(env: DistributedEnv, what: str, error: BaseException) -> str:
+    """One line: which ranks raised (with their error) or did not answer a roll call in the store."""
+    cause = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+    store = _store()
+    if store is None:
+        return f"rank {env.rank}: a collective failed while {what}: {cause}"
+    others = [r for r in range(env.world_size) if r != env.rank]
+    try:
+        # roll call: the live ranks answer within a grace period; the rest died or hang
+        store.set(f"{_STORE_PREFIX}/alive/{env.rank}", "1")
+        failed: dict[int, str] = {}
+        deadline = time.monotonic() + min(10.0, max(2.0, env.timeout_s / 4))
+        while True:
+            for r in others:
+                if r not in failed and store.check([f"{_STORE_PREFIX}/failed/{r}"]):
+                    failed[r] = store.get(f"{_STORE_PREFIX}/failed/{r}").decode(errors="replace")
+            silent = [
+                r for r in others if r not in failed and not store.check([f"{_STORE_PREFIX}/alive/{r}"])
+            ]
+            if not silent or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    except Exception:
+        return (
+            f"rank {env.rank}: a collective failed while {what} and the rendezvous store is unreachable "
+            f"(it lives on rank 0 unless torchrun's agent hosts it; rank 0 may have died): {cause}"
+        )
+    parts = [f"rank {r} raised {message}" for r, message in sorted(failed.items())]
+    parts += [f"rank {r} died or stopped responding" for r in silent]
+    culprit = "; ".join(parts) if parts else "no rank reported a failure"
+    return f"rank {env.rank} stopped while {what}: {culprit} (collective error: {cause})"
+
+
+def _is_collective_error(error: BaseException) -> bool:
+    # gloo raises RuntimeError/DistBackendError for closed connections and timeouts; NCCL DistError
+    return isinstance(error, (dist.DistError, RuntimeError)) and not isinstance(error, DistributedFault)
+
+
+@contextlib.contextmanager
+def _translate_faults(env: DistributedEnv, what: str) -> Iterator[None]:
+    try:
+        yield
+    except Exception as error:
+        if not env.distributed or not _is_collective_error(error):
+            raise
+        raise DistributedFault(_diagnose(env, what, error)) from error
+
+
+@contextlib.contextmanager
+def fault_guard(env: DistributedEnv, what: str = "a training step") -> Iterator[None]:
+    """Around a step: a collective failure (also inside DDP/FSDP backward) becomes a one-line
+    `DistributedFault` naming the rank that raised, died or hung; any other error this rank raises is
+    recorded for the other ranks to name, then re-raised. In one process it does nothing.
+
+    Collectives give up after `timeout_s` of `init_distributed`, so a hung or dead peer surfaces within it.
+    """
+    if not env.distributed:
+        yield
+        return
+    try:
+        yield
+    except DistributedFault:
+        raise
+    except Exception as error:
+        if isinstance(error, dist.DistError) or _looks_like_collective_failure(error):
+            raise DistributedFault(_diagnose(env, what, error)) from error
+        _record_failure(env, error)
+        raise
+    except BaseException as error:  # KeyboardInterrupt, SystemExit: still tell the others why
+        _record_failure(env, error)
+        raise
+
+
+def _looks_like_collective_failure(error: BaseException) -> bool:
+    """gloo reports a lost peer or a timeout as a plain RuntimeError raised from the reducer/backward."""
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(
+        marker in text
+        for marker in ("gloo", "nccl", "connection closed", "connection reset", "timed out", "broken pipe", "socket")
+    )
+
+
+# -------------------------------------------------------------------------------------- checkpoints
+
+
+def full_state_dict(model: nn.Module, env: DistributedEnv) -> dict[str, torch.Tensor]:
+    """The whole model's state on CPU, on rank 0 (other ranks get `{}`); every rank must call it.
+
+    DDP: the module's state dict; FSDP2: gathered with `get_model_state_dict(full_state_dict=True,
+    cpu_offload=True)`. The tensors are copies: saving them later is safe.
+    """
+    if _is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        with _translate_faults(env, "gathering the FSDP state dict"):
+            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return dict(state) if env.is_main else {}
+    if not env.is_main:
+        return {}
+    return {key: value.detach().to("cpu", copy=True) for key, value in unwrap_model(model).state_dict().items()}
+
+
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], env: DistributedEnv) -> None:
+    """Load a full state dict read on rank 0 (other ranks may pass `{}`) into every rank's model.
+
+    DDP: rank 0 loads it, then broadcasts every parameter and buffer; FSDP2: `set_model_state_dict`
+    with `broadcast_from_rank0=True`, each rank keeping its shard. Every rank must call it.
+    """
+    if _is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        with _translate_faults(env, "loading the FSDP state dict"):
+            set_model_state_dict(
+                model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            )
+        return
+    module = unwrap_model(model)
+    if env.is_main or not env.distributed:
+        module.load_state_dict(state)
+    if env.distributed:
+        with _translate_faults(env, "broadcasting the loaded state"), torch.no_grad():
+            for tensor in module.state_dict().values():
+                dist.broadcast(tensor, src=0)
