@@ -13,6 +13,7 @@ import sys
 # command modules, in the order `--help` lists them
 COMMAND_MODULES = (
     "naflexclip.verify",
+    "naflexclip.data.cli",
 )
 
 
