@@ -1,0 +1,41 @@
+"""Our CLIP and SigLIP losses equal open_clip's on the same features (an independent reference)."""
+
+import open_clip.loss as oc_loss
+import pytest
+import torch
+import torch.nn.functional as F
+
+from naflexclip import ClipLoss, SigLipLoss
+
+
+def features(n: int, d: int = 8, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    image = F.normalize(torch.randn(n, d, generator=gen, dtype=torch.float64), dim=-1)
+    text = F.normalize(torch.randn(n, d, generator=gen, dtype=torch.float64), dim=-1)
+    return image, text
+
+
+@pytest.mark.parametrize("n", [1, 3, 17])
+def test_clip_loss_matches_open_clip(n):
+    image, text = features(n)
+    scale = torch.tensor(14.3, dtype=torch.float64)
+    ours = ClipLoss()(image, text, scale)
+    theirs = oc_loss.ClipLoss()(image, text, scale)
+    assert torch.allclose(ours, theirs, rtol=1e-13, atol=0)
+
+
+@pytest.mark.parametrize("n", [1, 3, 17])
+def test_siglip_loss_matches_open_clip(n):
+    image, text = features(n, seed=1)
+    scale = torch.tensor(10.0, dtype=torch.float64)
+    bias = torch.tensor(-10.0, dtype=torch.float64)
+    ours = SigLipLoss()(image, text, scale, bias)
+    theirs = oc_loss.SigLipLoss()(image, text, scale, bias)
+    assert torch.allclose(ours, theirs, rtol=1e-13, atol=0)
+
+
+def test_losses_differ_when_pairs_are_shuffled():
+    # teeth: a loss that ignored the pairing would pass the comparisons above for symmetric inputs
+    image, text = features(6, seed=2)
+    scale = torch.tensor(20.0, dtype=torch.float64)
+    assert not torch.allclose(ClipLoss()(image, text, scale), ClipLoss()(image, text.flip(0), scale))

@@ -1,0 +1,59 @@
+"""The model: presets, OpenCLIP output dict, initialisation, padding invariance, errors."""
+
+import math
+
+import pytest
+import torch
+from window_cases import naflex_window, tiny_model
+
+from naflexclip import create_model
+from naflexclip.batch import concat_microbatches
+
+
+def test_output_dict_and_attributes():
+    model = tiny_model(False)
+    batch = naflex_window(3)
+    out = model(**batch)
+    assert set(out) == {"image_features", "text_features", "logit_scale"}
+    assert out["image_features"].shape == out["text_features"].shape == (3, 16)
+    assert torch.allclose(out["image_features"].norm(dim=-1), torch.ones(3, dtype=torch.float64))
+    assert model.image_patch_size == 4 and model.context_length == 16 and model.vocab_size == 49408
+    assert out["logit_scale"].item() == pytest.approx(1 / 0.07)
+
+
+def test_siglip_initialisation():
+    model = create_model("tiny", siglip=True)
+    out = model(**naflex_window(2, dtype=torch.float32))
+    assert out["logit_scale"].item() == pytest.approx(10.0)
+    assert out["logit_bias"].item() == -10.0
+
+
+def test_logit_scale_clamp():
+    model = create_model("tiny")
+    with torch.no_grad():
+        model.logit_scale.fill_(10.0)
+    model.clamp_logit_scale_()
+    assert model.logit_scale.item() == pytest.approx(math.log(100))
+
+
+def test_features_do_not_depend_on_padding():
+    # a microbatch's padded length depends on its neighbours; an example's features must not
+    model = tiny_model(False)
+    short = naflex_window(1, seed=11)
+    long = naflex_window(1, seed=12)
+    alone = model.encode_image(short["image"])
+    padded = model.encode_image(concat_microbatches([short, long])["image"])[:1]
+    assert torch.allclose(alone, padded, rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "base"])
+def test_presets_build(name):
+    model = create_model(name)
+    assert model.image_patch_size in (4, 16)
+
+
+def test_unknown_preset_and_override_name_the_value():
+    with pytest.raises(ValueError, match="'huge'"):
+        create_model("huge")
+    with pytest.raises(ValueError, match="'widht'"):
+        create_model("tiny", widht=3)
