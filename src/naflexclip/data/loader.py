@@ -89,7 +89,7 @@ class _EpochBatches(IterableDataset):
     def _build(self, planned: ScheduledBatch, raws: list[RawSample | SkipSample], skipped: Counter) -> dict:
         random.seed(hash((self.seed, self.epoch, self.rank, planned.index)))  # augment RNG, resumable
         draft = lambda hw: self.transform.target_hw(hw, planned.seq_len)
-        pixels, texts, labels = [], [], []
+        pixels, texts, labels, keys = [], [], [], []
         for raw in raws:
             try:
                 if isinstance(raw, SkipSample):
@@ -101,6 +101,7 @@ class _EpochBatches(IterableDataset):
                 skipped[skip.reason] += 1
                 continue
             texts.append(caption)
+            keys.append(raw.key)
             if raw.labels is not None:
                 labels.append(raw.labels)
         item: dict[str, Any] = {"batch_index": planned.index, "skipped": dict(skipped)}
@@ -110,6 +111,7 @@ class _EpochBatches(IterableDataset):
             return item
         item["image"] = collate(pixels, planned.seq_len, self.patch_size)
         item["text"] = tokenize(texts, self.context_length)
+        item["keys"] = keys
         item["seq_len"] = planned.seq_len
         item["num_tokens"] = int(item["image"]["patch_valid"].sum())
         if labels:
@@ -185,10 +187,11 @@ class NaFlexLoader:
 
     Each item: {"image": {"patches": float32 [B, L, P*P*3], "patch_coord": long [B, L, 2] (row, col),
     "patch_valid": bool [B, L]}, "text": long [B, T], "seq_len": L, "num_tokens": int,
-    "batch_index": int, and "labels" for the zero-shot loader}. B varies from batch to batch;
-    L is the batch's scheduled sequence length. `len()` is the epoch's planned batch count (a
-    batch whose every sample is bad is dropped, so an epoch may yield fewer); iteration starts at
-    `start_batch`. `skip_counts` sums skipped samples by reason over the loader's lifetime.
+    "batch_index": int, "keys": list[str] (sample ids), and "labels" for the zero-shot loader}.
+    B varies from batch to batch; L is the batch's scheduled sequence length. `len()` is the
+    epoch's planned batch count (a batch whose every sample is bad is dropped, so an epoch may
+    yield fewer); iteration starts at `start_batch`. `skip_counts` sums skipped samples by
+    reason over the loader's lifetime.
     """
 
     def __init__(
