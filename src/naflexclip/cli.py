@@ -12,6 +12,7 @@ import sys
 
 # command modules, in the order `--help` lists them
 COMMAND_MODULES = (
+    "naflexclip.train.cli",
     "naflexclip.verify",
     "naflexclip.data.cli",
 )

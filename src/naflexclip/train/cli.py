@@ -1,0 +1,155 @@
+"""`naflexclip train` and `naflexclip eval`: flags (OpenCLIP's names) mapped onto TrainConfig, and the handlers.
+
+Flag errors are reported as one line, `naflexclip train: error: <flag>: <what is wrong>`, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+import torch
+
+from naflexclip.data import DataConfig, DataError, add_data_args, data_config_from_args
+from naflexclip.model import PRESETS
+from naflexclip.window import METHODS, SCALE_MODES
+
+from .config import PRECISIONS, TrainConfig
+
+DEFAULTS = TrainConfig.__dataclass_fields__  # one source of truth for the defaults shown in --help
+
+
+def _default(name: str) -> object:
+    field = DEFAULTS[name]
+    return field.default
+
+
+def _optional_int(text: str) -> int | None:
+    return None if text.lower() in ("", "none") else int(text)
+
+
+def add_train_args(parser: argparse.ArgumentParser) -> None:
+    """The training flags (data flags come from `add_data_args`)."""
+    g = parser.add_argument_group("model and window")
+    g.add_argument("--model", default=_default("model"), help=f"model preset: {', '.join(sorted(PRESETS))}")
+    g.add_argument("--siglip", action="store_true", help="sigmoid (SigLIP) loss and logit_bias instead of CLIP's")
+    g.add_argument("--batch-size", type=int, default=None,
+                   help="reference batch size B_ref of --naflex-loss-scale (rows per microbatch come from the "
+                        "token budget --naflex-max-tokens-per-batch)")
+    g.add_argument("--accum-freq", type=int, default=_default("accum_freq"),
+                   help="microbatches per optimizer step (one window; every example is a negative for every other)")
+    g.add_argument("--accum-method", default=_default("accum_method"), choices=METHODS)
+    g.add_argument("--naflex-loss-scale", default=_default("naflex_loss_scale"), choices=SCALE_MODES)
+    o = parser.add_argument_group("optimization")
+    o.add_argument("--lr", type=float, default=_default("lr"), help="peak learning rate")
+    o.add_argument("--wd", type=float, default=_default("wd"), help="AdamW weight decay (matrices only)")
+    o.add_argument("--beta1", type=float, default=_default("beta1"))
+    o.add_argument("--beta2", type=float, default=_default("beta2"))
+    o.add_argument("--eps", type=float, default=_default("eps"))
+    o.add_argument("--warmup", type=int, default=_default("warmup"), help="linear warmup, in optimizer steps")
+    o.add_argument("--epochs", type=int, default=_default("epochs"))
+    o.add_argument("--precision", default=_default("precision"), choices=PRECISIONS)
+    o.add_argument("--grad-clip-norm", type=float, default=_default("grad_clip_norm"),
+                   help="clip the window's gradient norm (0 or less: no clipping)")
+    o.add_argument("--seed", type=int, default=_default("seed"))
+    o.add_argument("--max-skipped-steps", type=int, default=_default("max_skipped_steps"),
+                   help="stop after this many consecutive steps with a non-finite loss or gradient")
+    r = parser.add_argument_group("run, logs and checkpoints")
+    r.add_argument("--logs", default=_default("logs"), help="runs go to {logs}/{name}/")
+    r.add_argument("--name", default=None, help="run name (default: date, model, lr, precision)")
+    r.add_argument("--save-frequency", type=int, default=_default("save_frequency"),
+                   help="save a checkpoint every N epochs (0: never)")
+    r.add_argument("--save-every-n-steps", type=_optional_int, default=None)
+    r.add_argument("--stop-after-steps", type=_optional_int, default=None,
+                   help="save and stop after this many optimizer steps; the lr schedule still spans --epochs")
+    r.add_argument("--resume", default=None, help="a checkpoint directory, or 'latest' (of --name)")
+    r.add_argument("--report-to", default="", choices=("", "tensorboard"))
+    r.add_argument("--log-every-n-steps", type=int, default=_default("log_every_n_steps"))
+    r.add_argument("--val-frequency", type=int, default=_default("val_frequency"),
+                   help="evaluate every N epochs (and at the end); 0: only before training and at the end")
+    r.add_argument("--no-plot", action="store_true", help="do not write curves.png")
+    d = parser.add_argument_group("devices")
+    d.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
+    d.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 instead of DDP (torchrun)")
+    d.add_argument("--dist-timeout", type=float, default=_default("dist_timeout"),
+                   help="seconds before a collective that another rank never joins fails")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The one place flags become a TrainConfig (ValueError with a one-line, flag-naming message)."""
+    clip = args.grad_clip_norm
+    return TrainConfig(
+        data=data_config_from_args(args), model=args.model, siglip=args.siglip, batch_size=args.batch_size,
+        accum_freq=args.accum_freq, accum_method=args.accum_method, naflex_loss_scale=args.naflex_loss_scale,
+        lr=args.lr, wd=args.wd, beta1=args.beta1, beta2=args.beta2, eps=args.eps, warmup=args.warmup,
+        epochs=args.epochs, precision=args.precision, grad_clip_norm=clip if clip is not None and clip > 0 else None,
+        seed=args.seed, logs=args.logs, name=args.name, save_frequency=args.save_frequency,
+        save_every_n_steps=args.save_every_n_steps, stop_after_steps=args.stop_after_steps, resume=args.resume,
+        report_to=args.report_to, log_every_n_steps=args.log_every_n_steps, val_frequency=args.val_frequency,
+        device=args.device, max_skipped_steps=args.max_skipped_steps, fsdp=args.fsdp,
+        dist_timeout=args.dist_timeout, plot=not args.no_plot,
+    )
+
+
+def _error(command: str, message: str) -> int:
+    print(f"naflexclip {command}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Handler of `naflexclip train`."""
+    from .loop import TrainingStopped, train  # torch-heavy imports only when the command runs
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        cfg = config_from_args(args)
+    except ValueError as error:
+        return _error("train", str(error))
+    try:
+        train(cfg)
+    except TrainingStopped as stop:
+        print(f"naflexclip train: {stop}", file=sys.stderr)
+        return 1
+    except (ValueError, DataError, FileNotFoundError) as error:
+        return _error("train", str(error).splitlines()[0] if str(error) else type(error).__name__)
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """Handler of `naflexclip eval`: the training run's evaluation on a checkpoint, printed as JSON."""
+    from .checkpoint import load_checkpoint_model
+    from .evaluate import evaluate
+    from .precision import create_precision
+
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        model, config = load_checkpoint_model(args.checkpoint, device)
+        data = DataConfig(**config["data"])
+        if args.val_data is not None:
+            data = DataConfig(**{**config["data"], "val_data": args.val_data, "dataset_type": args.dataset_type})
+        precision = create_precision(args.precision or config["precision"], device)
+        metrics = evaluate(model, data, device, precision.autocast,
+                           zero_shot=data.source("train") == ("synthetic", None) or args.zero_shot)
+    except (ValueError, DataError, FileNotFoundError) as error:
+        return _error("eval", str(error).splitlines()[0])
+    print(json.dumps(metrics, indent=1))
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `train` and `eval`."""
+    train = subparsers.add_parser("train", help="train a NaFlex CLIP/SigLIP model (built-in data by default)",
+                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_data_args(train)
+    add_train_args(train)
+    train.set_defaults(func=run_train)
+    evaluate = subparsers.add_parser("eval", help="retrieval and zero-shot evaluation of a checkpoint")
+    evaluate.add_argument("--checkpoint", required=True, help="a checkpoint directory (or a run's checkpoints/)")
+    evaluate.add_argument("--val-data", default=None, help="evaluate on this data instead of the run's")
+    evaluate.add_argument("--dataset-type", default="auto")
+    evaluate.add_argument("--zero-shot", action="store_true", help="also run the built-in zero-shot tasks")
+    evaluate.add_argument("--precision", default=None, choices=PRECISIONS)
+    evaluate.add_argument("--device", default=None)
+    evaluate.set_defaults(func=run_eval)

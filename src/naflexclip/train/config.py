@@ -1,0 +1,122 @@
+"""TrainConfig: the typed, validated configuration of one training run (the CLI maps its flags onto it).
+
+Defaults are the newcomer's first run: the `small` preset on the built-in synthetic dataset, sized to
+finish in a few minutes on a 2-core CPU. Every validation error is one line and names the flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from naflexclip.data import DataConfig
+from naflexclip.model import PRESETS
+from naflexclip.window import METHODS, SCALE_MODES
+
+PRECISIONS = ("fp32", "amp_bf16", "amp")
+REPORT_TO = ("", "tensorboard")
+
+
+@dataclass
+class TrainConfig:
+    """One run. `batch_size` is the reference batch size B_ref of the window scale (`--batch-size`);
+    the rows of each microbatch come from the token budget (`--naflex-max-tokens-per-batch`)."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    model: str = "small"
+    siglip: bool = False
+    batch_size: int | None = None
+    accum_freq: int = 2
+    accum_method: str = "cache"
+    naflex_loss_scale: str = "none"
+    lr: float = 1e-3
+    wd: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.98
+    eps: float = 1e-6
+    warmup: int = 30
+    epochs: int = 3
+    precision: str = "fp32"
+    grad_clip_norm: float | None = 1.0
+    seed: int = 0
+    logs: str = "./logs"
+    name: str | None = None
+    save_frequency: int = 1
+    save_every_n_steps: int | None = None
+    stop_after_steps: int | None = None
+    resume: str | None = None
+    report_to: str = ""
+    log_every_n_steps: int = 1
+    val_frequency: int = 1
+    device: str | None = None
+    max_skipped_steps: int = 10
+    fsdp: bool = False
+    dist_timeout: float = 1800.0
+    plot: bool = True
+
+    def __post_init__(self) -> None:
+        self._check_choices()
+        self._check_counts()
+        self._check_scale()
+        if self.name is None:
+            # OpenCLIP-style run name: when and what
+            self.name = f"{time.strftime('%Y_%m_%d-%H_%M_%S')}-model_{self.model}-lr_{self.lr:g}-p_{self.precision}"
+
+    def _check_choices(self) -> None:
+        if self.model not in PRESETS:
+            raise ValueError(f"--model: unknown preset {self.model!r}; choose one of {sorted(PRESETS)}")
+        for flag, value, choices in (
+            ("--accum-method", self.accum_method, METHODS),
+            ("--naflex-loss-scale", self.naflex_loss_scale, SCALE_MODES),
+            ("--precision", self.precision, PRECISIONS),
+            ("--report-to", self.report_to, REPORT_TO),
+        ):
+            if value not in choices:
+                raise ValueError(f"{flag}: {value!r} is not one of {list(choices)}")
+
+    def _check_counts(self) -> None:
+        for flag, value, minimum in (
+            ("--accum-freq", self.accum_freq, 1),
+            ("--epochs", self.epochs, 1),
+            ("--warmup", self.warmup, 0),
+            ("--save-frequency", self.save_frequency, 0),
+            ("--log-every-n-steps", self.log_every_n_steps, 1),
+            ("--val-frequency", self.val_frequency, 0),
+            ("--max-skipped-steps", self.max_skipped_steps, 1),
+        ):
+            if value < minimum:
+                raise ValueError(f"{flag} must be >= {minimum}, got {value}")
+        for flag, optional in (
+            ("--save-every-n-steps", self.save_every_n_steps),
+            ("--stop-after-steps", self.stop_after_steps),
+            ("--batch-size", self.batch_size),
+        ):
+            if optional is not None and optional < 1:
+                raise ValueError(f"{flag} must be >= 1, got {optional}")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.wd < 0:
+            raise ValueError(f"--wd must be >= 0, got {self.wd}")
+        if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
+            raise ValueError(f"--grad-clip-norm must be > 0, got {self.grad_clip_norm}")
+        if not self.dist_timeout > 0:
+            raise ValueError(f"--dist-timeout must be > 0 seconds, got {self.dist_timeout}")
+
+    def _check_scale(self) -> None:
+        if self.naflex_loss_scale != "none" and self.batch_size is None:
+            raise ValueError(
+                f"--naflex-loss-scale {self.naflex_loss_scale} needs --batch-size (the reference batch size B_ref)"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form (saved with every checkpoint and at the top of the logs)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        """Inverse of `to_dict`; unknown keys are an error so a stale checkpoint config is noticed."""
+        values = dict(values)
+        data = DataConfig(**values.pop("data", {}))
+        return cls(data=data, **values)

@@ -1,0 +1,37 @@
+"""Mixed precision for the training loop: the autocast context factory and the fp16 gradient scaler.
+
+`fp32`: no autocast; `amp_bf16`: bfloat16 autocast on CPU or CUDA (no scaler: bf16 has fp32's range);
+`amp`: float16 autocast on CUDA with a `GradScaler`, which the window uses to scale its backward and the
+loop unscales before clipping and stepping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Precision:
+    name: str
+    autocast: Callable[[], ContextManager[Any]]
+    scaler: torch.amp.GradScaler | None
+
+
+def create_precision(name: str, device: torch.device) -> Precision:
+    """The autocast factory and scaler for `--precision name` on `device`."""
+    if name == "fp32":
+        return Precision(name, contextlib.nullcontext, None)
+    if name == "amp_bf16":
+        return Precision(name, lambda: torch.autocast(device.type, dtype=torch.bfloat16), None)
+    if name == "amp":
+        if device.type != "cuda":
+            raise ValueError(f"--precision amp is float16 with a gradient scaler and needs CUDA (device is "
+                             f"{device}); use --precision amp_bf16 on CPU")
+        return Precision(name, lambda: torch.autocast("cuda", dtype=torch.float16), torch.amp.GradScaler("cuda"))
+    raise ValueError(f"--precision: unknown value {name!r}")
