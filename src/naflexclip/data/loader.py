@@ -133,13 +133,16 @@ class _EpochBatches(IterableDataset):
 
     # -- WebDataset shards ---------------------------------------------------------------------
     def _slot_stream(self, slot: int, num_slots: int, log: ShardReadLog) -> Iterator[RawSample]:
-        by_shard = len(self.shard_urls) >= num_slots
+        urls = list(self.shard_urls)
+        if self.shuffle:
+            random.Random(hash((self.seed, self.epoch))).shuffle(urls)
+        by_shard = len(urls) >= num_slots
         for pass_index in itertools.count():
-            urls = list(self.shard_urls)
             pass_seed = hash((self.seed, self.epoch, pass_index, slot))
-            if self.shuffle:
-                random.Random(hash((self.seed, self.epoch, pass_index))).shuffle(urls)
-            mine = urls[slot::num_slots] if by_shard else urls
+            # a slot keeps its shards for the whole epoch; a wrap-around pass only reorders them
+            mine = urls[slot::num_slots] if by_shard else list(urls)
+            if self.shuffle and pass_index > 0:
+                random.Random(pass_seed).shuffle(mine)
             samples = (raw for url in mine for raw in shard_samples(url, log))
             if not by_shard:  # fewer shards than slots: every slot reads all, keeps every num_slots-th
                 samples = (raw for k, raw in enumerate(samples) if k % num_slots == slot)
