@@ -164,8 +164,8 @@ class _EpochBatches(IterableDataset):
         # builds batches start_batch + w + jK, all fed by stream (start_batch + w) % K
         stream_id = (self.start_batch + worker_id) % self.num_workers
         log = ShardReadLog()
-        stream = self._slot_stream(self.rank * self.num_workers + stream_id,
-                                   self.world_size * self.num_workers, log)
+        stream = _read_ahead(self._slot_stream(self.rank * self.num_workers + stream_id,
+                                               self.world_size * self.num_workers, log))
         skipped: Counter = Counter()
         reported: Counter = Counter()
         for planned in self.schedule:
@@ -179,6 +179,16 @@ class _EpochBatches(IterableDataset):
             yield self._build(planned, raws, skipped)
         if log.counts - reported:
             yield {"empty": True, "batch_index": -1, "skipped": dict(log.counts - reported)}
+
+
+def _read_ahead(items: Iterator[RawSample]) -> Iterator[RawSample]:
+    """Yield each item only once the next one is read, so a shard's read error is logged with its last sample."""
+    previous = next(items, None)
+    for item in items:
+        yield previous
+        previous = item
+    if previous is not None:
+        yield previous
 
 
 def _worker_init(_: int) -> None:
