@@ -69,6 +69,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--log-every-n-steps", type=int, default=_default("log_every_n_steps"))
     r.add_argument("--val-frequency", type=int, default=_default("val_frequency"),
                    help="evaluate every N epochs (and at the end); 0: only before training and at the end")
+    r.add_argument("--zero-shot-samples", type=int, default=_default("zero_shot_samples"),
+                   help="built-in single-object images for the zero-shot shape/colour evaluation")
     r.add_argument("--no-plot", action="store_true", help="do not write curves.png")
     d = parser.add_argument_group("devices")
     d.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
@@ -90,6 +92,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         report_to=args.report_to, log_every_n_steps=args.log_every_n_steps, val_frequency=args.val_frequency,
         device=args.device, max_skipped_steps=args.max_skipped_steps, fsdp=args.fsdp,
         dist_timeout=args.dist_timeout, plot=not args.no_plot,
+        zero_shot_samples=args.zero_shot_samples,
     )
 
 
@@ -130,8 +133,9 @@ def run_eval(args: argparse.Namespace) -> int:
         if args.val_data is not None:
             data = DataConfig(**{**config["data"], "val_data": args.val_data, "dataset_type": args.dataset_type})
         precision = create_precision(args.precision or config["precision"], device)
+        on_builtin = data.source("train") == ("synthetic", None) or args.zero_shot
         metrics = evaluate(model, data, device, precision.autocast,
-                           zero_shot=data.source("train") == ("synthetic", None) or args.zero_shot)
+                           zero_shot_samples=config["zero_shot_samples"] if on_builtin else 0)
     except (ValueError, DataError, FileNotFoundError) as error:
         return _error("eval", str(error).splitlines()[0])
     print(json.dumps(metrics, indent=1))

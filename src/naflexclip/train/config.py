@@ -50,6 +50,7 @@ class TrainConfig:
     report_to: str = ""
     log_every_n_steps: int = 1
     val_frequency: int = 1
+    zero_shot_samples: int = 400
     device: str | None = None
     max_skipped_steps: int = 10
     fsdp: bool = False
@@ -84,6 +85,7 @@ class TrainConfig:
             ("--save-frequency", self.save_frequency, 0),
             ("--log-every-n-steps", self.log_every_n_steps, 1),
             ("--val-frequency", self.val_frequency, 0),
+            ("--zero-shot-samples", self.zero_shot_samples, 1),
             ("--max-skipped-steps", self.max_skipped_steps, 1),
         ):
             if value < minimum:

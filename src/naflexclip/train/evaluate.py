@@ -23,7 +23,6 @@ from naflexclip.data.synthetic import ATTRIBUTES, zero_shot_prompt_ensemble
 
 RECALL_AT = (1, 5, 10)
 ZERO_SHOT_ATTRIBUTES = ("shape", "colour")
-ZERO_SHOT_SAMPLES = 400
 
 
 def _features(model: nn.Module, loader: Iterable[dict[str, Any]], device: torch.device,
@@ -71,9 +70,10 @@ def _class_embeddings(model: nn.Module, attribute: str, context_length: int, dev
 
 @torch.no_grad()
 def evaluate(model: nn.Module, data: DataConfig, device: torch.device,
-             autocast: Callable[[], ContextManager[Any]], *, zero_shot: bool = True) -> dict[str, float]:
-    """Retrieval on the validation split (`val/...`) and, on the built-in dataset, zero-shot accuracy
-    (`zeroshot/{attribute}_top1`). `model` is the plain (unwrapped) module; it is left in train mode."""
+             autocast: Callable[[], ContextManager[Any]], *, zero_shot_samples: int = 0) -> dict[str, float]:
+    """Retrieval on the validation split (`val/...`) and, with `zero_shot_samples` > 0, zero-shot accuracy on
+    that many built-in single-object images (`zeroshot/{attribute}_top1`). `model` is the plain (unwrapped)
+    module; it is left in train mode."""
     patch_size, context_length = model.image_patch_size, model.context_length
     model.eval()
     try:
@@ -83,18 +83,18 @@ def evaluate(model: nn.Module, data: DataConfig, device: torch.device,
             features = _features(model, val, device, autocast)
             metrics.update({f"val/{k}": v for k, v in retrieval_metrics(features["image"], features["text"]).items()})
             metrics["val/num_samples"] = float(features["image"].shape[0])
-        if zero_shot:
-            metrics.update(zero_shot_metrics(model, data, device, autocast))
+        if zero_shot_samples:
+            metrics.update(zero_shot_metrics(model, data, device, autocast, zero_shot_samples))
     finally:
         model.train()
     return metrics
 
 
 def zero_shot_metrics(model: nn.Module, data: DataConfig, device: torch.device,
-                      autocast: Callable[[], ContextManager[Any]]) -> dict[str, float]:
+                      autocast: Callable[[], ContextManager[Any]], num_samples: int) -> dict[str, float]:
     """Top-1 accuracy of nearest-prompt classification for each attribute, on single-object images."""
     loader = build_zero_shot_loader(data, patch_size=model.image_patch_size, context_length=model.context_length,
-                                    num_samples=ZERO_SHOT_SAMPLES)
+                                    num_samples=num_samples)
     features = _features(model, loader, device, autocast)
     metrics = {}
     for attribute in ZERO_SHOT_ATTRIBUTES:

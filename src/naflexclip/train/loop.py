@@ -298,9 +298,10 @@ class Trainer:
         """Evaluate on the main rank (FSDP: every rank runs the forwards, which need all shards)."""
         metrics: dict[str, float] = {}
         if self.env.is_main or self.cfg.fsdp:
-            zero_shot = self.cfg.data.source("train") == ("synthetic", None)
+            # the zero-shot tasks are the built-in dataset's attributes: only a model trained on it knows them
+            on_builtin = self.cfg.data.source("train") == ("synthetic", None)
             metrics = evaluate(self.module, self.cfg.data, self.env.device, self.precision.autocast,
-                               zero_shot=zero_shot)
+                               zero_shot_samples=self.cfg.zero_shot_samples if on_builtin else 0)
         if self.env.is_main and metrics:
             self.evals.append(metrics)
             self.reporter.log("eval", self.progress.step, self._fractional_epoch(), metrics)

@@ -1,0 +1,79 @@
+"""Checkpoints survive a SIGKILL in the middle of a save: the previous one stays loadable and resumable."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from naflexclip.train import checkpoint as ckpt
+from naflexclip.train.loop import train
+
+# The child trains 2 steps saving each one; during the second save it writes the weights file, says so, and
+# hangs inside the save, where the parent kills it.
+CHILD = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    from naflexclip.train import checkpoint as ckpt
+    from naflexclip.train.loop import train
+    from test_train_loop import tiny_config
+
+    real_save = ckpt.save_file
+    calls = []
+
+    def save_then_hang(tensors, path):
+        real_save(tensors, path)
+        calls.append(path)
+        if len(calls) == 2:
+            print("SAVING", flush=True)
+            time.sleep(300)
+
+    ckpt.save_file = save_then_hang
+    train(tiny_config({tmp!r}, "killed", save_every_n_steps=1, val_frequency=0))
+    """
+)
+
+
+def test_model_state_roundtrip_and_rng(tmp_path: Path) -> None:
+    state = {"w": torch.randn(3, 2), "b": torch.zeros(2)}
+    train_state = {"config": {"model": "tiny", "siglip": False}, "rng": ckpt.rng_state()}
+    path = ckpt.save_checkpoint(tmp_path, "step_1", state, train_state)
+    expected = torch.rand(4)
+    model_state, loaded = ckpt.load_checkpoint(path)  # weights_only=True inside
+    assert all(torch.equal(model_state[k], state[k]) for k in state)
+    ckpt.set_rng_state(loaded["rng"])
+    assert torch.equal(torch.rand(4), expected)
+    assert ckpt.find_latest(tmp_path) == path and ckpt.resolve(tmp_path) == path
+
+
+@pytest.mark.slow
+def test_sigkill_during_save_leaves_previous_checkpoint_resumable(tmp_path: Path) -> None:
+    script = CHILD.format(tests=str(Path(__file__).parent), tmp=str(tmp_path))
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                             text=True)
+    try:
+        assert child.stdout.readline().strip() == "SAVING"
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    checkpoints = tmp_path / "killed" / "checkpoints"
+    assert any(p.name.startswith(".tmp-step_00000002") for p in checkpoints.iterdir())  # the torn write
+    latest = ckpt.find_latest(checkpoints)
+    assert latest is not None and latest.name == "step_00000001"
+    _, state = ckpt.load_checkpoint(latest)
+    assert state["progress"]["step"] == 1
+    # and the run resumes from it
+    from test_train_loop import tiny_config
+
+    train(tiny_config(tmp_path, "killed", stop_after_steps=2, val_frequency=0, resume="latest"))
+    resumed = ckpt.find_latest(checkpoints)
+    assert resumed.name == "step_00000002"
+    assert ckpt.load_checkpoint(resumed)[1]["progress"]["step"] == 2

@@ -1,0 +1,74 @@
+"""`naflexclip train` flag validation (one-line errors naming the flag), optimizer groups and the lr schedule."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from naflexclip.cli import main
+from naflexclip.model import create_model
+from naflexclip.train.config import TrainConfig
+from naflexclip.train.optim import CosineSchedule, create_optimizer, param_groups
+
+
+@pytest.mark.parametrize(
+    ("flags", "names"),
+    [
+        (["--naflex-loss-scale", "linear"], "--batch-size"),
+        (["--naflex-loss-scale", "sqrt"], "--batch-size"),
+        (["--accum-freq", "0"], "--accum-freq"),
+        (["--model", "huge"], "--model"),
+        (["--batch-size", "0"], "--batch-size"),
+        (["--epochs", "0"], "--epochs"),
+        (["--lr", "-1"], "--lr"),
+        (["--naflex-max-tokens-per-batch", "10"], "--naflex-max-tokens-per-batch"),
+    ],
+)
+def test_bad_flags_give_one_line_errors(flags: list[str], names: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(["train", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("naflexclip train: error:") and names in err
+
+
+def test_linear_scale_with_batch_size_is_accepted() -> None:
+    cfg = TrainConfig(naflex_loss_scale="linear", batch_size=32)
+    assert cfg.batch_size == 32 and cfg.name
+
+
+def test_config_roundtrips_through_a_dict() -> None:
+    cfg = TrainConfig(model="tiny", name="x", accum_freq=3)
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_weight_decay_only_on_matrices() -> None:
+    model = create_model("tiny", siglip=True)
+    decayed, plain = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed_names = {names[id(p)] for p in decayed["params"]}
+    plain_names = {names[id(p)] for p in plain["params"]}
+    assert plain["weight_decay"] == 0.0 and decayed["weight_decay"] == 0.1
+    assert {"logit_scale", "logit_bias", "visual.embeds.pos_embed", "text.token_embedding.weight",
+            "text.positional_embedding", "text.ln_final.weight", "visual.norm.bias"} <= plain_names
+    assert all(not n.endswith("bias") and "norm" not in n and "ln_" not in n for n in decayed_names)
+    assert {"image_projection.weight", "text.text_projection", "visual.blocks.0.attn.qkv.weight"} <= decayed_names
+    assert len(decayed_names) + len(plain_names) == len(list(model.parameters()))
+
+
+def test_cosine_schedule_with_linear_warmup() -> None:
+    optimizer = create_optimizer(create_model("tiny"), lr=1.0, weight_decay=0.0, betas=(0.9, 0.98), eps=1e-6)
+    schedule = CosineSchedule(optimizer, base_lr=1.0, warmup_steps=4, total_steps=14)
+    lrs = []
+    for _ in range(14):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        schedule.step()
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert lrs[4] == 1.0 and lrs[9] == pytest.approx(0.5)
+    assert lrs[13] == pytest.approx(0.5 * (1 + math.cos(0.9 * math.pi)))
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:], strict=False))
+    restored = CosineSchedule(optimizer, 1.0, 4, 14)
+    restored.load_state_dict(schedule.state_dict())
+    assert restored.last_step == 14 and optimizer.param_groups[1]["lr"] == restored.lr_at(14) == 0.0
+    assert isinstance(optimizer, torch.optim.AdamW)
