@@ -302,7 +302,7 @@ class NaFlexLoader:
     def _dataloader(self) -> DataLoader:
         kwargs: dict[str, Any] = {}
         if self.num_workers > 0:
-            kwargs = {"prefetch_factor": 4, "worker_init_fn": _worker_init}
+            kwargs = {"prefetch_factor": 2, "worker_init_fn": _worker_init}
         return DataLoader(
             _EpochBatches(self), batch_size=None, num_workers=self.num_workers,
             pin_memory=self.pin_memory, persistent_workers=False, **kwargs,

@@ -68,9 +68,24 @@ class NaFlexTransform:
 
     def __call__(self, img: Image.Image, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         resized = self._resizer(seq_len)(img)
-        pixels = torch.from_numpy(np.asarray(resized, dtype=np.uint8).copy()).permute(2, 0, 1).contiguous()
-        patches, coord, _ = patchify_image(pixels, (self.patch_size, self.patch_size), channels_last=True)
-        return patches, coord
+        pixels = np.asarray(resized, dtype=np.uint8)  # [H, W, 3], H and W multiples of the patch size
+        p = self.patch_size
+        nh, nw = pixels.shape[0] // p, pixels.shape[1] // p
+        # the same (ph, pw, C) flattening as timm's patchify_image(channels_last=True), done on the
+        # HWC array directly instead of through a CHW copy (tested equal to timm's Patchify)
+        patches = pixels.reshape(nh, p, nw, p, 3).transpose(0, 2, 1, 3, 4).reshape(nh * nw, p * p * 3)
+        return torch.from_numpy(np.ascontiguousarray(patches)), _grid(nh, nw)
+
+
+@functools.lru_cache(maxsize=1024)
+def _grid(nh: int, nw: int) -> torch.Tensor:
+    """(row, col) of each patch in row-major order, long [nh * nw, 2], as timm's patchify_image gives."""
+    _, coord, _ = patchify_image(torch.zeros(1, nh, nw), (1, 1))
+    return coord
+
+
+_SCALE = torch.tensor([1.0 / (255.0 * s) for s in OPENAI_DATASET_STD])
+_SHIFT = torch.tensor([m / s for m, s in zip(OPENAI_DATASET_MEAN, OPENAI_DATASET_STD, strict=True)])
 
 
 def collate(
@@ -83,17 +98,15 @@ def collate(
     """
     batch = len(samples)
     dim = patch_size * patch_size * 3
-    raw = torch.zeros(batch, seq_len, dim, dtype=torch.uint8)
+    patches = torch.zeros(batch, seq_len, dim, dtype=torch.float32)
     patch_coord = torch.zeros(batch, seq_len, 2, dtype=torch.long)
     patch_valid = torch.zeros(batch, seq_len, dtype=torch.bool)
-    for i, (patches, coord) in enumerate(samples):
-        n = patches.shape[0]
-        raw[i, :n] = patches
+    for i, (raw, coord) in enumerate(samples):
+        n = raw.shape[0]
+        # (x / 255 - mean) / std per channel; channel is the fastest axis of a (ph, pw, C) patch.
+        # Only real rows are written: padding rows stay exactly zero.
+        rows = patches[i, :n].view(n, dim // 3, 3)
+        rows.copy_(raw.view(n, dim // 3, 3)).mul_(_SCALE).sub_(_SHIFT)
         patch_coord[i, :n] = coord
         patch_valid[i, :n] = True
-    # (x / 255 - mean) / std per channel; channel is the fastest axis of a (ph, pw, C) patch
-    scale = torch.tensor([1.0 / (255.0 * s) for s in OPENAI_DATASET_STD])
-    shift = torch.tensor([m / s for m, s in zip(OPENAI_DATASET_MEAN, OPENAI_DATASET_STD, strict=True)])
-    pixels = raw.view(batch, seq_len, dim // 3, 3).float().mul_(scale).sub_(shift)
-    pixels.mul_(patch_valid[:, :, None, None])
-    return {"patches": pixels.view(batch, seq_len, dim), "patch_coord": patch_coord, "patch_valid": patch_valid}
+    return {"patches": patches, "patch_coord": patch_coord, "patch_valid": patch_valid}
