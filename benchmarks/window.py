@@ -1,0 +1,119 @@
+"""Window benchmark: full-batch step vs the `cache` and `replay` windows over the same N examples.
+
+For each configuration it runs, side by side on one model and one batch: one full-batch
+forward/backward of N examples (the baseline), and the `cache` and `replay` windows over the same N
+split into n = 2, 4, 8 microbatches. Each measurement runs in a fresh subprocess so peak memory
+(CUDA: max allocated; CPU: peak RSS growth over the process's state before the step) is its own.
+It prints seconds per window, peak memory, and the ratios against the full batch and cache/replay.
+
+    python benchmarks/window.py                       # both default configurations
+    python benchmarks/window.py --model small --num-examples 128 --splits 2 4 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import resource
+import statistics
+import time
+
+import torch
+
+from naflexclip import accumulate_gradients, create_loss, create_model
+from naflexclip.batch import split_batch, to_device
+from naflexclip.verify import random_naflex_batch
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _measure(config: dict, queue: mp.Queue) -> None:
+    torch.manual_seed(0)
+    torch.set_num_threads(config["threads"])
+    device = torch.device(config["device"])
+    model = create_model(config["model"]).to(device).train()
+    loss_fn = create_loss(False)
+    seq_lens = tuple(config["seq_lens"])
+    batch = random_naflex_batch(
+        config["num_examples"], patch_size=model.image_patch_size, context_length=model.context_length,
+        seq_lens=seq_lens, generator=torch.Generator().manual_seed(0), dtype=torch.float32,
+    )
+    n = config["num_microbatches"]
+    sizes = [len(part) for part in torch.arange(config["num_examples"]).tensor_split(n)]
+    microbatches = [to_device(mb, device) for mb in split_batch(batch, sizes)]
+    full = to_device(batch, device)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=False)
+        if config["method"] == "full":
+            out = model(image=full["image"], text=full["text"])
+            loss_fn(out["image_features"], out["text_features"], out["logit_scale"]).backward()
+        else:
+            accumulate_gradients(model, loss_fn, microbatches, method=config["method"])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    step()  # warm-up: allocator, kernels, .grad buffers
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    base_rss = _peak_rss_bytes()
+    times = []
+    for _ in range(config["repeats"]):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    peak = (torch.cuda.max_memory_allocated() - base) if device.type == "cuda" else _peak_rss_bytes() - base_rss
+    queue.put((statistics.median(times), peak))
+
+
+def measure(config: dict) -> tuple[float, int]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_measure, args=(config, queue))
+    proc.start()
+    result = queue.get()
+    proc.join()
+    return result
+
+
+def run_configuration(args: argparse.Namespace, model: str, num_examples: int, seq_lens: list[int]) -> list[str]:
+    base = dict(model=model, num_examples=num_examples, seq_lens=seq_lens, device=args.device,
+                repeats=args.repeats, threads=args.threads)
+    full_time, full_mem = measure({**base, "method": "full", "num_microbatches": 1})
+    rows = [f"\n### {model}, N = {num_examples}, seq lens {seq_lens}, {args.device}",
+            "| step | s / window | × full batch | peak memory (MiB) | × full batch | cache ÷ replay time |",
+            "| --- | --- | --- | --- | --- | --- |",
+            f"| full batch N={num_examples} | {full_time:.3f} | 1.00 | {full_mem / 2**20:.0f} | 1.00 | |"]
+    for n in args.splits:
+        results = {m: measure({**base, "method": m, "num_microbatches": n}) for m in ("cache", "replay")}
+        for method, (seconds, mem) in results.items():
+            versus = f"{results['cache'][0] / results['replay'][0]:.2f}" if method == "cache" else ""
+            rows.append(f"| {method} n={n} | {seconds:.3f} | {seconds / full_time:.2f} | {mem / 2**20:.0f} | "
+                        f"{mem / max(full_mem, 1):.2f} | {versus} |")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="one preset (default: small and tiny configurations)")
+    parser.add_argument("--num-examples", type=int, default=None)
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=None)
+    parser.add_argument("--splits", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    if args.model:
+        configurations = [(args.model, args.num_examples or 128, args.seq_lens or [16, 36, 64])]
+    else:
+        # towers dominate (small preset) / the N×N loss dominates (tiny towers, large N)
+        configurations = [("small", 96, [16, 36, 64]), ("tiny", 2048, [4, 9])]
+    for model, num_examples, seq_lens in configurations:
+        print("\n".join(run_configuration(args, model, num_examples, seq_lens)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
