@@ -44,3 +44,38 @@ def test_verify_rejects_bad_flags_with_one_line(flags, named, capsys):
     assert main(["verify", *flags]) == 2
     out = capsys.readouterr().out.strip()
     assert named in out and out.count("\n") == 0
+
+
+def test_verify_draws_a_real_window_from_exported_shards(tmp_path, capsys):
+    from naflexclip.data.export import export_synthetic
+
+    export_synthetic(str(tmp_path), fmt="webdataset", count=60, shard_size=30, image_format="png")
+    argv = ["verify", "--train-data", str(tmp_path / "train-{00000..00001}.tar"), "--dataset-type", "webdataset",
+            "--naflex-seq-lens", "16", "36", "--naflex-max-tokens-per-batch", "256", "--workers", "0",
+            "--accum-freq", "3", "--splits", "1", "--accum-method", "cache"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "window (loader)" in out and "PASS" in out
+
+
+def test_verify_audits_a_checkpoint_with_its_training_settings(tmp_path, capsys):
+    import torch
+
+    from naflexclip import create_model
+    from naflexclip.train.checkpoint import save_checkpoint
+
+    torch.manual_seed(0)
+    model = create_model("tiny", siglip=True)
+    config = {"model": "tiny", "siglip": True, "accum_freq": 2, "batch_size": 5, "naflex_loss_scale": "sqrt"}
+    path = save_checkpoint(tmp_path, "epoch_1", model.state_dict(), {"config": config})
+    argv = ["verify", "--checkpoint", str(path), "--dataset-type", "synthetic", "--naflex-seq-lens", "16",
+            "--naflex-max-tokens-per-batch", "96", "--workers", "0", "--splits", "1", "--accum-method", "replay"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "SigLIP" in out and "scale sqrt" in out and "B_ref 5" in out and "accum-freq 2" in out
+    assert "logit_bias" in out
+
+
+def test_verify_names_a_missing_checkpoint(tmp_path, capsys):
+    assert main(["verify", "--checkpoint", str(tmp_path / "nowhere")]) == 2
+    assert "nowhere" in capsys.readouterr().out

@@ -11,6 +11,7 @@ Exit code 0 when every group passes, 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import random
 from collections.abc import Sequence
@@ -20,10 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from naflexclip.batch import batch_size, concat_microbatches, split_batch
+from naflexclip.batch import batch_size, concat_microbatches, split_batch, to_device
+from naflexclip.data import DataError, add_data_args, build_loader, data_config_from_args
 from naflexclip.legacy import per_microbatch_scale_gradients
 from naflexclip.loss import create_loss
 from naflexclip.model import PRESETS, create_model
+from naflexclip.train.checkpoint import load_checkpoint_model
 from naflexclip.window import METHODS, SCALE_MODES, accumulate_gradients, window_loss_scale
 
 FLOAT64_TOLERANCE = 1e-10
@@ -169,12 +172,16 @@ def verify_window(
     methods: Sequence[str],
     num_splits: int,
     seed: int,
+    first_split: list[int] | None = None,
 ) -> VerifyResult:
-    """Compare accumulated gradients of random splits of `batch` with its full-batch reference."""
+    """Compare accumulated gradients of splits of `batch` (`first_split`, e.g. the loader's own, then
+    random ones) with its full-batch reference."""
     dtype = next(model.parameters()).dtype
     num_examples = batch_size(batch)
     rng = random.Random(seed)
     splits = [random_split_sizes(num_examples, accum_freq, rng) for _ in range(num_splits)]
+    if first_split is not None:
+        splits = [list(first_split), *splits[:-1]]
     scale = window_loss_scale(splits[0], reference_batch_size, loss_scale)
     reference = full_batch_gradients(model, loss_fn, concat_microbatches(split_batch(batch, splits[0])), scale)
     worst: dict[str, float] = {}
@@ -233,55 +240,107 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
     parser.add_argument("--model", default="tiny", help=f"model preset, one of {sorted(PRESETS)}")
+    parser.add_argument("--checkpoint", default=None,
+                        help="audit a trained model: a checkpoint directory, or a run's checkpoints/ (latest)")
     parser.add_argument("--siglip", action="store_true", help="SigLIP loss and logit_bias (default: CLIP)")
-    parser.add_argument("--accum-freq", type=int, default=4, help="microbatches per window")
-    parser.add_argument("--batch-size", type=int, default=4, help="reference batch size B_ref")
-    parser.add_argument("--naflex-loss-scale", default="linear", choices=SCALE_MODES)
+    parser.add_argument("--accum-freq", type=int, default=None, help="microbatches per window (default 4)")
+    parser.add_argument("--batch-size", type=int, default=None, help="reference batch size B_ref (default 4)")
+    parser.add_argument("--naflex-loss-scale", default=None, choices=SCALE_MODES, help="default: linear")
     parser.add_argument("--accum-method", default="all", choices=(*METHODS, "all"))
     parser.add_argument("--splits", type=int, default=3, help="random splits of the window to check")
     parser.add_argument("--num-examples", type=int, default=None,
-                        help="examples in the window (default: accum-freq × batch-size)")
+                        help="random window: examples in it (default: accum-freq × batch-size)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float64", choices=("float64", "float32"))
+    # a real window: the first --accum-freq batches the loader yields (with --train-data, --checkpoint,
+    # or --dataset-type synthetic); its own split is checked first, then random re-splits
+    add_data_args(parser)
     parser.set_defaults(func=run)
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    if args.accum_freq < 1:
-        raise ValueError(f"--accum-freq must be ≥ 1, got {args.accum_freq}")
-    if args.batch_size is not None and args.batch_size < 1:
-        raise ValueError(f"--batch-size must be ≥ 1, got {args.batch_size}")
+@dataclass
+class VerifySetup:
+    model: nn.Module
+    siglip: bool
+    accum_freq: int
+    reference_batch_size: int | None
+    loss_scale: str
+
+
+def _setup(args: argparse.Namespace) -> VerifySetup:
+    """Model and window settings: flags first, then the checkpoint's training config, then defaults."""
+    trained: dict[str, Any] = {}
+    if args.checkpoint:
+        model, trained = load_checkpoint_model(args.checkpoint)
+        siglip = bool(trained.get("siglip", False))
+    else:
+        model, siglip = create_model(args.model, siglip=args.siglip), args.siglip
+
+    def pick(flag_value: Any, key: str, default: Any) -> Any:
+        if flag_value is not None:
+            return flag_value
+        return trained.get(key) if trained.get(key) is not None else default
+
+    setup = VerifySetup(model, siglip, pick(args.accum_freq, "accum_freq", 4), pick(args.batch_size, "batch_size", 4),
+                        pick(args.naflex_loss_scale, "naflex_loss_scale", "linear"))
+    if setup.accum_freq < 1:
+        raise ValueError(f"--accum-freq must be ≥ 1, got {setup.accum_freq}")
+    if setup.reference_batch_size is not None and setup.reference_batch_size < 1:
+        raise ValueError(f"--batch-size must be ≥ 1, got {setup.reference_batch_size}")
     if args.splits < 1:
         raise ValueError(f"--splits must be ≥ 1, got {args.splits}")
-    if args.num_examples is not None and args.num_examples < args.accum_freq:
-        raise ValueError(f"--num-examples {args.num_examples} is smaller than --accum-freq {args.accum_freq}")
+    if args.num_examples is not None and args.num_examples < setup.accum_freq:
+        raise ValueError(f"--num-examples {args.num_examples} is smaller than --accum-freq {setup.accum_freq}")
+    return setup
+
+
+def _uses_loader(args: argparse.Namespace) -> bool:
+    return bool(args.train_data or args.checkpoint or args.dataset_type == "synthetic")
+
+
+def loader_window(args: argparse.Namespace, setup: VerifySetup) -> tuple[dict[str, Any], list[int]]:
+    """The first `accum_freq` microbatches of epoch 0, as one batch, and their sizes."""
+    cfg = data_config_from_args(args)
+    loader = build_loader(cfg, split="train", patch_size=setup.model.image_patch_size,
+                          context_length=setup.model.context_length)
+    microbatches = list(itertools.islice(iter(loader), setup.accum_freq))
+    if len(microbatches) < setup.accum_freq:
+        raise ValueError(f"--accum-freq {setup.accum_freq}: the data yields only {len(microbatches)} batches")
+    return concat_microbatches(microbatches), [batch_size(mb) for mb in microbatches]
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        _check_args(args)
-        model = create_model(args.model, siglip=args.siglip)
-    except ValueError as err:
+        setup = _setup(args)
+        dtype = torch.float64 if args.dtype == "float64" else torch.float32
+        torch.manual_seed(args.seed)
+        # eval: dropout would make the full batch and the splits draw different masks
+        model = setup.model.to(dtype).eval()
+        first_split = None
+        if _uses_loader(args):
+            batch, first_split = loader_window(args, setup)
+            batch = to_device(batch, "cpu", dtype)
+        else:
+            num_examples = args.num_examples or setup.accum_freq * (setup.reference_batch_size or 4)
+            batch = random_naflex_batch(
+                num_examples, patch_size=model.image_patch_size, context_length=model.context_length,
+                generator=torch.Generator().manual_seed(args.seed), dtype=dtype,
+            )
+    except (ValueError, FileNotFoundError, DataError) as err:
         print(f"naflexclip verify: error: {err}")
         return 2
-    dtype = torch.float64 if args.dtype == "float64" else torch.float32
-    torch.manual_seed(args.seed)
-    model = model.to(dtype).eval()  # eval: dropout would make the full batch and the splits draw differently
-    num_examples = args.num_examples or args.accum_freq * args.batch_size
-    batch = random_naflex_batch(
-        num_examples, patch_size=model.image_patch_size, context_length=model.context_length,
-        generator=torch.Generator().manual_seed(args.seed), dtype=dtype,
-    )
     methods = list(METHODS) if args.accum_method == "all" else [args.accum_method]
     result = verify_window(
-        model, create_loss(args.siglip), batch, accum_freq=args.accum_freq,
-        reference_batch_size=args.batch_size, loss_scale=args.naflex_loss_scale, methods=methods,
-        num_splits=args.splits, seed=args.seed,
+        model, create_loss(setup.siglip), batch, accum_freq=setup.accum_freq,
+        reference_batch_size=setup.reference_batch_size, loss_scale=setup.loss_scale, methods=methods,
+        num_splits=args.splits, seed=args.seed, first_split=first_split,
     )
-    loss_name = "SigLIP" if args.siglip else "CLIP"
+    loss_name = "SigLIP" if setup.siglip else "CLIP"
+    source = "loader" if first_split else "random"
     print(
-        f"window: {num_examples} examples, accum-freq {args.accum_freq}, B_ref {args.batch_size}, "
-        f"{loss_name}, scale {args.naflex_loss_scale} → s(W) = {result.scale:.6g}, L(W) = {result.loss:.6g}"
+        f"window ({source}): {batch_size(batch)} examples, accum-freq {setup.accum_freq}, "
+        f"B_ref {setup.reference_batch_size}, {loss_name}, scale {setup.loss_scale} → s(W) = {result.scale:.6g}, "
+        f"L(W) = {result.loss:.6g}"
     )
     print(f"splits: {result.splits}; methods: {', '.join(methods)}; {args.dtype}")
     print(format_table(result))
