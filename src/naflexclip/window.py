@@ -200,10 +200,11 @@ class _Window:
         scaled = self.scale * loss
         return self.grad_scaler.scale(scaled) if self.grad_scaler is not None else scaled
 
-    def backward(self, objective: torch.Tensor, last: bool) -> None:
-        # gradients are synchronised once per window: only on the window's last backward
-        with contextlib.nullcontext() if last else self.no_sync():
-            objective.backward()
+    def sync(self, last: bool) -> ContextManager[Any]:
+        """Around a microbatch's grad forward *and* its backward: gradients are synchronised once per
+        window, on its last backward. DDP decides at forward time whether the next backward syncs
+        (its `no_sync` must wrap the forward too); FSDP2 decides at backward time."""
+        return contextlib.nullcontext() if last else self.no_sync()
 
     def cache(self) -> tuple[list[RngState], dict[str, torch.Tensor]]:
         """Phase 1: no-grad forwards; returns RNG states and the local features/scalars."""
@@ -252,17 +253,18 @@ def _run_cache(window: _Window) -> torch.Tensor:
     last_index = len(window.microbatches) - 1
     for index, (mb, state) in enumerate(zip(window.microbatches, states, strict=True)):
         size = batch_size(mb)
-        with state.replayed():
-            out = window.forward(mb)
-        # d(surrogate)/d(features) is exactly the cached row gradient (already carrying s and R)
-        surrogate = sum(
-            (_loss_precision(out[key]) * row_grads[key][start : start + size]).sum() for key in FEATURE_KEYS
-        )
-        if index == last_index:
-            # logit_scale / logit_bias: their gradient was taken once in phase 2
-            surrogate = surrogate + sum((out[key] * grad).sum() for key, grad in scalar_grads.items())
+        with window.sync(last=index == last_index):
+            with state.replayed():
+                out = window.forward(mb)
+            # d(surrogate)/d(features) is exactly the cached row gradient (already carrying s and R)
+            surrogate = sum(
+                (_loss_precision(out[key]) * row_grads[key][start : start + size]).sum() for key in FEATURE_KEYS
+            )
+            if index == last_index:
+                # logit_scale / logit_bias: their gradient was taken once in phase 2
+                surrogate = surrogate + sum((out[key] * grad).sum() for key, grad in scalar_grads.items())
+            surrogate.backward()
         start += size
-        window.backward(surrogate, last=index == last_index)
     return loss.detach()
 
 
@@ -275,22 +277,23 @@ def _run_replay(window: _Window) -> torch.Tensor:
     start = offset
     for index, (mb, state) in enumerate(zip(window.microbatches, states, strict=True)):
         size = batch_size(mb)
-        with state.replayed():
-            out = window.forward(mb)
-        features: dict[str, torch.Tensor] = {}
-        for key in FEATURE_KEYS:
-            # live rows for this microbatch, cached rows elsewhere; × R undoes the DDP average
-            live = _ScaleGrad.apply(out[key], float(window.exchange.world_size))
-            features[key] = torch.cat(
-                [cached[key][:start], live.to(cached[key].dtype), cached[key][start + size :]]
-            )
-        for key in SCALAR_KEYS:
-            if out.get(key) is not None:
-                # live in exactly one replay (the last), a constant in the others
-                features[key] = out[key] if index == last_index else out[key].detach()
+        with window.sync(last=index == last_index):
+            with state.replayed():
+                out = window.forward(mb)
+            features: dict[str, torch.Tensor] = {}
+            for key in FEATURE_KEYS:
+                # live rows for this microbatch, cached rows elsewhere; × R undoes the DDP average
+                live = _ScaleGrad.apply(out[key], float(window.exchange.world_size))
+                features[key] = torch.cat(
+                    [cached[key][:start], live.to(cached[key].dtype), cached[key][start + size :]]
+                )
+            for key in SCALAR_KEYS:
+                if out.get(key) is not None:
+                    # live in exactly one replay (the last), a constant in the others
+                    features[key] = out[key] if index == last_index else out[key].detach()
+            loss = window.window_loss(features)
+            window.scaled_for_backward(loss).backward()
         start += size
-        loss = window.window_loss(features)
-        window.backward(window.scaled_for_backward(loss), last=index == last_index)
     assert loss is not None
     return loss.detach()
 
@@ -316,8 +319,8 @@ def accumulate_gradients(
     loss_scale / reference_batch_size: `--naflex-loss-scale` / `--batch-size`; dense windows scale 1.
     method: `cache` (gradient caching, default) or `replay` (OpenCLIP's scheme); both exact.
     exchange: the other ranks (default: this process is the whole window).
-    no_sync: context factory that suppresses DDP/FSDP gradient sync, entered for every backward
-        but the window's last, so gradients are synchronised once per window.
+    no_sync: context factory that suppresses DDP/FSDP gradient sync, entered around the grad forward
+        and backward of every microbatch but the window's last, so gradients sync once per window.
     autocast: context factory for the tower forwards (mixed precision); the loss runs in ≥ fp32.
     grad_scaler: a `torch.amp.GradScaler` for fp16; it scales the backward, not `s(W)`.
     """
