@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -169,18 +170,42 @@ def wrap_model(model: nn.Module, env: DistributedEnv, fsdp: bool = False) -> nn.
     if fsdp:
         from torch.distributed.fsdp import fully_shard
 
+        # FSDP2 cannot shard 0-d parameters (logit_scale, logit_bias): keep them whole on every rank
+        scalars = {param for param in model.parameters() if param.dim() == 0}
         for unit in _shard_units(model):
             fully_shard(unit)
-        # the root unit holds embeddings, projections, logit_scale/logit_bias
-        fully_shard(model)
+        # the root unit holds embeddings and projections
+        fully_shard(model, ignored_params=scalars or None)
+        _average_replicated_grads(model, scalars, env)
         return model
+    # the model's buffers are constants (attention masks), identical after DDP's initial broadcast:
+    # re-broadcasting them before every forward would add one collective per microbatch
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
+        buffer_sync = {"forward_sync_buffers": False}  # torch ≥ 2.14's name; still syncs at init
+    else:
+        buffer_sync = {"broadcast_buffers": False}
     return DistributedDataParallel(
-        model,
-        device_ids=[env.device.index] if env.device.type == "cuda" else None,
-        # the model's buffers are constants (attention masks), identical after DDP's initial
-        # broadcast: re-broadcasting them before every forward would add one collective per microbatch
-        broadcast_buffers=False,
+        model, device_ids=[env.device.index] if env.device.type == "cuda" else None, **buffer_sync
     )
+
+
+def _average_replicated_grads(model: nn.Module, params: set[nn.Parameter], env: DistributedEnv) -> None:
+    """Average the gradients of parameters FSDP2 leaves alone, on the backwards that sync (as DDP would).
+
+    The window gives `logit_scale`/`logit_bias` the same gradient on every rank, so this only keeps
+    ranks bit-identical; it follows `no_sync_context` through `model._naflexclip_sync`.
+    """
+    model._naflexclip_sync = True  # type: ignore[assignment]
+
+    def average(param: torch.Tensor) -> None:
+        if param.grad is not None and getattr(model, "_naflexclip_sync", True):
+            with _translate_faults(env, "averaging replicated gradients"):
+                # SUM then divide: gloo has no AVG reduction
+                dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+            param.grad.div_(env.world_size)
+
+    for param in sorted(params, key=lambda p: [n for n, q in model.named_parameters() if q is p][0]):
+        param.register_post_accumulate_grad_hook(average)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -201,10 +226,12 @@ def no_sync_context(model: nn.Module) -> Callable[[], ContextManager[Any]]:
         @contextlib.contextmanager
         def fsdp_no_sync() -> Iterator[None]:
             model.set_requires_gradient_sync(False)  # type: ignore[operator]
+            model._naflexclip_sync = False  # the replicated scalars follow the sharded parameters
             try:
                 yield
             finally:
                 model.set_requires_gradient_sync(True)  # type: ignore[operator]
+                model._naflexclip_sync = True
 
         return fsdp_no_sync
     return contextlib.nullcontext
@@ -443,11 +470,20 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], env: 
     """
     if _is_fsdp(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.tensor import DTensor
 
-        with _translate_faults(env, "loading the FSDP state dict"):
+        with _translate_faults(env, "loading the FSDP state dict"), torch.no_grad():
             set_model_state_dict(
                 model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
             )
+            # tensors FSDP2 does not manage (the 0-d logit_scale/logit_bias it cannot shard, buffers)
+            # are not reliably loaded by it: copy them on rank 0 and broadcast
+            for key, tensor in model.state_dict().items():
+                if isinstance(tensor, DTensor):
+                    continue
+                if env.is_main:
+                    tensor.copy_(state[key])
+                dist.broadcast(tensor, src=0)
         return
     module = unwrap_model(model)
     if env.is_main or not env.distributed:
@@ -456,3 +492,52 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], env: 
         with _translate_faults(env, "broadcasting the loaded state"), torch.no_grad():
             for tensor in module.state_dict().values():
                 dist.broadcast(tensor, src=0)
+
+
+def full_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, env: DistributedEnv
+) -> dict[str, Any]:
+    """The optimizer's whole state on rank 0 (other ranks get `{}`), keyed as `optimizer.state_dict()` is
+    for the unwrapped model; every rank must call it. FSDP2: gathered with `get_optimizer_state_dict`."""
+    if _is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        with _translate_faults(env, "gathering the FSDP optimizer state"):
+            state = get_optimizer_state_dict(
+                model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+        return dict(state) if env.is_main else {}
+    # DDP: every rank holds the same optimizer state (same averaged gradients, same steps); copy it,
+    # since optimizer.state_dict() aliases the live tensors that the next step updates in place
+    return _cpu_copy(optimizer.state_dict()) if env.is_main else {}
+
+
+def _cpu_copy(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _cpu_copy(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cpu_copy(item) for item in value)
+    return value
+
+
+def load_full_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], env: DistributedEnv
+) -> None:
+    """Load an optimizer state read on rank 0 (other ranks may pass `{}`) on every rank; all must call it."""
+    if _is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        with _translate_faults(env, "loading the FSDP optimizer state"):
+            set_optimizer_state_dict(
+                model, optimizer, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            )
+        return
+    if env.distributed:
+        # small next to the model; one pickle broadcast keeps the rank-0-reads contract of the model state
+        holder = [state if env.is_main else None]
+        with _translate_faults(env, "broadcasting the optimizer state"):
+            dist.broadcast_object_list(holder, src=0, device=env.device if env.backend == "nccl" else None)
+        state = holder[0]  # type: ignore[assignment]
+    optimizer.load_state_dict(state)

@@ -1,0 +1,487 @@
+"""Worker processes for the multi-process tests: launched once per rank with torchrun's environment.
+
+`python tests/distributed_workers.py SCENARIO OUT_DIR` runs one rank of a scenario (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT in the environment, as torchrun sets them) and writes its results
+to `OUT_DIR/rank{RANK}.json`. One launch loops over many configurations, because process start-up
+(torch + timm + open_clip imports) costs seconds. `launch` is the parent side, used by the tests.
+
+Scenarios:
+  exact     — DDP (and FSDP2 where it runs) gradients of whole windows against the single-process
+              full-batch reference, over methods × losses × scale modes × splits; teeth variants;
+              gradient syncs per window; consistency checks; any_rank_true; full state dict round trip.
+  kill      — rank 1 dies (os._exit) mid-window; rank 0 must fail with a message naming rank 1.
+  raise     — rank 1 raises mid-window; rank 0 must fail with a message naming rank 1 and its error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# the ordered global window, and how it is cut into ranks × microbatches (rank-major); every split of
+# one world size has the same number of microbatches, so `linear`/`sqrt` give the same s(W)
+NUM_EXAMPLES = 10
+REFERENCE_BATCH_SIZE = 2
+SPLITS: dict[int, list[list[list[int]]]] = {
+    2: [[[1, 2, 3], [2, 1, 1]], [[3, 1, 1], [1, 2, 2]]],
+    3: [[[1, 2], [3, 1], [2, 1]], [[2, 2], [1, 1], [1, 3]]],
+}
+# ranks holding different numbers of microbatches (an epoch's end): allowed by the window
+UNEVEN_COUNT_SPLIT: dict[int, list[list[int]]] = {2: [[2, 3], [1, 1, 3]], 3: [[2, 3], [1], [1, 1, 2]]}
+TIMEOUT_S = 20.0  # short collective timeout for the fault scenarios
+
+
+# ----------------------------------------------------------------------------------------- parent side
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def launch(scenario: str, world_size: int, out_dir: Path, timeout_s: float = 300.0) -> list[dict[str, Any]]:
+    """Run `scenario` on `world_size` local processes; return per rank {returncode, stderr, seconds, result}."""
+    port = free_port()
+    procs = []
+    start = time.monotonic()
+    for rank in range(world_size):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            # a few cores for several ranks: threads per rank would only fight each other
+            "OMP_NUM_THREADS": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, scenario, str(out_dir)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    reports = []
+    for rank, proc in enumerate(procs):
+        try:
+            _, stderr = proc.communicate(timeout=max(1.0, timeout_s - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, stderr = proc.communicate()
+            stderr += f"\n[launch] rank {rank} killed after {timeout_s}s"
+        result_file = out_dir / f"rank{rank}.json"
+        reports.append(
+            {
+                "returncode": proc.returncode,
+                "stderr": stderr,
+                "result": json.loads(result_file.read_text()) if result_file.exists() else None,
+            }
+        )
+    return reports
+
+
+# ----------------------------------------------------------------------------------------- worker side
+
+
+def _local_microbatches(batch: dict[str, Any], split: Sequence[Sequence[int]], rank: int) -> list[dict[str, Any]]:
+    from naflexclip.batch import split_batch
+
+    pieces = split_batch(batch, [size for rank_sizes in split for size in rank_sizes])
+    first = sum(len(rank_sizes) for rank_sizes in split[:rank])
+    return pieces[first : first + len(split[rank])]
+
+
+def _gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full (unsharded) gradients by the user's parameter names; a collective under FSDP2."""
+    from torch.distributed.tensor import DTensor
+
+    from naflexclip.distributed import unwrap_model
+
+    grads = {}
+    for name, param in unwrap_model(model).named_parameters():
+        grad = param.grad
+        if grad is None:
+            continue
+        grads[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
+    return grads
+
+
+def _errors(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Worst relative error of pos_embed and of every other parameter (DESIGN.md tolerances)."""
+    from naflexclip.verify import relative_error
+
+    worst = {"params": 0.0, "pos_embed": 0.0, "missing": 0.0}
+    for name in reference.keys() | grads.keys():
+        if name not in grads or name not in reference:
+            worst["missing"] += 1
+            continue
+        key = "pos_embed" if "pos_embed" in name else "params"
+        worst[key] = max(worst[key], relative_error(grads[name], reference[name]))
+    return worst
+
+
+class _WorldSizeOne:
+    """Teeth: an exchange that gathers like the real one but reports world size 1, so the window does not
+    multiply this rank's row gradients by R and DDP's average divides the gradient by R."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.rank = inner.rank
+        self.world_size = 1
+
+    def gather_sizes(self, local_sizes: Sequence[int]) -> list[list[int]]:
+        return self.inner.gather_sizes(local_sizes)
+
+    def gather_rows(self, local_rows: torch.Tensor, rows_per_rank: Sequence[int]) -> torch.Tensor:
+        return self.inner.gather_rows(local_rows, rows_per_rank)
+
+
+def _scaled_loss(loss_fn: Callable[..., torch.Tensor], factor: Callable[[], float]) -> Callable[..., torch.Tensor]:
+    def loss(*args: Any) -> torch.Tensor:
+        return factor() * loss_fn(*args)
+
+    return loss
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.count = 0
+
+
+def _counting(factory: Callable[[], Any], counter: _Counter) -> Callable[[], Any]:
+    @contextlib.contextmanager
+    def entered() -> Iterator[None]:
+        counter.count += 1
+        with factory():
+            yield
+
+    return entered
+
+
+def _register_counting_hook(model: Any, calls: _Counter) -> None:
+    """Count DDP's gradient all-reduces (one per bucket) through a comm hook."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    def counting_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP checks the annotations it finds
+        calls.count += 1
+        return allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, counting_hook)
+
+
+def _count_reduce_scatters(calls: _Counter) -> None:
+    """Count FSDP2's gradient reduce-scatters (one per sharded unit) by wrapping the collective it calls."""
+    import torch.distributed as dist
+
+    name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    original = getattr(dist, name)
+    if getattr(original, "_counting", False):
+        original = original._original
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.count += 1
+        return original(*args, **kwargs)
+
+    counting._counting, counting._original = True, original  # type: ignore[attr-defined]
+    setattr(dist, name, counting)
+
+
+def _fsdp_available(env: Any) -> tuple[bool, str]:
+    """FSDP2 on this backend/device? Try one sharded forward/backward on a toy model."""
+    from torch.distributed.fsdp import fully_shard
+
+    try:
+        toy = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).double()
+        fully_shard(toy[0])
+        fully_shard(toy)
+        toy(torch.ones(3, 4, dtype=torch.float64)).sum().backward()
+        return True, ""
+    except Exception as error:  # noqa: BLE001 - report why, the test decides
+        return False, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
+_PROCESS_START = time.monotonic()
+
+
+def _log(env: Any, message: str) -> None:
+    print(f"[rank {env.rank} +{time.monotonic() - _PROCESS_START:.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def _configs(world: int, fsdp: bool) -> list[tuple[int, str, str]]:
+    """(split index, method, scale mode) to run: every method × mode on the first split, and both methods
+    on the other splits (invariance). Split `len(SPLITS)` has ranks with different microbatch counts,
+    which changes s(W) for `linear`/`sqrt`, so it runs with `none`. FSDP2 runs a smaller set (time)."""
+    methods = ("cache", "replay")
+    uneven = len(SPLITS[world])
+    if fsdp:
+        return [(0, method, mode) for method in methods for mode in ("none", "linear")]
+    configs = [(0, method, mode) for method in methods for mode in ("none", "linear", "sqrt")]
+    configs += [(index, method, "linear") for index in range(1, uneven) for method in methods]
+    return configs + [(uneven, method, "none") for method in methods]
+
+
+def scenario_exact(env: Any) -> dict[str, Any]:
+    from naflexclip.batch import concat_microbatches, split_batch
+    from naflexclip.distributed import (
+        any_rank_true,
+        check_consistency,
+        full_state_dict,
+        load_full_state_dict,
+        no_sync_context,
+        unwrap_model,
+        window_exchange,
+        wrap_model,
+    )
+    from naflexclip.loss import create_loss
+    from naflexclip.model import create_model
+    from naflexclip.verify import full_batch_gradients, random_naflex_batch
+    from naflexclip.window import accumulate_gradients, window_loss_scale
+
+    world = env.world_size
+    batch = random_naflex_batch(
+        NUM_EXAMPLES, patch_size=4, context_length=16, generator=torch.Generator().manual_seed(123)
+    )
+    results: dict[str, Any] = {"exact": {}, "teeth": {}, "syncs": {}}
+    fsdp_ok, fsdp_why = _fsdp_available(env)
+    results["fsdp_available"], results["fsdp_why"] = fsdp_ok, fsdp_why
+
+    def build(siglip: bool) -> torch.nn.Module:
+        # identical initialisation on every rank (DDP would broadcast rank 0's anyway; FSDP2 would not)
+        torch.manual_seed(0)
+        return create_model("tiny", siglip=siglip).double()
+
+    references: dict[tuple[bool, str], dict[str, torch.Tensor]] = {}
+
+    def reference(siglip: bool, mode: str, split: list[list[int]]) -> dict[str, torch.Tensor]:
+        # s(W)·∇L(W) of the same ordered window as one batch in one process (s depends on R·n only)
+        sizes = [size for rank_sizes in split for size in rank_sizes]
+        key = (siglip, mode, len(sizes))
+        if key not in references:
+            scale = window_loss_scale(sizes, REFERENCE_BATCH_SIZE, mode)
+            full = concat_microbatches(split_batch(batch, sizes))
+            references[key] = full_batch_gradients(build(siglip), create_loss(siglip), full, scale)
+        return references[key]
+
+    exchange = window_exchange(env)
+    for fsdp in (False, True) if fsdp_ok else (False,):
+        wrapper = "fsdp" if fsdp else "ddp"
+        for siglip in (False, True):
+            _log(env, f"{wrapper} siglip={siglip}")
+            model = wrap_model(build(siglip), env, fsdp=fsdp)
+            loss_fn = create_loss(siglip)
+            hook_calls = _Counter()
+            if fsdp:
+                _count_reduce_scatters(hook_calls)
+            else:
+                _register_counting_hook(model, hook_calls)
+            # the collectives of one plain synchronised backward make one gradient sync; the second
+            # backward counts, after DDP has rebuilt its buckets in gradient-ready order
+            for _ in range(2):
+                hook_calls.count = 0
+                out = model(**concat_microbatches(_local_microbatches(batch, SPLITS[world][0], env.rank)))
+                (out["image_features"].sum() + out["text_features"].sum() + out["logit_scale"]
+                 + (out["logit_bias"] if siglip else 0)).backward()
+            results["syncs"][f"{wrapper}/siglip={siglip}/collectives_per_sync"] = hook_calls.count
+            for split_index, method, mode in _configs(world, fsdp):
+                split = [*SPLITS[world], UNEVEN_COUNT_SPLIT[world]][split_index]
+                microbatches = _local_microbatches(batch, split, env.rank)
+                model.zero_grad(set_to_none=True)
+                no_sync_calls = _Counter()
+                hook_calls.count = 0
+                accumulate_gradients(
+                    model, loss_fn, microbatches, loss_scale=mode, reference_batch_size=REFERENCE_BATCH_SIZE,
+                    method=method, exchange=exchange, no_sync=_counting(no_sync_context(model), no_sync_calls),
+                )
+                name = f"{wrapper}/siglip={siglip}/split={split_index}/{method}/{mode}"
+                results["exact"][name] = _errors(_gradients(model), reference(siglip, mode, split))
+                results["syncs"][name] = {
+                    "no_sync_entered": no_sync_calls.count,
+                    "num_local_microbatches": len(microbatches),
+                    "gradient_collectives": hook_calls.count,
+                }
+            if not fsdp:
+                _teeth(env, model, loss_fn, batch, siglip, reference, exchange, results["teeth"])
+            results.setdefault("state_dict", {})[f"{wrapper}/siglip={siglip}"] = _state_dict_round_trip(
+                env, model, build(siglip), full_state_dict, load_full_state_dict, unwrap_model
+            )
+
+    _log(env, "consistency")
+    results["consistency"] = _consistency(env, check_consistency)
+    results["any_rank_true"] = [
+        any_rank_true(env, env.rank == world - 1),
+        any_rank_true(env, False),
+    ]
+    return results
+
+
+def _teeth(env: Any, model: Any, loss_fn: Any, batch: Any, siglip: bool, reference: Any, exchange: Any,
+           out: dict[str, Any]) -> None:
+    """Wrong rules that must fail the comparison the exact window passes."""
+    from naflexclip.batch import batch_size
+    from naflexclip.distributed import no_sync_context
+    from naflexclip.window import accumulate_gradients, window_loss_scale
+
+    split = SPLITS[env.world_size][0]
+    microbatches = _local_microbatches(batch, split, env.rank)
+    all_sizes = [size for rank_sizes in split for size in rank_sizes]
+    local_sizes = split[env.rank]
+
+    def run(name: str, method: str, mode: str, loss: Any, exch: Any, ref_mode: str) -> None:
+        model.zero_grad(set_to_none=True)
+        accumulate_gradients(
+            model, loss, microbatches, loss_scale=mode, reference_batch_size=REFERENCE_BATCH_SIZE,
+            method=method, exchange=exch, no_sync=no_sync_context(model),
+        )
+        out[f"siglip={siglip}/{name}"] = _errors(_gradients(model), reference(siglip, ref_mode, split))
+
+    # per rank: s from this rank's sizes only (the window's one coefficient, swapped for a local one)
+    ratio = window_loss_scale(local_sizes, REFERENCE_BATCH_SIZE, "linear") / window_loss_scale(
+        all_sizes, REFERENCE_BATCH_SIZE, "linear"
+    )
+    run("per_rank_scale", "cache", "linear", _scaled_loss(loss_fn, lambda: ratio), exchange, "linear")
+    # no ×R on this rank's rows: DDP's average then divides the tower gradients by R
+    run("no_world_size_factor", "cache", "none", loss_fn, _WorldSizeOne(exchange), "none")
+    # per microbatch (OpenCLIP's rule): each replay's loss times its own microbatch's b_j / B_ref
+    calls = iter(range(len(microbatches)))
+    per_mb = [batch_size(mb) / REFERENCE_BATCH_SIZE for mb in microbatches]
+    run("per_microbatch_scale", "replay", "none", _scaled_loss(loss_fn, lambda: per_mb[next(calls)]), exchange,
+        "linear")
+
+
+def _state_dict_round_trip(env: Any, model: Any, fresh: Any, full_state_dict: Any, load_full_state_dict: Any,
+                           unwrap_model: Any) -> dict[str, Any]:
+    """full_state_dict equals the unwrapped weights; loading it back after a perturbation restores them."""
+    state = full_state_dict(model, env)
+    expected = fresh.state_dict()
+    result: dict[str, Any] = {"keys_match": None, "max_diff": None}
+    if env.is_main:
+        result["keys_match"] = sorted(state) == sorted(expected)
+        result["max_diff"] = max(float((state[k].double() - expected[k].double()).abs().max()) for k in expected)
+    with torch.no_grad():
+        for param in unwrap_model(model).parameters():
+            param.add_(1.0)
+    load_full_state_dict(model, state if env.is_main else {}, env)
+    again = full_state_dict(model, env)
+    if env.is_main:
+        result["restored_max_diff"] = max(float((again[k].double() - expected[k].double()).abs().max())
+                                          for k in expected)
+    # every rank holds the restored weights, not only rank 0
+    local = {k: v for k, v in unwrap_model(model).state_dict().items()}
+    from torch.distributed.tensor import DTensor
+
+    result["local_restored_max_diff"] = max(
+        float(((v.full_tensor() if isinstance(v, DTensor) else v).double().cpu() - expected[k].double()).abs().max())
+        for k, v in local.items()
+    )
+
+    from naflexclip.distributed import full_optimizer_state_dict, load_full_optimizer_state_dict
+
+    # optimizer: save after one step, take another, load the saved state back
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer.step()  # the gradients of the last window
+    saved = full_optimizer_state_dict(model, optimizer, env)
+    optimizer.step()
+    load_full_optimizer_state_dict(model, optimizer, saved if env.is_main else {}, env)
+    steps = {float(s["step"]) for s in optimizer.state_dict()["state"].values()}
+    optimizer_result: dict[str, Any] = {"local_steps": sorted(steps)}
+    again = full_optimizer_state_dict(model, optimizer, env)
+    if env.is_main:
+        optimizer_result["restored_max_diff"] = max(
+            float((again["state"][k][name].double() - saved["state"][k][name].double()).abs().max())
+            for k in saved["state"] for name in ("exp_avg", "exp_avg_sq")
+        )
+    optimizer.zero_grad(set_to_none=True)
+
+    result["optimizer"] = optimizer_result
+    return result
+
+
+def _consistency(env: Any, check_consistency: Any) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    check_consistency(env, step=10, window=3, schedule="abc123", lr=0.001)
+    result["agree"] = "ok"
+    try:
+        check_consistency(env, step=10 + (env.rank == env.world_size - 1), window=3, schedule="abc123")
+        result["step_mismatch"] = None
+    except RuntimeError as error:
+        result["step_mismatch"] = str(error)
+    try:
+        check_consistency(env, step=10, schedule=f"hash{env.rank}")
+        result["schedule_mismatch"] = None
+    except RuntimeError as error:
+        result["schedule_mismatch"] = str(error)
+    return result
+
+
+def scenario_fault(env: Any, how: str) -> dict[str, Any]:
+    """Rank 1 dies or raises inside the second microbatch's replay forward; rank 0 must name it."""
+    from naflexclip.distributed import fault_guard, no_sync_context, window_exchange, wrap_model
+    from naflexclip.loss import create_loss
+    from naflexclip.model import create_model
+    from naflexclip.verify import random_naflex_batch
+    from naflexclip.window import accumulate_gradients
+
+    batch = random_naflex_batch(8, patch_size=4, context_length=16, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    model = wrap_model(create_model("tiny").double(), env)
+    microbatches = _local_microbatches(batch, [[2, 2], [2, 2]], env.rank)
+    forwards = _Counter()
+
+    def fault(*_: Any) -> None:
+        forwards.count += 1
+        # forwards 1-2 cache, 3-4 replay: fail in the replay, after the features were exchanged
+        if env.rank == 1 and forwards.count == 3:
+            if how == "kill":
+                os._exit(17)
+            raise ValueError("bad microbatch on purpose")
+
+    model.module.register_forward_pre_hook(fault)
+    start = time.monotonic()
+    try:
+        with fault_guard(env, "window 0"):
+            accumulate_gradients(model, create_loss(False), microbatches, exchange=window_exchange(env),
+                                 no_sync=no_sync_context(model))
+    finally:
+        # the parent checks this rank failed promptly; stderr carries the error itself
+        print(f"[rank {env.rank}] elapsed {time.monotonic() - start:.2f}s", file=sys.stderr, flush=True)
+    return {"completed": True}
+
+
+def main() -> None:
+    scenario, out_dir = sys.argv[1], Path(sys.argv[2])
+    torch.set_num_threads(1)
+    from naflexclip.distributed import cleanup, init_distributed
+
+    fault = scenario in ("kill", "raise")
+    env = init_distributed(device="cpu", timeout_s=TIMEOUT_S if fault else 120.0)
+    result = scenario_fault(env, scenario) if fault else scenario_exact(env)
+    (out_dir / f"rank{env.rank}.json").write_text(json.dumps(result, indent=1, default=repr))
+    cleanup(env)
+    _log(env, "done")
+    # skip the interpreter's slow teardown of torch/gloo threads: the results are on disk
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    # the tests/ directory is not a package: make `python tests/distributed_workers.py` importable alike
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    main()
+
+__all__ = ["NUM_EXAMPLES", "SPLITS", "TIMEOUT_S", "launch"]

@@ -1,0 +1,125 @@
+"""Multi-process tests of naflexclip.distributed on gloo (CPU), with real processes.
+
+Each world size is launched once (tests/distributed_workers.py loops over the configurations inside the
+workers, because process start-up costs seconds) and the tests below read what every rank reported.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from distributed_workers import SPLITS, TIMEOUT_S, launch
+
+from naflexclip.verify import FLOAT64_TOLERANCE, POS_EMBED_TOLERANCE
+
+pytestmark = pytest.mark.slow
+
+# DESIGN.md tolerances for float64: 1e-10 relative per parameter; pos_embed 1e-6 alone, because timm's
+# NaFlexVit resamples its position table in float32 even in a float64 model (~1e-7 measured here)
+assert FLOAT64_TOLERANCE == 1e-10 and POS_EMBED_TOLERANCE == 1e-6
+# a wrong rule must miss by far more than rounding: the teeth variants are off by 9% to 160%
+TEETH_MIN_ERROR = 1e-3
+
+
+def _run(scenario: str, world_size: int, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out_dir = tmp_path_factory.mktemp(f"{scenario}{world_size}")
+    reports = launch(scenario, world_size, Path(out_dir))
+    for rank, report in enumerate(reports):
+        assert report["returncode"] == 0, f"rank {rank} exited {report['returncode']}:\n{report['stderr'][-4000:]}"
+    return [report["result"] for report in reports]
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+def exact(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _run("exact", request.param, tmp_path_factory)
+
+
+def test_averaged_gradient_equals_single_process_full_batch(exact: list[dict[str, Any]]) -> None:
+    world_size = len(exact)
+    for rank, result in enumerate(exact):
+        cases = result["exact"]
+        # cache and replay, CLIP and SigLIP, none/linear/sqrt, DDP (and FSDP2 when it runs)
+        assert {name.split("/")[3] for name in cases} == {"cache", "replay"}
+        assert {name.split("/")[4] for name in cases} == {"none", "linear", "sqrt"}
+        assert {name.split("/")[1] for name in cases} == {"siglip=False", "siglip=True"}
+        # invariance: different splits of the same ordered window across ranks, each equal to one reference
+        assert {name.split("/")[2] for name in cases} == {f"split={i}" for i in range(len(SPLITS[world_size]) + 1)}
+        for name, errors in cases.items():
+            assert errors["missing"] == 0, f"rank {rank} {name}: gradients missing"
+            assert errors["params"] <= FLOAT64_TOLERANCE, f"rank {rank} {name}: {errors}"
+            assert errors["pos_embed"] <= POS_EMBED_TOLERANCE, f"rank {rank} {name}: {errors}"
+
+
+def test_fsdp2_runs_on_gloo_cpu(exact: list[dict[str, Any]]) -> None:
+    # FSDP2 (fully_shard) works on CPU with gloo in this torch: its cases are part of the exactness test
+    assert exact[0]["fsdp_available"], exact[0]["fsdp_why"]
+    assert any(name.startswith("fsdp/") for name in exact[0]["exact"])
+
+
+def test_wrong_scale_rules_fail_the_same_comparison(exact: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(exact):
+        assert len(result["teeth"]) == 6
+        for name, errors in result["teeth"].items():
+            assert errors["params"] > TEETH_MIN_ERROR, f"rank {rank}: wrong rule {name} passed: {errors}"
+
+
+def test_one_gradient_sync_per_window(exact: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(exact):
+        syncs = result["syncs"]
+        for name, counts in syncs.items():
+            if not isinstance(counts, dict):
+                continue
+            wrapper, siglip = name.split("/")[:2]
+            per_sync = syncs[f"{wrapper}/{siglip}/collectives_per_sync"]
+            assert per_sync >= 1
+            # no_sync around every microbatch but the last; the collectives of exactly one sync
+            assert counts["no_sync_entered"] == counts["num_local_microbatches"] - 1, (rank, name, counts)
+            assert counts["gradient_collectives"] == per_sync, (rank, name, counts, per_sync)
+
+
+def test_full_state_dict_round_trip(exact: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(exact):
+        for name, state in result["state_dict"].items():
+            if rank == 0:
+                assert state["keys_match"] and state["max_diff"] == 0.0 and state["restored_max_diff"] == 0.0, name
+            # loading on rank 0 restores the weights on every rank
+            assert state["local_restored_max_diff"] == 0.0, (rank, name, state)
+            # the optimizer state too: saved after step 1, restored after step 2
+            assert state["optimizer"]["local_steps"] == [1.0], (rank, name, state)
+            if rank == 0:
+                assert state["optimizer"]["restored_max_diff"] == 0.0, (name, state)
+
+
+def test_consistency_mismatch_names_the_rank(exact: list[dict[str, Any]]) -> None:
+    last = len(exact) - 1
+    for result in exact:
+        consistency = result["consistency"]
+        assert consistency["agree"] == "ok"
+        # every rank raises the same error, so none is left waiting in a collective
+        assert consistency["step_mismatch"] == f"ranks disagree: rank {last} has step=11 but rank 0 has 10"
+        for rank in range(1, len(exact)):
+            assert f"rank {rank} has schedule='hash{rank}' but rank 0 has 'hash0'" in consistency["schedule_mismatch"]
+
+
+def test_any_rank_true(exact: list[dict[str, Any]]) -> None:
+    for result in exact:
+        assert result["any_rank_true"] == [True, False]
+
+
+@pytest.mark.parametrize("how", ["kill", "raise"])
+def test_failed_rank_is_named_within_the_timeout(how: str, tmp_path: Path) -> None:
+    start = time.monotonic()
+    survivor, failed = launch(how, 2, tmp_path, timeout_s=TIMEOUT_S + 90)
+    elapsed = time.monotonic() - start
+    assert failed["returncode"] == (17 if how == "kill" else 1), failed["stderr"][-2000:]
+    assert survivor["returncode"] != 0 and survivor["result"] is None
+    expected = "rank 1 died or stopped responding" if how == "kill" else "rank 1 raised ValueError: bad microbatch"
+    message = "DistributedFault: rank 0 stopped while window 0: " + expected
+    assert message in survivor["stderr"], survivor["stderr"][-3000:]
+    # within the collective timeout (+ the roll call's grace); a lost gloo peer is usually noticed at once
+    step_seconds = float(survivor["stderr"].split("elapsed ")[1].split("s")[0])
+    assert step_seconds < TIMEOUT_S + 12, survivor["stderr"][-2000:]
+    assert elapsed < TIMEOUT_S + 80
