@@ -453,10 +453,16 @@ def full_state_dict(model: nn.Module, env: DistributedEnv) -> dict[str, torch.Te
     """
     if _is_fsdp(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.tensor import DTensor
 
         with _translate_faults(env, "gathering the FSDP state dict"):
             state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return dict(state) if env.is_main else {}
+        if not env.is_main:
+            return {}
+        # gathered shards are fresh tensors, but the tensors FSDP2 leaves whole (0-d logit_scale/logit_bias)
+        # come back as the live CPU parameters themselves: copy those
+        unmanaged = {key for key, value in model.state_dict().items() if not isinstance(value, DTensor)}
+        return {key: value.detach().to("cpu", copy=True) if key in unmanaged else value for key, value in state.items()}
     if not env.is_main:
         return {}
     return {key: value.detach().to("cpu", copy=True) for key, value in unwrap_model(model).state_dict().items()}
@@ -501,24 +507,40 @@ def full_optimizer_state_dict(
     for the unwrapped model; every rank must call it. FSDP2: gathered with `get_optimizer_state_dict`."""
     if _is_fsdp(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        from torch.distributed.tensor import DTensor
 
         with _translate_faults(env, "gathering the FSDP optimizer state"):
             state = get_optimizer_state_dict(
                 model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
             )
-        return dict(state) if env.is_main else {}
+        if not env.is_main:
+            return {}
+        # gathered shards are fresh tensors; CPU tensors that needed no gather (`step`, the states of the
+        # 0-d parameters) come back as the live ones, which the next step updates in place: copy those
+        live = {
+            value.data_ptr()
+            for param_state in optimizer.state.values()
+            for value in param_state.values()
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
+        }
+        return _copy_if(state, lambda t: t.data_ptr() in live)
     # DDP: every rank holds the same optimizer state (same averaged gradients, same steps); copy it,
     # since optimizer.state_dict() aliases the live tensors that the next step updates in place
     return _cpu_copy(optimizer.state_dict()) if env.is_main else {}
 
 
 def _cpu_copy(value: Any) -> Any:
+    return _copy_if(value, lambda _: True)
+
+
+def _copy_if(value: Any, should_copy: Callable[[torch.Tensor], bool]) -> Any:
+    """`value` (nested dicts/lists of tensors) with the tensors `should_copy` picks copied to CPU."""
     if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
+        return value.detach().to("cpu", copy=True) if should_copy(value) else value
     if isinstance(value, dict):
-        return {key: _cpu_copy(item) for key, item in value.items()}
+        return {key: _copy_if(item, should_copy) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_cpu_copy(item) for item in value)
+        return type(value)(_copy_if(item, should_copy) for item in value)
     return value
 
 
