@@ -57,7 +57,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--max-skipped-steps", type=int, default=_default("max_skipped_steps"),
                    help="stop after this many consecutive steps with a non-finite loss or gradient")
     r = parser.add_argument_group("run, logs and checkpoints")
-    r.add_argument("--logs", default=_default("logs"), help="runs go to {logs}/{name}/")
+    # --logs-dir: torchrun (torch >= 2.9) rejects `--logs` after the script as ambiguous with its --logs-specs
+    r.add_argument("--logs", "--logs-dir", dest="logs", default=_default("logs"),
+                   help="runs go to {logs}/{name}/ (under torchrun spell it --logs-dir)")
     r.add_argument("--name", default=None, help="run name (default: date, model, lr, precision)")
     r.add_argument("--save-frequency", type=int, default=_default("save_frequency"),
                    help="save a checkpoint every N epochs (0: never)")

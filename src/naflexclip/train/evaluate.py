@@ -32,8 +32,10 @@ def _features(model: nn.Module, loader: Iterable[dict[str, Any]], device: torch.
     for batch in loader:
         batch = to_device(batch, device)
         with autocast():
-            images.append(model.encode_image(batch["image"]).float().cpu())
-            texts.append(model.encode_text(batch["text"]).float().cpu())
+            # the model's forward, not encode_*: FSDP gathers root-level parameters only around forward
+            out = model(image=batch["image"], text=batch["text"])
+        images.append(out["image_features"].float().cpu())
+        texts.append(out["text_features"].float().cpu())
         if "labels" in batch:
             labels.append(batch["labels"])
     out: dict[str, Any] = {"image": F.normalize(torch.cat(images), dim=-1),
@@ -63,7 +65,7 @@ def _class_embeddings(model: nn.Module, attribute: str, context_length: int, dev
     rows = []
     for prompts in zero_shot_prompt_ensemble(attribute):
         with autocast():
-            features = model.encode_text(tokenize(prompts, context_length).to(device)).float()
+            features = model(text=tokenize(prompts, context_length).to(device))["text_features"].float()
         rows.append(F.normalize(F.normalize(features, dim=-1).mean(dim=0), dim=-1))
     return torch.stack(rows).cpu()
 
@@ -72,8 +74,8 @@ def _class_embeddings(model: nn.Module, attribute: str, context_length: int, dev
 def evaluate(model: nn.Module, data: DataConfig, device: torch.device,
              autocast: Callable[[], ContextManager[Any]], *, zero_shot_samples: int = 0) -> dict[str, float]:
     """Retrieval on the validation split (`val/...`) and, with `zero_shot_samples` > 0, zero-shot accuracy on
-    that many built-in single-object images (`zeroshot/{attribute}_top1`). `model` is the plain (unwrapped)
-    module; it is left in train mode."""
+    that many built-in single-object images (`zeroshot/{attribute}_top1`). `model`: the plain module,
+    or the FSDP-sharded one (then every rank must call this); it is left in train mode."""
     patch_size, context_length = model.image_patch_size, model.context_length
     model.eval()
     try:

@@ -300,7 +300,8 @@ class Trainer:
         if self.env.is_main or self.cfg.fsdp:
             # the zero-shot tasks are the built-in dataset's attributes: only a model trained on it knows them
             on_builtin = self.cfg.data.source("train") == ("synthetic", None)
-            metrics = evaluate(self.module, self.cfg.data, self.env.device, self.precision.autocast,
+            model = self.model if self.cfg.fsdp else self.module
+            metrics = evaluate(model, self.cfg.data, self.env.device, self.precision.autocast,
                                zero_shot_samples=self.cfg.zero_shot_samples if on_builtin else 0)
         if self.env.is_main and metrics:
             self.evals.append(metrics)
