@@ -26,6 +26,7 @@ import socket
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -92,13 +93,13 @@ def install_counters(counter: CommCounter) -> None:
 
 
 def counting_comm_hook(model: torch.nn.parallel.DistributedDataParallel, counter: CommCounter) -> None:
-    """DDP all-reduces gradient buckets in C++: count them through a comm hook (ring all-reduce bytes)."""
+    """DDP all-reduces gradient buckets from C++: label them `gradients` through a comm hook."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     def hook(state, bucket):  # noqa: ANN001, ANN202 - DDP checks the annotations it finds
+        # the default hook calls dist.all_reduce on the bucket, which the wrapper counts
         with counter.counting_as("gradients"):
-            counter.add(2 * (counter.world_size - 1) / counter.world_size * _nbytes(bucket.buffer()))
-        return allreduce_hook(state, bucket)
+            return allreduce_hook(state, bucket)
 
     model.register_comm_hook(None, hook)
 
@@ -120,7 +121,10 @@ def naive_window(model: Any, loss_fn: Any, microbatches: list[dict[str, Any]], c
             features = {key: torch.cat(all_gather(value)) for key, value in local.items()}
         loss = loss_fn(features["image_features"], features["text_features"], out["logit_scale"],
                        out.get("logit_bias"))
-        loss.backward()  # DDP all-reduces here, every microbatch (OpenCLIP uses no no_sync)
+        # the backward scatters the gathered features' gradients back to their ranks (`features`) and
+        # DDP all-reduces the parameter gradients, every microbatch (OpenCLIP uses no no_sync)
+        with counter.counting_as("features"):
+            loss.backward()
 
 
 class CountingExchange:
@@ -150,6 +154,8 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out_
     from naflexclip.verify import random_naflex_batch
     from naflexclip.window import accumulate_gradients
 
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
     env = init_distributed(device="cpu", timeout_s=300)
     counter = CommCounter(world_size)
     install_counters(counter)
@@ -221,6 +227,9 @@ def main() -> None:
         for row in rows:
             ours, naive = row["ours"], row["naive"]
             ours_total, naive_total = sum(ours["sent"].values()), sum(naive["sent"].values())
+            for name, stats in (("ours", ours), ("naive", naive)):
+                if "other" in stats["sent"]:  # every collective should be labelled
+                    print(f"warning: {name} sent {stats['sent']['other'] / 1e6:.3f} MB in unlabelled collectives")
             ours_parts = " ".join(_part(ours, key) for key in ("sizes", "features", "gradients"))
             naive_parts = " ".join(_part(naive, key) for key in ("features", "gradients"))
             print(f"{row['model']:6} {row['params'] / 1e6:7.2f}M {row['R']:>2} {row['n']:>2} {row['b']:>2} | "
