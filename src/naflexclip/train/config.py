@@ -36,7 +36,7 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.98
     eps: float = 1e-6
-    warmup: int = 30
+    warmup: int = 20
     epochs: int = 3
     precision: str = "fp32"
     grad_clip_norm: float | None = 1.0
@@ -50,7 +50,7 @@ class TrainConfig:
     report_to: str = ""
     log_every_n_steps: int = 1
     val_frequency: int = 1
-    zero_shot_samples: int = 400
+    zero_shot_samples: int = 300
     device: str | None = None
     max_skipped_steps: int = 10
     fsdp: bool = False
