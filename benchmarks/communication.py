@@ -68,15 +68,19 @@ def _nbytes(t: torch.Tensor) -> int:
 def install_counters(counter: CommCounter) -> None:
     """Wrap the Python-level collectives (the feature exchange and torch.distributed.nn use them)."""
     world = counter.world_size
-    original = {name: getattr(dist, name) for name in ("all_gather", "all_gather_into_tensor", "all_reduce", "scatter")}
+    names = ("all_gather", "all_gather_into_tensor", "all_gather_single", "all_reduce", "scatter")
+    original = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
 
     def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         counter.add((world - 1) * _nbytes(tensor))
         return original["all_gather"](tensor_list, tensor, *args, **kwargs)
 
-    def all_gather_into_tensor(out: torch.Tensor, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        counter.add((world - 1) * _nbytes(tensor))
-        return original["all_gather_into_tensor"](out, tensor, *args, **kwargs)
+    def gather_into(name: str) -> Any:
+        def all_gather_into(out: torch.Tensor, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            counter.add((world - 1) * _nbytes(tensor))
+            return original[name](out, tensor, *args, **kwargs)
+
+        return all_gather_into
 
     def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         counter.add(2 * (world - 1) / world * _nbytes(tensor))
@@ -88,7 +92,10 @@ def install_counters(counter: CommCounter) -> None:
             counter.add(sum(_nbytes(t) for t in scatter_list) * (world - 1) / world)
         return original["scatter"](tensor, scatter_list, *args, **kwargs)
 
-    dist.all_gather, dist.all_gather_into_tensor = all_gather, all_gather_into_tensor
+    dist.all_gather = all_gather
+    for name in ("all_gather_into_tensor", "all_gather_single"):
+        if name in original:
+            setattr(dist, name, gather_into(name))
     dist.all_reduce, dist.scatter = all_reduce, scatter
 
 

@@ -283,7 +283,9 @@ class ProcessGroupExchange:
 def _all_gather_tensor(env: DistributedEnv, tensor: torch.Tensor) -> torch.Tensor:
     """`[world_size * rows, ...]`: every rank's equal-shaped tensor, in rank order."""
     out = tensor.new_empty((env.world_size * tensor.shape[0], *tensor.shape[1:]))
-    dist.all_gather_into_tensor(out, tensor)
+    # torch ≥ 2.14 renames all_gather_into_tensor (and warns on the old name)
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    all_gather(out, tensor)
     return out
 
 
