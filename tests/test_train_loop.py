@@ -140,3 +140,20 @@ def test_too_many_consecutive_skips_stop_the_run(tmp_path: Path) -> None:
     with pytest.raises(TrainingStopped, match=r"2 consecutive steps.*--max-skipped-steps 2"):
         trainer.train_epoch()
     assert trainer.progress.step == 2 and trainer.progress.num_skipped_steps == 2
+
+
+def test_amp_bf16_step_on_cpu(tmp_path: Path) -> None:
+    trainer = Trainer(tiny_config(tmp_path, precision="amp_bf16", grad_clip_norm=0.5), init_distributed("cpu"))
+    before = trainer.module.image_projection.weight.detach().clone()
+    result = trainer.train_step(next(windows(trainer.loader, 2)))
+    assert not result.skipped and math.isfinite(result.stats.loss) and result.grad_norm > 0
+    assert trainer.module.image_projection.weight.dtype == torch.float32  # autocast, not a bf16 model
+    assert not torch.equal(before, trainer.module.image_projection.weight)
+
+
+def test_amp_needs_cuda(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("fp16 amp is valid on CUDA")
+    assert main(["train", "--model", "tiny", "--precision", "amp", "--device", "cpu", "--logs", str(tmp_path),
+                 *TINY_DATA_FLAGS]) == 2
+    assert "--precision amp" in capsys.readouterr().err
