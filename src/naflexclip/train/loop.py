@@ -30,8 +30,10 @@ from naflexclip.distributed import (
     check_consistency,
     cleanup,
     fault_guard,
+    full_optimizer_state_dict,
     full_state_dict,
     init_distributed,
+    load_full_optimizer_state_dict,
     load_full_state_dict,
     no_sync_context,
     unwrap_model,
@@ -332,7 +334,7 @@ class Trainer:
         return {
             "config": self.cfg.to_dict(),
             "progress": asdict(self.progress),
-            "optimizer": self._optimizer_state(),
+            "optimizer": full_optimizer_state_dict(self.model, self.optimizer, self.env),
             "schedule": self.schedule.state_dict(),
             "grad_scaler": scaler.state_dict() if scaler is not None else None,
             "rng": ckpt.rng_state(),
@@ -340,14 +342,6 @@ class Trainer:
                      "skip_counts": dict(self.loader.skip_counts)},
             "world_size": self.env.world_size,
         }
-
-    def _optimizer_state(self) -> dict[str, Any]:
-        if self.cfg.fsdp:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-            return get_optimizer_state_dict(self.model, self.optimizer,
-                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return self.optimizer.state_dict()
 
     def save(self, name: str) -> None:
         """Gather (every rank) and write (main rank) one checkpoint."""
@@ -376,13 +370,7 @@ class Trainer:
 
     def load_train_state(self, model_state: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
         load_full_state_dict(self.model, model_state, self.env)
-        if self.cfg.fsdp:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
-                                     options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
-        else:
-            self.optimizer.load_state_dict(state["optimizer"])
+        load_full_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], self.env)
         self.schedule.load_state_dict(state["schedule"])
         if self.precision.scaler is not None and state["grad_scaler"]:
             self.precision.scaler.load_state_dict(state["grad_scaler"])
