@@ -2,8 +2,9 @@
 
 For each configuration it runs, side by side on one model and one batch: one full-batch
 forward/backward of N examples (the baseline), and the `cache` and `replay` windows over the same N
-split into n = 2, 4, 8 microbatches. Each measurement runs in a fresh subprocess so peak memory
-(CUDA: max allocated; CPU: peak RSS growth over the process's state before the step) is its own.
+split into n = 2, 4, 8 microbatches. Times come from one process in which the variants alternate round
+by round (median per variant); peak memory from a fresh process per variant (CUDA: max allocated;
+CPU: peak RSS growth over the state before the step, .grad buffers included).
 It prints seconds per window, peak memory, and the ratios against the full batch and cache/replay.
 
     python benchmarks/window.py                       # both default configurations
@@ -17,6 +18,7 @@ import multiprocessing as mp
 import resource
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -29,50 +31,74 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def _measure(config: dict, queue: mp.Queue) -> None:
+def _setup(config: dict) -> tuple[Callable[[str, int], None], torch.device]:
+    """Model, batch and a `step(method, n)` closure over them."""
     torch.manual_seed(0)
     torch.set_num_threads(config["threads"])
     device = torch.device(config["device"])
     model = create_model(config["model"]).to(device).train()
     loss_fn = create_loss(False)
-    seq_lens = tuple(config["seq_lens"])
     batch = random_naflex_batch(
         config["num_examples"], patch_size=model.image_patch_size, context_length=model.context_length,
-        seq_lens=seq_lens, generator=torch.Generator().manual_seed(0), dtype=torch.float32,
+        seq_lens=tuple(config["seq_lens"]), generator=torch.Generator().manual_seed(0), dtype=torch.float32,
     )
-    n = config["num_microbatches"]
-    sizes = [len(part) for part in torch.arange(config["num_examples"]).tensor_split(n)]
-    microbatches = [to_device(mb, device) for mb in split_batch(batch, sizes)]
     full = to_device(batch, device)
+    splits: dict[int, list[dict]] = {}
+    for n in config["splits"]:
+        sizes = [len(part) for part in torch.arange(config["num_examples"]).tensor_split(n)]
+        splits[n] = [to_device(mb, device) for mb in split_batch(batch, sizes)]
 
-    def step() -> None:
+    def step(method: str, n: int) -> None:
         model.zero_grad(set_to_none=False)
-        if config["method"] == "full":
+        if method == "full":
             out = model(image=full["image"], text=full["text"])
             loss_fn(out["image_features"], out["text_features"], out["logit_scale"]).backward()
         else:
-            accumulate_gradients(model, loss_fn, microbatches, method=config["method"])
+            accumulate_gradients(model, loss_fn, splits[n], method=method)
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    step()  # warm-up: allocator, kernels, .grad buffers
+    return step, device
+
+
+def _variants(config: dict) -> list[tuple[str, int]]:
+    return [("full", 1)] + [(method, n) for n in config["splits"] for method in ("cache", "replay")]
+
+
+def _time_all(config: dict, queue: mp.Queue) -> None:
+    """Median seconds per window of every variant; the variants alternate within each round, so a
+    change in machine load hits them all alike."""
+    step, _ = _setup(config)
+    variants = _variants(config)
+    for variant in variants:
+        step(*variant)  # warm-up
+    times: dict[tuple[str, int], list[float]] = {v: [] for v in variants}
+    for _ in range(config["repeats"]):
+        for variant in variants:
+            start = time.perf_counter()
+            step(*variant)
+            times[variant].append(time.perf_counter() - start)
+    queue.put({v: statistics.median(t) for v, t in times.items()})
+
+
+def _peak_memory(config: dict, variant: tuple[str, int], queue: mp.Queue) -> None:
+    """Peak memory of one step over the state before it (model, batch); .grad buffers included."""
+    step, device = _setup(config)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    base_rss = _peak_rss_bytes()
-    times = []
-    for _ in range(config["repeats"]):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    peak = (torch.cuda.max_memory_allocated() - base) if device.type == "cuda" else _peak_rss_bytes() - base_rss
-    queue.put((statistics.median(times), peak))
+        step(*variant)
+        queue.put(torch.cuda.max_memory_allocated() - base)
+    else:
+        base = _peak_rss_bytes()
+        step(*variant)
+        queue.put(_peak_rss_bytes() - base)
 
 
-def measure(config: dict) -> tuple[float, int]:
+def _in_subprocess(target: Callable[..., None], *args: object) -> object:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_measure, args=(config, queue))
+    proc = ctx.Process(target=target, args=(*args, queue))
     proc.start()
     result = queue.get()
     proc.join()
@@ -80,18 +106,20 @@ def measure(config: dict) -> tuple[float, int]:
 
 
 def run_configuration(args: argparse.Namespace, model: str, num_examples: int, seq_lens: list[int]) -> list[str]:
-    base = dict(model=model, num_examples=num_examples, seq_lens=seq_lens, device=args.device,
-                repeats=args.repeats, threads=args.threads)
-    full_time, full_mem = measure({**base, "method": "full", "num_microbatches": 1})
-    rows = [f"\n### {model}, N = {num_examples}, seq lens {seq_lens}, {args.device}",
+    config = dict(model=model, num_examples=num_examples, seq_lens=seq_lens, device=args.device,
+                  repeats=args.repeats, threads=args.threads, splits=args.splits)
+    seconds = _in_subprocess(_time_all, config)
+    memory = {v: _in_subprocess(_peak_memory, config, v) for v in _variants(config)}
+    full_time, full_mem = seconds[("full", 1)], memory[("full", 1)]
+    rows = [f"\n### {model}, N = {num_examples}, seq lens {seq_lens}, {args.device}, median of {args.repeats}",
             "| step | s / window | × full batch | peak memory (MiB) | × full batch | cache ÷ replay time |",
             "| --- | --- | --- | --- | --- | --- |",
             f"| full batch N={num_examples} | {full_time:.3f} | 1.00 | {full_mem / 2**20:.0f} | 1.00 | |"]
     for n in args.splits:
-        results = {m: measure({**base, "method": m, "num_microbatches": n}) for m in ("cache", "replay")}
-        for method, (seconds, mem) in results.items():
-            versus = f"{results['cache'][0] / results['replay'][0]:.2f}" if method == "cache" else ""
-            rows.append(f"| {method} n={n} | {seconds:.3f} | {seconds / full_time:.2f} | {mem / 2**20:.0f} | "
+        for method in ("cache", "replay"):
+            t, mem = seconds[(method, n)], memory[(method, n)]
+            versus = f"{seconds[('cache', n)] / seconds[('replay', n)]:.2f}" if method == "cache" else ""
+            rows.append(f"| {method} n={n} | {t:.3f} | {t / full_time:.2f} | {mem / 2**20:.0f} | "
                         f"{mem / max(full_mem, 1):.2f} | {versus} |")
     return rows
 
