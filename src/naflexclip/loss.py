@@ -11,6 +11,17 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def pairwise_logits(
+    image_features: torch.Tensor,
+    text_features: torch.Tensor,
+    logit_scale: torch.Tensor,
+    logit_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`[N, N]` logits, row i = image i against every text: `t · ⟨x_i, y_j⟩ (+ b)`."""
+    logits = logit_scale * image_features @ text_features.T
+    return logits if logit_bias is None else logits + logit_bias
+
+
 class ClipLoss(nn.Module):
     """Mean of image→text and text→image cross-entropy over `N` pairs (Radford et al. 2021)."""
 
@@ -22,9 +33,7 @@ class ClipLoss(nn.Module):
         logit_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """image_features, text_features: `[N, D]`; logit_scale: exponentiated scalar → scalar loss."""
-        logits_per_image = logit_scale * image_features @ text_features.T
-        if logit_bias is not None:
-            logits_per_image = logits_per_image + logit_bias
+        logits_per_image = pairwise_logits(image_features, text_features, logit_scale, logit_bias)
         labels = torch.arange(logits_per_image.shape[0], device=logits_per_image.device)
         return (F.cross_entropy(logits_per_image, labels) + F.cross_entropy(logits_per_image.T, labels)) / 2
 
@@ -40,9 +49,7 @@ class SigLipLoss(nn.Module):
         logit_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """image_features, text_features: `[N, D]`; logit_scale exponentiated; logit_bias scalar."""
-        logits = logit_scale * image_features @ text_features.T
-        if logit_bias is not None:
-            logits = logits + logit_bias
+        logits = pairwise_logits(image_features, text_features, logit_scale, logit_bias)
         num_pairs = logits.shape[0]
         # +1 on the diagonal (matching pairs), -1 everywhere else
         labels = 2 * torch.eye(num_pairs, device=logits.device, dtype=logits.dtype) - 1
