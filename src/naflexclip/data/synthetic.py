@@ -2,8 +2,9 @@
 
 Each image holds 1-3 objects, each with a shape (8 kinds), a colour (10), a size (small/large)
 and a slot along the image's long side, over a plain, gradient, striped or noisy grey-toned
-background. Widths and heights are drawn log-uniformly from 48-512 px with aspect ratio in
-[1/4, 4]. Captions come from several templates that name every object with its size, colour
+background. Sides lie in 48-512 px; the aspect ratio (up to 4:1 either way) is about the object
+count, so each object gets a roughly square slot and stays a few patches wide at short NaFlex
+sequence lengths. Captions come from several templates that name every object with its size, colour
 and shape, so retrieval among images that share colours or shapes needs the attributes bound
 to the right object. Splits use separate seed streams ("train", "val", "zeroshot"), so their
 samples never coincide. Nothing is downloaded: an image is drawn when it is indexed.
@@ -58,11 +59,15 @@ def _rng(seed: int, split: str, index: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([seed & 0xFFFFFFFF, SPLIT_STREAMS[split], index]))
 
 
-def _image_size(rng: np.random.Generator) -> tuple[int, int]:
-    log_lo, log_hi = np.log(MIN_SIDE), np.log(MAX_SIDE)
-    width = float(np.exp(rng.uniform(log_lo, log_hi)))
-    height = float(np.exp(rng.uniform(log_lo, log_hi)))
-    height = min(max(height, width / MAX_ASPECT), width * MAX_ASPECT)  # aspect in [1/4, 4]
+def _image_size(rng: np.random.Generator, num_objects: int = 1) -> tuple[int, int]:
+    """(width, height): about `num_objects`:1 along the long side (within a factor of 2, capped at
+    MAX_ASPECT), so each object's slot is roughly square and the objects stay several patches wide
+    once NaFlex fits the image into a short sequence; the short side is log-uniform, orientation random."""
+    ratio = num_objects * float(np.exp(rng.uniform(-np.log(2.0), np.log(2.0))))
+    ratio = min(max(ratio, 1.0 / ratio), MAX_ASPECT)  # long / short, in [1, MAX_ASPECT]
+    short = float(np.exp(rng.uniform(np.log(MIN_SIDE), np.log(MAX_SIDE / ratio))))
+    long = short * ratio
+    width, height = (long, short) if rng.random() < 0.5 else (short, long)
     return int(round(width)), int(round(height))
 
 
@@ -123,7 +128,7 @@ def render_scene(
     rng: np.random.Generator, num_objects: int, size: tuple[int, int] | None = None
 ) -> tuple[Image.Image, list[SceneObject], str, bool]:
     """Draw `num_objects` random objects; returns (image, objects in slot order, background word, wide)."""
-    width, height = size or _image_size(rng)
+    width, height = size or _image_size(rng, num_objects)
     canvas, background = _background(rng, width, height)
     img = Image.fromarray(canvas, "RGB")
     draw = ImageDraw.Draw(img)
@@ -134,7 +139,7 @@ def render_scene(
     objects = []
     for k in range(num_objects):
         obj = SceneObject(int(rng.integers(len(SHAPES))), int(rng.integers(len(COLOURS))), int(rng.integers(2)))
-        frac = rng.uniform(0.32, 0.45) if obj.size == 0 else rng.uniform(0.7, 0.95)
+        frac = rng.uniform(0.45, 0.6) if obj.size == 0 else rng.uniform(0.8, 0.98)
         r = 0.5 * frac * cell
         along = slot * k + slot / 2 + rng.uniform(-1, 1) * max(0.0, slot / 2 - r)
         across = short_side / 2 + rng.uniform(-1, 1) * max(0.0, short_side / 2 - r)
