@@ -64,7 +64,9 @@ PRESETS: dict[str, ModelConfig] = {
     ),
     "small": ModelConfig(
         embed_dim=128,
-        image=ImageTowerConfig(patch_size=16, width=128, depth=4, heads=4, global_pool="avg",
+        # max pooling: with avg the few object tokens are diluted by the background and a supervised shape
+        # probe stays at chance (0.13-0.16 after 300 steps with avg or map, 0.63 with max)
+        image=ImageTowerConfig(patch_size=16, width=128, depth=4, heads=4, global_pool="max",
                                pos_embed_grid_size=(16, 16)),
         text=TextTowerConfig(context_length=32, width=128, heads=4, layers=4),
     ),
