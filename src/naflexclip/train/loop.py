@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from naflexclip.batch import to_device
+from naflexclip.batch import is_naflex, to_device
 from naflexclip.data import build_loader
 from naflexclip.distributed import (
     DistributedEnv,
@@ -107,9 +107,8 @@ def windows(loader: Any, accum_freq: int) -> Iterator[list[dict[str, Any]]]:
 
 def _token_counts(microbatches: list[dict[str, Any]]) -> tuple[int, int]:
     """(valid image patches, padded patch slots) of a rank's window."""
-    valid = sum(int(mb["image"]["patch_valid"].sum()) for mb in microbatches if isinstance(mb["image"], dict))
-    slots = sum(mb["image"]["patch_valid"].numel() for mb in microbatches if isinstance(mb["image"], dict))
-    return valid, slots
+    masks = [mb["image"]["patch_valid"] for mb in microbatches if is_naflex(mb["image"])]
+    return sum(int(mask.sum()) for mask in masks), sum(mask.numel() for mask in masks)
 
 
 class Trainer:
