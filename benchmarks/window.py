@@ -24,6 +24,7 @@ import torch
 
 from naflexclip import accumulate_gradients, create_loss, create_model
 from naflexclip.batch import split_batch, to_device
+from naflexclip.train.precision import create_precision
 from naflexclip.verify import random_naflex_batch
 
 
@@ -43,6 +44,7 @@ def _setup(config: dict) -> tuple[Callable[[str, int], None], torch.device]:
         seq_lens=tuple(config["seq_lens"]), generator=torch.Generator().manual_seed(0), dtype=torch.float32,
     )
     full = to_device(batch, device)
+    autocast = create_precision(config["precision"], device).autocast
     splits: dict[int, list[dict]] = {}
     for n in config["splits"]:
         sizes = [len(part) for part in torch.arange(config["num_examples"]).tensor_split(n)]
@@ -51,10 +53,12 @@ def _setup(config: dict) -> tuple[Callable[[str, int], None], torch.device]:
     def step(method: str, n: int) -> None:
         model.zero_grad(set_to_none=False)
         if method == "full":
-            out = model(image=full["image"], text=full["text"])
-            loss_fn(out["image_features"], out["text_features"], out["logit_scale"]).backward()
+            with autocast():
+                out = model(image=full["image"], text=full["text"])
+            features = {k: v.float() for k, v in out.items()}  # the loss runs in fp32, as in the window
+            loss_fn(features["image_features"], features["text_features"], features["logit_scale"]).backward()
         else:
-            accumulate_gradients(model, loss_fn, splits[n], method=method)
+            accumulate_gradients(model, loss_fn, splits[n], method=method, autocast=autocast)
         if device.type == "cuda":
             torch.cuda.synchronize()
 
@@ -107,11 +111,12 @@ def _in_subprocess(target: Callable[..., None], *args: object) -> object:
 
 def run_configuration(args: argparse.Namespace, model: str, num_examples: int, seq_lens: list[int]) -> list[str]:
     config = dict(model=model, num_examples=num_examples, seq_lens=seq_lens, device=args.device,
-                  repeats=args.repeats, threads=args.threads, splits=args.splits)
+                  repeats=args.repeats, threads=args.threads, splits=args.splits, precision=args.precision)
     seconds = _in_subprocess(_time_all, config)
     memory = {v: _in_subprocess(_peak_memory, config, v) for v in _variants(config)}
     full_time, full_mem = seconds[("full", 1)], memory[("full", 1)]
-    rows = [f"\n### {model}, N = {num_examples}, seq lens {seq_lens}, {args.device}, median of {args.repeats}",
+    rows = [f"\n### {model}, N = {num_examples}, seq lens {seq_lens}, {args.device}, {args.precision}, "
+            f"median of {args.repeats}",
             "| step | s / window | × full batch | peak memory (MiB) | × full batch | cache ÷ replay time |",
             "| --- | --- | --- | --- | --- | --- |",
             f"| full batch N={num_examples} | {full_time:.3f} | 1.00 | {full_mem / 2**20:.0f} | 1.00 | |"]
@@ -133,6 +138,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "amp_bf16", "amp"),
+                        help="as `naflexclip train --precision` (autocast of the tower forwards)")
     args = parser.parse_args()
     if args.model:
         configurations = [(args.model, args.num_examples or 128, args.seq_lens or [16, 36, 64])]

@@ -4,10 +4,13 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from window_cases import naflex_window, tiny_model
 
-from naflexclip import create_model
+from naflexclip import create_loss, create_model
 from naflexclip.batch import concat_microbatches
+from naflexclip.data import tokenize
+from naflexclip.verify import verify_window
 
 
 def test_output_dict_and_attributes():
@@ -57,3 +60,28 @@ def test_unknown_preset_and_override_name_the_value():
         create_model("huge")
     with pytest.raises(ValueError, match="'widht'"):
         create_model("tiny", widht=3)
+
+
+def test_text_mean_pool_averages_the_caption_not_its_padding():
+    model = create_model("tiny", pool_type="mean", ls_init_value=1e-4).double()
+    text = tokenize(["a red circle.", "a photo of a large blue star and a small ring."], model.context_length)
+    per_token = model.text(text)  # pool "none": every position's projection, [B, T, D]
+    features = model.encode_text(text)
+    for row, ids, got in zip(per_token, text, features, strict=True):
+        length = int((ids != 0).sum())  # start, words, end-of-text
+        assert length < model.context_length  # padding is there to be left out
+        assert torch.allclose(got, F.normalize(row[:length].mean(dim=0), dim=-1), rtol=0, atol=1e-12)
+    assert model.text_pool_type == "mean" and create_model("tiny").text_pool_type == "argmax"
+
+
+def test_window_is_exact_with_the_mean_pooled_layerscale_text_tower():
+    torch.manual_seed(0)
+    model = create_model("tiny", pool_type="mean", ls_init_value=1e-4).double().eval()
+    result = verify_window(model, create_loss(False), naflex_window(9), accum_freq=3, reference_batch_size=3,
+                           loss_scale="linear", methods=("cache", "replay"), num_splits=2, seed=0)
+    assert result.passed and max(g.legacy_error for g in result.groups) > 1e-2
+
+
+def test_unknown_text_pool_type_names_the_value():
+    with pytest.raises(ValueError, match="'avg'"):
+        create_model("tiny", pool_type="avg")

@@ -22,6 +22,7 @@ from torch import nn
 
 VOCAB_SIZE = 49408  # open_clip's SimpleTokenizer vocabulary (shipped in its wheel)
 MAX_LOGIT_SCALE = math.log(100.0)
+TEXT_POOL_TYPES = ("argmax", "first", "last", "mean")
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,9 @@ class TextTowerConfig:
     width: int = 512
     heads: int = 8
     layers: int = 12
+    # open_clip's pool types ("argmax": the end-of-text token), or "mean" over the caption's tokens
+    pool_type: str = "argmax"
+    ls_init_value: float | None = None  # LayerScale on the residual branches (open_clip's name)
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,11 @@ PRESETS: dict[str, ModelConfig] = {
         # probe stays at chance (0.13-0.16 after 300 steps with avg or map, 0.63 with max)
         image=ImageTowerConfig(patch_size=16, width=128, depth=4, heads=4, global_pool="max",
                                pos_embed_grid_size=(16, 16)),
-        text=TextTowerConfig(context_length=32, width=128, heads=4, layers=4),
+        # mean pooling + LayerScale (near-identity blocks at init) keep a bag-of-words path from every word to
+        # the output: with EOT pooling, attention learns to read only the colour words within ~50 steps (colour
+        # alone matches most pairs) and shape words lose their gradient; zero-shot shape then stays at chance
+        text=TextTowerConfig(context_length=32, width=128, heads=4, layers=4, pool_type="mean",
+                             ls_init_value=1e-4),
     ),
     "base": ModelConfig(
         embed_dim=512,
@@ -109,6 +117,8 @@ class NaFlexClip(nn.Module):
         )
         self.image_projection = nn.Linear(img.width, config.embed_dim, bias=False)
         txt = config.text
+        if txt.pool_type not in TEXT_POOL_TYPES:
+            raise ValueError(f"text pool_type must be one of {TEXT_POOL_TYPES}, got {txt.pool_type!r}")
         self.text = TextTransformer(
             context_length=txt.context_length,
             vocab_size=VOCAB_SIZE,
@@ -116,7 +126,11 @@ class NaFlexClip(nn.Module):
             heads=txt.heads,
             layers=txt.layers,
             output_dim=config.embed_dim,
+            ls_init_value=txt.ls_init_value,
+            # "none" returns every token's projection; encode_text averages the caption's own tokens
+            pool_type="none" if txt.pool_type == "mean" else txt.pool_type,
         )
+        self.text_pool_type = txt.pool_type
         self.image_patch_size = img.patch_size
         self.context_length = txt.context_length
         self.vocab_size = VOCAB_SIZE
@@ -139,6 +153,10 @@ class NaFlexClip(nn.Module):
     def encode_text(self, text: torch.Tensor, normalize: bool = True) -> torch.Tensor:
         """text: token ids `[B, T]` → features `[B, embed_dim]`."""
         features = self.text(text)
+        if self.text_pool_type == "mean":
+            # start, words and end-of-text; not the padding after it
+            valid = (text != self.text.pad_id).unsqueeze(-1).to(features.dtype)
+            features = (features * valid).sum(dim=1) / valid.sum(dim=1).clamp(min=1)
         return F.normalize(features, dim=-1) if normalize else features
 
     def forward(
