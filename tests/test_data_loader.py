@@ -169,3 +169,31 @@ def test_tokenize_uses_open_clip_vocab():
     assert tokens[0, 0] == 49406 and 49407 in tokens[0].tolist()  # <start_of_text> ... <end_of_text>
     assert tokens[1, -1] == 49407  # truncated, still ends with EOT
     assert int(tokens.max()) < 49408
+
+
+def test_shape_groups_differ_only_in_their_shapes():
+    for group in range(6):
+        members = [synthetic_sample(0, "train", 3 * group + j, shape_group_size=3) for j in range(3)]
+        sizes = {img.size for img, _ in members}
+        assert len(sizes) == 1  # same canvas, so same aspect and sequence layout
+        masked = []
+        for _, caption in members:
+            for shape in SHAPES:
+                caption = caption.replace(shape, "<shape>")
+            masked.append(caption)
+        assert len(set(masked)) == 1, masked  # same template, colours, sizes and order
+        slots = [[s for s in caption.split() if s.strip(".,") in SHAPES] for _, caption in members]
+        for slot in zip(*slots, strict=True):  # every object slot has a different shape in each member
+            assert len(set(slot)) == 3
+        assert len({img.tobytes() for img, _ in members}) == 3
+    assert synthetic_sample(0, "train", 7, shape_group_size=1)[1] == synthetic_sample(0, "train", 7)[1]
+
+
+def test_shape_groups_reach_the_loader_together_in_train_only():
+    cfg = small_cfg(synthetic_shape_group_size=2, synthetic_train_size=40)
+    loader = build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT)
+    flat = [i for batch in iter_epoch_indices(loader) for i in batch]
+    assert sorted(flat) == list(range(40))
+    assert all(flat[k] // 2 == flat[k + 1] // 2 for k in range(0, 40, 2))
+    val = build_loader(cfg, split="val", patch_size=PATCH, context_length=CONTEXT)
+    assert val.source.group_size == 1

@@ -106,6 +106,8 @@ def test_epoch_permutation_changes_with_epoch_but_not_rank_view():
         ({"dataset_type": "csv"}, "--dataset-type"),
         ({"workers": -1}, "--workers"),
         ({"train_num_samples": 0}, "--train-num-samples"),
+        ({"synthetic_shape_group_size": 9}, "--synthetic-shape-group-size must be in \\[1, 8\\], got 9"),
+        ({"synthetic_shape_group_size": 0}, "--synthetic-shape-group-size"),
     ],
 )
 def test_config_errors_name_the_flag(kwargs, flag):
@@ -129,3 +131,24 @@ def test_flags_map_onto_config():
     assert cfg.source("val") is None
     assert DataConfig().source("val") == ("synthetic", None)
     assert DataConfig(train_data="x/train.csv").source("train") == ("csv", "x/train.csv")
+
+
+@pytest.mark.parametrize(("num_samples", "group_size"), [(12, 2), (11, 3), (40, 4)])
+def test_grouped_order_shuffles_whole_groups_and_keeps_each_together(num_samples, group_size):
+    order = rank_sample_order(num_samples, rank=0, world_size=1, seed=3, epoch=1, shuffle=True, group_size=group_size)
+    assert sorted(order.tolist()) == list(range(num_samples))  # a permutation: nothing lost or repeated
+    starts = [i for i, index in enumerate(order) if index % group_size == 0]
+    for start in starts:  # each group's members follow its first, in order
+        group = order[start] // group_size
+        members = [m for m in range(group * group_size, min((group + 1) * group_size, num_samples))]
+        assert order[start:start + len(members)].tolist() == members
+    assert order[0] != 0 or order[group_size] != group_size  # groups are shuffled
+    plain = rank_sample_order(num_samples, rank=0, world_size=1, seed=3, epoch=1, shuffle=True)
+    assert not all(abs(int(a) - int(b)) == 1 for a, b in zip(plain[::2], plain[1::2], strict=False))
+
+
+def test_group_size_one_keeps_the_ungrouped_order():
+    assert np.array_equal(
+        rank_sample_order(50, rank=1, world_size=2, seed=0, epoch=2, shuffle=True, group_size=1),
+        rank_sample_order(50, rank=1, world_size=2, seed=0, epoch=2, shuffle=True),
+    )

@@ -39,6 +39,7 @@ class DataConfig:
     seed: int = 0
     synthetic_seed: int = 0
     synthetic_train_size: int = 4096
+    synthetic_shape_group_size: int = 1
     synthetic_val_size: int = 512
     train_num_samples: int | None = None
     val_num_samples: int | None = None
@@ -78,6 +79,8 @@ class DataConfig:
         for name in ("synthetic_train_size", "synthetic_val_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not 1 <= self.synthetic_shape_group_size <= 8:  # at most one group member per shape
+            raise ValueError(f"--synthetic-shape-group-size must be in [1, 8], got {self.synthetic_shape_group_size}")
         for name in ("train_num_samples", "val_num_samples"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -136,6 +139,9 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--shuffle-buffer", type=int, default=1000, help="webdataset shuffle buffer (samples)")
     group.add_argument("--synthetic-train-size", type=int, default=4096)
     group.add_argument("--synthetic-val-size", type=int, default=512)
+    group.add_argument("--synthetic-shape-group-size", type=int, default=1,
+                       help="built-in train data in groups of N scenes that differ only in their shapes "
+                            "(hard negatives within a window; 1-8)")
     group.add_argument("--synthetic-seed", type=int, default=0,
                        help="seed of the built-in dataset's content (independent of --seed)")
     group.add_argument("--augment", action="store_true",
@@ -160,6 +166,7 @@ def data_config_from_args(args: argparse.Namespace) -> DataConfig:
         seed=args.seed,
         synthetic_seed=args.synthetic_seed,
         synthetic_train_size=args.synthetic_train_size,
+        synthetic_shape_group_size=args.synthetic_shape_group_size,
         synthetic_val_size=args.synthetic_val_size,
         train_num_samples=args.train_num_samples,
         val_num_samples=args.val_num_samples,

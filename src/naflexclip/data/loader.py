@@ -263,7 +263,7 @@ class NaFlexLoader:
         if self.source is not None:
             self.order = rank_sample_order(
                 self.num_source_samples, rank=self.rank, world_size=self.world_size,
-                seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+                seed=self.seed, epoch=epoch, shuffle=self.shuffle, group_size=getattr(self.source, "group_size", 1),
             )
 
     @property
@@ -352,7 +352,8 @@ def _source_for(cfg: DataConfig, split: str) -> tuple[Any, list[str] | None, str
     kind, path = resolved
     if kind == "synthetic":
         size = cfg.synthetic_train_size if split == "train" else cfg.synthetic_val_size
-        source = SyntheticSource(cfg.synthetic_seed, split, size)
+        group_size = cfg.synthetic_shape_group_size if split == "train" else 1
+        source = SyntheticSource(cfg.synthetic_seed, split, size, group_size)
         return source, None, source.name, size
     assert path is not None
     if kind == "csv":

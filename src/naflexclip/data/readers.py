@@ -43,17 +43,20 @@ class RawSample:
 
 
 class SyntheticSource:
-    """The built-in dataset's `split` ("train"/"val") as a map-style source of `size` samples."""
+    """The built-in dataset's `split` ("train"/"val") as a map-style source of `size` samples.
 
-    def __init__(self, seed: int, split: str, size: int) -> None:
-        self.seed, self.split, self.size = seed, split, size
+    `group_size` > 1: scenes come in shape groups of that many consecutive indices, which the loader's
+    shuffle keeps together (see `synthetic_sample`)."""
+
+    def __init__(self, seed: int, split: str, size: int, group_size: int = 1) -> None:
+        self.seed, self.split, self.size, self.group_size = seed, split, size, group_size
         self.name = f"synthetic:{split}[{size}]"
 
     def __len__(self) -> int:
         return self.size
 
     def load(self, index: int) -> RawSample:
-        img, caption = synthetic_sample(self.seed, self.split, index)
+        img, caption = synthetic_sample(self.seed, self.split, index, self.group_size)
         return RawSample(img, caption, None, str(index))
 
 

@@ -81,16 +81,27 @@ def build_schedule(
 
 
 def rank_sample_order(
-    num_samples: int, *, rank: int, world_size: int, seed: int, epoch: int, shuffle: bool
+    num_samples: int, *, rank: int, world_size: int, seed: int, epoch: int, shuffle: bool, group_size: int = 1
 ) -> np.ndarray:
     """Dataset indices this rank reads this epoch, in order (int64, length ceil(N / world_size)).
 
     One permutation of all N indices (same on every rank: it depends on seed and epoch only),
-    padded by wrapping to a multiple of world_size, then strided by rank.
+    padded by wrapping to a multiple of world_size, then strided by rank. `group_size` > 1 shuffles
+    groups of that many consecutive indices and keeps each group's indices next to each other, so a
+    group lands in one window (across ranks when strided: the window is global).
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    order = _rng(seed, epoch, 0x5A3).permutation(num_samples) if shuffle else np.arange(num_samples)
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if not shuffle:
+        order = np.arange(num_samples)
+    elif group_size == 1:
+        order = _rng(seed, epoch, 0x5A3).permutation(num_samples)
+    else:
+        groups = _rng(seed, epoch, 0x5A3).permutation(-(-num_samples // group_size))
+        order = (groups[:, None] * group_size + np.arange(group_size)).ravel()
+        order = order[order < num_samples]
     per_rank = samples_per_rank(num_samples, world_size)
     pad = per_rank * world_size - num_samples
     if pad:

@@ -8,6 +8,12 @@ sequence lengths. Captions come from several templates that name every object wi
 and shape, so retrieval among images that share colours or shapes needs the attributes bound
 to the right object. Splits use separate seed streams ("train", "val", "zeroshot"), so their
 samples never coincide. Nothing is downloaded: an image is drawn when it is indexed.
+
+Shape groups (`shape_group_size` k > 1): consecutive indices come in groups of k scenes that are the same
+in everything (size, background, object count, colours, sizes, places, caption template) except their
+shapes, which differ at every object slot. Trained on in one window, a group is a set of hard negatives
+that only shape tells apart; without them colour alone matches nearly every pair in a window, and the
+model never needs shape.
 """
 
 from __future__ import annotations
@@ -125,9 +131,13 @@ def _join(phrases: list[str]) -> str:
 
 
 def render_scene(
-    rng: np.random.Generator, num_objects: int, size: tuple[int, int] | None = None
+    rng: np.random.Generator, num_objects: int, size: tuple[int, int] | None = None,
+    shapes: list[int] | None = None,
 ) -> tuple[Image.Image, list[SceneObject], str, bool]:
-    """Draw `num_objects` random objects; returns (image, objects in slot order, background word, wide)."""
+    """Draw `num_objects` random objects; returns (image, objects in slot order, background word, wide).
+
+    `shapes`: the shape of each slot instead of the drawn one (the rng stream, and so everything else
+    about the scene, is the same either way)."""
     width, height = size or _image_size(rng, num_objects)
     canvas, background = _background(rng, width, height)
     img = Image.fromarray(canvas, "RGB")
@@ -139,6 +149,8 @@ def render_scene(
     objects = []
     for k in range(num_objects):
         obj = SceneObject(int(rng.integers(len(SHAPES))), int(rng.integers(len(COLOURS))), int(rng.integers(2)))
+        if shapes is not None:
+            obj = SceneObject(shapes[k], obj.colour, obj.size)
         frac = rng.uniform(0.45, 0.6) if obj.size == 0 else rng.uniform(0.8, 0.98)
         r = 0.5 * frac * cell
         along = slot * k + slot / 2 + rng.uniform(-1, 1) * max(0.0, slot / 2 - r)
@@ -161,11 +173,22 @@ def caption_for(rng: np.random.Generator, objects: list[SceneObject], background
     )
 
 
-def synthetic_sample(seed: int, split: str, index: int) -> tuple[Image.Image, str]:
-    """The (RGB image, caption) pair at `index` of `split` ("train" or "val"); pure function of its args."""
-    rng = _rng(seed, split, index)
+def synthetic_sample(seed: int, split: str, index: int, shape_group_size: int = 1) -> tuple[Image.Image, str]:
+    """The (RGB image, caption) pair at `index` of `split` ("train" or "val"); pure function of its args.
+
+    `shape_group_size` k: indices k·g ... k·g + k - 1 are one scene with k different shapes per slot."""
+    if not 1 <= shape_group_size <= len(SHAPES):
+        raise ValueError(f"shape_group_size must be in [1, {len(SHAPES)}], got {shape_group_size}")
+    group, member = divmod(index, shape_group_size)
+    rng = _rng(seed, split, group)
     num_objects = int(rng.integers(1, 4))
-    img, objects, background, wide = render_scene(rng, num_objects)
+    shapes = None
+    if shape_group_size > 1:
+        # one permutation of the shapes per slot, the same for every member of the group: member j takes
+        # entry j, so within a group every slot's shape differs
+        perms = np.random.default_rng(np.random.SeedSequence([seed & 0xFFFFFFFF, SPLIT_STREAMS[split], group, 1]))
+        shapes = [int(perms.permutation(len(SHAPES))[member]) for _ in range(num_objects)]
+    img, objects, background, wide = render_scene(rng, num_objects, shapes=shapes)
     return img, caption_for(rng, objects, background, wide)
 
 
