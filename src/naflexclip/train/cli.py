@@ -23,13 +23,13 @@ DEFAULTS = TrainConfig.__dataclass_fields__  # one source of truth for the defau
 # `naflexclip train` with no flags is the newcomer's first run: the `small` preset on a slice of the built-in
 # dataset, sized to learn visibly within 5 minutes on 2 CPU cores. The synthetic images are 48-512 px, so
 # 36-100 patches of 16 px keep their shapes legible; a 1024-token budget (windows of ~20-110 examples at
-# --accum-freq 2) gives ~340 optimizer steps. Scenes come in pairs that differ only in their shapes: without
+# --accum-freq 2) gives ~260 optimizer steps. Scenes come in pairs that differ only in their shapes: without
 # these hard negatives colour alone matches nearly every pair in a window and zero-shot shape stays at
 # chance (docs/demo.md). Real data wants OpenCLIP's 128-1024 and a larger budget.
 DEMO_DATA_DEFAULTS = {
     "naflex_seq_lens": [36, 64, 100],
     "naflex_max_tokens_per_batch": 1024,
-    "synthetic_train_size": 4096,
+    "synthetic_train_size": 3072,
     "synthetic_val_size": 256,
     "synthetic_shape_group_size": 2,
 }
