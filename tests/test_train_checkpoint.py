@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from naflexclip.model import PRESETS
 from naflexclip.train import checkpoint as ckpt
 from naflexclip.train.loop import train
 
@@ -77,3 +79,26 @@ def test_sigkill_during_save_leaves_previous_checkpoint_resumable(tmp_path: Path
     resumed = ckpt.find_latest(checkpoints)
     assert resumed.name == "step_00000002"
     assert ckpt.load_checkpoint(resumed)[1]["progress"]["step"] == 2
+
+
+def test_checkpoint_keeps_its_architecture_when_the_preset_changes(tmp_path: Path, monkeypatch) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_train_loop import tiny_config
+
+    train(tiny_config(tmp_path, "run", epochs=1, val_frequency=0, stop_after_steps=1))
+    checkpoints = tmp_path / "run" / "checkpoints"
+    tiny = PRESETS["tiny"]
+    monkeypatch.setitem(PRESETS, "tiny", dataclasses.replace(
+        tiny, text=dataclasses.replace(tiny.text, pool_type="mean", ls_init_value=1e-4)))
+    model, _ = ckpt.load_checkpoint_model(checkpoints)  # rebuilt from the architecture stored in it
+    assert model.text_pool_type == "argmax"
+    # resuming under the changed preset stops with one line that names the checkpoint and a tensor
+    with pytest.raises(ValueError, match=r"--resume .*step_00000001.*weights do not fit.*ls_1"):
+        train(tiny_config(tmp_path, "run", epochs=1, val_frequency=0, resume="latest"))
+    # a checkpoint without a stored architecture (older runs) is rebuilt from the preset: same one line
+    state_file = ckpt.resolve(checkpoints) / ckpt.STATE_FILE
+    state = torch.load(state_file, weights_only=True)
+    del state["model_config"]
+    torch.save(state, state_file)
+    with pytest.raises(ValueError, match=r"checkpoint .*step_00000001.*weights do not fit"):
+        ckpt.load_checkpoint_model(checkpoints)

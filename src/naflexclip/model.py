@@ -204,6 +204,40 @@ def model_config(name: str, **overrides: Any) -> ModelConfig:
     )
 
 
+def config_to_dict(config: ModelConfig) -> dict[str, Any]:
+    """The architecture as plain types (for checkpoints: loadable with `weights_only=True`)."""
+    return dataclasses.asdict(config)
+
+
+def config_from_dict(values: dict[str, Any]) -> ModelConfig:
+    """Inverse of `config_to_dict`."""
+    image = dict(values["image"])
+    image["pos_embed_grid_size"] = tuple(image["pos_embed_grid_size"])
+    return ModelConfig(embed_dim=values["embed_dim"], image=ImageTowerConfig(**image),
+                       text=TextTowerConfig(**values["text"]), siglip=values["siglip"])
+
+
+def weights_mismatch(model: nn.Module, state: dict[str, torch.Tensor]) -> str | None:
+    """Why `state` cannot be loaded into `model` (names or shapes differ), or None when it fits."""
+    expected = {key: tuple(value.shape) for key, value in model.state_dict().items()}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    reshaped = sorted(k for k in set(expected) & set(state) if tuple(state[k].shape) != expected[k])
+    if not (missing or unexpected or reshaped):
+        return None
+    first = (missing or unexpected or reshaped)[0]
+    return (f"weights do not fit the model ({len(missing)} tensors missing, {len(unexpected)} unexpected, "
+            f"{len(reshaped)} of another shape, e.g. {first!r}); was it written by another version of the preset?")
+
+
+def load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """`model.load_state_dict(state)`, or one line naming `source` when the tensors do not fit."""
+    mismatch = weights_mismatch(model, state)
+    if mismatch is not None:
+        raise ValueError(f"{source}: {mismatch}")
+    model.load_state_dict(state)
+
+
 def create_model(name: str, **overrides: Any) -> NaFlexClip:
     """Build a preset (`tiny`, `small`, `base`) with optional overrides (`siglip=True`, ...)."""
     return NaFlexClip(model_config(name, **overrides))

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from naflexclip.model import create_model
+from naflexclip.model import NaFlexClip, config_from_dict, create_model, load_weights
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "train_state.pt"
@@ -115,11 +115,17 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> tup
 
 
 def load_checkpoint_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Module, dict[str, Any]]:
-    """The trained model (eval mode, on `device`) and the run's config as a plain dict."""
+    """The trained model (eval mode, on `device`) and the run's config as a plain dict.
+
+    The architecture comes from the checkpoint's own `model_config` (so a later change to a preset does
+    not break it); checkpoints without one are rebuilt from the preset name."""
     model_state, train_state = load_checkpoint(path, device)
     config = train_state["config"]
-    model = create_model(config["model"], siglip=config["siglip"])
-    model.load_state_dict(model_state)
+    if train_state.get("model_config") is not None:
+        model = NaFlexClip(config_from_dict(train_state["model_config"]))
+    else:
+        model = create_model(config["model"], siglip=config["siglip"])
+    load_weights(model, model_state, f"checkpoint {str(resolve(path))!r}")
     return model.to(device).eval(), config
 
 

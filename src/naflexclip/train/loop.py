@@ -41,7 +41,7 @@ from naflexclip.distributed import (
     wrap_model,
 )
 from naflexclip.loss import create_loss
-from naflexclip.model import create_model
+from naflexclip.model import config_to_dict, create_model, weights_mismatch
 from naflexclip.train import checkpoint as ckpt
 from naflexclip.train.config import TrainConfig
 from naflexclip.train.evaluate import evaluate
@@ -332,6 +332,7 @@ class Trainer:
         scaler = self.precision.scaler
         return {
             "config": self.cfg.to_dict(),
+            "model_config": config_to_dict(self.module.config),
             "progress": asdict(self.progress),
             "optimizer": full_optimizer_state_dict(self.model, self.optimizer, self.env),
             "schedule": self.schedule.state_dict(),
@@ -363,6 +364,9 @@ class Trainer:
         else:
             path = ckpt.resolve(self.cfg.resume)
         model_state, state = ckpt.load_checkpoint(path)
+        mismatch = weights_mismatch(self.module, model_state)  # every rank reads the file: all raise alike
+        if mismatch is not None:
+            raise ValueError(f"--resume {str(path)!r}: {mismatch}")
         self.load_train_state(model_state, state)
         self.reporter.message(f"resumed from {path} at epoch {self.progress.epoch}, step {self.progress.step}")
         return True
