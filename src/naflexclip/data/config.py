@@ -11,6 +11,8 @@ import argparse
 import math
 from dataclasses import dataclass
 
+from naflexclip.data.synthetic import SHAPES
+
 DATASET_TYPES = ("synthetic", "webdataset", "csv", "folder", "auto")
 DEFAULT_SEQ_LENS = (64, 128, 256)
 
@@ -79,8 +81,9 @@ class DataConfig:
         for name in ("synthetic_train_size", "synthetic_val_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if not 1 <= self.synthetic_shape_group_size <= 8:  # at most one group member per shape
-            raise ValueError(f"--synthetic-shape-group-size must be in [1, 8], got {self.synthetic_shape_group_size}")
+        if not 1 <= self.synthetic_shape_group_size <= len(SHAPES):  # a group has one member per shape at most
+            raise ValueError(f"--synthetic-shape-group-size must be in [1, {len(SHAPES)}], "
+                             f"got {self.synthetic_shape_group_size}")
         for name in ("train_num_samples", "val_num_samples"):
             value = getattr(self, name)
             if value is not None and value < 1:
