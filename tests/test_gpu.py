@@ -11,17 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_train_loop import TINY_DATA_FLAGS
 
 from naflexclip import create_loss, create_model
+from naflexclip.batch import to_device
 from naflexclip.cli import main
 from naflexclip.verify import random_naflex_batch, verify_window
 
 pytestmark = pytest.mark.gpu
-
-TINY_DATA_FLAGS = [
-    "--synthetic-train-size", "96", "--synthetic-val-size", "24", "--naflex-seq-lens", "16", "32",
-    "--naflex-max-tokens-per-batch", "256", "--workers", "0",
-]
 
 
 @pytest.mark.parametrize("siglip", [False, True])
@@ -30,7 +27,7 @@ def test_window_equals_full_batch_on_cuda_float64(siglip: bool) -> None:
     model = create_model("tiny", siglip=siglip).to("cuda", torch.float64).eval()
     batch = random_naflex_batch(13, patch_size=model.image_patch_size, context_length=model.context_length,
                                 generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    batch = {"image": {k: v.cuda() for k, v in batch["image"].items()}, "text": batch["text"].cuda()}
+    batch = to_device(batch, "cuda")
     result = verify_window(model, create_loss(siglip), batch, accum_freq=4, reference_batch_size=4,
                            loss_scale="linear", methods=("cache", "replay"), num_splits=3, seed=0)
     assert result.passed, [(g.group, g.worst_error) for g in result.groups if not g.passed]

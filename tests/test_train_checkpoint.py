@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_train_loop import tiny_config
 
 from naflexclip.model import PRESETS
 from naflexclip.train import checkpoint as ckpt
@@ -82,9 +83,6 @@ def test_sigkill_during_save_leaves_previous_checkpoint_resumable(tmp_path: Path
 
 
 def test_checkpoint_keeps_its_architecture_when_the_preset_changes(tmp_path: Path, monkeypatch) -> None:
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_train_loop import tiny_config
-
     train(tiny_config(tmp_path, "run", epochs=1, val_frequency=0, stop_after_steps=1))
     checkpoints = tmp_path / "run" / "checkpoints"
     tiny = PRESETS["tiny"]

@@ -467,7 +467,7 @@ def full_state_dict(model: nn.Module, env: DistributedEnv) -> dict[str, torch.Te
         return {key: value.detach().to("cpu", copy=True) if key in unmanaged else value for key, value in state.items()}
     if not env.is_main:
         return {}
-    return {key: value.detach().to("cpu", copy=True) for key, value in unwrap_model(model).state_dict().items()}
+    return _cpu_copy(dict(unwrap_model(model).state_dict()))
 
 
 def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], env: DistributedEnv) -> None:

@@ -18,7 +18,7 @@ model never needs shape.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -150,7 +150,7 @@ def render_scene(
     for k in range(num_objects):
         obj = SceneObject(int(rng.integers(len(SHAPES))), int(rng.integers(len(COLOURS))), int(rng.integers(2)))
         if shapes is not None:
-            obj = SceneObject(shapes[k], obj.colour, obj.size)
+            obj = replace(obj, shape=shapes[k])
         frac = rng.uniform(0.45, 0.6) if obj.size == 0 else rng.uniform(0.8, 0.98)
         r = 0.5 * frac * cell
         along = slot * k + slot / 2 + rng.uniform(-1, 1) * max(0.0, slot / 2 - r)
