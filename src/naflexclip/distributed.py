@@ -8,8 +8,11 @@ The window (naflexclip.window) holds the math; this module only hands it what it
 - `wrap_model` — DDP (default) or FSDP2 `fully_shard`; `no_sync_context` — the context the window
   enters around every backward but the window's last, so gradients are synchronised once per window.
 - `window_exchange` → `ProcessGroupExchange`: every rank's microbatch sizes, and one no-grad
-  all-gather of feature rows with uneven per-rank row counts (pad to the largest, then trim).
-- `check_consistency` / `any_rank_true`: ranks agree on step/window/schedule, and skip the same steps.
+  all-gather of feature rows with uneven per-rank row counts (pad to the largest, then trim). The size
+  exchange meets every rank every window, so it also checks that the ranks agree on the step and epoch
+  and that every rank has data (`RanksDisagree` on every rank at once, never a wait until the timeout).
+- `check_consistency` / `any_rank_true` / `sum_over_ranks`: ranks agree on step/window/schedule, skip
+  the same steps, and sum the counters the logs show.
 - `fault_guard`: a rank that raises records why in the rendezvous store; a rank whose collective fails
   or times out names the rank that raised, died or stopped answering, in one line.
 - `full_state_dict` / `load_full_state_dict`: a gathered state dict on rank 0 for checkpoints.
@@ -71,6 +74,26 @@ def _env_int(name: str, default: int) -> int:
         return int(value)
     except ValueError:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+DEVICE_CHOICES = ("cpu", "cuda", "cuda:N")
+
+
+def check_device(device: str | None) -> None:
+    """A `--device` value: None (automatic), `cpu`, `cuda` or `cuda:N`; else ValueError naming it and the choices."""
+    if device is None:
+        return
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda") or (parsed.type == "cpu" and parsed.index):
+        raise ValueError(f"--device: {device!r} is not one of {', '.join(DEVICE_CHOICES)}")
+
+
+def launched_world_size() -> int:
+    """The number of processes torchrun started for this job (1 without torchrun)."""
+    return _env_int("WORLD_SIZE", 1)
 
 
 def _resolve_device(device: str | None, local_rank: int) -> torch.device:
@@ -240,25 +263,71 @@ def no_sync_context(model: nn.Module) -> Callable[[], ContextManager[Any]]:
 # ------------------------------------------------------------------------------------ feature exchange
 
 
-class ProcessGroupExchange:
-    """The window's view of the other ranks through the default process group (no autograd)."""
+class RanksDisagree(DistributedFault):
+    """Ranks met at a window's size exchange with different steps or epochs, or some with no data left;
+    every rank raises the same one-line message at once (no rank is left waiting in a collective)."""
 
-    def __init__(self, env: DistributedEnv) -> None:
+
+# the fixed-size header every rank contributes to a window's first all-gather:
+# [microbatches, position set?, step, epoch]
+_HEADER_FIELDS = 4
+
+
+class ProcessGroupExchange:
+    """The window's view of the other ranks through the default process group (no autograd).
+
+    The size exchange is where every rank meets every window, so it also carries what the ranks must
+    agree on — the training loop's step and epoch (`set_position`, the window knows nothing of steps) and
+    whether a rank has data at all (`end_of_data`) — in the same all-gather as the microbatch counts: a
+    disagreement is a `RanksDisagree` on every rank at once, at no extra collective per window.
+
+    equal_counts: every rank must hold the same number of microbatches (FSDP gathers parameters in every
+        forward, so a rank with one forward more would wait for the others forever).
+    """
+
+    def __init__(self, env: DistributedEnv, equal_counts: bool = False) -> None:
         self.env = env
         self.rank = env.rank
         self.world_size = env.world_size
+        self.equal_counts = equal_counts
+        self._position: tuple[int, int] | None = None
+
+    def set_position(self, step: int, epoch: int) -> None:
+        """The caller's step and epoch for the next exchanges; every rank must pass the same."""
+        self._position = (int(step), int(epoch))
+
+    def end_of_data(self) -> None:
+        """This rank has no microbatch left for the next window: meet the other ranks' next size exchange.
+
+        Returns when every rank's data ended at the same point (the end of an epoch, agreed); when another
+        rank still has microbatches, every rank raises `RanksDisagree` naming them.
+        """
+        self._meet(0)
 
     def gather_sizes(self, local_sizes: Sequence[int]) -> list[list[int]]:
         """Every rank's microbatch sizes, indexed by rank; ranks may hold different numbers of microbatches."""
         env = self.env
+        counts = self._meet(len(local_sizes))
         with _translate_faults(env, "exchanging microbatch sizes"):
-            # one fixed-size gather of the counts, then one of the sizes padded to the longest list
-            counts = _all_gather_tensor(env, torch.tensor([len(local_sizes)], dtype=torch.int64, device=env.device))
-            num_max = int(counts.max())
+            # the sizes, padded to the longest list (the counts came with the header)
+            num_max = max(counts)
             padded = torch.zeros(num_max, dtype=torch.int64, device=env.device)
             padded[: len(local_sizes)] = torch.tensor(list(local_sizes), dtype=torch.int64)
             sizes = _all_gather_tensor(env, padded).view(self.world_size, num_max).tolist()
-        return [row[: int(count)] for row, count in zip(sizes, counts.tolist(), strict=True)]
+        return [row[:count] for row, count in zip(sizes, counts, strict=True)]
+
+    def _meet(self, count: int) -> list[int]:
+        """One all-gather of every rank's header; the microbatch counts per rank, or `RanksDisagree`."""
+        env = self.env
+        step, epoch = self._position if self._position is not None else (0, 0)
+        header = torch.tensor([count, self._position is not None, step, epoch], dtype=torch.int64)
+        with _translate_faults(env, "exchanging microbatch sizes"):
+            gathered = _all_gather_tensor(env, header.to(env.device)).view(self.world_size, _HEADER_FIELDS)
+        rows = [tuple(int(v) for v in row) for row in gathered.tolist()]
+        problem = _disagreement(rows, self.equal_counts)
+        if problem:
+            raise RanksDisagree(f"ranks disagree at the window's size exchange: {problem}")
+        return [row[0] for row in rows]
 
     def gather_rows(self, local_rows: torch.Tensor, rows_per_rank: Sequence[int]) -> torch.Tensor:
         """Concatenate every rank's `[rows_r, ...]` tensor in rank order (no autograd)."""
@@ -289,9 +358,57 @@ def _all_gather_tensor(env: DistributedEnv, tensor: torch.Tensor) -> torch.Tenso
     return out
 
 
-def window_exchange(env: DistributedEnv) -> WindowExchange:
-    """`LocalExchange` in one process, else the process-group exchange."""
-    return ProcessGroupExchange(env) if env.distributed else LocalExchange()
+class SingleProcessExchange(LocalExchange):
+    """`LocalExchange` with the agreement calls of `ProcessGroupExchange`, which one process always meets."""
+
+    def set_position(self, step: int, epoch: int) -> None:
+        pass
+
+    def end_of_data(self) -> None:
+        pass
+
+
+def window_exchange(env: DistributedEnv, equal_counts: bool = False) -> ProcessGroupExchange | SingleProcessExchange:
+    """`SingleProcessExchange` in one process, else the process-group exchange (see `ProcessGroupExchange`)."""
+    return ProcessGroupExchange(env, equal_counts) if env.distributed else SingleProcessExchange()
+
+
+def _rank_list(ranks: Sequence[int]) -> str:
+    """`rank 3` / `ranks 0-2, 5`: consecutive runs collapsed, so 64 ranks still make one short line."""
+    runs: list[list[int]] = []
+    for rank in sorted(ranks):
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    text = ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in runs)
+    return f"rank{'s' if len(ranks) > 1 else ''} {text}"
+
+
+def _disagreement(rows: Sequence[tuple[int, ...]], equal_counts: bool) -> str | None:
+    """What the ranks' exchange headers (count, position set, step, epoch) disagree on, or None."""
+
+    def where(row: tuple[int, ...]) -> str:
+        return f"step {row[2]}, epoch {row[3]}" if row[1] else "no step given"
+
+    def holds(count: int) -> str:
+        return "no microbatches left" if count == 0 else f"{count} microbatch{'es' if count != 1 else ''}"
+
+    def grouped(describe: Callable[[tuple[int, ...]], str]) -> str:
+        groups: dict[str, list[int]] = {}
+        for rank, row in enumerate(rows):
+            groups.setdefault(describe(row), []).append(rank)
+        return "; ".join(f"{_rank_list(ranks)}: {text}" for text, ranks in groups.items())
+
+    if len({row[1:] for row in rows}) > 1:
+        return grouped(lambda row: f"{where(row)}, {holds(row[0])}")
+    counts = [row[0] for row in rows]
+    if 0 in counts and any(counts):
+        # a rank whose loader ran out while others still train: the epoch's microbatch counts differ
+        return grouped(lambda row: f"{where(row)}, {holds(row[0])}") + " (the ranks' data ended at different points)"
+    if equal_counts and len(set(counts)) > 1:
+        return grouped(lambda row: holds(row[0])) + " (FSDP needs the same number of microbatches on every rank)"
+    return None
 
 
 # -------------------------------------------------------------------------------------- agreement
@@ -330,6 +447,17 @@ def check_consistency(env: DistributedEnv, **values: int | float | str) -> None:
             elif repr(rank_values[key]) != repr(reference[key]) or type(rank_values[key]) is not type(reference[key]):
                 problems.append(f"rank {rank} has {key}={rank_values[key]!r} but rank 0 has {reference[key]!r}")
     raise RuntimeError("ranks disagree: " + "; ".join(problems))
+
+
+def sum_over_ranks(env: DistributedEnv, values: Sequence[int]) -> list[int]:
+    """Every rank's `values` summed elementwise; a collective: every rank must call it (never only the rank
+    that logs), with the same number of values."""
+    if not env.distributed:
+        return [int(value) for value in values]
+    with _translate_faults(env, "summing counters over ranks"):
+        total = torch.tensor(list(values), dtype=torch.int64, device=env.device)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return [int(value) for value in total.tolist()]
 
 
 def any_rank_true(env: DistributedEnv, flag: bool) -> bool:
@@ -396,8 +524,11 @@ def _diagnose(env: DistributedEnv, what: str, error: BaseException) -> str:
 
 
 def _is_collective_error(error: BaseException) -> bool:
-    # gloo raises RuntimeError/DistBackendError for closed connections and timeouts; NCCL DistError
-    return isinstance(error, (dist.DistError, RuntimeError)) and not isinstance(error, DistributedFault)
+    # NCCL raises DistError; gloo a plain RuntimeError naming itself for closed connections and timeouts.
+    # Any other error (a shape mismatch, CUDA out of memory) is this rank's own and says what it is.
+    if isinstance(error, DistributedFault):
+        return False
+    return isinstance(error, dist.DistError) or _looks_like_collective_failure(error)
 
 
 @contextlib.contextmanager
@@ -426,7 +557,7 @@ def fault_guard(env: DistributedEnv, what: str = "a training step") -> Iterator[
     except DistributedFault:
         raise
     except Exception as error:
-        if isinstance(error, dist.DistError) or _looks_like_collective_failure(error):
+        if _is_collective_error(error):
             raise DistributedFault(_diagnose(env, what, error)) from error
         _record_failure(env, error)
         raise
@@ -549,7 +680,12 @@ def _copy_if(value: Any, should_copy: Callable[[torch.Tensor], bool]) -> Any:
 def load_full_optimizer_state_dict(
     model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], env: DistributedEnv
 ) -> None:
-    """Load an optimizer state read on rank 0 (other ranks may pass `{}`) on every rank; all must call it."""
+    """Load a full optimizer state on every rank; all must call it.
+
+    DDP: every rank passes the state it read from the checkpoint itself (the optimizer state is ~2× the
+    model: reading the file is cheaper than pickling it through a broadcast). FSDP2: rank 0's state is
+    broadcast and sharded (`broadcast_from_rank0`); other ranks may pass `{}`.
+    """
     if _is_fsdp(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -558,10 +694,6 @@ def load_full_optimizer_state_dict(
                 model, optimizer, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
             )
         return
-    if env.distributed:
-        # small next to the model; one pickle broadcast keeps the rank-0-reads contract of the model state
-        holder = [state if env.is_main else None]
-        with _translate_faults(env, "broadcasting the optimizer state"):
-            dist.broadcast_object_list(holder, src=0, device=env.device if env.backend == "nccl" else None)
-        state = holder[0]  # type: ignore[assignment]
+    if not state:
+        raise ValueError(f"rank {env.rank}: empty optimizer state; under DDP every rank loads the checkpoint's")
     optimizer.load_state_dict(state)

@@ -109,12 +109,24 @@ class LocalExchange:
 
 class RngState:
     """The CPU and CUDA generator states before a microbatch's first forward, so that its
-    grad forward draws the same dropout / drop-path / patch-dropout numbers (GradCache's RandContext)."""
+    grad forward draws the same dropout / drop-path / patch-dropout numbers (GradCache's RandContext).
+
+    devices: where the forward may draw random numbers; `RngState.devices_of` gives the model's parameters'
+    devices as well as the inputs' — a CUDA model fed CPU microbatches draws its dropout on the GPU.
+    """
 
     def __init__(self, devices: Sequence[torch.device]) -> None:
-        self.cuda_devices = sorted({d.index or 0 for d in devices if d.type == "cuda"})
+        self.cuda_devices = sorted(
+            {d.index if d.index is not None else torch.cuda.current_device() for d in devices if d.type == "cuda"}
+        )
         self.cpu_state = torch.get_rng_state()
         self.cuda_states = [torch.cuda.get_rng_state(i) for i in self.cuda_devices]
+
+    @staticmethod
+    def devices_of(model: nn.Module, tensors: Sequence[torch.Tensor]) -> list[torch.device]:
+        """Every device of the model's parameters and of the input tensors (CPU is always recorded)."""
+        devices = {t.device for t in tensors} | {p.device for p in model.parameters()}
+        return sorted(devices, key=str)
 
     @contextlib.contextmanager
     def replayed(self) -> Iterator[None]:
@@ -211,7 +223,7 @@ class _Window:
         states, outputs = [], []
         with torch.no_grad():
             for mb in self.microbatches:
-                states.append(RngState([t.device for t in _tensors(mb)]))
+                states.append(RngState(RngState.devices_of(self.model, _tensors(mb))))
                 outputs.append(self.forward(mb))
         cached = {key: torch.cat([out[key] for out in outputs]) for key in FEATURE_KEYS}
         for key in SCALAR_KEYS:

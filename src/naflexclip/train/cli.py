@@ -13,6 +13,7 @@ import sys
 import torch
 
 from naflexclip.data import DataConfig, DataError, add_data_args, data_config_from_args
+from naflexclip.distributed import DEVICE_CHOICES, DistributedFault, check_device, launched_world_size
 from naflexclip.model import PRESETS
 from naflexclip.window import METHODS, SCALE_MODES
 
@@ -89,8 +90,10 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                    help="built-in single-object images for the zero-shot shape/colour evaluation")
     r.add_argument("--no-plot", action="store_true", help="do not write curves.png")
     d = parser.add_argument_group("devices")
-    d.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
-    d.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 instead of DDP (torchrun)")
+    d.add_argument("--device", default=None,
+                   help=f"{', '.join(DEVICE_CHOICES)} (default: cuda if available; under torchrun cuda:LOCAL_RANK)")
+    d.add_argument("--fsdp", action="store_true",
+                   help="shard the model with FSDP2 instead of DDP (needs several processes: torchrun)")
     d.add_argument("--dist-timeout", type=float, default=_default("dist_timeout"),
                    help="seconds before a collective that another rank never joins fails")
 
@@ -98,6 +101,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The one place flags become a TrainConfig (ValueError with a one-line, flag-naming message)."""
     clip = args.grad_clip_norm
+    check_device(args.device)
     return TrainConfig(
         data=data_config_from_args(args), model=args.model, siglip=args.siglip, batch_size=args.batch_size,
         accum_freq=args.accum_freq, accum_method=args.accum_method, naflex_loss_scale=args.naflex_loss_scale,
@@ -126,10 +130,14 @@ def run_train(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
     except ValueError as error:
         return _error("train", str(error))
+    if cfg.fsdp and launched_world_size() < 2:
+        return _error("train", "--fsdp: shards the model over torchrun's processes, but this is one process; "
+                               "launch with torchrun --nproc-per-node N (N >= 2) or drop --fsdp")
     try:
         train(cfg)
-    except TrainingStopped as stop:
-        print(f"naflexclip train: {stop}", file=sys.stderr)
+    except (TrainingStopped, DistributedFault) as stop:
+        # a rank that failed, died or disagreed: one line (the same on every rank), no traceback
+        print(f"naflexclip train: {str(stop).splitlines()[0]}", file=sys.stderr)
         return 1
     except (ValueError, DataError, FileNotFoundError) as error:
         return _error("train", str(error).splitlines()[0] if str(error) else type(error).__name__)
@@ -143,6 +151,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from .precision import create_precision
 
     try:
+        check_device(args.device)
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model, config = load_checkpoint_model(args.checkpoint, device)
         data = DataConfig(**config["data"])

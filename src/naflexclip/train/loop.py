@@ -36,6 +36,7 @@ from naflexclip.distributed import (
     load_full_optimizer_state_dict,
     load_full_state_dict,
     no_sync_context,
+    sum_over_ranks,
     unwrap_model,
     window_exchange,
     wrap_model,
@@ -76,6 +77,7 @@ class StepResult:
 
 
 def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and every CUDA device)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -116,12 +118,16 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, env: DistributedEnv) -> None:
         self.cfg, self.env = cfg, env
-        seed_everything(cfg.seed)
+        seed_everything(cfg.seed)  # the same initial weights on every rank (FSDP2 does not broadcast them)
         self.precision = create_precision(cfg.precision, env.device)
         self.model = wrap_model(create_model(cfg.model, siglip=cfg.siglip).to(env.device), env, cfg.fsdp)
+        # dropout / drop-path / patch-dropout draw a different stream on every rank (OpenCLIP: seed + rank);
+        # the data order does not depend on it (the loader seeds itself from --seed, epoch and position)
+        seed_everything(cfg.seed + env.rank)
         self.module = unwrap_model(self.model)
         self.loss_fn = create_loss(cfg.siglip)
-        self.exchange = window_exchange(env)
+        # every window's size exchange also checks that the ranks agree on step, epoch and having data
+        self.exchange = window_exchange(env, equal_counts=cfg.fsdp)
         self.optimizer = create_optimizer(self.model, lr=cfg.lr, weight_decay=cfg.wd, betas=(cfg.beta1, cfg.beta2),
                                           eps=cfg.eps)
         self.loader = build_loader(cfg.data, split="train", patch_size=self.module.image_patch_size,
@@ -153,6 +159,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         batches = [to_device(mb, self.env.device) for mb in microbatches]
         lr = self.schedule.lr
+        # the step this window makes (as the logs count it), checked against every rank in its size exchange
+        self.exchange.set_position(self.progress.step + 1, self.progress.epoch)
         with fault_guard(self.env, f"step {self.progress.step}"):
             stats = accumulate_gradients(
                 self.model, self.loss_fn, batches, loss_scale=self.cfg.naflex_loss_scale,
@@ -228,7 +236,8 @@ class Trainer:
                 progress.next_batch = self.loader.position
                 progress.num_samples_seen += result.stats.num_examples
                 now = time.perf_counter()
-                self.log_step(result, microbatches, now - tick, bar)
+                tokens = self.window_token_counts(microbatches)  # a collective: every rank, every step
+                self.log_step(result, tokens, now - tick, bar)
                 tick = now
                 self.check_skips(result)
                 if cfg.save_every_n_steps and progress.step % cfg.save_every_n_steps == 0:
@@ -236,6 +245,10 @@ class Trainer:
                 if cfg.stop_after_steps is not None and progress.step >= cfg.stop_after_steps:
                     self.save(f"step_{progress.step:08d}")
                     return True
+            # this rank's data for the epoch ended: meet the other ranks' next size exchange, so a rank
+            # that still has microbatches fails at once, naming the ranks, instead of waiting for the timeout
+            self.exchange.set_position(progress.step + 1, progress.epoch)
+            self.exchange.end_of_data()
         finally:
             bar.close()
         return False
@@ -264,10 +277,11 @@ class Trainer:
                 f"--precision fp32, and resume from the last checkpoint"
             )
 
-    def log_step(self, result: StepResult, microbatches: list[dict[str, Any]], seconds: float, bar: Any) -> None:
-        """Progress bar every step; metrics.jsonl / TensorBoard every --log-every-n-steps."""
+    def log_step(self, result: StepResult, tokens: tuple[int, int], seconds: float, bar: Any) -> None:
+        """Progress bar every step; metrics.jsonl / TensorBoard every --log-every-n-steps.
+        tokens: `window_token_counts` of this step. No collective in here: logging may be main-rank only."""
         stats = result.stats
-        valid, slots = self._global_tokens(microbatches)
+        valid, slots = tokens
         metrics = {
             "train/loss": stats.loss, "train/lr": result.lr, "train/scale": stats.scale,
             "train/window_examples": stats.num_examples, "train/num_microbatches": stats.num_microbatches,
@@ -284,13 +298,11 @@ class Trainer:
         if self.progress.step % self.cfg.log_every_n_steps == 0 or result.skipped:
             self.reporter.log("train", self.progress.step, self._fractional_epoch(), metrics)
 
-    def _global_tokens(self, microbatches: list[dict[str, Any]]) -> tuple[int, int]:
-        valid, slots = _token_counts(microbatches)
-        if not self.env.distributed:
-            return valid, slots
-        counts = torch.tensor([valid, slots], dtype=torch.int64, device=self.env.device)
-        torch.distributed.all_reduce(counts)
-        return int(counts[0]), int(counts[1])
+    def window_token_counts(self, microbatches: list[dict[str, Any]]) -> tuple[int, int]:
+        """(valid image patches, padded patch slots) of the whole window, all ranks. A collective: every rank
+        calls it every step, whether or not it logs (calling it only where rank 0 logs would deadlock)."""
+        valid, slots = sum_over_ranks(self.env, _token_counts(microbatches))
+        return valid, slots
 
     def _fractional_epoch(self) -> float:
         return self.progress.epoch + self.progress.next_batch / max(1, self.loader.num_batches)
