@@ -11,6 +11,8 @@ Scenarios:
               gradient syncs per window; consistency checks; any_rank_true; full state dict round trip.
   kill      — rank 1 dies (os._exit) mid-window; rank 0 must fail with a message naming rank 1.
   raise     — rank 1 raises mid-window; rank 0 must fail with a message naming rank 1 and its error.
+  agree     — ranks meet a window's size exchange at different steps/epochs, or one with no data left:
+              every rank raises the same RanksDisagree at once; a Trainer draws per-rank random streams.
 """
 
 from __future__ import annotations
@@ -230,7 +232,10 @@ def _configs(world: int, fsdp: bool) -> list[tuple[int, str, str]]:
     methods = ("cache", "replay")
     uneven = len(SPLITS[world])
     if fsdp:
-        return [(0, method, mode) for method in methods for mode in ("none", "linear")]
+        # every mode on the first split, and the other splits of the same window (uneven microbatch sizes
+        # in other places); not the uneven-count split: FSDP needs the same number of forwards on every rank
+        configs = [(0, method, mode) for method in methods for mode in ("none", "linear", "sqrt")]
+        return configs + [(index, "cache", "sqrt") for index in range(1, uneven)]
     configs = [(0, method, mode) for method in methods for mode in ("none", "linear", "sqrt")]
     configs += [(index, method, "linear") for index in range(1, uneven) for method in methods]
     return configs + [(uneven, method, "none") for method in methods]
@@ -397,7 +402,16 @@ def _state_dict_round_trip(env: Any, model: Any, fresh: Any, full_state_dict: An
     optimizer.step()  # the gradients of the last window
     saved = full_optimizer_state_dict(model, optimizer, env)
     optimizer.step()
-    load_full_optimizer_state_dict(model, optimizer, saved if env.is_main else {}, env)
+    if not _is_fsdp_model(model):
+        # DDP: every rank loads the state it read from the checkpoint itself (no pickle broadcast)
+        import torch.distributed as dist
+
+        holder = [saved if env.is_main else None]
+        dist.broadcast_object_list(holder, src=0)  # stands in for every rank reading the same file
+        saved_here = holder[0]
+    else:
+        saved_here = saved if env.is_main else {}
+    load_full_optimizer_state_dict(model, optimizer, saved_here, env)
     steps = {float(s["step"]) for s in optimizer.state_dict()["state"].values()}
     optimizer_result: dict[str, Any] = {"local_steps": sorted(steps)}
     again = full_optimizer_state_dict(model, optimizer, env)
@@ -463,14 +477,80 @@ def scenario_fault(env: Any, how: str) -> dict[str, Any]:
     return {"completed": True}
 
 
+def _is_fsdp_model(model: Any) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def scenario_agree(env: Any, out_dir: Path) -> dict[str, Any]:
+    """Every case meets in one size exchange; each rank records what it raised and how long it took."""
+    from naflexclip.data import DataConfig
+    from naflexclip.distributed import RanksDisagree, no_sync_context, unwrap_model, window_exchange, wrap_model
+    from naflexclip.loss import create_loss
+    from naflexclip.model import create_model
+    from naflexclip.train.config import TrainConfig
+    from naflexclip.train.loop import Trainer
+    from naflexclip.verify import random_naflex_batch
+    from naflexclip.window import accumulate_gradients
+
+    batch = random_naflex_batch(8, patch_size=4, context_length=16, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    model = wrap_model(create_model("tiny").double(), env)
+    microbatches = _local_microbatches(batch, [[2, 2], [1, 3]], env.rank)
+    exchange = window_exchange(env)
+    results: dict[str, Any] = {}
+
+    def attempt(name: str, step: int, epoch: int, has_data: bool = True, exch: Any = exchange,
+                counts: int | None = None) -> None:
+        exch.set_position(step, epoch)
+        start = time.monotonic()
+        try:
+            if counts is not None:
+                exch.gather_sizes([2] * counts)
+            elif has_data:
+                model.zero_grad(set_to_none=True)
+                accumulate_gradients(model, create_loss(False), microbatches, exchange=exch,
+                                     no_sync=no_sync_context(model))
+            else:
+                exch.end_of_data()
+            results[name] = {"error": None}
+        except RanksDisagree as error:
+            results[name] = {"error": str(error)}
+        results[name]["seconds"] = time.monotonic() - start
+
+    attempt("agree", 1, 0)
+    attempt("step", 2 + env.rank, 0)  # rank 1 is one step ahead
+    attempt("epoch", 3, env.rank)  # rank 1 is in the next epoch
+    attempt("no_data", 4, 0, has_data=env.rank == 0)  # rank 1's data ended, rank 0 still has a window
+    attempt("all_ended", 4, 0, has_data=False)  # the epoch ends on every rank: agreed
+    attempt("after", 5, 0)  # the ranks are still in step after the errors
+    attempt("fsdp_counts", 6, 0, exch=window_exchange(env, equal_counts=True), counts=1 + env.rank)
+    attempt("fsdp_equal_counts", 7, 0, exch=window_exchange(env, equal_counts=True), counts=2)
+
+    # a Trainer: the same initial weights on every rank, a different random stream for stochastic layers
+    cfg = TrainConfig(data=DataConfig(synthetic_train_size=16, synthetic_val_size=8, naflex_seq_lens=(16,),
+                                      naflex_max_tokens_per_batch=64, workers=0),
+                      model="tiny", epochs=1, logs=str(out_dir), name="seeds", device="cpu", zero_shot_samples=8)
+    trainer = Trainer(cfg, env)
+    results["seeds"] = {
+        "draw": torch.rand(4).tolist(),
+        "weights": [float(p.detach().double().sum()) for p in unwrap_model(trainer.model).parameters()],
+    }
+    return results
+
+
 def main() -> None:
     scenario, out_dir = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
     from naflexclip.distributed import cleanup, init_distributed
 
     fault = scenario in ("kill", "raise")
-    env = init_distributed(device="cpu", timeout_s=TIMEOUT_S if fault else 120.0)
-    result = scenario_fault(env, scenario) if fault else scenario_exact(env)
+    env = init_distributed(device="cpu", timeout_s=TIMEOUT_S if fault or scenario == "agree" else 120.0)
+    if scenario == "agree":
+        result = scenario_agree(env, out_dir)
+    else:
+        result = scenario_fault(env, scenario) if fault else scenario_exact(env)
     (out_dir / f"rank{env.rank}.json").write_text(json.dumps(result, indent=1, default=repr))
     cleanup(env)
     _log(env, "done")

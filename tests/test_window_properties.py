@@ -2,14 +2,15 @@
 
 Random partitions of random NaFlex windows into 1–6 uneven microbatches, every scale mode × loss ×
 method, float64 (1e-10; pos_embed 1e-6) and float32 (1e-4). Teeth: OpenCLIP's per-microbatch
-coefficient fails the same comparison whenever the window has more than one microbatch.
+coefficient fails the same comparison whenever the window has more than one microbatch (on `logit_scale`,
+counted once per replay), and on both towers' tensors whenever a scaled window has uneven microbatches.
 """
 
 import random
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from window_cases import failures, full_batch_gradients, loss_for, naflex_window, tiny_model
 
@@ -74,3 +75,18 @@ def test_teeth_per_microbatch_rule_fails_for_any_multi_microbatch_split(case):
                                    reference_batch_size=case["reference"])
     # logit_scale is counted once per replay there (n times), and uneven sizes skew the towers
     assert "logit_scale" in failures(model, reference)
+
+
+@SETTINGS
+@given(case=windows.filter(lambda c: c["num_microbatches"] > 1 and c["mode"] != "none"))
+def test_teeth_per_microbatch_rule_fails_on_tower_tensors_for_uneven_splits(case):
+    model, loss_fn, batch, sizes, scale = draw_case(case, torch.float64)
+    assume(len(set(sizes)) > 1)  # equal sizes: b_j / B_ref is the window's mean / B_ref, the rules coincide
+    reference = full_batch_gradients(model, loss_fn, batch, scale)
+    model.zero_grad(set_to_none=True)
+    per_microbatch_scale_gradients(model, loss_fn, split_batch(batch, sizes), loss_scale=case["mode"],
+                                   reference_batch_size=case["reference"])
+    failed = failures(model, reference)
+    # each replay's tower gradient carries its own b_j / B_ref instead of the window's one s(W)
+    for tower in ("visual.blocks.", "text.transformer.", "image_projection.", "text.text_projection"):
+        assert any(name.startswith(tower) for name in failed), (tower, sorted(failed))

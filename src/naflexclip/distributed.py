@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from naflexclip.window import LocalExchange, WindowExchange
+from naflexclip.window import LocalExchange
 
 # rendezvous-store keys used to say which rank failed and which are still alive
 _STORE_PREFIX = "naflexclip/fault"

@@ -23,6 +23,7 @@ from torch import nn
 
 from naflexclip.batch import batch_size, concat_microbatches, split_batch, to_device
 from naflexclip.data import DataError, add_data_args, build_loader, data_config_from_args
+from naflexclip.distributed import DEVICE_CHOICES, check_device
 from naflexclip.legacy import per_microbatch_scale_gradients
 from naflexclip.loss import create_loss
 from naflexclip.model import PRESETS, create_model
@@ -252,6 +253,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="random window: examples in it (default: accum-freq × batch-size)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float64", choices=("float64", "float32"))
+    parser.add_argument("--device", default="cpu",
+                        help=f"where the model and the window run: {', '.join(DEVICE_CHOICES)}")
     # a real window: the first --accum-freq batches the loader yields (with --train-data, --checkpoint,
     # or --dataset-type synthetic); its own split is checked first, then random re-splits
     add_data_args(parser)
@@ -311,21 +314,26 @@ def loader_window(args: argparse.Namespace, setup: VerifySetup) -> tuple[dict[st
 
 def run(args: argparse.Namespace) -> int:
     try:
+        check_device(args.device)
+        if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device: {args.device!r} requested but CUDA is not available")
+        device = torch.device(args.device)
         setup = _setup(args)
         dtype = torch.float64 if args.dtype == "float64" else torch.float32
         torch.manual_seed(args.seed)
         # eval: dropout would make the full batch and the splits draw different masks
-        model = setup.model.to(dtype).eval()
+        model = setup.model.to(device, dtype).eval()
         first_split = None
         if _uses_loader(args):
             batch, first_split = loader_window(args, setup)
-            batch = to_device(batch, "cpu", dtype)
+            batch = to_device(batch, device, dtype)
         else:
             num_examples = args.num_examples or setup.accum_freq * (setup.reference_batch_size or 4)
             batch = random_naflex_batch(
                 num_examples, patch_size=model.image_patch_size, context_length=model.context_length,
                 generator=torch.Generator().manual_seed(args.seed), dtype=dtype,
             )
+            batch = to_device(batch, device)
     except (ValueError, FileNotFoundError, DataError) as err:
         print(f"naflexclip verify: error: {err}")
         return 2
@@ -342,7 +350,7 @@ def run(args: argparse.Namespace) -> int:
         f"B_ref {setup.reference_batch_size}, {loss_name}, scale {setup.loss_scale} → s(W) = {result.scale:.6g}, "
         f"L(W) = {result.loss:.6g}"
     )
-    print(f"splits: {result.splits}; methods: {', '.join(methods)}; {args.dtype}")
+    print(f"splits: {result.splits}; methods: {', '.join(methods)}; {args.dtype} on {device}")
     print(format_table(result))
     verdict = "PASS" if result.passed else "FAIL"
     print(f"{verdict}: accumulated gradient {'equals' if result.passed else 'differs from'} "

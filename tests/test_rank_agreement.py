@@ -1,0 +1,230 @@
+"""Ranks that never fall out of step: every window's size exchange checks step, epoch and data on every rank,
+a disagreement is one line on every rank at once (never a wait until --dist-timeout); per-rank random streams;
+errors that are not collective failures say what they are; the device flags fail in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from conftest_data import image_bytes
+from distributed_workers import TIMEOUT_S, launch
+
+import naflexclip.distributed as distributed
+from naflexclip.cli import main
+from naflexclip.distributed import (
+    DistributedEnv,
+    DistributedFault,
+    ProcessGroupExchange,
+    RanksDisagree,
+    fault_guard,
+    sum_over_ranks,
+    window_exchange,
+)
+from naflexclip.window import RngState
+
+# --------------------------------------------------------------------- the exchange, ranks simulated
+
+
+def _exchange_seeing(monkeypatch: pytest.MonkeyPatch, headers: list[list[int]], **kwargs: Any) -> ProcessGroupExchange:
+    """Rank 0's exchange in a 3-rank job whose header all-gather returns `headers` (no processes needed)."""
+    env = DistributedEnv(0, len(headers), 0, torch.device("cpu"), "gloo", 5.0)
+    gathered = iter([torch.tensor(headers, dtype=torch.int64).flatten(), torch.tensor([2, 2, 2], dtype=torch.int64)])
+    monkeypatch.setattr(distributed, "_all_gather_tensor", lambda env, tensor: next(gathered))
+    exchange = ProcessGroupExchange(env, **kwargs)
+    exchange.set_position(7, 1)
+    return exchange
+
+
+def test_a_rank_at_another_step_is_named_with_both_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    exchange = _exchange_seeing(monkeypatch, [[1, 1, 7, 1], [1, 1, 7, 1], [1, 1, 8, 1]])
+    with pytest.raises(RanksDisagree) as raised:
+        exchange.gather_sizes([2])
+    assert str(raised.value) == (
+        "ranks disagree at the window's size exchange: ranks 0, 1: step 7, epoch 1, 1 microbatch; "
+        "rank 2: step 8, epoch 1, 1 microbatch"
+    )
+
+
+def test_a_rank_without_data_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    exchange = _exchange_seeing(monkeypatch, [[3, 1, 7, 1], [0, 1, 7, 1], [2, 1, 7, 1]])
+    with pytest.raises(RanksDisagree, match=r"rank 1: step 7, epoch 1, no microbatches left.*ended at different"):
+        exchange.gather_sizes([2, 2, 2])
+
+
+def test_uneven_counts_pass_but_not_under_fsdp(monkeypatch: pytest.MonkeyPatch) -> None:
+    headers = [[1, 1, 7, 1], [1, 1, 7, 1], [1, 1, 7, 1]]
+    headers_uneven = [[2, 1, 7, 1], [1, 1, 7, 1], [1, 1, 7, 1]]
+    assert _exchange_seeing(monkeypatch, headers).gather_sizes([2]) == [[2], [2], [2]]
+    gathered = iter([torch.tensor(headers_uneven).flatten(), torch.tensor([2, 3, 2, 0, 2, 0])])
+    monkeypatch.setattr(distributed, "_all_gather_tensor", lambda env, tensor: next(gathered))
+    exchange = ProcessGroupExchange(DistributedEnv(0, 3, 0, torch.device("cpu"), "gloo", 5.0))
+    assert exchange.gather_sizes([2, 3]) == [[2, 3], [2], [2]]
+    fsdp = _exchange_seeing(monkeypatch, headers_uneven, equal_counts=True)
+    with pytest.raises(RanksDisagree, match=r"rank 0: 2 microbatches; ranks 1, 2: 1 microbatch \(FSDP needs"):
+        fsdp.gather_sizes([2, 3])
+
+
+def test_single_process_exchange_accepts_the_agreement_calls() -> None:
+    exchange = window_exchange(DistributedEnv(0, 1, 0, torch.device("cpu"), None))
+    exchange.set_position(1, 0)
+    exchange.end_of_data()
+    assert exchange.gather_sizes([3, 1]) == [[3, 1]]
+    assert sum_over_ranks(DistributedEnv(0, 1, 0, torch.device("cpu"), None), [3, 4]) == [3, 4]
+
+
+# ------------------------------------------------------------------- collective failures vs own errors
+
+TWO_RANKS = DistributedEnv(0, 2, 0, torch.device("cpu"), "gloo", 5.0)
+
+
+def test_an_error_that_is_not_a_collective_failure_says_what_it_is() -> None:
+    # e.g. CUDA out of memory or a shape mismatch inside a step: no roll call, no "collective failed"
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="^shape mismatch on purpose$") as raised:
+        with distributed._translate_faults(TWO_RANKS, "gathering features"):
+            raise RuntimeError("shape mismatch on purpose")
+    assert not isinstance(raised.value, DistributedFault)
+    with pytest.raises(RuntimeError, match="^CUDA out of memory") as raised:
+        with fault_guard(TWO_RANKS, "step 3"):
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert not isinstance(raised.value, DistributedFault)
+    assert time.monotonic() - start < 1.0
+
+
+def test_a_gloo_timeout_is_a_collective_failure() -> None:
+    with pytest.raises(DistributedFault, match="a collective failed while gathering features.*Timed out"):
+        with distributed._translate_faults(TWO_RANKS, "gathering features"):
+            raise RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv")
+
+
+# ---------------------------------------------------------------------------------- random streams
+
+
+def test_rng_state_records_the_models_devices_not_only_the_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a library caller passing CPU microbatches to a model on cuda:1 (devices faked: this runs on CPU)
+    model = SimpleNamespace(parameters=lambda: iter([SimpleNamespace(device=torch.device("cuda", 1))] * 2))
+    inputs = [torch.zeros(2), torch.zeros(2, dtype=torch.long)]
+    devices = RngState.devices_of(model, inputs)  # type: ignore[arg-type]
+    assert devices == [torch.device("cpu"), torch.device("cuda", 1)]
+    recorded: list[int] = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda index: recorded.append(index) or torch.zeros(1))
+    state = RngState(devices)
+    assert state.cuda_devices == [1] and recorded == [1]
+
+
+# ------------------------------------------------------------------------------ CLI: device flags
+
+
+@pytest.mark.parametrize("command", [["train"], ["eval", "--checkpoint", "nowhere"], ["verify"]])
+def test_unknown_device_is_one_line_naming_value_and_choices(command: list[str],
+                                                            capsys: pytest.CaptureFixture) -> None:
+    assert main([*command, "--device", "gpu"]) == 2
+    captured = capsys.readouterr()
+    out = (captured.err + captured.out).strip()
+    assert out.count("\n") == 0, out
+    assert "--device: 'gpu' is not one of cpu, cuda, cuda:N" in out
+
+
+def test_verify_runs_on_the_given_device(capsys: pytest.CaptureFixture) -> None:
+    assert main(["verify", "--device", "cpu", "--splits", "1", "--accum-freq", "2", "--accum-method", "cache"]) == 0
+    assert "float64 on cpu" in capsys.readouterr().out
+
+
+def test_fsdp_without_torchrun_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["train", "--fsdp", "--model", "tiny", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("naflexclip train: error: --fsdp:") and "torchrun" in err
+
+
+# --------------------------------------------------------------------------- real processes (gloo)
+
+
+@pytest.fixture(scope="module")
+def agree(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out_dir = tmp_path_factory.mktemp("agree")
+    reports = launch("agree", 2, Path(out_dir), timeout_s=TIMEOUT_S + 90)
+    for rank, report in enumerate(reports):
+        assert report["returncode"] == 0, f"rank {rank} exited {report['returncode']}:\n{report['stderr'][-4000:]}"
+    return [report["result"] for report in reports]
+
+
+@pytest.mark.slow
+def test_every_rank_raises_the_same_disagreement_at_once(agree: list[dict[str, Any]]) -> None:
+    prefix = "ranks disagree at the window's size exchange: "
+    expected = {
+        "agree": None,
+        "step": prefix + "rank 0: step 2, epoch 0, 2 microbatches; rank 1: step 3, epoch 0, 2 microbatches",
+        "epoch": prefix + "rank 0: step 3, epoch 0, 2 microbatches; rank 1: step 3, epoch 1, 2 microbatches",
+        "no_data": prefix + "rank 0: step 4, epoch 0, 2 microbatches; rank 1: step 4, epoch 0, no microbatches left "
+                            "(the ranks' data ended at different points)",
+        "all_ended": None,
+        "after": None,
+        "fsdp_counts": prefix + "rank 0: 1 microbatch; rank 1: 2 microbatches "
+                                "(FSDP needs the same number of microbatches on every rank)",
+        "fsdp_equal_counts": None,
+    }
+    for rank, result in enumerate(agree):
+        for case, error in expected.items():
+            assert result[case]["error"] == error, (rank, case, result[case])
+            # in the same collective as the sizes: no rank waits for a timeout
+            assert result[case]["seconds"] < TIMEOUT_S / 4, (rank, case, result[case])
+
+
+@pytest.mark.slow
+def test_ranks_start_alike_but_draw_their_own_random_streams(agree: list[dict[str, Any]]) -> None:
+    first, second = (result["seeds"] for result in agree)
+    assert first["weights"] == second["weights"]
+    assert first["draw"] != second["draw"]
+
+
+def _tsv_with_one_missing_image(folder: Path) -> Path:
+    rows = ["filepath\ttitle"]
+    for index in range(8):
+        path = folder / f"img{index}.png"
+        if index != 5:  # one missing file: the loader skips it on one rank only
+            path.write_bytes(image_bytes(24, 16, "PNG", seed=index))
+        rows.append(f"{path}\tcaption {index}")
+    (folder / "train.tsv").write_text("\n".join(rows) + "\n")
+    return folder / "train.tsv"
+
+
+@pytest.mark.slow
+def test_a_missing_image_on_one_rank_ends_in_seconds_not_at_the_timeout(tmp_path: Path) -> None:
+    """The issue's reproduction: 2 ranks, 8 rows with one missing image, one pair per microbatch, --accum-freq 3.
+
+    It used to hang: rank 0 in the size exchange, rank 1 in a barrier, until --dist-timeout. Now the ranks
+    agree on their data at every window: either the loader gives both ranks the same microbatch count and
+    the 7 usable pairs train, or every rank stops at once with one line naming the ranks."""
+    timeout = 60
+    train_data = _tsv_with_one_missing_image(tmp_path)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "naflexclip",
+           "train", "--model", "tiny", "--epochs", "1", "--accum-freq", "3", "--warmup", "1", "--device", "cpu",
+           "--train-data", str(train_data), "--naflex-seq-lens", "16", "--naflex-max-tokens-per-batch", "16",
+           "--workers", "0", "--zero-shot-samples", "8", "--no-plot", "--dist-timeout", str(timeout),
+           "--logs-dir", str(tmp_path / "logs"), "--name", "run"]
+    start = time.monotonic()
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout * 3,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    elapsed = time.monotonic() - start
+    assert elapsed < timeout, f"took {elapsed:.0f}s (--dist-timeout {timeout}):\n{result.stderr[-3000:]}"
+    if result.returncode == 0:
+        records = [json.loads(line) for line in (tmp_path / "logs" / "run" / "metrics.jsonl").read_text().splitlines()]
+        assert sum(r["train/window_examples"] for r in records if r["kind"] == "train") == 7
+        return
+    ours = [line for line in result.stderr.splitlines() if line.startswith("naflexclip train:")]
+    assert ours and len(set(ours)) == 1, result.stderr[-3000:]
+    assert ours[0] == (
+        "naflexclip train: ranks disagree at the window's size exchange: rank 0: step 2, epoch 0, 1 microbatch; "
+        "rank 1: step 2, epoch 0, no microbatches left (the ranks' data ended at different points)"
+    ), ours
+    assert "Traceback" not in "\n".join(line for line in result.stderr.splitlines() if "[rank" in line)
