@@ -528,16 +528,27 @@ def scenario_agree(env: Any, out_dir: Path) -> dict[str, Any]:
     attempt("fsdp_counts", 6, 0, exch=window_exchange(env, equal_counts=True), counts=1 + env.rank)
     attempt("fsdp_equal_counts", 7, 0, exch=window_exchange(env, equal_counts=True), counts=2)
 
-    # a Trainer: the same initial weights on every rank, a different random stream for stochastic layers
+    # a Trainer: the initial weights of --seed on every rank, a different random stream for stochastic layers.
+    # FSDP2, because it does not broadcast rank 0's weights as DDP does: each rank's shards are its own init
     cfg = TrainConfig(data=DataConfig(synthetic_train_size=16, synthetic_val_size=8, naflex_seq_lens=(16,),
                                       naflex_max_tokens_per_batch=64, workers=0),
-                      model="tiny", epochs=1, logs=str(out_dir), name="seeds", device="cpu", zero_shot_samples=8)
+                      model="tiny", epochs=1, logs=str(out_dir), name="seeds", device="cpu", zero_shot_samples=8,
+                      fsdp=True)
     trainer = Trainer(cfg, env)
-    results["seeds"] = {
-        "draw": torch.rand(4).tolist(),
-        "weights": [float(p.detach().double().sum()) for p in unwrap_model(trainer.model).parameters()],
-    }
+    draw = torch.rand(4).tolist()
+    weights = [_full_sum(p) for p in unwrap_model(trainer.model).parameters()]
+    torch.manual_seed(cfg.seed)
+    reference = [float(p.detach().double().sum()) for p in create_model("tiny").parameters()]
+    results["seeds"] = {"draw": draw, "weights": weights, "reference": reference}
     return results
+
+
+def _full_sum(param: torch.Tensor) -> float:
+    """The sum of a parameter's whole (unsharded) value; a collective for an FSDP2 DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    value = param.full_tensor() if isinstance(param, DTensor) else param
+    return float(value.detach().double().sum())
 
 
 def main() -> None:

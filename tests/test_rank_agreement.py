@@ -183,7 +183,8 @@ def test_every_rank_raises_the_same_disagreement_at_once(agree: list[dict[str, A
 @pytest.mark.slow
 def test_ranks_start_alike_but_draw_their_own_random_streams(agree: list[dict[str, Any]]) -> None:
     first, second = (result["seeds"] for result in agree)
-    assert first["weights"] == second["weights"]
+    # the model is built from --seed on every rank (FSDP2 assembles it from every rank's own shards)
+    assert first["weights"] == first["reference"] and second["weights"] == second["reference"]
     assert first["draw"] != second["draw"]
 
 
