@@ -90,13 +90,18 @@ def test_checkpoint_keeps_its_architecture_when_the_preset_changes(tmp_path: Pat
         tiny, text=dataclasses.replace(tiny.text, pool_type="mean", ls_init_value=1e-4)))
     model, _ = ckpt.load_checkpoint_model(checkpoints)  # rebuilt from the architecture stored in it
     assert model.text_pool_type == "argmax"
-    # resuming under the changed preset stops with one line that names the checkpoint and a tensor
-    with pytest.raises(ValueError, match=r"--resume .*step_00000001.*weights do not fit.*ls_1"):
+    # resuming under the changed preset stops with one line that names the checkpoint and what changed
+    with pytest.raises(ValueError, match=r"--resume .*step_00000001.*--model tiny: the preset's architecture "
+                                         r"is not the checkpoint's .*pool_type: 'argmax' -> 'mean'"):
         train(tiny_config(tmp_path, "run", epochs=1, val_frequency=0, resume="latest"))
-    # a checkpoint without a stored architecture (older runs) is rebuilt from the preset: same one line
+    # a checkpoint without a stored architecture (older runs, which had no checkpoint.json either) is rebuilt
+    # from the preset: one line naming the checkpoint and a tensor
     state_file = ckpt.resolve(checkpoints) / ckpt.STATE_FILE
     state = torch.load(state_file, weights_only=True)
     del state["model_config"]
     torch.save(state, state_file)
+    (state_file.parent / ckpt.META_FILE).unlink()
+    with pytest.raises(ValueError, match=r"--resume .*step_00000001.*weights do not fit.*ls_1"):
+        train(tiny_config(tmp_path, "run", epochs=1, val_frequency=0, resume="latest"))
     with pytest.raises(ValueError, match=r"checkpoint .*step_00000001.*weights do not fit"):
         ckpt.load_checkpoint_model(checkpoints)

@@ -662,6 +662,17 @@ def full_optimizer_state_dict(
     return _cpu_copy(optimizer.state_dict()) if env.is_main else {}
 
 
+def gather_to_main(env: DistributedEnv, value: Any) -> list[Any] | None:
+    """Every rank's `value` (small picklable objects, e.g. RNG states), in rank order, on rank 0; None on the
+    other ranks. Every rank must call it."""
+    if not env.distributed:
+        return [value]
+    gathered: list[Any] | None = [None] * env.world_size if env.is_main else None
+    with _translate_faults(env, "gathering per-rank state"):
+        dist.gather_object(value, gathered, dst=0)
+    return gathered
+
+
 def _cpu_copy(value: Any) -> Any:
     return _copy_if(value, lambda _: True)
 

@@ -81,7 +81,10 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--save-every-n-steps", type=_optional_int, default=None)
     r.add_argument("--stop-after-steps", type=_optional_int, default=None,
                    help="save and stop after this many optimizer steps; the lr schedule still spans --epochs")
-    r.add_argument("--resume", default=None, help="a checkpoint directory, or 'latest' (of --name)")
+    r.add_argument("--resume", default=None, help="a checkpoint directory, or 'latest' (of --name: its newest usable "
+                   "checkpoint; a run folder without one stops the run)")
+    r.add_argument("--resume-fresh", action="store_true",
+                   help="with --resume latest: start the run over when it has no usable checkpoint")
     r.add_argument("--report-to", default="", choices=("", "tensorboard"))
     r.add_argument("--log-every-n-steps", type=int, default=_default("log_every_n_steps"))
     r.add_argument("--val-frequency", type=int, default=_default("val_frequency"),
@@ -109,6 +112,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         epochs=args.epochs, precision=args.precision, grad_clip_norm=clip if clip is not None and clip > 0 else None,
         seed=args.seed, logs=args.logs, name=args.name, save_frequency=args.save_frequency,
         save_every_n_steps=args.save_every_n_steps, stop_after_steps=args.stop_after_steps, resume=args.resume,
+        resume_fresh=args.resume_fresh,
         report_to=args.report_to, log_every_n_steps=args.log_every_n_steps, val_frequency=args.val_frequency,
         device=args.device, max_skipped_steps=args.max_skipped_steps, fsdp=args.fsdp,
         dist_timeout=args.dist_timeout, plot=not args.no_plot,
@@ -123,7 +127,7 @@ def _error(command: str, message: str) -> int:
 
 def run_train(args: argparse.Namespace) -> int:
     """Handler of `naflexclip train`."""
-    from .loop import TrainingStopped, train  # torch-heavy imports only when the command runs
+    from .loop import TrainingInterrupted, TrainingStopped, train  # torch-heavy imports only when the command runs
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
@@ -135,6 +139,10 @@ def run_train(args: argparse.Namespace) -> int:
                                "launch with torchrun --nproc-per-node N (N >= 2) or drop --fsdp")
     try:
         train(cfg)
+    except TrainingInterrupted as stop:  # the shell's convention: 128 + the signal's number
+        if stop.show:
+            print(f"naflexclip train: {stop}", file=sys.stderr)
+        return 128 + stop.signal_number
     except (TrainingStopped, DistributedFault) as stop:
         # a rank that failed, died or disagreed: one line (the same on every rank), no traceback
         print(f"naflexclip train: {str(stop).splitlines()[0]}", file=sys.stderr)
@@ -159,6 +167,9 @@ def run_eval(args: argparse.Namespace) -> int:
             data = DataConfig(**{**config["data"], "val_data": args.val_data, "dataset_type": args.dataset_type})
         precision = create_precision(args.precision or config["precision"], device)
         on_builtin = data.source("train") == ("synthetic", None) or args.zero_shot
+        if data.source("val") is None and not on_builtin:
+            return _error("eval", f"nothing to evaluate: the run of {args.checkpoint!r} has no validation data; pass "
+                                  "--val-data (or --zero-shot for the built-in zero-shot tasks)")
         metrics = evaluate(model, data, device, precision.autocast,
                            zero_shot_samples=config["zero_shot_samples"] if on_builtin else 0)
     except (ValueError, DataError, FileNotFoundError) as error:

@@ -47,6 +47,7 @@ class TrainConfig:
     save_every_n_steps: int | None = None
     stop_after_steps: int | None = None
     resume: str | None = None
+    resume_fresh: bool = False  # --resume latest on a run with no usable checkpoint: start over, not stop
     report_to: str = ""
     log_every_n_steps: int = 1
     val_frequency: int = 1
@@ -103,6 +104,8 @@ class TrainConfig:
             raise ValueError(f"--wd must be >= 0, got {self.wd}")
         if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
             raise ValueError(f"--grad-clip-norm must be > 0, got {self.grad_clip_norm}")
+        if self.resume_fresh and self.resume != "latest":
+            raise ValueError(f"--resume-fresh goes with --resume latest, got --resume {self.resume}")
         if not self.dist_timeout > 0:
             raise ValueError(f"--dist-timeout must be > 0 seconds, got {self.dist_timeout}")
 

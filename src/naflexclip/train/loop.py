@@ -6,12 +6,22 @@ the loop never computes a loss coefficient. After the window the loop unscales (
 clips the gradient norm once, skips the step if the loss or the gradient is not finite, steps AdamW,
 clamps `logit_scale` and advances the cosine schedule (once per window, skipped or not, so the schedule
 and the data position stay in step).
+
+Stops and resumes: SIGINT/SIGTERM let the current step finish, save it and end the run with one line (a
+second signal stops at once, naming the last complete checkpoint). A resume continues exactly or refuses in
+one line (`checkpoint.resume_errors`); flags it may change are applied and listed, the lr schedule keeps its
+saved length unless a flag that defines it changed, and `metrics.jsonl` is cut back to what the checkpoint
+had logged, so every step appears once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import random
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -32,6 +42,7 @@ from naflexclip.distributed import (
     fault_guard,
     full_optimizer_state_dict,
     full_state_dict,
+    gather_to_main,
     init_distributed,
     load_full_optimizer_state_dict,
     load_full_state_dict,
@@ -48,12 +59,22 @@ from naflexclip.train.config import TrainConfig
 from naflexclip.train.evaluate import evaluate
 from naflexclip.train.optim import CosineSchedule, create_optimizer
 from naflexclip.train.precision import create_precision
-from naflexclip.train.report import PLOT_FILE, Reporter, plot_curves, read_metrics, summary_table
+from naflexclip.train.report import METRICS_FILE, PLOT_FILE, Reporter, plot_curves, read_metrics, summary_table
 from naflexclip.window import WindowStats, accumulate_gradients
 
 
 class TrainingStopped(RuntimeError):
     """The run cannot continue (e.g. too many non-finite steps in a row); the message says why."""
+
+
+class TrainingInterrupted(TrainingStopped):
+    """SIGINT/SIGTERM ended the run; the message says where its last complete checkpoint is. `show`: this rank
+    is the one that tells the user (the main rank)."""
+
+    def __init__(self, message: str, signal_number: int, show: bool = True) -> None:
+        super().__init__(message)
+        self.signal_number = signal_number
+        self.show = show
 
 
 @dataclass
@@ -139,7 +160,13 @@ class Trainer:
         self.run_dir = Path(cfg.logs) / str(cfg.name)
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.reporter = Reporter(self.run_dir, enabled=env.is_main, tensorboard=cfg.report_to == "tensorboard")
-        self.evals: list[dict[str, float]] = []
+        self.evals: list[dict[str, float]] = []  # [0]: the evaluation before the run's first step
+        self.stop_signal: int | None = None  # set by SIGINT/SIGTERM (see `stop_signals`)
+        self.last_step_saved: int | None = None
+        total = self.schedule.total_steps
+        if cfg.warmup > total:
+            self.reporter.message(f"warning: --warmup {cfg.warmup} is longer than the run ({total} optimizer steps): "
+                                  f"the learning rate never reaches --lr {cfg.lr:g}")
 
     def _plan_windows(self) -> list[int]:
         """Optimizer steps in each epoch (the schedule's length): ceil(planned microbatches / accum_freq)."""
@@ -212,6 +239,8 @@ class Trainer:
     def fit(self) -> dict[str, float]:
         """Resume if asked, evaluate, train every remaining epoch, report; returns the last evaluation."""
         resumed = self.maybe_resume()
+        if resumed and self.nothing_left():
+            return {}
         if not resumed:
             self.run_evaluation()
         while self.progress.epoch < self.cfg.epochs:
@@ -241,10 +270,11 @@ class Trainer:
                 tick = now
                 self.check_skips(result)
                 if cfg.save_every_n_steps and progress.step % cfg.save_every_n_steps == 0:
-                    self.save(f"step_{progress.step:08d}")
+                    self.save_step()
                 if cfg.stop_after_steps is not None and progress.step >= cfg.stop_after_steps:
-                    self.save(f"step_{progress.step:08d}")
+                    self.save_step()
                     return True
+                self.check_stop_signal()
             # this rank's data for the epoch ended: meet the other ranks' next size exchange, so a rank
             # that still has microbatches fails at once, naming the ranks, instead of waiting for the timeout
             self.exchange.set_position(progress.step + 1, progress.epoch)
@@ -298,6 +328,31 @@ class Trainer:
         if self.progress.step % self.cfg.log_every_n_steps == 0 or result.skipped:
             self.reporter.log("train", self.progress.step, self._fractional_epoch(), metrics)
 
+    def nothing_left(self) -> bool:
+        """After a resume: True (and one line) when the checkpoint already is where this run would stop."""
+        cfg, progress = self.cfg, self.progress
+        if progress.epoch >= cfg.epochs:
+            self.reporter.message(f"nothing to train: the run finished (epoch {progress.epoch} of --epochs "
+                                  f"{cfg.epochs}, step {progress.step}); raise --epochs to train longer")
+            return True
+        if cfg.stop_after_steps is not None and progress.step >= cfg.stop_after_steps:
+            self.reporter.message(f"nothing to train: the checkpoint is at step {progress.step}, "
+                                  f"--stop-after-steps is {cfg.stop_after_steps}")
+            return True
+        return False
+
+    def check_stop_signal(self) -> None:
+        """After a step: when SIGINT/SIGTERM reached any rank, every rank saves this step and the run ends."""
+        requested = self.stop_signal is not None
+        if self.env.distributed:  # a signal may reach one rank only (or a step apart): all stop at the same step
+            requested = any_rank_true(self.env, requested)
+        if not requested:
+            return
+        number = self.stop_signal or signal.SIGTERM
+        path = self.save_step()
+        raise TrainingInterrupted(f"stopped by {signal.Signals(number).name} after step {self.progress.step}; saved "
+                                  f"{path} (continue with --resume latest)", number, show=self.env.is_main)
+
     def window_token_counts(self, microbatches: list[dict[str, Any]]) -> tuple[int, int]:
         """(valid image patches, padded patch slots) of the whole window, all ranks. A collective: every rank
         calls it every step, whether or not it logs (calling it only where rank 0 logs would deadlock)."""
@@ -341,7 +396,9 @@ class Trainer:
     # ------------------------------------------------------------------------------- checkpoints
 
     def train_state(self) -> dict[str, Any]:
+        """Everything a resume needs (every rank must call it: the RNG states are gathered to rank 0)."""
         scaler = self.precision.scaler
+        rng = ckpt.rng_state(self.env.device)
         return {
             "config": self.cfg.to_dict(),
             "model_config": config_to_dict(self.module.config),
@@ -349,51 +406,147 @@ class Trainer:
             "optimizer": full_optimizer_state_dict(self.model, self.optimizer, self.env),
             "schedule": self.schedule.state_dict(),
             "grad_scaler": scaler.state_dict() if scaler is not None else None,
-            "rng": ckpt.rng_state(),
+            "rng": rng,
+            "rng_per_rank": gather_to_main(self.env, rng),
             "data": {"epoch": self.progress.epoch, "next_batch": self.progress.next_batch,
                      "skip_counts": dict(self.loader.skip_counts)},
             "world_size": self.env.world_size,
+            # the summary's "before" column, and how much of metrics.jsonl this checkpoint had written
+            "first_eval": self.evals[0] if self.evals else None,
+            "metrics_bytes": self._metrics_bytes(),
         }
 
-    def save(self, name: str) -> None:
-        """Gather (every rank) and write (main rank) one checkpoint."""
+    def _metrics_bytes(self) -> int:
+        path = self.reporter.run_dir / METRICS_FILE
+        return path.stat().st_size if self.env.is_main and path.exists() else 0
+
+    def save(self, name: str) -> Path:
+        """Gather (every rank) and write (main rank) one checkpoint; its path."""
         model_state = full_state_dict(self.model, self.env)
         state = self.train_state()
+        path = self.checkpoint_dir / name
         if self.env.is_main:
             path = ckpt.save_checkpoint(self.checkpoint_dir, name, model_state, state)
             self.reporter.message(f"saved {path}")
         barrier(self.env)
+        return path
+
+    def save_step(self) -> Path:
+        """Save `step_{step}` unless this step was saved already (--save-every-n-steps and --stop-after-steps
+        or a stop signal at the same step write it once)."""
+        path = self.checkpoint_dir / f"step_{self.progress.step:08d}"
+        if self.last_step_saved != self.progress.step:
+            path = self.save(path.name)
+            self.last_step_saved = self.progress.step
+        return path
 
     def maybe_resume(self) -> bool:
-        """Load --resume (a path, or `latest` of this run when there is one); True if a checkpoint was loaded."""
-        if self.cfg.resume is None:
+        """Load --resume (a path, or `latest` of this run when there is one); True if a checkpoint was loaded.
+
+        Every rank reads the checkpoint, so every rank raises the same error."""
+        cfg = self.cfg
+        if cfg.resume is None:
             return False
-        if self.cfg.resume == "latest":
-            path = ckpt.find_latest(self.checkpoint_dir)
-            if path is None:
-                self.reporter.message(f"--resume latest: no checkpoint in {self.checkpoint_dir}; starting fresh")
-                return False
+        if cfg.resume == "latest":
+            found = ckpt.load_latest(self.checkpoint_dir, notify=self.reporter.message)
+            if found is None:
+                return self._start_fresh()
         else:
-            path = ckpt.resolve(self.cfg.resume)
-        model_state, state = ckpt.load_checkpoint(path)
-        mismatch = weights_mismatch(self.module, model_state)  # every rank reads the file: all raise alike
-        if mismatch is not None:
-            raise ValueError(f"--resume {str(path)!r}: {mismatch}")
-        self.load_train_state(model_state, state)
+            found = ckpt.load_checkpoint_from(cfg.resume, notify=self.reporter.message)
+        path, model_state, state = found
+        self.check_resumable(path, model_state, state)
+        changes = self.load_train_state(model_state, state)
+        self._cut_metrics(path, state)
         self.reporter.message(f"resumed from {path} at epoch {self.progress.epoch}, step {self.progress.step}")
+        if changes:
+            self.reporter.message("resume applies changed flags: " + ", ".join(changes))
         return True
 
-    def load_train_state(self, model_state: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
+    def _start_fresh(self) -> bool:
+        """--resume latest without a usable checkpoint: a new run starts; an existing one stops unless
+        --resume-fresh says to start it over."""
+        existing = (self.run_dir / METRICS_FILE).exists() or (
+            self.checkpoint_dir.is_dir() and any(self.checkpoint_dir.iterdir()))
+        if existing and not self.cfg.resume_fresh:
+            raise ValueError(f"--resume latest: run {str(self.run_dir)!r} exists but has no usable checkpoint; pass "
+                             f"--resume-fresh to start it over from scratch")
+        if existing:
+            self.reporter.message(f"--resume latest: no usable checkpoint in {self.checkpoint_dir}; starting the run "
+                                  f"over (--resume-fresh)")
+            if self.env.is_main and (self.run_dir / METRICS_FILE).exists():
+                os.truncate(self.run_dir / METRICS_FILE, 0)
+        else:
+            self.reporter.message(f"--resume latest: no checkpoint in {self.checkpoint_dir}; starting fresh")
+        barrier(self.env)
+        return False
+
+    def check_resumable(self, path: Path, model_state: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
+        """One-line ValueError when this run cannot continue the checkpoint exactly (model, loss, data, world
+        size; see `checkpoint.resume_errors`)."""
+        saved_world_size = int(state.get("world_size", 1))
+        error = ckpt.resume_errors(state["config"], self.cfg.to_dict(), saved_world_size, self.env.world_size,
+                                   state.get("data", {}))
+        if error is None and state.get("model_config") is not None:
+            changed = ckpt.architecture_changes(state["model_config"], config_to_dict(self.module.config))
+            if changed:
+                error = (f"--model {self.cfg.model}: the preset's architecture is not the checkpoint's (checkpoint -> "
+                         "preset: " + ", ".join(changed[:3]) + (", ..." if len(changed) > 3 else "") + ")")
+        if error is None:
+            error = weights_mismatch(self.module, model_state)
+        if error is not None:
+            raise ValueError(f"--resume {str(path)!r}: {error}")
+
+    def load_train_state(self, model_state: dict[str, torch.Tensor], state: dict[str, Any]) -> list[str]:
+        """Restore the checkpoint on every rank; returns the changed flags applied (`--flag old -> new`)."""
+        changes = ckpt.resume_changes(state["config"], self.cfg.to_dict())
         load_full_state_dict(self.model, model_state, self.env)
+        # the optimizer state restores the saved hyperparameters too: keep this run's (--wd, --beta1, ...)
+        hyper = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         load_full_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], self.env)
-        self.schedule.load_state_dict(state["schedule"])
+        for group, values in zip(self.optimizer.param_groups, hyper, strict=True):
+            group.update(values)
+        changes += self._restore_schedule(state["schedule"], state["config"])
         if self.precision.scaler is not None and state["grad_scaler"]:
             self.precision.scaler.load_state_dict(state["grad_scaler"])
         self.progress = Progress(**state["progress"])
+        self.last_step_saved = self.progress.step
         self.loader.skip_counts.update(state["data"]["skip_counts"])
-        ckpt.set_rng_state(state["rng"])
+        per_rank = state.get("rng_per_rank")
+        own = per_rank[self.env.rank] if per_rank and len(per_rank) == self.env.world_size else state["rng"]
+        ckpt.set_rng_state(own, self.env.device)
+        if state.get("first_eval"):
+            self.evals = [state["first_eval"]]
         check_consistency(self.env, step=self.progress.step, epoch=self.progress.epoch,
                           next_batch=self.progress.next_batch)
+        return changes
+
+    def _restore_schedule(self, saved: dict[str, Any], saved_config: dict[str, Any]) -> list[str]:
+        """Continue the saved lr schedule; only when a flag that defines it changed (--lr, --warmup, --epochs,
+        --accum-freq) does this run's schedule replace it, and the lr change at the resumed step is listed."""
+        step = int(saved["last_step"])
+        defining = ("lr", "warmup", "epochs", "accum_freq")
+        current = self.cfg.to_dict()
+        if all(saved_config.get(key) == current[key] for key in defining):
+            self.schedule.base_lr = float(saved["base_lr"])
+            self.schedule.warmup_steps = int(saved["warmup_steps"])
+            self.schedule.total_steps = int(saved["total_steps"])
+            self.schedule.load_state_dict(saved)
+            return []
+        old = CosineSchedule(self.optimizer, float(saved["base_lr"]), int(saved["warmup_steps"]),
+                             int(saved["total_steps"])).lr_at(step)
+        self.schedule.load_state_dict(saved)  # (after the line above set the optimizer's lr) this run's lr
+        return [f"lr schedule {saved['total_steps']} -> {self.schedule.total_steps} steps "
+                f"(lr at step {step}: {old:.3g} -> {self.schedule.lr:.3g})"]
+
+    def _cut_metrics(self, path: Path, state: dict[str, Any]) -> None:
+        """Drop what metrics.jsonl logged after this checkpoint (a crash or stop after it), so each step
+        appears once; only for this run's own checkpoints."""
+        metrics = self.run_dir / METRICS_FILE
+        size = state.get("metrics_bytes")
+        own = path.resolve().parent == self.checkpoint_dir.resolve()
+        if self.env.is_main and own and size is not None and metrics.exists() and metrics.stat().st_size > size:
+            os.truncate(metrics, size)
+        barrier(self.env)
 
 
 def _brief(metrics: dict[str, float]) -> str:
@@ -411,12 +564,45 @@ def prepare_run_dir(cfg: TrainConfig, env: DistributedEnv) -> None:
         raise ValueError(f"--name: run {str(run_dir)!r} already exists; pick another --name or pass --resume latest")
 
 
+@contextlib.contextmanager
+def stop_signals(trainer: Trainer) -> Iterator[None]:
+    """While training: SIGINT/SIGTERM ask the loop to stop after the current step (it saves, then ends the
+    run); a second signal stops at once (KeyboardInterrupt). Only the main thread can take signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def request_stop(number: int, frame: Any) -> None:
+        if trainer.stop_signal is not None:
+            raise KeyboardInterrupt
+        trainer.stop_signal = number  # no output here: a handler may run in the middle of a write to stderr
+
+    previous = {number: signal.signal(number, request_stop) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
 def train(cfg: TrainConfig) -> dict[str, float]:
-    """Run `cfg` in this process (joining torchrun's job if launched by it); returns the last evaluation."""
+    """Run `cfg` in this process (joining torchrun's job if launched by it); returns the last evaluation.
+
+    TrainingInterrupted when a signal ended it (the message names the last complete checkpoint)."""
     env = init_distributed(cfg.device, cfg.dist_timeout)
+    trainer = None
     try:
         prepare_run_dir(cfg, env)
         trainer = Trainer(cfg, env)
-        return trainer.fit()
+        with stop_signals(trainer):
+            return trainer.fit()
+    except KeyboardInterrupt:
+        checkpoint_dir = Path(cfg.logs) / str(cfg.name) / "checkpoints"
+        if env.is_main:
+            ckpt.clean_stale(checkpoint_dir)
+        latest = ckpt.find_latest(checkpoint_dir)
+        number = trainer.stop_signal if trainer is not None and trainer.stop_signal else signal.SIGINT
+        raise TrainingInterrupted(f"interrupted by {signal.Signals(number).name}; last complete checkpoint: "
+                                  f"{latest if latest is not None else 'none'}", number, show=env.is_main) from None
     finally:
         cleanup(env)
