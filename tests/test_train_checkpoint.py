@@ -1,9 +1,12 @@
-"""Checkpoints survive a SIGKILL in the middle of a save: the previous one stays loadable and resumable."""
+"""Checkpoints survive a crash at any point of a save (SIGKILL, or a failure injected at every filesystem step):
+`latest` resolves to the last complete one, by step; damaged files are reported in one line and skipped."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -79,6 +82,7 @@ def test_sigkill_during_save_leaves_previous_checkpoint_resumable(tmp_path: Path
     train(tiny_config(tmp_path, "killed", stop_after_steps=2, val_frequency=0, resume="latest"))
     resumed = ckpt.find_latest(checkpoints)
     assert resumed.name == "step_00000002"
+    assert not [p for p in checkpoints.iterdir() if p.name.startswith(".")]  # the torn write is cleaned
     assert ckpt.load_checkpoint(resumed)[1]["progress"]["step"] == 2
 
 
@@ -105,3 +109,125 @@ def test_checkpoint_keeps_its_architecture_when_the_preset_changes(tmp_path: Pat
         train(tiny_config(tmp_path, "run", epochs=1, val_frequency=0, resume="latest"))
     with pytest.raises(ValueError, match=r"checkpoint .*step_00000001.*weights do not fit"):
         ckpt.load_checkpoint_model(checkpoints)
+
+
+# --------------------------------------------------------------------------------------- crash at step k
+
+
+class Crash(OSError):
+    """The process dies here: this filesystem step and every later one fail."""
+
+
+def _state(step: int) -> dict:
+    return {"progress": {"step": step, "epoch": 0}, "config": {"model": "tiny"}}
+
+
+def _weights(value: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((4,), value)}
+
+
+def _crashing_at(monkeypatch: pytest.MonkeyPatch, k: int) -> list[str]:
+    """From the k-th filesystem step of a save on (file write, rename, removal), every step raises Crash."""
+    steps: list[str] = []
+
+    def wrap(name, real):
+        def step(*args, **kwargs):
+            steps.append(name)
+            if k and len(steps) >= k:
+                raise Crash(f"crash at step {len(steps)} ({name})")
+            return real(*args, **kwargs)
+        return step
+
+    monkeypatch.setattr(ckpt, "_write_fsynced", wrap("write", ckpt._write_fsynced))
+    monkeypatch.setattr(ckpt.os, "replace", wrap("replace", os.replace))
+    monkeypatch.setattr(ckpt.shutil, "rmtree", wrap("rmtree", shutil.rmtree))
+    return steps
+
+
+def _before_the_save(directory: Path, resave: bool) -> None:
+    ckpt.save_checkpoint(directory, "step_00000001", _weights(1.0), _state(1))
+    if resave:
+        ckpt.save_checkpoint(directory, "step_00000002", _weights(2.0), _state(2))
+
+
+@pytest.mark.parametrize("resave", [False, True], ids=["new name", "same name again"])
+def test_crash_at_any_step_of_a_save_leaves_latest_on_a_complete_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, resave: bool) -> None:
+    """A save of step 2 (first time, or again after a resume) that dies at its k-th filesystem step, for every
+    k: `latest` loads step 2 (old or new weights) or, on a first save, step 1 — never nothing, never a damaged
+    one; the next save cleans up after it."""
+    _before_the_save(tmp_path / "count", resave)
+    with monkeypatch.context() as patch:
+        steps = _crashing_at(patch, 0)
+        ckpt.save_checkpoint(tmp_path / "count", "step_00000002", _weights(3.0), _state(2))
+    for k in range(1, len(steps) + 2):  # the last k: no crash
+        directory = tmp_path / f"crash_{k}"
+        _before_the_save(directory, resave)
+        with monkeypatch.context() as patch:
+            _crashing_at(patch, k)
+            try:
+                ckpt.save_checkpoint(directory, "step_00000002", _weights(3.0), _state(2))
+            except Crash:
+                pass
+        path = ckpt.find_latest(directory)
+        assert path is not None, f"crash at step {k} of {steps}: no checkpoint left"
+        weights, state = ckpt.load_checkpoint(path)  # complete and undamaged
+        value = float(weights["w"][0])
+        assert value in ({2.0, 3.0} if resave else {1.0, 3.0}), (k, path)
+        assert state["progress"]["step"] == (1 if value == 1.0 else 2), (k, path)
+        if k == len(steps) + 1:
+            assert value == 3.0 and path.name == "step_00000002"
+    for k in range(1, len(steps) + 2):  # the next save succeeds and leaves nothing of the crashed one behind
+        directory = tmp_path / f"crash_{k}"
+        ckpt.save_checkpoint(directory, "step_00000003", _weights(4.0), _state(3))
+        leftovers = [p.name for p in directory.iterdir() if p.name.startswith(".") or p.name.endswith(".new")]
+        assert leftovers == [], (k, leftovers)
+        assert ckpt.find_latest(directory).name == "step_00000003"
+
+
+def test_latest_falls_back_by_step_not_file_time(tmp_path: Path) -> None:
+    for step in (3, 1):  # step 1 written last: its files are the newest
+        ckpt.save_checkpoint(tmp_path, f"step_{step:08d}", _weights(step), _state(step))
+    (tmp_path / ckpt.LATEST_FILE).write_text("step_00000009\n")  # a copied run, a hand edit: the pointer is broken
+    assert ckpt.find_latest(tmp_path).name == "step_00000003"
+    notes: list[str] = []
+    assert ckpt.find_latest(tmp_path, notify=notes.append).name == "step_00000003"
+    assert notes == [f"{tmp_path / 'latest'} names 'step_00000009', which is missing or incomplete; using "
+                     f"step_00000003 (step 3, the highest complete one)"]
+
+
+@pytest.mark.parametrize(
+    ("file", "damage", "message"),
+    [
+        (ckpt.STATE_FILE, lambda data: data[:-200] + bytes(200), "RuntimeError: PytorchStreamReader failed"),
+        (ckpt.MODEL_FILE, lambda data: data[:8] + b"garbage!" + data[16:], "SafetensorError: Error while deserial"),
+        (ckpt.STATE_FILE, lambda data: data[: len(data) // 2], "bytes, written"),
+    ],
+    ids=["torch archive", "safetensors header", "truncated"],
+)
+def test_damaged_checkpoint_is_one_line_and_the_previous_one_is_used(tmp_path: Path, file: str, damage,
+                                                                      message: str, caplog) -> None:
+    for step in (1, 2):
+        ckpt.save_checkpoint(tmp_path, f"step_{step:08d}", _weights(step), _state(step))
+    target = tmp_path / "step_00000002" / file
+    target.write_bytes(damage(target.read_bytes()))
+    weights, state = ckpt.load_checkpoint(tmp_path)  # a run's checkpoints/: its newest usable checkpoint
+    assert state["progress"]["step"] == 1 and float(weights["w"][0]) == 1.0
+    assert [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()] != []
+    notes: list[str] = []
+    ckpt.load_checkpoint(tmp_path, notify=notes.append)
+    assert len(notes) == 1 and len(notes[0].splitlines()) == 1
+    assert f"step_00000002' is damaged ({file}: " in notes[0] and message in notes[0]
+    assert notes[0].endswith("using step_00000001 (step 1)")
+    # named directly, the damaged checkpoint is a one-line error, not a traceback
+    with pytest.raises(ckpt.CheckpointError, match=f"is damaged \\({file}: "):
+        ckpt.load_checkpoint(tmp_path / "step_00000002")
+
+
+def test_stale_temp_folders_are_cleaned_by_the_next_save(tmp_path: Path) -> None:
+    for stale in (".tmp-step_00000007-4242", ".old-step_00000005-4242"):
+        (tmp_path / stale).mkdir(parents=True)
+        (tmp_path / stale / ckpt.MODEL_FILE).write_bytes(b"partial")
+    ckpt.save_checkpoint(tmp_path, "step_00000008", _weights(8.0), _state(8))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt.LATEST_FILE, "step_00000008"]
+    assert json.loads((tmp_path / "step_00000008" / ckpt.META_FILE).read_text())["step"] == 8

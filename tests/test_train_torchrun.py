@@ -1,5 +1,6 @@
-"""`torchrun --nproc-per-node 2 -m naflexclip train` on CPU (gloo): trains, stops, resumes — and the
-resumed DDP run ends with the same weights as the uninterrupted one."""
+"""`torchrun --nproc-per-node 2 naflexclip train` on CPU (gloo): trains, stops, resumes — and the resumed DDP
+run, with dropout, drop-path and patch dropout on and a different random stream on each rank, ends with the
+same weights as the uninterrupted one (each rank restores its own generator state)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -21,10 +23,42 @@ RUN_FLAGS = [
     "--naflex-loss-scale", "linear", "--batch-size", "4", "--dist-timeout", "120",
 ]
 
+# `naflexclip train` with stochastic layers in the tiny preset and per-rank random streams (whatever the seeding
+# does), so that a rank continuing with another rank's generator state draws other masks; a resume must not
+# broadcast pickled objects (every rank reads the checkpoint itself).
+LAUNCHER = textwrap.dedent(
+    """
+    import dataclasses, sys
+    import torch
+    import torch.distributed as dist
+    from naflexclip.cli import main
+    from naflexclip.model import PRESETS
+    from naflexclip.train import loop
+
+    tiny = PRESETS["tiny"]
+    PRESETS["tiny"] = dataclasses.replace(tiny, image=dataclasses.replace(
+        tiny.image, drop_path_rate=0.2, proj_drop_rate=0.2, patch_drop_rate=0.25))
+    real_init = loop.Trainer.__init__
+
+    def init(self, cfg, env):
+        real_init(self, cfg, env)
+        torch.manual_seed(1000 + env.rank)
+
+    loop.Trainer.__init__ = init
+    if "--resume" in sys.argv:
+        def no_pickle_broadcast(*args, **kwargs):
+            raise AssertionError("the resume broadcast a pickled object")
+        dist.broadcast_object_list = no_pickle_broadcast
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
 
 def torchrun(tmp_path: Path, name: str, *extra: str) -> subprocess.CompletedProcess:
+    launcher = tmp_path / "launch.py"
+    launcher.write_text(LAUNCHER)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "naflexclip", "train", *RUN_FLAGS, "--logs-dir", str(tmp_path), "--name", name, *extra]
+           str(launcher), "train", *RUN_FLAGS, "--logs-dir", str(tmp_path), "--name", name, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -37,6 +71,9 @@ def test_two_process_run_resumes_to_the_same_weights(tmp_path: Path) -> None:
     torchrun(tmp_path, "resumed", "--stop-after-steps", "2")
     stopped = find_latest(tmp_path / "resumed" / "checkpoints")
     assert stopped is not None and stopped.name == "step_00000002"
+    _, stopped_state = load_checkpoint(stopped)
+    rank_states = [state["torch"] for state in stopped_state["rng_per_rank"]]
+    assert len(rank_states) == 2 and not torch.equal(*rank_states)  # each rank's own stream is saved
     torchrun(tmp_path, "resumed", "--resume", "latest")
 
     straight, straight_state = load_checkpoint(find_latest(tmp_path / "straight" / "checkpoints"))
@@ -49,3 +86,6 @@ def test_two_process_run_resumes_to_the_same_weights(tmp_path: Path) -> None:
     train_records = [r for r in records if r["kind"] == "train"]
     # the window spans both ranks: every step's scale comes from all 2·n microbatch sizes
     assert all(r["train/num_microbatches"] in (2, 4) for r in train_records)
+    resumed_steps = [json.loads(line)["step"] for line in (tmp_path / "resumed" / "metrics.jsonl").read_text()
+                     .splitlines() if json.loads(line)["kind"] == "train"]
+    assert resumed_steps == list(range(1, len(resumed_steps) + 1))

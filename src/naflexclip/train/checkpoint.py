@@ -128,6 +128,7 @@ def save_checkpoint(checkpoint_dir: Path, name: str, model_state: dict[str, torc
         os.replace(tmp, final)
         _fsync_dir(checkpoint_dir)
         _point_latest(checkpoint_dir, name)
+        clean_stale(checkpoint_dir)  # a `.new` copy the old pointer still named
         return final
     # re-saving a name in use: the old copy stays complete and reachable until the new one is pointed to
     staged = checkpoint_dir / f"{name}{_NEW_SUFFIX}"
@@ -246,8 +247,10 @@ def _read(directory: Path, device: str | torch.device) -> tuple[dict[str, torch.
 
 
 def _first_line(error: BaseException) -> str:
+    """`Type: first sentence` of an error (torch's archive errors go on for a paragraph)."""
     text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    text = text.splitlines()[0].split(". ")[0] if text else ""
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def load_latest(checkpoint_dir: Path, device: str | torch.device = "cpu", notify: Notify | None = None

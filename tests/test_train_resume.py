@@ -1,0 +1,310 @@
+"""Resumes that never silently lose or change a run: checks of the flags against the checkpoint, the lr schedule,
+finished runs, metrics.jsonl after a resume, clean stops on SIGINT, and a bit-exact resume with dropout on."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from test_train_loop import TINY_DATA_FLAGS, tiny_config
+
+from naflexclip.cli import main
+from naflexclip.data import DataConfig
+from naflexclip.distributed import init_distributed
+from naflexclip.model import PRESETS, config_to_dict, create_model
+from naflexclip.train import checkpoint as ckpt
+from naflexclip.train.config import TrainConfig
+from naflexclip.train.loop import Trainer, train
+
+CLI_FLAGS = ["--model", "tiny", "--epochs", "2", "--warmup", "2", "--device", "cpu", "--zero-shot-samples", "16",
+             "--val-frequency", "0", "--no-plot", *TINY_DATA_FLAGS]
+
+
+def _cli(tmp_path: Path, name: str, *flags: str) -> int:
+    return main(["train", *CLI_FLAGS, "--logs", str(tmp_path), "--name", name, *flags])
+
+
+def _train_steps(run_dir: Path) -> list[int]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r["step"] for r in map(json.loads, lines) if r["kind"] == "train"]
+
+
+def _edit_state(directory: Path, edit) -> None:
+    """Rewrite a checkpoint's train_state.pt (and the size its checkpoint.json records)."""
+    path = directory / ckpt.STATE_FILE
+    state = torch.load(path, weights_only=True)
+    edit(state)
+    torch.save(state, path)
+    meta = json.loads((directory / ckpt.META_FILE).read_text())
+    meta["sizes"][ckpt.STATE_FILE] = path.stat().st_size
+    (directory / ckpt.META_FILE).write_text(json.dumps(meta))
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny run stopped (and saved) at step 2 of epoch 0; tests copy it before resuming."""
+    logs = tmp_path_factory.mktemp("logs")
+    train(tiny_config(logs, "base", stop_after_steps=2, val_frequency=0))
+    return logs / "base"
+
+
+def _copy_run(stopped_run: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    shutil.copytree(stopped_run, tmp_path / "base")
+    return tmp_path
+
+
+# ------------------------------------------------------------------------------- flags vs checkpoint
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"model": "small"}, r"--model: the checkpoint has 'tiny', this run 'small'"),
+        ({"siglip": True}, r"--siglip: the checkpoint has False, this run True"),
+        ({"data": dataclasses.replace(tiny_config(Path()).data, synthetic_train_size=64)},
+         r"--synthetic-train-size: the checkpoint has 96, this run 64"),
+        ({"data": dataclasses.replace(tiny_config(Path()).data, naflex_max_tokens_per_batch=128)},
+         r"--naflex-max-tokens-per-batch: the checkpoint has 256, this run 128"),
+    ],
+)
+def test_resume_refuses_a_change_of_model_loss_or_data(stopped_run: Path, tmp_path: Path, overrides: dict,
+                                                       expected: str) -> None:
+    logs = _copy_run(stopped_run, tmp_path)
+    with pytest.raises(ValueError, match=expected) as raised:
+        train(tiny_config(logs, "base", val_frequency=0, resume="latest", **overrides))
+    assert len(str(raised.value).splitlines()) == 1
+
+
+def test_resume_at_another_world_size_is_refused_naming_both(stopped_run: Path, tmp_path: Path) -> None:
+    logs = _copy_run(stopped_run, tmp_path)
+    _edit_state(ckpt.find_latest(logs / "base" / "checkpoints"), lambda state: state.update(world_size=2))
+    with pytest.raises(ValueError, match=r"world size: the checkpoint was saved by 2 process\(es\), this run has 1; "
+                                         r"its per-rank data position cannot be re-mapped exactly"):
+        train(tiny_config(logs, "base", val_frequency=0, resume="latest"))
+
+
+def test_harmless_changes_are_applied_and_listed_in_one_notice(stopped_run: Path, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    logs = _copy_run(stopped_run, tmp_path)
+    cfg = tiny_config(logs, "base", val_frequency=0, resume="latest", lr=2e-3, epochs=3, accum_freq=3,
+                      precision="amp_bf16", wd=0.05)
+    trainer = Trainer(cfg, init_distributed("cpu"))
+    assert trainer.maybe_resume()
+    notices = [line for line in capsys.readouterr().err.splitlines() if "changed flags" in line]
+    assert len(notices) == 1
+    for change in ("--accum-freq 2 -> 3", "--epochs 2 -> 3", "--lr 0.001 -> 0.002", "--precision fp32 -> amp_bf16",
+                   "--wd 0.1 -> 0.05", "lr schedule"):
+        assert change in notices[0], change
+    # applied: the optimizer state does not bring back the saved hyperparameters
+    assert trainer.optimizer.param_groups[0]["weight_decay"] == 0.05
+    assert trainer.optimizer.param_groups[0]["lr"] == trainer.schedule.lr_at(2)
+
+
+def test_lr_schedule_continues_as_saved(stopped_run: Path, tmp_path: Path) -> None:
+    """The same flags continue the saved schedule even where this run would plan another length."""
+    logs = _copy_run(stopped_run, tmp_path)
+    directory = ckpt.find_latest(logs / "base" / "checkpoints")
+    saved = torch.load(directory / ckpt.STATE_FILE, weights_only=True)["schedule"]
+    _edit_state(directory, lambda state: state["schedule"].update(total_steps=saved["total_steps"] + 7))
+    trainer = Trainer(tiny_config(logs, "base", val_frequency=0, resume="latest"), init_distributed("cpu"))
+    assert trainer.schedule.total_steps == saved["total_steps"]
+    trainer.maybe_resume()
+    assert trainer.schedule.total_steps == saved["total_steps"] + 7 and trainer.schedule.last_step == 2
+
+
+def test_resuming_a_finished_run_says_so_and_trains_nothing(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert _cli(tmp_path, "done", "--epochs", "1") == 0
+    before = (tmp_path / "done" / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert _cli(tmp_path, "done", "--epochs", "1", "--resume", "latest") == 0
+    err = capsys.readouterr().err
+    assert "nothing to train: the run finished (epoch 1 of --epochs 1" in err
+    assert (tmp_path / "done" / "metrics.jsonl").read_text() == before
+
+
+def test_stop_after_steps_below_the_resumed_step_trains_nothing(stopped_run: Path, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture) -> None:
+    logs = _copy_run(stopped_run, tmp_path)
+    train(tiny_config(logs, "base", val_frequency=0, resume="latest", stop_after_steps=1))
+    assert "nothing to train: the checkpoint is at step 2, --stop-after-steps is 1" in capsys.readouterr().err
+    assert ckpt.find_latest(logs / "base" / "checkpoints").name == "step_00000002"
+    assert _train_steps(logs / "base") == [1, 2]
+
+
+# ------------------------------------------------------------------------------- no usable checkpoint
+
+
+def test_resume_latest_of_a_run_without_usable_checkpoint_stops(stopped_run: Path, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture) -> None:
+    logs = _copy_run(stopped_run, tmp_path)
+    directory = ckpt.find_latest(logs / "base" / "checkpoints")
+    (directory / ckpt.MODEL_FILE).write_bytes(b"\0" * 64)  # the only checkpoint is damaged
+    capsys.readouterr()
+    assert _cli(logs, "base", "--resume", "latest") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert any("is damaged (model.safetensors: 64 bytes" in line for line in err)
+    assert err[-1].startswith("naflexclip train: error: --resume latest: run ") and "--resume-fresh" in err[-1]
+    # asked for, a fresh start trains from step 1 and logs every step once
+    assert _cli(logs, "base", "--resume", "latest", "--resume-fresh", "--stop-after-steps", "3") == 0
+    assert _train_steps(logs / "base") == [1, 2, 3]
+
+
+def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture) -> None:
+    assert _cli(tmp_path, "run", "--save-every-n-steps", "1", "--stop-after-steps", "2") == 0
+    checkpoints = tmp_path / "run" / "checkpoints"
+    state_file = checkpoints / "step_00000002" / ckpt.STATE_FILE
+    data = bytearray(state_file.read_bytes())
+    data[-200:] = bytes(200)  # the zip directory at the end is gone; the size stays
+    state_file.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert _cli(tmp_path, "run", "--resume", "latest", "--stop-after-steps", "3") == 0
+    err = capsys.readouterr().err
+    damaged = [line for line in err.splitlines() if "is damaged" in line]
+    assert len(damaged) == 1 and "step_00000002" in damaged[0] and "PytorchStreamReader failed" in damaged[0]
+    assert "using step_00000001 (step 1)" in damaged[0]
+    assert "resumed from " in err and "step_00000001 at epoch 0, step 1" in err
+    assert "Traceback" not in err
+    # the damaged step 2 was trained again and re-saved; metrics.jsonl has each step once
+    assert ckpt.load_checkpoint(checkpoints)[1]["progress"]["step"] == 3
+    assert _train_steps(tmp_path / "run") == [1, 2, 3]
+
+
+def test_metrics_have_each_step_once_after_a_resume(stopped_run: Path, tmp_path: Path) -> None:
+    """Steps logged after the checkpoint (the run died before its next save) are logged again by the resume, once."""
+    logs = _copy_run(stopped_run, tmp_path)
+    train(tiny_config(logs, "base", val_frequency=0, resume="latest", stop_after_steps=4, save_every_n_steps=10))
+    # as if the process had died after logging steps 3 and 4 but before saving step 4
+    import shutil
+
+    shutil.rmtree(logs / "base" / "checkpoints" / "step_00000004")
+    train(tiny_config(logs, "base", val_frequency=0, resume="latest", stop_after_steps=5))
+    assert _train_steps(logs / "base") == [1, 2, 3, 4, 5]
+
+
+def test_summary_before_column_is_the_evaluation_before_the_first_step(tmp_path: Path) -> None:
+    train(tiny_config(tmp_path, "run", epochs=2, stop_after_steps=4))
+    trainer = Trainer(tiny_config(tmp_path, "run", epochs=2, resume="latest"), init_distributed("cpu"))
+    trainer.fit()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    first = next(r for r in records if r["kind"] == "eval")
+    assert first["step"] == 0
+    assert trainer.evals[0] == {k: v for k, v in first.items() if k not in ("kind", "step", "epoch")}
+    eval_steps = [r["step"] for r in records if r["kind"] == "eval"]
+    assert len(eval_steps) == len(set(eval_steps)) == 3  # before, after epoch 1, after epoch 2: once each
+
+
+# ------------------------------------------------------------------------------- stops and re-saves
+
+
+def test_save_and_stop_at_the_same_step_write_it_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    names = []
+    real = ckpt.save_checkpoint
+
+    def counting(checkpoint_dir, name, *args):
+        names.append(name)
+        return real(checkpoint_dir, name, *args)
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", counting)
+    train(tiny_config(tmp_path, "run", save_every_n_steps=2, stop_after_steps=2, val_frequency=0))
+    assert names == ["step_00000002"]
+
+
+def _dropout_preset(monkeypatch: pytest.MonkeyPatch) -> None:
+    tiny = PRESETS["tiny"]
+    monkeypatch.setitem(PRESETS, "tiny", dataclasses.replace(tiny, image=dataclasses.replace(
+        tiny.image, drop_path_rate=0.2, proj_drop_rate=0.2, patch_drop_rate=0.25)))
+
+
+def test_sigint_saves_the_step_and_the_resume_is_bit_exact_with_dropout(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """Ctrl-C at step 2: the step finishes, is saved, the run ends with one line (exit 130); the resume with
+    dropout, drop-path and patch dropout on ends on the same weights as an uninterrupted run."""
+    _dropout_preset(monkeypatch)
+    assert _cli(tmp_path, "straight", "--stop-after-steps", "4") == 0
+    real_step = Trainer.train_step
+
+    def step_then_interrupt(self, microbatches):
+        result = real_step(self, microbatches)
+        if self.progress.step == 1:  # during the second step (progress counts it after this returns)
+            os.kill(os.getpid(), signal.SIGINT)
+        return result
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_interrupt)
+    capsys.readouterr()
+    try:
+        code = _cli(tmp_path, "split", "--stop-after-steps", "4")
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt escaped the training command")
+    err = capsys.readouterr().err
+    assert code == 130 and "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert err.strip().splitlines()[-1] == (f"naflexclip train: stopped by SIGINT after step 2; saved "
+                                            f"{tmp_path / 'split' / 'checkpoints' / 'step_00000002'} "
+                                            f"(continue with --resume latest)")
+    checkpoints = tmp_path / "split" / "checkpoints"
+    assert not [p for p in checkpoints.iterdir() if p.name.startswith(".")]
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    assert _cli(tmp_path, "split", "--stop-after-steps", "4", "--resume", "latest") == 0
+    straight, _ = ckpt.load_checkpoint(tmp_path / "straight" / "checkpoints")
+    split, _ = ckpt.load_checkpoint(checkpoints)
+    assert all(torch.equal(straight[k], split[k]) for k in straight)
+    assert _train_steps(tmp_path / "split") == [1, 2, 3, 4]
+    # teeth: the same resume without restoring the random state draws other masks and ends elsewhere
+    monkeypatch.setattr(ckpt, "set_rng_state", lambda *args: None)
+    assert _cli(tmp_path, "norng", "--stop-after-steps", "2") == 0
+    assert _cli(tmp_path, "norng", "--stop-after-steps", "4", "--resume", "latest") == 0
+    norng, _ = ckpt.load_checkpoint(tmp_path / "norng" / "checkpoints")
+    assert not all(torch.equal(straight[k], norng[k]) for k in straight)
+
+
+def test_second_interrupt_during_a_save_names_the_last_complete_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    real_save = ckpt.save_file
+    calls = []
+
+    def save_interrupted(tensors, path):
+        calls.append(path)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the second Ctrl-C lands inside the second save
+        real_save(tensors, path)
+
+    monkeypatch.setattr(ckpt, "save_file", save_interrupted)
+    try:
+        code = _cli(tmp_path, "run", "--save-every-n-steps", "1", "--stop-after-steps", "3")
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt escaped the training command")
+    err = capsys.readouterr().err.strip().splitlines()
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert code == 130
+    last = checkpoints / "step_00000001"
+    assert err[-1] == f"naflexclip train: interrupted by SIGINT; last complete checkpoint: {last}"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_00000001"]  # no .tmp-* left
+
+
+# ------------------------------------------------------------------------------------- smaller items
+
+
+def test_warmup_longer_than_the_run_is_warned(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    trainer = Trainer(tiny_config(tmp_path, warmup=1000), init_distributed("cpu"))
+    total = trainer.schedule.total_steps
+    assert f"warning: --warmup 1000 is longer than the run ({total} optimizer steps)" in capsys.readouterr().err
+
+
+def test_eval_of_a_run_without_validation_data_says_so(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "train.tsv").write_text("filepath\ttitle\n")
+    cfg = TrainConfig(model="tiny", name="x", data=DataConfig(train_data=str(tmp_path / "train.tsv")))
+    model = create_model("tiny")
+    ckpt.save_checkpoint(tmp_path, "step_00000001", model.state_dict(),
+                         {"config": cfg.to_dict(), "model_config": config_to_dict(model.config)})
+    assert main(["eval", "--checkpoint", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip().startswith("naflexclip eval: error: nothing to evaluate: the run of")
+    assert len(captured.err.strip().splitlines()) == 1 and "--val-data" in captured.err
