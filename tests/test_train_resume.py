@@ -7,6 +7,8 @@ import dataclasses
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -156,6 +158,12 @@ def test_resume_latest_of_a_run_without_usable_checkpoint_stops(stopped_run: Pat
     assert _train_steps(logs / "base") == [1, 2, 3]
 
 
+def test_resume_fresh_needs_resume_latest(capsys: pytest.CaptureFixture) -> None:
+    assert main(["train", "--resume-fresh"]) == 2
+    assert capsys.readouterr().err.strip() == ("naflexclip train: error: --resume-fresh goes with --resume latest, "
+                                               "got --resume None")
+
+
 def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture) -> None:
     assert _cli(tmp_path, "run", "--save-every-n-steps", "1", "--stop-after-steps", "2") == 0
@@ -286,6 +294,46 @@ def test_second_interrupt_during_a_save_names_the_last_complete_checkpoint(
     last = checkpoints / "step_00000001"
     assert err[-1] == f"naflexclip train: interrupted by SIGINT; last complete checkpoint: {last}"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_00000001"]  # no .tmp-* left
+
+
+SIGTERM_CHILD = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+from naflexclip.cli import main
+from naflexclip.train.loop import Trainer
+from test_train_resume import CLI_FLAGS
+
+real_step = Trainer.train_step
+
+def step_and_report(self, microbatches):
+    result = real_step(self, microbatches)
+    if self.progress.step == 1:
+        print("STEP", flush=True)
+        time.sleep(2)  # the signal arrives while this step is still running
+    return result
+
+Trainer.train_step = step_and_report
+sys.exit(main(["train", *CLI_FLAGS, "--logs", {logs!r}, "--name", "run"]))
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_training_process_saves_and_exits_with_one_line(tmp_path: Path) -> None:
+    script = SIGTERM_CHILD.format(tests=str(Path(__file__).parent), logs=str(tmp_path))
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert child.stdout.readline().strip() == "STEP"
+        child.send_signal(signal.SIGTERM)
+        _, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "Traceback" not in err
+    saved = tmp_path / "run" / "checkpoints" / "step_00000002"
+    assert err.strip().splitlines()[-1] == (f"naflexclip train: stopped by SIGTERM after step 2; saved {saved} "
+                                            f"(continue with --resume latest)")
+    assert ckpt.find_latest(tmp_path / "run" / "checkpoints") == saved
 
 
 # ------------------------------------------------------------------------------------- smaller items

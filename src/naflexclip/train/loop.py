@@ -567,15 +567,18 @@ def prepare_run_dir(cfg: TrainConfig, env: DistributedEnv) -> None:
 @contextlib.contextmanager
 def stop_signals(trainer: Trainer) -> Iterator[None]:
     """While training: SIGINT/SIGTERM ask the loop to stop after the current step (it saves, then ends the
-    run); a second signal stops at once (KeyboardInterrupt). Only the main thread can take signals."""
+    run); the same signal again stops at once (KeyboardInterrupt). Only the main thread can take signals."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def request_stop(number: int, frame: Any) -> None:
-        if trainer.stop_signal is not None:
+        # Ctrl-C under torchrun reaches a worker twice, as SIGINT from the terminal and SIGTERM from the agent:
+        # only a repeat of the first signal means "now"
+        if trainer.stop_signal == number:
             raise KeyboardInterrupt
-        trainer.stop_signal = number  # no output here: a handler may run in the middle of a write to stderr
+        if trainer.stop_signal is None:
+            trainer.stop_signal = number  # no output here: a handler may run in the middle of a write to stderr
 
     previous = {number: signal.signal(number, request_stop) for number in (signal.SIGINT, signal.SIGTERM)}
     try:
