@@ -23,28 +23,19 @@ RUN_FLAGS = [
     "--naflex-loss-scale", "linear", "--batch-size", "4", "--dist-timeout", "120",
 ]
 
-# `naflexclip train` with stochastic layers in the tiny preset and per-rank random streams (whatever the seeding
-# does), so that a rank continuing with another rank's generator state draws other masks; a resume must not
-# broadcast pickled objects (every rank reads the checkpoint itself).
+# `naflexclip train` with stochastic layers in the tiny preset (each rank draws its own stream, so a rank that
+# continued with another rank's generator state would draw other masks); a resume must not broadcast pickled
+# objects (every rank reads the checkpoint itself).
 LAUNCHER = textwrap.dedent(
     """
     import dataclasses, sys
-    import torch
     import torch.distributed as dist
     from naflexclip.cli import main
     from naflexclip.model import PRESETS
-    from naflexclip.train import loop
 
     tiny = PRESETS["tiny"]
     PRESETS["tiny"] = dataclasses.replace(tiny, image=dataclasses.replace(
         tiny.image, drop_path_rate=0.2, proj_drop_rate=0.2, patch_drop_rate=0.25))
-    real_init = loop.Trainer.__init__
-
-    def init(self, cfg, env):
-        real_init(self, cfg, env)
-        torch.manual_seed(1000 + env.rank)
-
-    loop.Trainer.__init__ = init
     if "--resume" in sys.argv:
         def no_pickle_broadcast(*args, **kwargs):
             raise AssertionError("the resume broadcast a pickled object")
