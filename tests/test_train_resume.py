@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,8 +57,6 @@ def stopped_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _copy_run(stopped_run: Path, tmp_path: Path) -> Path:
-    import shutil
-
     shutil.copytree(stopped_run, tmp_path / "base")
     return tmp_path
 
@@ -190,8 +189,6 @@ def test_metrics_have_each_step_once_after_a_resume(stopped_run: Path, tmp_path:
     logs = _copy_run(stopped_run, tmp_path)
     train(tiny_config(logs, "base", val_frequency=0, resume="latest", stop_after_steps=4, save_every_n_steps=10))
     # as if the process had died after logging steps 3 and 4 but before saving step 4
-    import shutil
-
     shutil.rmtree(logs / "base" / "checkpoints" / "step_00000004")
     train(tiny_config(logs, "base", val_frequency=0, resume="latest", stop_after_steps=5))
     assert _train_steps(logs / "base") == [1, 2, 3, 4, 5]
