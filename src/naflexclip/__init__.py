@@ -2,6 +2,7 @@
 
 from naflexclip.loss import ClipLoss, SigLipLoss, create_loss
 from naflexclip.model import NaFlexClip, create_model, model_config
+from naflexclip.siglip2 import export_model
 from naflexclip.window import WindowStats, accumulate_gradients, window_loss_scale
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "accumulate_gradients",
     "create_loss",
     "create_model",
+    "export_model",
     "model_config",
     "window_loss_scale",
 ]

@@ -15,6 +15,7 @@ COMMAND_MODULES = (
     "naflexclip.train.cli",
     "naflexclip.verify",
     "naflexclip.data.cli",
+    "naflexclip.export",
 )
 
 

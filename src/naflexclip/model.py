@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from open_clip.transformer import LayerNorm as OpenClipLayerNorm
 from open_clip.transformer import TextTransformer
 from timm.models.naflexvit import NaFlexVit, NaFlexVitCfg
 from torch import nn
@@ -23,6 +26,7 @@ from torch import nn
 VOCAB_SIZE = 49408  # open_clip's SimpleTokenizer vocabulary (shipped in its wheel)
 MAX_LOGIT_SCALE = math.log(100.0)
 TEXT_POOL_TYPES = ("argmax", "first", "last", "mean")
+ACTIVATIONS = ("gelu", "gelu_tanh")  # "gelu_tanh": GELU with the tanh approximation (SigLIP's)
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,12 @@ class ImageTowerConfig:
     drop_path_rate: float = 0.0
     proj_drop_rate: float = 0.0
     patch_drop_rate: float = 0.0
+    # SigLIP 2 needs the fields below (defaults keep the original presets): MLP width (None: 4 x width),
+    # activation, LayerNorm epsilon, how the learned position table is resized to each image's grid
+    mlp_width: int | None = None
+    act: str = "gelu"
+    norm_eps: float = 1e-6
+    pos_embed_interp_mode: str = "bicubic"
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,14 @@ class TextTowerConfig:
     # open_clip's pool types ("argmax": the end-of-text token), or "mean" over the caption's tokens
     pool_type: str = "argmax"
     ls_init_value: float | None = None  # LayerScale on the residual branches (open_clip's name)
+    # SigLIP 2 needs the fields below (defaults keep the original presets)
+    vocab_size: int = VOCAB_SIZE
+    mlp_width: int | None = None  # None: 4 x width
+    act: str = "gelu"
+    norm_eps: float = 1e-5
+    causal_mask: bool = True
+    proj_bias: bool = False
+    pad_id: int = 0
 
 
 @dataclass(frozen=True)
@@ -56,6 +74,16 @@ class ModelConfig:
     image: ImageTowerConfig = field(default_factory=ImageTowerConfig)
     text: TextTowerConfig = field(default_factory=TextTowerConfig)
     siglip: bool = False
+    # False: the image tower's pooled output is the embedding (SigLIP 2: its MAP head is width embed_dim)
+    image_projection: bool = True
+    # upper clamp of log(logit_scale) after each step (CLIP's ln 100); None: unclamped (SigLIP 2's learned
+    # temperature exceeds 100, a clamp would change an imported model at its first step)
+    max_logit_scale: float | None = MAX_LOGIT_SCALE
+
+
+def _mlp_ratio(width: int, mlp_width: int | None) -> float:
+    """The ratio timm/open_clip turn back into `int(width * ratio) == mlp_width` (half a unit of margin)."""
+    return 4.0 if mlp_width is None else (mlp_width + 0.5) / width
 
 
 # `tiny`: exactness tests (seconds on a CPU, float64); `small`: the CPU demo; `base`: the real size.
@@ -87,6 +115,33 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+def siglip2_config(*, width: int, depth: int, heads: int, mlp_width: int, patch_size: int = 16,
+                   pos_grid: int = 16, vocab_size: int = 256000, context_length: int = 64,
+                   text_width: int | None = None, text_layers: int | None = None, text_heads: int | None = None,
+                   text_mlp_width: int | None = None, norm_eps: float = 1e-6, pad_id: int = 0) -> ModelConfig:
+    """The SigLIP 2 NaFlex architecture (transformers' `Siglip2Model`) in our terms: MAP-pooled NaFlexVit whose
+    pooled output is the embedding, bilinear position-table resize; bidirectional text tower pooled at the last
+    token with a biased projection; GELU-tanh, SigLIP loss (Tschannen et al. 2025, https://arxiv.org/abs/2502.14786)."""
+    return ModelConfig(
+        embed_dim=width,
+        image=ImageTowerConfig(patch_size=patch_size, width=width, depth=depth, heads=heads, global_pool="map",
+                               pos_embed_grid_size=(pos_grid, pos_grid), mlp_width=mlp_width, act="gelu_tanh",
+                               norm_eps=norm_eps, pos_embed_interp_mode="bilinear"),
+        text=TextTowerConfig(context_length=context_length, width=text_width or width, heads=text_heads or heads,
+                             layers=text_layers or depth, pool_type="last", vocab_size=vocab_size,
+                             mlp_width=text_mlp_width or mlp_width, act="gelu_tanh", norm_eps=norm_eps,
+                             causal_mask=False, proj_bias=True, pad_id=pad_id),
+        siglip=True,
+        image_projection=False,
+        max_logit_scale=None,
+    )
+
+
+# the published SigLIP 2 NaFlex architectures (google/siglip2-{base,so400m}-patch16-naflex), for training from scratch
+PRESETS["siglip2-base"] = siglip2_config(width=768, depth=12, heads=12, mlp_width=3072)
+PRESETS["siglip2-so400m"] = siglip2_config(width=1152, depth=27, heads=16, mlp_width=4304)
+
+
 class NaFlexClip(nn.Module):
     """Dual-encoder contrastive model with a NaFlex ViT image tower.
 
@@ -109,31 +164,52 @@ class NaFlexClip(nn.Module):
                 drop_path_rate=img.drop_path_rate,
                 proj_drop_rate=img.proj_drop_rate,
                 patch_drop_rate=img.patch_drop_rate,
+                mlp_ratio=_mlp_ratio(img.width, img.mlp_width),
+                act_layer=img.act,
+                pos_embed_interp_mode=img.pos_embed_interp_mode,
                 fc_norm=False,
                 # dense [B, C, H, W] inputs whose sides are not multiples of the patch size are padded
                 dynamic_img_pad=True,
             ),
             num_classes=0,
         )
-        self.image_projection = nn.Linear(img.width, config.embed_dim, bias=False)
+        for module in self.visual.modules():  # timm builds its LayerNorms with eps 1e-6; a config may differ
+            if isinstance(module, nn.LayerNorm):
+                module.eps = img.norm_eps
+        if config.image_projection:
+            self.image_projection: nn.Module = nn.Linear(img.width, config.embed_dim, bias=False)
+        elif img.width != config.embed_dim:
+            raise ValueError(f"without an image projection embed_dim must equal the image width {img.width}, "
+                             f"got {config.embed_dim}")
+        else:
+            self.image_projection = nn.Identity()
         txt = config.text
         if txt.pool_type not in TEXT_POOL_TYPES:
             raise ValueError(f"text pool_type must be one of {TEXT_POOL_TYPES}, got {txt.pool_type!r}")
+        for tower, act in (("image", img.act), ("text", txt.act)):
+            if act not in ACTIVATIONS:
+                raise ValueError(f"{tower} act must be one of {ACTIVATIONS}, got {act!r}")
         self.text = TextTransformer(
             context_length=txt.context_length,
-            vocab_size=VOCAB_SIZE,
+            vocab_size=txt.vocab_size,
             width=txt.width,
             heads=txt.heads,
             layers=txt.layers,
+            mlp_ratio=_mlp_ratio(txt.width, txt.mlp_width),
             output_dim=config.embed_dim,
             ls_init_value=txt.ls_init_value,
+            no_causal_mask=not txt.causal_mask,
+            pad_id=txt.pad_id,
             # "none" returns every token's projection; encode_text averages the caption's own tokens
             pool_type="none" if txt.pool_type == "mean" else txt.pool_type,
+            proj_bias=txt.proj_bias,
+            act_layer=partial(nn.GELU, approximate="tanh") if txt.act == "gelu_tanh" else nn.GELU,
+            norm_layer=partial(OpenClipLayerNorm, eps=txt.norm_eps),
         )
         self.text_pool_type = txt.pool_type
         self.image_patch_size = img.patch_size
         self.context_length = txt.context_length
-        self.vocab_size = VOCAB_SIZE
+        self.vocab_size = txt.vocab_size
         self.siglip = config.siglip
         if config.siglip:
             # SigLIP's initialisation: t' = log 10, b = -10 (Zhai et al. 2023, section 3.2)
@@ -175,8 +251,8 @@ class NaFlexClip(nn.Module):
 
     @torch.no_grad()
     def clamp_logit_scale_(self) -> None:
-        """Clamp the temperature to [0, ln 100] (CLIP's rule), called after each optimizer step."""
-        self.logit_scale.clamp_(0, MAX_LOGIT_SCALE)
+        """Clamp the temperature to [0, ln 100] (CLIP's rule; no upper bound for SigLIP 2), after each step."""
+        self.logit_scale.clamp_(0, self.config.max_logit_scale)
 
 
 def model_config(name: str, **overrides: Any) -> ModelConfig:
@@ -210,11 +286,11 @@ def config_to_dict(config: ModelConfig) -> dict[str, Any]:
 
 
 def config_from_dict(values: dict[str, Any]) -> ModelConfig:
-    """Inverse of `config_to_dict`."""
-    image = dict(values["image"])
+    """Inverse of `config_to_dict` (fields added later take their defaults when absent)."""
+    values = dict(values)
+    image = dict(values.pop("image"))
     image["pos_embed_grid_size"] = tuple(image["pos_embed_grid_size"])
-    return ModelConfig(embed_dim=values["embed_dim"], image=ImageTowerConfig(**image),
-                       text=TextTowerConfig(**values["text"]), siglip=values["siglip"])
+    return ModelConfig(image=ImageTowerConfig(**image), text=TextTowerConfig(**values.pop("text")), **values)
 
 
 def weights_mismatch(model: nn.Module, state: dict[str, torch.Tensor]) -> str | None:
@@ -239,5 +315,10 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) 
 
 
 def create_model(name: str, **overrides: Any) -> NaFlexClip:
-    """Build a preset (`tiny`, `small`, `base`) with optional overrides (`siglip=True`, ...)."""
+    """Build a preset (`tiny`, `small`, `base`, `siglip2-base`, `siglip2-so400m`) with optional overrides
+    (`siglip=True`, ...), or load a transformers SigLIP 2 checkpoint when `name` is a directory."""
+    if os.path.isdir(name):
+        from naflexclip.siglip2 import load_siglip2  # transformers interop, only when asked for
+
+        return load_siglip2(name, **overrides)
     return NaFlexClip(model_config(name, **overrides))

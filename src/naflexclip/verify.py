@@ -268,6 +268,7 @@ class VerifySetup:
     accum_freq: int
     reference_batch_size: int | None
     loss_scale: str
+    hf_processor: str | None = None  # a fine-tuned SigLIP 2 run's tokenizer and patching
 
 
 def _setup(args: argparse.Namespace) -> VerifySetup:
@@ -285,7 +286,8 @@ def _setup(args: argparse.Namespace) -> VerifySetup:
         return trained.get(key) if trained.get(key) is not None else default
 
     setup = VerifySetup(model, siglip, pick(args.accum_freq, "accum_freq", 4), pick(args.batch_size, "batch_size", 4),
-                        pick(args.naflex_loss_scale, "naflex_loss_scale", "linear"))
+                        pick(args.naflex_loss_scale, "naflex_loss_scale", "linear"),
+                        trained.get("data", {}).get("hf_processor"))
     if setup.accum_freq < 1:
         raise ValueError(f"--accum-freq must be ≥ 1, got {setup.accum_freq}")
     if setup.reference_batch_size is not None and setup.reference_batch_size < 1:
@@ -304,6 +306,7 @@ def _uses_loader(args: argparse.Namespace) -> bool:
 def loader_window(args: argparse.Namespace, setup: VerifySetup) -> tuple[dict[str, Any], list[int]]:
     """The first `accum_freq` microbatches of epoch 0, as one batch, and their sizes."""
     cfg = data_config_from_args(args)
+    cfg.hf_processor = setup.hf_processor
     loader = build_loader(cfg, split="train", patch_size=setup.model.image_patch_size,
                           context_length=setup.model.context_length)
     microbatches = list(itertools.islice(iter(loader), setup.accum_freq))
@@ -331,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
             num_examples = args.num_examples or setup.accum_freq * (setup.reference_batch_size or 4)
             batch = random_naflex_batch(
                 num_examples, patch_size=model.image_patch_size, context_length=model.context_length,
-                generator=torch.Generator().manual_seed(args.seed), dtype=dtype,
+                generator=torch.Generator().manual_seed(args.seed), dtype=dtype, vocab_size=model.vocab_size,
             )
             batch = to_device(batch, device)
     except (ValueError, FileNotFoundError, DataError) as err:

@@ -47,6 +47,9 @@ class DataConfig:
     val_num_samples: int | None = None
     shuffle_buffer: int = 1000
     augment: bool = False
+    # a transformers SigLIP 2 checkpoint directory whose tokenizer and image-processor patching the data uses
+    # (set by `train --pretrained`); None: timm's NaFlex transform and open_clip's tokenizer
+    hf_processor: str | None = None
 
     def __post_init__(self) -> None:
         self.naflex_seq_lens = tuple(int(s) for s in self.naflex_seq_lens)

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from webdataset.filters import _shuffle
 
 from naflexclip.data.config import DataConfig
+from naflexclip.data.processing import make_processing
 from naflexclip.data.readers import (
     CsvSource,
     DataError,
@@ -49,7 +50,6 @@ from naflexclip.data.schedule import (
     samples_per_rank,
     worker_batches,
 )
-from naflexclip.data.transform import NaFlexTransform, collate, tokenize
 
 logger = logging.getLogger("naflexclip.data")
 
@@ -72,7 +72,8 @@ class _EpochBatches(IterableDataset):
         self.num_workers = max(1, loader.num_workers)
         self.shuffle = loader.shuffle
         self.shuffle_buffer = loader.shuffle_buffer
-        self.transform = NaFlexTransform(loader.patch_size, augment=loader.augment)
+        self.processing = make_processing(loader.hf_processor, loader.patch_size, loader.augment)
+        self.transform = self.processing.transform
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
@@ -109,8 +110,8 @@ class _EpochBatches(IterableDataset):
         if not pixels:
             item["empty"] = True
             return item
-        item["image"] = collate(pixels, planned.seq_len, self.patch_size)
-        item["text"] = tokenize(texts, self.context_length)
+        item["image"] = self.processing.collate(pixels, planned.seq_len, self.patch_size)
+        item["text"] = self.processing.tokenize(texts, self.context_length)
         item["keys"] = keys
         item["seq_len"] = planned.seq_len
         item["num_tokens"] = int(item["image"]["patch_valid"].sum())
@@ -232,6 +233,7 @@ class NaFlexLoader:
         world_size: int = 1,
         start_batch: int = 0,
         pin_memory: bool = False,
+        hf_processor: str | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
@@ -244,6 +246,8 @@ class NaFlexLoader:
         self.num_workers, self.seed = num_workers, seed
         self.rank, self.world_size = rank, world_size
         self.pin_memory = pin_memory and torch.cuda.is_available()
+        self.hf_processor = hf_processor
+        make_processing(hf_processor, patch_size, augment)  # a bad processor fails here, not in a worker
         self.skip_counts: Counter = Counter()
         self.set_epoch(epoch, start_batch)
 
@@ -400,7 +404,7 @@ def build_loader(
         divisor=cfg.naflex_batch_divisor, fixed_seq_len=None if train else max(cfg.naflex_seq_lens),
         augment=cfg.augment and train, shuffle=train, shuffle_buffer=cfg.shuffle_buffer,
         num_workers=cfg.workers, seed=cfg.seed, epoch=epoch, rank=rank, world_size=world_size,
-        start_batch=start_batch, pin_memory=device_pin,
+        start_batch=start_batch, pin_memory=device_pin, hf_processor=cfg.hf_processor,
     )
 
 
@@ -419,7 +423,7 @@ def build_zero_shot_loader(
         split="zeroshot", patch_size=patch_size, context_length=context_length,
         seq_lens=cfg.naflex_seq_lens, seq_len_probs=None, max_tokens=cfg.naflex_max_tokens_per_batch,
         divisor=cfg.naflex_batch_divisor, fixed_seq_len=max(cfg.naflex_seq_lens), augment=False,
-        shuffle=False, shuffle_buffer=0, num_workers=cfg.workers, seed=cfg.seed,
+        shuffle=False, shuffle_buffer=0, num_workers=cfg.workers, seed=cfg.seed, hf_processor=cfg.hf_processor,
     )
 
 

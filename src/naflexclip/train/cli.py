@@ -6,9 +6,11 @@ Flag errors are reported as one line, `naflexclip train: error: <flag>: <what is
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
+from pathlib import Path
 
 import torch
 
@@ -71,6 +73,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--seed", type=int, default=_default("seed"))
     o.add_argument("--max-skipped-steps", type=int, default=_default("max_skipped_steps"),
                    help="stop after this many consecutive steps with a non-finite loss or gradient")
+    g.add_argument("--pretrained", default=None,
+                   help="start from a transformers SigLIP 2 checkpoint directory (config.json, model.safetensors, "
+                        "tokenizer); its architecture replaces --model, its tokenizer and patching the data's")
     r = parser.add_argument_group("run, logs and checkpoints")
     # --logs-dir: torchrun (torch >= 2.9) rejects `--logs` after the script as ambiguous with its --logs-specs
     r.add_argument("--logs", "--logs-dir", dest="logs", default=_default("logs"),
@@ -116,7 +121,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         report_to=args.report_to, log_every_n_steps=args.log_every_n_steps, val_frequency=args.val_frequency,
         device=args.device, max_skipped_steps=args.max_skipped_steps, fsdp=args.fsdp,
         dist_timeout=args.dist_timeout, plot=not args.no_plot,
-        zero_shot_samples=args.zero_shot_samples,
+        zero_shot_samples=args.zero_shot_samples, pretrained=args.pretrained,
     )
 
 
@@ -152,16 +157,62 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_eval(args: argparse.Namespace) -> int:
-    """Handler of `naflexclip eval`: the training run's evaluation on a checkpoint, printed as JSON."""
+def _eval_model(checkpoint: str, device: torch.device) -> tuple[torch.nn.Module, dict]:
+    """(model, run config) of a naflexclip checkpoint, or of an imported SigLIP 2 directory (a config stating
+    its processor, the published patch budget and fp32)."""
+    from naflexclip.siglip2 import is_siglip2_dir, load_siglip2
+
     from .checkpoint import load_checkpoint_model
+
+    if is_siglip2_dir(checkpoint):
+        from naflexclip.data.siglip2_processing import processor_budget
+
+        model = load_siglip2(checkpoint).to(device).eval()
+        budget = processor_budget(checkpoint, model.image_patch_size)
+        data = DataConfig(hf_processor=checkpoint, naflex_seq_lens=(budget,), naflex_max_tokens_per_batch=32 * budget)
+        return model, {"data": dataclasses.asdict(data), "precision": "fp32", "zero_shot_samples": 0}
+    return load_checkpoint_model(checkpoint, device)
+
+
+def run_zero_shot(args: argparse.Namespace, model: torch.nn.Module, config: dict, device: torch.device,
+                  autocast: object) -> int:
+    """`eval --zero-shot-data DIR`: classify the ImageFolder DIR, print the results, write them as JSON."""
+    from naflexclip.zeroshot import (
+        format_results,
+        read_classnames,
+        read_image_folder,
+        read_templates,
+        zero_shot_classify,
+    )
+
+    data = config["data"]
+    seq_len = args.zero_shot_seq_len or max(data["naflex_seq_lens"])
+    folders, _ = read_image_folder(args.zero_shot_data)
+    classnames = read_classnames(args.zero_shot_classnames, folders) if args.zero_shot_classnames else None
+    templates = read_templates(args.zero_shot_templates) if args.zero_shot_templates else None
+    results = zero_shot_classify(model, args.zero_shot_data, seq_len=seq_len, hf_processor=data.get("hf_processor"),
+                                 classnames=classnames, templates=templates, device=device, autocast=autocast)
+    results["seq_len"] = seq_len
+    print(format_results(results))
+    Path(args.zero_shot_output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.zero_shot_output).write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {args.zero_shot_output}")
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """Handler of `naflexclip eval`: the training run's evaluation on a checkpoint, printed as JSON
+    (or, with --zero-shot-data, zero-shot classification of an ImageFolder)."""
     from .evaluate import evaluate
     from .precision import create_precision
 
     try:
         check_device(args.device)
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        model, config = load_checkpoint_model(args.checkpoint, device)
+        model, config = _eval_model(args.checkpoint, device)
+        if args.zero_shot_data is not None:
+            precision = create_precision(args.precision or config["precision"], device)
+            return run_zero_shot(args, model, config, device, precision.autocast)
         data = DataConfig(**config["data"])
         if args.val_data is not None:
             data = DataConfig(**{**config["data"], "val_data": args.val_data, "dataset_type": args.dataset_type})
@@ -187,10 +238,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_train_args(train)
     train.set_defaults(func=run_train)
     evaluate = subparsers.add_parser("eval", help="retrieval and zero-shot evaluation of a checkpoint")
-    evaluate.add_argument("--checkpoint", required=True, help="a checkpoint directory (or a run's checkpoints/)")
+    evaluate.add_argument("--checkpoint", required=True,
+                          help="a checkpoint directory (or a run's checkpoints/), or a transformers SigLIP 2 directory")
     evaluate.add_argument("--val-data", default=None, help="evaluate on this data instead of the run's")
     evaluate.add_argument("--dataset-type", default="auto")
     evaluate.add_argument("--zero-shot", action="store_true", help="also run the built-in zero-shot tasks")
     evaluate.add_argument("--precision", default=None, choices=PRECISIONS)
     evaluate.add_argument("--device", default=None)
+    z = evaluate.add_argument_group("zero-shot classification of your own ImageFolder")
+    z.add_argument("--zero-shot-data", default=None, help="an ImageFolder: one sub-folder of images per class")
+    z.add_argument("--zero-shot-classnames", default=None,
+                   help="text file, one class name per line in sorted folder order (default: the folder names)")
+    z.add_argument("--zero-shot-templates", default=None,
+                   help="text file, one prompt template per line with {} for the class name (default: a short set)")
+    z.add_argument("--zero-shot-seq-len", type=int, default=None,
+                   help="patch budget per image (default: the run's largest --naflex-seq-lens)")
+    z.add_argument("--zero-shot-output", default="zeroshot_results.json", help="where the results JSON goes")
     evaluate.set_defaults(func=run_eval)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from naflexclip.data import DataConfig
@@ -57,14 +58,17 @@ class TrainConfig:
     fsdp: bool = False
     dist_timeout: float = 1800.0
     plot: bool = True
+    pretrained: str | None = None  # a transformers SigLIP 2 directory: architecture, weights, tokenizer, patching
 
     def __post_init__(self) -> None:
         self._check_choices()
         self._check_counts()
         self._check_scale()
+        self._check_pretrained()
         if self.name is None:
             # OpenCLIP-style run name: when and what
-            self.name = f"{time.strftime('%Y_%m_%d-%H_%M_%S')}-model_{self.model}-lr_{self.lr:g}-p_{self.precision}"
+            model = "siglip2" if self.pretrained else self.model
+            self.name = f"{time.strftime('%Y_%m_%d-%H_%M_%S')}-model_{model}-lr_{self.lr:g}-p_{self.precision}"
 
     def _check_choices(self) -> None:
         if self.model not in PRESETS:
@@ -114,6 +118,21 @@ class TrainConfig:
             raise ValueError(
                 f"--naflex-loss-scale {self.naflex_loss_scale} needs --batch-size (the reference batch size B_ref)"
             )
+
+    def _check_pretrained(self) -> None:
+        if self.pretrained is None:
+            return
+        from naflexclip.siglip2 import Siglip2Error, read_config
+
+        try:
+            read_config(self.pretrained)
+        except Siglip2Error as error:
+            raise ValueError(f"--pretrained: {error}") from None
+        self.pretrained = str(Path(self.pretrained).resolve())
+        # SigLIP 2 is a sigmoid-loss model: its logit_bias only trains under that loss
+        self.siglip = True
+        if self.data.hf_processor is None:  # its own tokenizer and patching feed it
+            self.data.hf_processor = self.pretrained
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form (saved with every checkpoint and at the top of the logs)."""

@@ -19,6 +19,7 @@ from torch import nn
 
 from naflexclip.batch import to_device
 from naflexclip.data import DataConfig, build_loader, build_zero_shot_loader, tokenize
+from naflexclip.data.processing import make_processing
 from naflexclip.data.synthetic import ATTRIBUTES, zero_shot_prompt_ensemble
 
 RECALL_AT = (1, 5, 10)
@@ -60,12 +61,13 @@ def retrieval_metrics(image_features: torch.Tensor, text_features: torch.Tensor)
 
 
 def _class_embeddings(model: nn.Module, attribute: str, context_length: int, device: torch.device,
-                      autocast: Callable[[], ContextManager[Any]]) -> torch.Tensor:
+                      autocast: Callable[[], ContextManager[Any]],
+                      tokenizer: Callable[[list[str], int], torch.Tensor] = tokenize) -> torch.Tensor:
     """`[num_classes, D]`: mean normalised embedding of each class's prompt ensemble, renormalised."""
     rows = []
     for prompts in zero_shot_prompt_ensemble(attribute):
         with autocast():
-            features = model(text=tokenize(prompts, context_length).to(device))["text_features"].float()
+            features = model(text=tokenizer(prompts, context_length).to(device))["text_features"].float()
         rows.append(F.normalize(F.normalize(features, dim=-1).mean(dim=0), dim=-1))
     return torch.stack(rows).cpu()
 
@@ -100,7 +102,8 @@ def zero_shot_metrics(model: nn.Module, data: DataConfig, device: torch.device,
     features = _features(model, loader, device, autocast)
     metrics = {}
     for attribute in ZERO_SHOT_ATTRIBUTES:
-        classes = _class_embeddings(model, attribute, model.context_length, device, autocast)
+        tokenizer = make_processing(data.hf_processor, model.image_patch_size).tokenize  # the model's own
+        classes = _class_embeddings(model, attribute, model.context_length, device, autocast, tokenizer)
         predicted = (features["image"] @ classes.T).argmax(dim=1)
         metrics[f"zeroshot/{attribute}_top1"] = float((predicted == features["labels"][attribute]).float().mean())
         metrics[f"zeroshot/{attribute}_chance"] = 1.0 / len(ATTRIBUTES[attribute])

@@ -141,7 +141,8 @@ class Trainer:
         self.cfg, self.env = cfg, env
         seed_everything(cfg.seed)  # the same initial weights on every rank (FSDP2 does not broadcast them)
         self.precision = create_precision(cfg.precision, env.device)
-        self.model = wrap_model(create_model(cfg.model, siglip=cfg.siglip).to(env.device), env, cfg.fsdp)
+        model = create_model(cfg.pretrained or cfg.model, siglip=cfg.siglip)  # --pretrained: a SigLIP 2 directory
+        self.model = wrap_model(model.to(env.device), env, cfg.fsdp)
         # dropout / drop-path / patch-dropout draw a different stream on every rank (OpenCLIP: seed + rank);
         # the data order does not depend on it (the loader seeds itself from --seed, epoch and position)
         seed_everything(cfg.seed + env.rank)
