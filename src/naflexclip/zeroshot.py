@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from naflexclip.batch import to_device
 from naflexclip.data.processing import make_processing
 from naflexclip.data.samples import SkipSample, decode_image, read_image_file
 
@@ -125,7 +124,7 @@ def zero_shot_classify(model: nn.Module, data_dir: str | Path, *, seq_len: int, 
             labels.append(label)
         if not pixels:
             continue
-        image = to_device(processing.collate(pixels, seq_len, model.image_patch_size), device)
+        image = {k: v.to(device) for k, v in processing.collate(pixels, seq_len, model.image_patch_size).items()}
         with autocast():
             features = F.normalize(model(image=image)["image_features"].float(), dim=-1)
         topk = (features @ classes.T).topk(k, dim=1).indices.cpu()
