@@ -25,6 +25,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"naflexclip export: error: {str(error).splitlines()[0]}", file=sys.stderr)
         return 2
     print(f"wrote {out} (load with transformers.Siglip2Model.from_pretrained)")
+    if not (out / "tokenizer.json").is_file() and not (out / "tokenizer.model").is_file():
+        # a preset trained from scratch used open_clip's tokenizer and timm's transform: nothing of transformers'
+        print("note: no tokenizer or image-processor files (the run did not start from a SigLIP 2 directory; it "
+              "used open_clip's tokenizer and OpenAI CLIP mean/std), add your own before using it in transformers")
     return 0
 
 

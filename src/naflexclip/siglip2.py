@@ -386,10 +386,16 @@ def export_model(model: NaFlexClip, path: str | Path, format: str = "transformer
     out.mkdir(parents=True, exist_ok=True)
     dtype = next(iter(state.values())).dtype
     config = config_to_transformers(model.config)
+    processor_dir = processor_dir or getattr(model, "source_dir", None)
+    if processor_dir is not None and is_siglip2_dir(processor_dir):
+        # keep what the architecture does not decide (token ids, initializer settings) from the source config
+        source = read_config(processor_dir)
+        for tower in ("text_config", "vision_config"):
+            config[tower] = {**(source.get(tower) or {}), **config[tower]}
+        config = {**{k: v for k, v in source.items() if k != "transformers_version"}, **config}
     config["dtype"] = str(dtype).removeprefix("torch.")
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    processor_dir = processor_dir or getattr(model, "source_dir", None)
     if processor_dir is not None:
         for name in PROCESSOR_FILES:
             if (Path(processor_dir) / name).is_file() and Path(processor_dir).resolve() != out.resolve():

@@ -16,6 +16,7 @@ Needs the `siglip2` extra (transformers with its tokenizers).
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,8 @@ def load_tokenizer(directory: str):
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"{directory!r} has no tokenizer ({' or '.join(TOKENIZER_FILES)})")
     _require_transformers()
+    # DataLoader workers fork after the main process tokenized: keep the Rust tokenizer single-threaded
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(directory, local_files_only=True)
