@@ -202,3 +202,33 @@ def test_weights_that_do_not_fit_are_refused_naming_the_tensor(tmp_path: Path, c
     with pytest.raises(Siglip2Error) as error:
         create_model(str(directory))
     assert expected in _one_line(error)
+
+
+@pytest.mark.parametrize("antialias", [True, False])
+def test_position_table_resize_equals_transformers(antialias: bool) -> None:
+    """timm's bilinear antialiased resize of the learned table (what our tower runs) is transformers' resize of
+    the 16x16 SigLIP 2 table, for grids that up- and downsample either axis; without antialias it is not."""
+    from transformers.models.siglip2.modeling_siglip2 import Siglip2VisionEmbeddings
+
+    from naflexclip.model import siglip2_config
+
+    config = siglip2_config(width=8, depth=1, heads=2, mlp_width=16)
+    config = dataclasses.replace(config, text=dataclasses.replace(config.text, vocab_size=8, layers=1))
+    embeds = NaFlexClip(config).visual.embeds
+    embeds.pos_embed_antialias = antialias
+    grids = [(16, 16), (8, 12), (4, 30), (1, 200), (40, 3), (24, 24), (5, 7), (2, 1)]
+    max_len = max(h * w for h, w in grids)
+    coords = torch.zeros(len(grids), max_len, 2, dtype=torch.long)
+    for i, (h, w) in enumerate(grids):
+        rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        coords[i, : h * w] = torch.stack([rows.reshape(-1), cols.reshape(-1)], dim=1)
+    ours = torch.zeros(len(grids), max_len, 8)
+    with torch.no_grad():
+        embeds._apply_learned_naflex_pos_embed(ours, coords)
+        theirs = Siglip2VisionEmbeddings.resize_positional_embeddings(
+            embeds.pos_embed[0].detach(), torch.tensor(grids), max_length=max_len)
+    errors = [float((ours[i, : h * w] - theirs[i, : h * w]).abs().max()) for i, (h, w) in enumerate(grids)]
+    if antialias:
+        assert max(errors) <= 1e-6, errors
+    else:
+        assert max(errors) > 1e-3, errors  # the downsampled grids differ
