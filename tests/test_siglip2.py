@@ -232,3 +232,13 @@ def test_position_table_resize_equals_transformers(antialias: bool) -> None:
         assert max(errors) <= 1e-6, errors
     else:
         assert max(errors) > 1e-3, errors  # the downsampled grids differ
+
+
+def test_sharded_checkpoint_loads_the_same_weights(checkpoint: Path, tmp_path: Path) -> None:
+    hf = transformers.Siglip2Model.from_pretrained(checkpoint)
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    for name in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json"):
+        (tmp_path / "sharded" / name).write_bytes((checkpoint / name).read_bytes())
+    single, sharded = load_siglip2(checkpoint).state_dict(), load_siglip2(tmp_path / "sharded").state_dict()
+    assert all(torch.equal(single[k], sharded[k]) for k in single)

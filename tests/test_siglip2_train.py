@@ -138,3 +138,16 @@ def test_zero_shot_helper_runs_on_our_presets(tmp_path: Path) -> None:
     folder = _image_folder(tmp_path / "folder", 6)
     results = zero_shot_classify(create_model("tiny"), folder, seq_len=16)
     assert results["num_samples"] == 6 and 0 <= results["top1"] <= 1
+
+
+@pytest.mark.parametrize(("broken", "message"), [("tokenizer", "has no tokenizer"),
+                                                 ("weights", "no model.safetensors")])
+def test_train_pretrained_broken_directory_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, broken: str,
+                                                       message: str) -> None:
+    source = make_checkpoint(tmp_path / "siglip2", tokenizer=broken != "tokenizer")
+    if broken == "weights":
+        (source / "model.safetensors").unlink()
+    capsys.readouterr()
+    assert main(["train", "--pretrained", str(source), "--logs", str(tmp_path / "logs"), *TRAIN_FLAGS]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
