@@ -151,3 +151,19 @@ def test_train_pretrained_broken_directory_is_one_line(tmp_path: Path, capsys: p
     assert main(["train", "--pretrained", str(source), "--logs", str(tmp_path / "logs"), *TRAIN_FLAGS]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_export_of_a_preset_run_is_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from naflexclip import create_model
+    from naflexclip.model import config_to_dict
+    from naflexclip.train.checkpoint import save_checkpoint
+    from naflexclip.train.config import TrainConfig
+
+    model = create_model("small", siglip=True)
+    config = TrainConfig(model="small", siglip=True, logs=str(tmp_path), name="run")
+    save_checkpoint(tmp_path / "checkpoints", "epoch_1", model.state_dict(),
+                    {"config": config.to_dict(), "model_config": config_to_dict(model.config)})
+    capsys.readouterr()
+    assert main(["export", "--checkpoint", str(tmp_path / "checkpoints"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot export to transformers Siglip2Model: image pooling 'max'" in err[0], err
