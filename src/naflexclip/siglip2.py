@@ -31,7 +31,6 @@ WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 # files a transformers SigLIP 2 directory carries besides config and weights; copied on export when present
 PROCESSOR_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "preprocessor_config.json", "processor_config.json")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # either one is a usable tokenizer
 HIDDEN_ACT = "gelu_pytorch_tanh"  # transformers' name for GELU with the tanh approximation
 
 
