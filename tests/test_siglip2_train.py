@@ -167,3 +167,14 @@ def test_export_of_a_preset_run_is_refused_in_one_line(tmp_path: Path, capsys: p
     assert main(["export", "--checkpoint", str(tmp_path / "checkpoints"), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot export to transformers Siglip2Model: image pooling 'max'" in err[0], err
+
+
+def test_resume_needs_the_same_pretrained_directory(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    source = make_checkpoint(tmp_path / "siglip2")
+    flags = ["--logs", str(tmp_path / "logs"), "--name", "run", *TRAIN_FLAGS]
+    assert main(["train", "--pretrained", str(source), "--stop-after-steps", "1", *flags]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", "latest", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--pretrained: the checkpoint has" in err[0], err
+    assert main(["train", "--pretrained", str(source), "--resume", "latest", *flags]) == 0  # with it, it continues
