@@ -1,9 +1,12 @@
 """Benchmark: samples/s per worker of decode -> NaFlex transform -> collate, naflexclip vs timm's NaFlex loader.
 
-Both loaders read the same JPEG/PNG files exported from the built-in dataset, with the same
+All loaders read the same JPEG/PNG images exported from the built-in dataset, with the same
 sequence lengths, token budget, patch size, interpolation and no augmentation; timm's side is
-`timm.data.naflex_loader.create_naflex_loader` (its `NaFlexMapDatasetWrapper`) without the
-GPU prefetcher, so both do the whole job on the CPU workers. Prints both rates and the ratio.
+`timm.data.naflex_loader.create_naflex_loader` (its `NaFlexMapDatasetWrapper`) over the image files,
+without the GPU prefetcher, so every loader does the whole job on the CPU workers. naflexclip reads
+the images three ways: a CSV table of files, WebDataset shards indexed and read by offset (local
+`.tar`), and the same shards streamed (`pipe:cat`, the path for shards that cannot be indexed).
+Prints each rate and its ratio to timm's.
 
     python benchmarks/data_pipeline.py --num-images 2000 --workers 1
 """
@@ -22,7 +25,7 @@ from PIL import Image
 from timm.data.naflex_loader import create_naflex_loader
 
 from naflexclip.data import DataConfig, build_loader
-from naflexclip.data.export import export_synthetic
+from naflexclip.data.export import export_synthetic, shard_spec
 
 
 class FolderImages(torch.utils.data.Dataset):
@@ -46,6 +49,7 @@ def time_loader(loader, num_images: int) -> float:
     for batch in loader:
         seen += (batch["image"]["patches"] if isinstance(batch, dict) else batch[0]["patches"]).shape[0]
     elapsed = time.perf_counter() - start
+    # an indexed epoch is every sample once; a stream's is --train-num-samples samples, repeats allowed
     assert seen == num_images, (seen, num_images)
     return seen / elapsed
 
@@ -59,14 +63,25 @@ def main() -> None:
     parser.add_argument("--patch-size", type=int, default=16)
     parser.add_argument("--image-format", default="jpg", choices=("jpg", "png", "webp"))
     parser.add_argument("--repeats", type=int, default=3, help="timed epochs per loader (best is kept)")
+    parser.add_argument("--shard-size", type=int, default=250, help="samples per WebDataset shard")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
     with tempfile.TemporaryDirectory() as tmp:
         table = export_synthetic(tmp, fmt="csv", count=args.num_images, image_format=args.image_format)[0]
-        cfg = DataConfig(train_data=table, naflex_seq_lens=tuple(args.seq_lens),
-                         naflex_max_tokens_per_batch=args.max_tokens, workers=args.workers)
-        ours = build_loader(cfg, split="train", patch_size=args.patch_size, context_length=77)
+        shards = export_synthetic(os.path.join(tmp, "shards"), fmt="webdataset", count=args.num_images,
+                                  image_format=args.image_format, shard_size=args.shard_size)
+        common = dict(naflex_seq_lens=tuple(args.seq_lens), naflex_max_tokens_per_batch=args.max_tokens,
+                      workers=args.workers)
+        specs = {
+            "csv (files)": DataConfig(train_data=table, **common),
+            "webdataset indexed": DataConfig(train_data=shard_spec(shards), **common),
+            "webdataset streamed": DataConfig(train_data="::".join(f"pipe:cat {p}" for p in shards),
+                                              dataset_type="webdataset", train_num_samples=args.num_images,
+                                              **common),
+        }
+        ours = {name: build_loader(cfg, split="train", patch_size=args.patch_size, context_length=77)
+                for name, cfg in specs.items()}
         paths = sorted(os.path.join(tmp, "images", f) for f in os.listdir(os.path.join(tmp, "images")))
         with contextlib.redirect_stdout(io.StringIO()):  # timm prints its schedule
             theirs = create_naflex_loader(
@@ -75,17 +90,18 @@ def main() -> None:
                 interpolation="bicubic", num_workers=args.workers, use_prefetcher=False, pin_memory=False,
                 device=torch.device("cpu"), persistent_workers=False,
             )
-        ours_rate = timm_rate = 0.0
-        for _ in range(args.repeats):  # alternate, so background load hits both alike
-            ours_rate = max(ours_rate, time_loader(ours, args.num_images))
-            timm_rate = max(timm_rate, time_loader(theirs, args.num_images))
+        rates = dict.fromkeys([*ours, "timm"], 0.0)
+        for _ in range(args.repeats):  # alternate, so background load hits all alike
+            for name, loader in ours.items():
+                rates[name] = max(rates[name], time_loader(loader, args.num_images))
+            rates["timm"] = max(rates["timm"], time_loader(theirs, args.num_images))
 
     workers = max(1, args.workers)
     print(f"images={args.num_images} ({args.image_format}, 48-512 px) seq_lens={args.seq_lens} "
-          f"max_tokens={args.max_tokens} patch={args.patch_size} workers={args.workers}")
-    print(f"naflexclip: {ours_rate:8.1f} samples/s ({ours_rate / workers:.1f} per worker, incl. tokenization)")
-    print(f"timm      : {timm_rate:8.1f} samples/s ({timm_rate / workers:.1f} per worker)")
-    print(f"ratio naflexclip/timm: {ours_rate / timm_rate:.2f}")
+          f"max_tokens={args.max_tokens} patch={args.patch_size} workers={args.workers} shard_size={args.shard_size}")
+    for name, rate in rates.items():
+        ratio = f"  {rate / rates['timm']:.2f}x timm" if name != "timm" else ""
+        print(f"{name:<20}: {rate:8.1f} samples/s ({rate / workers:.1f} per worker){ratio}")
 
 
 if __name__ == "__main__":

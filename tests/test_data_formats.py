@@ -55,33 +55,42 @@ def test_cli_export_writes_shards(tmp_path, capsys):
     assert "--train-data" in capsys.readouterr().out
 
 
-def test_webdataset_splits_shards_by_rank_and_worker(tmp_path):
+def test_local_shards_are_indexed_and_split_by_sample(tmp_path):
     paths = export_synthetic(str(tmp_path), count=24, shard_size=3)  # 8 shards
     spec = shard_spec(paths)
-    # one worker per rank: 4 shards per rank, one pass covers each sample exactly once
-    seen = []
-    for rank in range(2):
-        loader = build_loader(cfg_for(spec), split="train", patch_size=PATCH, context_length=CONTEXT,
-                              rank=rank, world_size=2)
-        assert loader.num_samples == 12
-        seen += [k for b in loader for k in b["keys"]]
-    assert len(seen) == 24 and len(set(seen)) == 24
-    # two workers per rank: each (rank, worker) slot reads only its own shards
+    for workers, world_size in ((0, 2), (2, 2), (3, 3)):
+        seen = []
+        for rank in range(world_size):
+            loader = build_loader(cfg_for(spec, workers=workers), split="train", patch_size=PATCH,
+                                  context_length=CONTEXT, rank=rank, world_size=world_size)
+            assert loader.indexed
+            seen += [k for b in loader for k in b["keys"]]
+        assert len(seen) == 24 and len(set(seen)) == 24
+    assert all(os.path.isfile(p + ".naflexclip-index.json") for p in paths)  # cached beside each shard
+
+
+def test_streamed_shards_split_by_rank_and_worker_slot(tmp_path):
+    """`pipe:` shards cannot be indexed: each (rank, worker) slot streams only its own shards."""
+    paths = export_synthetic(str(tmp_path), count=24, shard_size=3)
+    spec = "::".join(f"pipe:cat {p}" for p in paths)
     shards_of_slot: dict[tuple[int, int], set[str]] = {}
     for rank in range(2):
-        loader = build_loader(cfg_for(spec, workers=2), split="train", patch_size=PATCH, context_length=CONTEXT,
-                              rank=rank, world_size=2)
+        loader = build_loader(cfg_for(spec, workers=2, dataset_type="webdataset", train_num_samples=24),
+                              split="train", patch_size=PATCH, context_length=CONTEXT, rank=rank, world_size=2)
+        assert not loader.indexed
         for b in loader:
             slot = (rank, b["batch_index"] % 2)
-            shards_of_slot.setdefault(slot, set()).update(k.split(":")[0] for k in b["keys"])
+            shards_of_slot.setdefault(slot, set()).update(k.rsplit(":", 1)[0] for k in b["keys"])
     assert len(shards_of_slot) == 4 and all(len(s) <= 2 for s in shards_of_slot.values())
     all_shards = [s for shards in shards_of_slot.values() for s in shards]
     assert len(all_shards) == len(set(all_shards))
 
 
-def test_webdataset_resume_is_exact(tmp_path):
-    spec = shard_spec(export_synthetic(str(tmp_path), count=30, shard_size=5))
-    cfg = cfg_for(spec, workers=2, shuffle_buffer=8)
+@pytest.mark.parametrize("streamed", [False, True])
+def test_webdataset_resume_is_exact(tmp_path, streamed):
+    paths = export_synthetic(str(tmp_path), count=30, shard_size=5)
+    spec = "::".join(f"pipe:cat {p}" for p in paths) if streamed else shard_spec(paths)
+    cfg = cfg_for(spec, workers=2, shuffle_buffer=8, dataset_type="webdataset", train_num_samples=30)
     full = [b["keys"] for b in build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT)]
     assert len(full) == 4
     for start in (1, 2, 3, 4):

@@ -7,13 +7,15 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from naflexclip.data import DataConfig, add_data_args, data_config_from_args
 from naflexclip.data.schedule import (
     batch_size_for,
+    build_global_plan,
     build_schedule,
-    rank_sample_order,
-    samples_per_rank,
+    epoch_order,
     worker_batches,
 )
 
@@ -72,25 +74,40 @@ def test_workers_split_batches_without_duplicates_or_gaps(num_workers, start_bat
     assert [b.index for b in merged] == list(range(start_batch, len(schedule)))
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_ranks_share_schedule_and_partition_the_samples(world_size):
-    num = 103
-    orders = [rank_sample_order(num, rank=r, world_size=world_size, seed=5, epoch=1, shuffle=True)
-              for r in range(world_size)]
-    per_rank = samples_per_rank(num, world_size)
-    assert all(len(o) == per_rank for o in orders)
-    seen = Counter(np.concatenate(orders).tolist())
-    assert set(seen) == set(range(num))  # every sample on some rank
-    assert sum(seen.values()) - num == per_rank * world_size - num < world_size  # only wrap-around repeats
-    schedules = [build_schedule(per_rank, SEQ_LENS, 2048, seed=5, epoch=1) for _ in range(world_size)]
-    assert all(s == schedules[0] for s in schedules)  # every rank steps the same plan
+@given(num=st.integers(0, 300), world_size=st.integers(1, 5), seq_lens=st.sets(st.sampled_from(SEQ_LENS), min_size=1),
+       max_tokens=st.sampled_from([576, 1024, 2048]), divisor=st.sampled_from([1, 2, 4]), seed=st.integers(0, 3))
+def test_global_plan_reads_every_position_once_with_equal_microbatch_counts(num, world_size, seq_lens, max_tokens,
+                                                                            divisor, seed):
+    seq_lens = tuple(sorted(seq_lens))
+    plan = build_global_plan(num, world_size, seq_lens, max_tokens, divisor=divisor, seed=seed)
+    read = [p for r in range(world_size) for b in plan.rank_batches(r)
+            for p in range(b.offset, b.offset + b.batch_size)]
+    assert sorted(read) == list(range(num - plan.dropped))  # every position once, no wrap-around repeat
+    assert [s.index for s in plan.steps] == list(range(len(plan.steps)))  # each step: one microbatch per rank
+    single_row = all(batch_size_for(s, max_tokens, divisor) == 1 for s in seq_lens)
+    for step in plan.steps:
+        assert len(step.sizes) == world_size
+        # over the budget only by one row, only in the last step, only when no length allows a second row
+        over = 1 if single_row and step is plan.steps[-1] else 0
+        assert all(1 <= size <= batch_size_for(step.seq_len, max_tokens, divisor) + over for size in step.sizes)
+    assert plan.dropped == (num if num < world_size else 0)  # only an epoch with fewer samples than ranks
 
 
-def test_epoch_permutation_changes_with_epoch_but_not_rank_view():
-    a = rank_sample_order(50, rank=0, world_size=1, seed=0, epoch=0, shuffle=True)
-    b = rank_sample_order(50, rank=0, world_size=1, seed=0, epoch=1, shuffle=True)
+def test_global_plan_resumed_at_another_world_size_covers_the_rest():
+    plan = build_global_plan(203, 2, SEQ_LENS, 2048, seed=5)
+    position = plan.step_start(2)
+    rest = build_global_plan(203, 3, SEQ_LENS, 2048, seed=5, start_step=2, start_sample=position)
+    assert rest.steps[0].index == 2 and rest.steps[0].offset == position
+    assert rest.steps[0].seq_len == plan.steps[2].seq_len  # a step's length depends on its index only
+    read = [p for r in range(3) for b in rest.rank_batches(r) for p in range(b.offset, b.offset + b.batch_size)]
+    assert sorted(read) == list(range(position, 203))
+
+
+def test_epoch_order_changes_with_epoch():
+    a = epoch_order(50, seed=0, epoch=0, shuffle=True)
+    b = epoch_order(50, seed=0, epoch=1, shuffle=True)
     assert sorted(a) == sorted(b) == list(range(50)) and list(a) != list(b)
-    assert list(rank_sample_order(5, rank=0, world_size=1, seed=0, epoch=0, shuffle=False)) == [0, 1, 2, 3, 4]
+    assert list(epoch_order(5, seed=0, epoch=0, shuffle=False)) == [0, 1, 2, 3, 4]
 
 
 @pytest.mark.parametrize(
@@ -135,7 +152,7 @@ def test_flags_map_onto_config():
 
 @pytest.mark.parametrize(("num_samples", "group_size"), [(12, 2), (11, 3), (40, 4)])
 def test_grouped_order_shuffles_whole_groups_and_keeps_each_together(num_samples, group_size):
-    order = rank_sample_order(num_samples, rank=0, world_size=1, seed=3, epoch=1, shuffle=True, group_size=group_size)
+    order = epoch_order(num_samples, seed=3, epoch=1, shuffle=True, group_size=group_size)
     assert sorted(order.tolist()) == list(range(num_samples))  # a permutation: nothing lost or repeated
     starts = [i for i, index in enumerate(order) if index % group_size == 0]
     for start in starts:  # each group's members follow its first, in order
@@ -143,12 +160,10 @@ def test_grouped_order_shuffles_whole_groups_and_keeps_each_together(num_samples
         members = [m for m in range(group * group_size, min((group + 1) * group_size, num_samples))]
         assert order[start:start + len(members)].tolist() == members
     assert order[0] != 0 or order[group_size] != group_size  # groups are shuffled
-    plain = rank_sample_order(num_samples, rank=0, world_size=1, seed=3, epoch=1, shuffle=True)
+    plain = epoch_order(num_samples, seed=3, epoch=1, shuffle=True)
     assert not all(abs(int(a) - int(b)) == 1 for a, b in zip(plain[::2], plain[1::2], strict=False))
 
 
 def test_group_size_one_keeps_the_ungrouped_order():
-    assert np.array_equal(
-        rank_sample_order(50, rank=1, world_size=2, seed=0, epoch=2, shuffle=True, group_size=1),
-        rank_sample_order(50, rank=1, world_size=2, seed=0, epoch=2, shuffle=True),
-    )
+    assert np.array_equal(epoch_order(50, seed=0, epoch=2, shuffle=True, group_size=1),
+                          epoch_order(50, seed=0, epoch=2, shuffle=True))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 
 from naflexclip.data.export import EXPORT_FORMATS, IMAGE_FORMATS, export_synthetic, shard_spec
 
@@ -34,5 +35,8 @@ def run_export(args: argparse.Namespace) -> int:
         csv_separator=args.csv_separator,
     )
     target = shard_spec(paths) if args.format == "webdataset" else paths[0]
-    print(f"wrote {args.count} {args.split} samples; use --train-data {target!r} --dataset-type {args.format}")
+    flags = f"--train-data {shlex.quote(target)} --dataset-type {args.format}"
+    if args.format == "csv" and args.csv_separator != "\t":  # the reader's default is a tab: say the one written
+        flags += f" --csv-separator {shlex.quote(args.csv_separator)}"
+    print(f"wrote {args.count} {args.split} samples; use {flags}")
     return 0

@@ -50,6 +50,7 @@ class DataConfig:
     # a transformers SigLIP 2 checkpoint directory whose tokenizer and image-processor patching the data uses
     # (set by `train --pretrained`); None: timm's NaFlex transform and open_clip's tokenizer
     hf_processor: str | None = None
+    shard_index_dir: str | None = None
 
     def __post_init__(self) -> None:
         self.naflex_seq_lens = tuple(int(s) for s in self.naflex_seq_lens)
@@ -91,6 +92,8 @@ class DataConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if not self.csv_separator:
+            raise ValueError("--csv-separator must not be empty")
         if self.shuffle_buffer < 0:
             raise ValueError(f"--shuffle-buffer must be >= 0, got {self.shuffle_buffer}")
 
@@ -140,9 +143,13 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--naflex-batch-divisor", type=int, default=1)
     group.add_argument("--workers", type=int, default=2, help="DataLoader worker processes per rank")
     group.add_argument("--train-num-samples", type=int, default=None,
-                       help="samples per epoch for webdataset (counted from the shards when omitted)")
+                       help="samples per epoch: a fresh random subset of the usable samples each epoch (at most "
+                            "their number); required for streamed shards (pipe:, URLs) without a sizes.json")
     group.add_argument("--val-num-samples", type=int, default=None)
-    group.add_argument("--shuffle-buffer", type=int, default=1000, help="webdataset shuffle buffer (samples)")
+    group.add_argument("--shuffle-buffer", type=int, default=1000,
+                       help="shuffle buffer (samples) of streamed shards; local .tar shards are indexed instead")
+    group.add_argument("--shard-index-dir", default=None,
+                       help="where shard indexes are cached (default: beside each shard, else ~/.cache/naflexclip)")
     group.add_argument("--synthetic-train-size", type=int, default=4096)
     group.add_argument("--synthetic-val-size", type=int, default=512)
     group.add_argument("--synthetic-shape-group-size", type=int, default=1,
@@ -178,4 +185,5 @@ def data_config_from_args(args: argparse.Namespace) -> DataConfig:
         val_num_samples=args.val_num_samples,
         shuffle_buffer=args.shuffle_buffer,
         augment=args.augment,
+        shard_index_dir=args.shard_index_dir,
     )

@@ -1,20 +1,24 @@
 """The NaFlex loader: source -> decode -> timm NaFlex transform -> token-budget microbatches, in workers.
 
-`build_loader` plans one epoch with the token-budget schedule (same plan on every rank), then
-torch DataLoader workers build the planned microbatches round-robin (worker w builds batches
-w, w+K, ...), which the DataLoader returns in plan order. Bad samples are dropped from their
-microbatch and counted by reason; the counts ride back to the main process inside each item and
-are summed in `NaFlexLoader.skip_counts`. A worker never raises: it sends its error as an item and
-the main process raises one `DataError` that names the data source.
+`build_loader` plans one epoch, the same plan on every rank, and torch DataLoader workers build
+the planned microbatches round-robin (worker w builds batches w, w+K, ...), which the DataLoader
+returns in plan order. Map-style sources (built-in, CSV, folder, indexed local shards) follow one
+global plan (`schedule.build_global_plan`): one permutation of the usable samples per epoch, cut into
+steps of one microbatch per rank, so an epoch is every usable sample once whatever the workers, ranks
+and shards. Bad samples are left out of their microbatch; every skip rides back to the main process
+inside its item as a record (source, key, line, reason), and a microbatch left empty is covered by
+splitting a neighbour on the same rank (`NaFlexLoader.__iter__`), so every rank yields the planned
+number of microbatches. A worker never raises: it sends its error as an item and the main process
+raises one `DataError` that names the data source.
 
-Map-style sources (synthetic, CSV, folder) are split by rank from one per-epoch permutation;
-resuming with `start_batch` is exact whatever the worker count. WebDataset shards are split by
-(rank, worker) slot - by shard when there are enough shards, else by sample - each slot cycling
-its shards with a per-pass shuffle buffer; resume is exact for the same world size and workers.
+Streams that cannot be indexed (`pipe:`, URLs, compressed tars) are split by (rank, worker) slot - by
+shard when there are enough shards, else by sample - each slot cycling its shards with a per-pass
+shuffle buffer; there, resume is exact for the same world size and workers.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import random
@@ -41,23 +45,31 @@ from naflexclip.data.readers import (
     count_shard_samples,
     expand_shards,
     shard_samples,
+    skip_record,
 )
 from naflexclip.data.samples import SkipSample, decode_caption, decode_image
 from naflexclip.data.schedule import (
     ScheduledBatch,
+    build_global_plan,
     build_schedule,
-    rank_sample_order,
+    epoch_order,
     samples_per_rank,
     worker_batches,
 )
+from naflexclip.data.shard_index import IndexedShardSource, is_indexable
 
 logger = logging.getLogger("naflexclip.data")
+# an item is emitted once the item this many places later has arrived: an empty microbatch is then covered
+# by splitting a neighbour on either side of it (held host memory: this many microbatches)
+HOLD_BACK = 2
+# the epoch's last microbatches are all held until the end, so empty ones there are covered too
+END_HOLD = 4
 
 
 class _EpochBatches(IterableDataset):
-    """One rank's epoch of planned microbatches; each DataLoader worker builds its share."""
+    """One rank's epoch of planned microbatches; each DataLoader worker builds its share (round-robin)."""
 
-    def __init__(self, loader: NaFlexLoader) -> None:
+    def __init__(self, loader: NaFlexLoader, first_item: int) -> None:
         super().__init__()
         self.source = loader.source
         self.shard_urls = loader.shard_urls
@@ -68,7 +80,7 @@ class _EpochBatches(IterableDataset):
         self.context_length = loader.context_length
         self.seed, self.epoch = loader.seed, loader.epoch
         self.rank, self.world_size = loader.rank, loader.world_size
-        self.start_batch = loader.start_batch
+        self.start_batch = first_item
         self.num_workers = max(1, loader.num_workers)
         self.shuffle = loader.shuffle
         self.shuffle_buffer = loader.shuffle_buffer
@@ -87,11 +99,13 @@ class _EpochBatches(IterableDataset):
             yield {"error": f"{type(exc).__name__}: {exc}"}
 
     # -- building one microbatch -------------------------------------------------------------
-    def _build(self, planned: ScheduledBatch, raws: list[RawSample | SkipSample], skipped: Counter) -> dict:
+    def _build(self, planned: ScheduledBatch, raws: list[RawSample | SkipSample], where: list[tuple],
+               skips: list[dict[str, Any]]) -> dict:
+        """Decode and collate `raws` (`where[i]`: (source, key, line) for the skip log); bad ones are left out."""
         random.seed(hash((self.seed, self.epoch, self.rank, planned.index)))  # augment RNG, resumable
         draft = lambda hw: self.transform.target_hw(hw, planned.seq_len)
         pixels, texts, labels, keys = [], [], [], []
-        for raw in raws:
+        for raw, (source, key, line) in zip(raws, where, strict=True):
             try:
                 if isinstance(raw, SkipSample):
                     raise raw
@@ -99,14 +113,14 @@ class _EpochBatches(IterableDataset):
                 caption = decode_caption(raw.caption)
                 pixels.append(self.transform(image, planned.seq_len))
             except SkipSample as skip:
-                skipped[skip.reason] += 1
+                skips.append(skip_record(source, key, line, skip.reason, str(skip)))
                 continue
             texts.append(caption)
             keys.append(raw.key)
             if raw.labels is not None:
                 labels.append(raw.labels)
-        item: dict[str, Any] = {"batch_index": planned.index, "skipped": dict(skipped)}
-        skipped.clear()
+        item: dict[str, Any] = {"batch_index": planned.index, "skips": list(skips)}
+        skips.clear()
         if not pixels:
             item["empty"] = True
             return item
@@ -119,7 +133,7 @@ class _EpochBatches(IterableDataset):
             item["labels"] = {k: torch.tensor([lab[k] for lab in labels]) for k in labels[0]}
         return item
 
-    # -- map-style sources ---------------------------------------------------------------------
+    # -- map-style sources (built-in, CSV, folder, indexed shards) ------------------------------
     def _load(self, index: int) -> RawSample | SkipSample:
         try:
             return self.source.load(int(index))
@@ -127,12 +141,12 @@ class _EpochBatches(IterableDataset):
             return skip
 
     def _map_batches(self, worker_id: int) -> Iterator[dict[str, Any]]:
-        skipped: Counter = Counter()
         for planned in worker_batches(self.schedule, worker_id, self.num_workers, self.start_batch):
             indices = self.order[planned.offset: planned.offset + planned.batch_size]
-            yield self._build(planned, [self._load(i) for i in indices], skipped)
+            where = [self.source.describe(int(i)) for i in indices]
+            yield self._build(planned, [self._load(i) for i in indices], where, [])
 
-    # -- WebDataset shards ---------------------------------------------------------------------
+    # -- WebDataset streams that cannot be indexed ------------------------------------------------
     def _slot_stream(self, slot: int, num_slots: int, log: ShardReadLog) -> Iterator[RawSample]:
         urls = list(self.shard_urls)
         if self.shuffle:
@@ -167,19 +181,18 @@ class _EpochBatches(IterableDataset):
         log = ShardReadLog()
         stream = _read_ahead(self._slot_stream(self.rank * self.num_workers + stream_id,
                                                self.world_size * self.num_workers, log))
-        skipped: Counter = Counter()
-        reported: Counter = Counter()
+        reported = 0
         for planned in self.schedule:
             if planned.index % self.num_workers != stream_id:
                 continue
             raws = list(itertools.islice(stream, planned.batch_size))
             if planned.index < self.start_batch:
                 continue  # consumed undecoded: the stream's place is restored
-            skipped.update(log.counts - reported)
-            reported = Counter(log.counts)
-            yield self._build(planned, raws, skipped)
-        if log.counts - reported:
-            yield {"empty": True, "batch_index": -1, "skipped": dict(log.counts - reported)}
+            new, reported = log.records[reported:], len(log.records)
+            where = [(raw.key.rsplit(":", 1)[0], raw.key.rsplit(":", 1)[-1], None) for raw in raws]
+            yield self._build(planned, raws, where, list(new))
+        if len(log.records) > reported:
+            yield {"empty": True, "batch_index": -1, "skips": log.records[reported:]}
 
 
 def _read_ahead(items: Iterator[RawSample]) -> Iterator[RawSample]:
@@ -196,16 +209,43 @@ def _worker_init(_: int) -> None:
     torch.set_num_threads(1)  # workers parallelise across processes, not inside one
 
 
+def _split_rows(item: dict[str, Any], parts: int) -> list[dict[str, Any]]:
+    """A collated microbatch cut into `parts` consecutive microbatches of nearly equal rows (larger first)."""
+    rows = item["text"].shape[0]
+    bounds = [0]
+    for r in range(parts):
+        bounds.append(bounds[-1] + rows // parts + (1 if r < rows % parts else 0))
+    pieces = []
+    for lo, hi in itertools.pairwise(bounds):
+        image = {k: v[lo:hi] for k, v in item["image"].items()}
+        piece = {**item, "image": image, "text": item["text"][lo:hi], "keys": item["keys"][lo:hi],
+                 "num_tokens": int(image["patch_valid"].sum())}
+        if "labels" in item:
+            piece["labels"] = {k: v[lo:hi] for k, v in item["labels"].items()}
+        pieces.append(piece)
+    return pieces
+
+
 class NaFlexLoader:
     """Iterable over one epoch of NaFlex microbatches for one rank.
 
     Each item: {"image": {"patches": float32 [B, L, P*P*3], "patch_coord": long [B, L, 2] (row, col),
     "patch_valid": bool [B, L]}, "text": long [B, T], "seq_len": L, "num_tokens": int,
     "batch_index": int, "keys": list[str] (sample ids), and "labels" for the zero-shot loader}.
-    B varies from batch to batch; L is the batch's scheduled sequence length. `len()` is the
-    epoch's planned batch count (a batch whose every sample is bad is dropped, so an epoch may
-    yield fewer); iteration starts at `start_batch`. `skip_counts` sums skipped samples by
-    reason over the loader's lifetime.
+    B varies from batch to batch; L is the batch's scheduled sequence length.
+
+    Map-style sources (built-in, CSV, folder, indexed local shards) follow one global plan: one
+    permutation of the usable samples per epoch, cut into steps of one microbatch per rank
+    (`schedule.build_global_plan`), so every usable sample is read exactly once per epoch whatever the
+    workers and ranks, and every rank has `len()` microbatches. A sample found broken at decode time
+    leaves its microbatch smaller; a microbatch left with no sample takes rows from its neighbour on the
+    same rank (the microbatch before it, or the next one), so the rank still yields `len()` microbatches,
+    none empty. Only a rank with fewer usable samples than microbatches cannot: that is a DataError.
+
+    Every skip is a record (source, key, line, reason, detail, epoch) in `skip_records` (drained by the
+    caller) and counted by reason in `skip_counts` (the loader's lifetime). Problems found by indexing
+    (missing files, malformed rows, missing shards...) are recorded once per epoch, by rank 0.
+    `state_dict()`/`load_state_dict()` resume mid-epoch exactly, with any number of workers.
     """
 
     def __init__(
@@ -249,31 +289,68 @@ class NaFlexLoader:
         self.hf_processor = hf_processor
         make_processing(hf_processor, patch_size, augment)  # a bad processor fails here, not in a worker
         self.skip_counts: Counter = Counter()
+        self.skip_records: list[dict[str, Any]] = []
+        self._pending: dict[str, Any] | None = None
         self.set_epoch(epoch, start_batch)
 
+    @property
+    def indexed(self) -> bool:
+        """True for map-style sources (exactly-once epochs); False for streamed shards."""
+        return self.source is not None
+
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        """Plan `epoch` (schedule and sample order from seed and epoch), starting at `start_batch`."""
-        self.epoch = epoch
-        per_rank = samples_per_rank(self.num_source_samples, self.world_size)
-        self.schedule = build_schedule(
-            per_rank, self.seq_lens, self.max_tokens, probs=self.seq_len_probs, divisor=self.divisor,
-            seed=self.seed, epoch=epoch, fixed_seq_len=self.fixed_seq_len,
-        )
-        if not 0 <= start_batch <= len(self.schedule):
-            raise ValueError(f"start_batch must be in [0, {len(self.schedule)}], got {start_batch}")
-        self.start_batch = start_batch
+        """Plan `epoch` (plan and sample order from seed and epoch), starting at microbatch `start_batch`.
+
+        After `load_state_dict`, the call for the saved epoch and microbatch continues at the saved place.
+        """
+        pending = self._pending
+        if pending is not None and (pending["epoch"], pending["next_batch"]) == (epoch, start_batch):
+            # a resume loaded by load_state_dict stays in force until this epoch is iterated
+            self._plan(epoch, start_batch, pending.get("sample_position") if pending["remap"] else None)
+            self._resume = {k: int(pending[k]) for k in ("item", "piece", "owed", "fetched")}
+            self.position = start_batch
+            self._sample_position = pending.get("sample_position")
+            self._origin = (self._resume, self.position, self._sample_position)
+            return
+        self._pending = None
+        self._plan(epoch, start_batch, None)
+        self._resume = {"item": start_batch, "piece": 0, "owed": 0, "fetched": start_batch}
         self.position = start_batch
+        self._sample_position = self.plan.step_start(start_batch) if self.source is not None else None
+        self._origin = (self._resume, self.position, self._sample_position)  # where every iteration starts
+
+    def _plan(self, epoch: int, start_batch: int, sample_position: int | None) -> None:
+        self.epoch = epoch
+        self._first_index = start_batch if sample_position is not None else 0
+        self.dropped: list[int] = []
         self.order = None
-        if self.source is not None:
-            self.order = rank_sample_order(
-                self.num_source_samples, rank=self.rank, world_size=self.world_size,
-                seed=self.seed, epoch=epoch, shuffle=self.shuffle, group_size=getattr(self.source, "group_size", 1),
+        if self.source is None:  # a stream: each rank plans its share of --train-num-samples
+            self.schedule = build_schedule(
+                samples_per_rank(self.num_source_samples, self.world_size), self.seq_lens, self.max_tokens,
+                probs=self.seq_len_probs, divisor=self.divisor, seed=self.seed, epoch=epoch,
+                fixed_seq_len=self.fixed_seq_len,
             )
+        else:
+            order = epoch_order(len(self.source), seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+                                group_size=getattr(self.source, "group_size", 1))
+            self.order = order[: self.num_source_samples]  # --train-num-samples below the usable count
+            self.plan = build_global_plan(
+                len(self.order), self.world_size, self.seq_lens, self.max_tokens, probs=self.seq_len_probs,
+                divisor=self.divisor, seed=self.seed, epoch=epoch, fixed_seq_len=self.fixed_seq_len,
+                start_step=start_batch if sample_position is not None else 0,
+                start_sample=sample_position or 0,
+            )
+            self.schedule = self.plan.rank_batches(self.rank)
+            if self.plan.dropped:
+                self.dropped = self.order[len(self.order) - self.plan.dropped:].tolist()
+        if not 0 <= start_batch <= self.num_batches:
+            raise ValueError(f"start_batch must be in [0, {self.num_batches}], got {start_batch}")
+        self.start_batch = start_batch
 
     @property
     def num_batches(self) -> int:
         """Planned microbatches this epoch on this rank (the same on every rank)."""
-        return len(self.schedule)
+        return self.schedule[-1].index + 1 if self.schedule else self._first_index
 
     @property
     def num_samples(self) -> int:
@@ -283,18 +360,59 @@ class NaFlexLoader:
     def __len__(self) -> int:
         return self.num_batches
 
+    # -- resume -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Where the loader stands: rebuild with `epoch=...` and `start_batch=next_batch` to resume exactly."""
+        """Where this rank stands in the epoch; `load_state_dict` + `set_epoch(epoch, next_batch)` resume it.
+
+        `sample_position`: when not None, every microbatch before `next_batch` is done and nothing after
+        it is, on this rank, and the samples trained so far are exactly the epoch's global order up to that
+        position — a place that does not depend on workers or world size. If it is not None on every rank,
+        the epoch can continue at another world size (see `can_remap`).
+        """
+        position = self._sample_position
         return {
-            "split": self.split, "epoch": self.epoch, "next_batch": self.position,
-            "num_batches": self.num_batches, "seed": self.seed, "world_size": self.world_size,
-            "workers": self.num_workers, "skip_counts": dict(self.skip_counts),
+            "split": self.split, "epoch": self.epoch, "next_batch": self.position, **self._resume,
+            "sample_position": position, "num_batches": self.num_batches, "seed": self.seed,
+            "world_size": self.world_size, "rank": self.rank, "workers": self.num_workers,
+            "skip_counts": dict(self.skip_counts),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at the position `state_dict()` recorded (same seed, world size and workers)."""
-        self.skip_counts = Counter(state.get("skip_counts", {}))
-        self.set_epoch(int(state["epoch"]), int(state["next_batch"]))
+    @staticmethod
+    def can_remap(states: list[dict[str, Any]]) -> bool:
+        """True when the ranks' saved states (one per rank) name one global sample position, so the epoch
+        can continue exactly at any world size."""
+        positions = {s.get("sample_position") for s in states}
+        nexts = {s.get("next_batch") for s in states}
+        return len(positions) == 1 and None not in positions and len(nexts) == 1
+
+    def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Continue where `state_dict()` was taken: one rank's state, or the list of every rank's states.
+        It takes effect now and stays in force for `set_epoch(epoch, next_batch)` until iterated.
+
+        Same world size: this rank's own state (exact, also mid-split). Another world size: only when
+        `can_remap(states)`; the rest of the epoch is re-planned from the global sample position.
+        Any number of workers either way.
+        """
+        states = state if isinstance(state, list) else [state]
+        first = states[0]
+        saved_world = int(first.get("world_size", self.world_size))  # older checkpoints: this world size
+        mine = next((s for s in states if s.get("rank", 0) == self.rank), None)
+        if saved_world == self.world_size and (len(states) == self.world_size or len(states) == 1):
+            mine = mine or first  # an older checkpoint: one state for every rank
+            remap, pending = False, dict(mine)
+        elif self.can_remap(states):
+            remap = True
+            pending = {**first, "item": first["next_batch"], "piece": 0, "owed": 0, "fetched": first["next_batch"]}
+        else:
+            raise ValueError(f"the data position was saved at world size {saved_world} mid-way through a "
+                             f"microbatch split, so it cannot be re-mapped to world size {self.world_size}")
+        pending.setdefault("item", pending["next_batch"])
+        pending.setdefault("piece", 0)
+        pending.setdefault("owed", 0)
+        pending.setdefault("fetched", pending["next_batch"])
+        self.skip_counts = Counter((mine or {}).get("skip_counts", {}))
+        self._pending = {**pending, "remap": remap}
+        self.set_epoch(int(pending["epoch"]), int(pending["next_batch"]))
 
     def summary(self) -> str:
         """One line: skipped samples by reason over the loader's lifetime."""
@@ -303,78 +421,162 @@ class NaFlexLoader:
         reasons = ", ".join(f"{k}={v}" for k, v in sorted(self.skip_counts.items()))
         return f"data {self.split} ({self.source_name}): skipped {sum(self.skip_counts.values())} ({reasons})"
 
-    def _dataloader(self) -> DataLoader:
+    # -- iteration ----------------------------------------------------------------------------------
+    def _dataloader(self, first_item: int) -> DataLoader:
         kwargs: dict[str, Any] = {}
         if self.num_workers > 0:
             kwargs = {"prefetch_factor": 2, "worker_init_fn": _worker_init}
         return DataLoader(
-            _EpochBatches(self), batch_size=None, num_workers=self.num_workers,
+            _EpochBatches(self, first_item), batch_size=None, num_workers=self.num_workers,
             pin_memory=self.pin_memory, persistent_workers=False, **kwargs,
         )
 
+    def _record(self, records: list[dict[str, Any]], epoch_skips: Counter) -> None:
+        for record in records:
+            record = {**record, "epoch": self.epoch}
+            self.skip_records.append(record)
+            self.skip_counts[record["reason"]] += 1
+            epoch_skips[record["reason"]] += 1
+
+    def _epoch_start_records(self) -> list[dict[str, Any]]:
+        """Skips known before decoding (indexing, the plan's remainder): rank 0 records them once per epoch."""
+        if self.rank != 0 or self.source is None:
+            return []
+        records = list(getattr(self.source, "index_skips", []))
+        for index in self.dropped:
+            source, key, line = self.source.describe(index)
+            records.append(skip_record(source, key, line, "epoch_remainder", "fewer samples than ranks"))
+        return records
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        """The epoch's microbatches from the resume point. Item j is emitted once item j + HOLD_BACK has
+        arrived (the last END_HOLD items: at the end), cut into min(owed + 1, rows) pieces, where `owed`
+        counts the empty items not yet covered; that rule depends on item positions only, so a resume
+        replays it exactly."""
+        self._pending = None
+        self._resume, self.position, self._sample_position = self._origin
+        resume = self._resume
         epoch_skips: Counter = Counter()
-        num_batches = num_samples = 0
-        iterator = iter(self._dataloader())
+        if resume == {"item": 0, "piece": 0, "owed": 0, "fetched": 0}:
+            self._record(self._epoch_start_records(), epoch_skips)
+        num_yielded = num_samples = 0
+        owed = resume["owed"]
+        fetched = resume["fetched"]
+        buffer: collections.deque = collections.deque()  # fetched non-empty items, not yet emitted
+        empties: list[int] = []  # indices of fetched empty items
+        iterator = iter(self._dataloader(resume["item"]))
+
+        def emit(item: dict[str, Any]) -> Iterator[dict[str, Any]]:
+            nonlocal owed
+            index, rows = item["batch_index"], item["text"].shape[0]
+            parts = min(owed + 1, rows)
+            # replay state: owed at this item's start, before the empties it will count again
+            replay_owed = owed - sum(1 for e in empties if e >= index)
+            skip = resume["piece"] if index == resume["item"] else 0
+            owed -= parts - 1
+            if skip == 0:  # an item's skips are logged with its first piece: never twice after a resume
+                self._record(item.pop("skips"), epoch_skips)
+            for q, piece in enumerate(_split_rows(item, parts) if parts > 1 else [item]):
+                if q < skip:
+                    continue
+                self._resume = {"item": index, "piece": q + 1, "owed": replay_owed, "fetched": fetched}
+                # clean: the samples done are exactly the epoch's order up to the next item to emit, and
+                # nothing after it was logged; that place is the same for any workers and world size
+                ahead = buffer[0]["batch_index"] if buffer else fetched
+                clean = self.source is not None and owed == 0 and q + 1 == parts and all(e < ahead for e in empties)
+                self._sample_position = self.plan.step_start(ahead) if clean else None
+                self.position += 1
+                piece["batch_index"] = self.position - 1
+                yield piece
+
         try:
             for item in iterator:
                 if "error" in item:
                     raise DataError(f"data source {self.source_name!r} ({self.split}): {item['error']}")
-                skipped = item.pop("skipped")
-                epoch_skips.update(skipped)
-                self.skip_counts.update(skipped)
-                if item["batch_index"] >= 0:
-                    self.position = item["batch_index"] + 1
-                if item.get("empty"):
+                index = item["batch_index"]
+                if index < 0 or (item.get("empty") and index >= fetched):  # a replay logs nothing twice
+                    self._record(item.pop("skips"), epoch_skips)
+                if index < 0:
                     continue
-                num_batches += 1
-                num_samples += item["text"].shape[0]
-                yield item
+                fetched = max(fetched, index + 1)
+                if item.get("empty"):
+                    owed += 1
+                    empties.append(index)
+                else:
+                    buffer.append(item)
+                while (buffer and buffer[0]["batch_index"] <= index - HOLD_BACK
+                       and buffer[0]["batch_index"] < self.num_batches - END_HOLD):
+                    for piece in emit(buffer.popleft()):
+                        num_yielded += 1
+                        num_samples += piece["text"].shape[0]
+                        yield piece
+            while buffer:
+                for piece in emit(buffer.popleft()):
+                    num_yielded += 1
+                    num_samples += piece["text"].shape[0]
+                    yield piece
         finally:
             del iterator  # shuts the workers down, also when the consumer stops early
-        self._log_epoch(num_batches, num_samples, epoch_skips)
-        if num_batches == 0 and self.num_batches > self.start_batch:
-            reasons = ", ".join(f"{k}={v}" for k, v in sorted(epoch_skips.items())) or "nothing read"
-            raise DataError(f"no usable samples in data source {self.source_name!r} ({self.split}): {reasons}")
+        self._log_epoch(num_yielded, num_samples, epoch_skips)
+        if num_yielded == 0 and self.num_batches > self.start_batch:
+            raise DataError(f"no usable samples in data source {self.source_name!r} ({self.split}): "
+                            f"{_reasons(epoch_skips) or 'nothing read'}")
+        if owed > 0:
+            raise DataError(
+                f"data source {self.source_name!r} ({self.split}) epoch {self.epoch}: rank {self.rank} has "
+                f"{owed} microbatch(es) fewer usable samples than its {self.num_batches} planned microbatches "
+                f"(skipped: {_reasons(epoch_skips)}); raise --naflex-max-tokens-per-batch or fix the data")
 
     def _log_epoch(self, num_batches: int, num_samples: int, skips: Counter) -> None:
-        line = (f"data {self.split} epoch {self.epoch}: {num_batches} batches, {num_samples} samples "
-                f"(planned {self.num_batches - self.start_batch} batches)")
+        line = (f"data {self.split} epoch {self.epoch} rank {self.rank}: {num_batches} batches, {num_samples} "
+                f"samples (planned {self.num_batches - self.start_batch} batches)")
         if skips:
-            reasons = ", ".join(f"{k}={v}" for k, v in sorted(skips.items()))
-            logger.warning("%s; skipped %d bad samples (%s)", line, sum(skips.values()), reasons)
+            logger.warning("%s; skipped %d (%s)", line, sum(skips.values()), _reasons(skips))
         else:
             logger.info(line)
 
 
+def _reasons(counts: Counter) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(counts.items()))
+
+
 def _source_for(cfg: DataConfig, split: str) -> tuple[Any, list[str] | None, str, int]:
-    """(map source or None, shard urls or None, name for messages, samples per epoch)."""
+    """(map source or None, shard urls of a stream or None, name for messages, samples per epoch)."""
     resolved = cfg.source(split)
     if resolved is None:
         flag = "--train-data" if split == "train" else "--val-data"
         raise ValueError(f"split {split!r} has no data: {flag} is not set")
     kind, path = resolved
+    requested = cfg.train_num_samples if split == "train" else cfg.val_num_samples
+    flag = f"--{split}-num-samples"
     if kind == "synthetic":
         size = cfg.synthetic_train_size if split == "train" else cfg.synthetic_val_size
         group_size = cfg.synthetic_shape_group_size if split == "train" else 1
         source = SyntheticSource(cfg.synthetic_seed, split, size, group_size)
-        return source, None, source.name, size
-    assert path is not None
-    if kind == "csv":
-        source = CsvSource(path, cfg.csv_img_key, cfg.csv_caption_key, cfg.csv_separator)
-    elif kind == "folder":
-        source = FolderSource(path)
     else:
-        urls = expand_shards(path)
-        check_shards(urls, path)
-        requested = cfg.train_num_samples if split == "train" else cfg.val_num_samples
-        num = requested or count_shard_samples(urls)
-        if num < 1:
-            raise DataError(f"no samples found in shards {path!r}; pass --{split}-num-samples for remote shards")
-        return None, urls, path, num
-    if len(source) == 0:
-        raise DataError(f"data source {path!r} has no samples")
-    return source, None, source.name, len(source)
+        assert path is not None
+        if kind == "csv":
+            source = CsvSource(path, cfg.csv_img_key, cfg.csv_caption_key, cfg.csv_separator)
+        elif kind == "folder":
+            source = FolderSource(path)
+        else:
+            urls = expand_shards(path)
+            check_shards(urls, path)
+            if not all(is_indexable(u) for u in urls):  # pipe:, URLs, compressed: streamed
+                num = requested or count_shard_samples(urls)
+                if num < 1:
+                    raise DataError(f"no samples found in shards {path!r}; pass {flag} for remote shards")
+                return None, urls, path, num
+            source = IndexedShardSource(path, urls, cfg.shard_index_dir)
+        if len(source) == 0:
+            reasons = Counter(r["reason"] for r in getattr(source, "index_skips", []))
+            raise DataError(f"data source {path!r} has no usable samples ({_reasons(reasons) or 'empty'})")
+    if requested is not None and requested > len(source):
+        # an epoch longer than the data would put copies of one pair into the same window, as each
+        # other's negatives; a shorter one takes a fresh random subset of the usable samples each epoch
+        raise DataError(f"{flag} {requested} is more than the {len(source)} usable samples of {source.name!r}; "
+                        f"an epoch reads each sample once: omit {flag} or pass at most {len(source)}")
+    return source, None, source.name, requested or len(source)
 
 
 def build_loader(
@@ -397,6 +599,10 @@ def build_loader(
     """
     source, urls, name, num = _source_for(cfg, split)
     train = split == "train"
+    if urls is not None and rank == 0:
+        logger.warning("data %s (%s): shards that cannot be indexed (pipe:, URLs, compressed) are streamed; an epoch "
+                       "is %d samples split by (rank, worker) slot, so a sample can repeat or be missed in it",
+                       split, name, num)
     return NaFlexLoader(
         source=source, shard_urls=urls, source_name=name, num_source_samples=num, split=split,
         patch_size=patch_size, context_length=context_length, seq_lens=cfg.naflex_seq_lens,

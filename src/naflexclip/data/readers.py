@@ -1,28 +1,29 @@
-"""Data sources: the built-in synthetic splits, CSV/TSV tables, image+.txt folders, and WebDataset shards.
+"""Data sources: the built-in synthetic splits, CSV/TSV tables, image+.txt folders, and WebDataset streams.
 
-Map-style sources (synthetic, CSV, folder) expose `len()` and `load(index) -> RawSample`; a
-missing file raises SkipSample. WebDataset shards are read as a stream by `shard_samples`, through
-the `webdataset` library's tar iterators, one shard at a time so that a truncated shard costs
-only its unread tail.
+Map-style sources (synthetic, CSV, folder; local shards in `shard_index`) expose `len()`,
+`load(index) -> RawSample`, `describe(index) -> (source, key, line)` and `index_skips`, the samples
+found unusable before decoding (missing files, malformed rows, missing captions). Shards that cannot
+be indexed are read as a stream by `shard_samples`, one shard at a time so that a truncated shard
+costs only its unread tail.
 """
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import tarfile
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from PIL import Image
 from webdataset.gopen import gopen
 from webdataset.handlers import reraise_exception
 from webdataset.shardlists import expand_urls
-from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_expander
+from webdataset.tariterators import base_plus_ext, tar_file_expander
 
-from naflexclip.data.samples import IMAGE_EXTENSIONS, SkipSample, read_image_file
+from naflexclip.data.samples import IMAGE_EXTENSIONS, read_image_file
 from naflexclip.data.synthetic import synthetic_sample, zero_shot_sample
 
 CAPTION_EXTENSIONS = ("txt", "text", "caption")
@@ -51,9 +52,13 @@ class SyntheticSource:
     def __init__(self, seed: int, split: str, size: int, group_size: int = 1) -> None:
         self.seed, self.split, self.size, self.group_size = seed, split, size, group_size
         self.name = f"synthetic:{split}[{size}]"
+        self.index_skips: list[dict[str, Any]] = []
 
     def __len__(self) -> int:
         return self.size
+
+    def describe(self, index: int) -> tuple[str, str, int | None]:
+        return self.name, str(index), None
 
     def load(self, index: int) -> RawSample:
         img, caption = synthetic_sample(self.seed, self.split, index, self.group_size)
@@ -66,82 +71,195 @@ class ZeroShotSource:
     def __init__(self, seed: int, size: int) -> None:
         self.seed, self.size = seed, size
         self.name = f"synthetic:zeroshot[{size}]"
+        self.index_skips: list[dict[str, Any]] = []
 
     def __len__(self) -> int:
         return self.size
+
+    def describe(self, index: int) -> tuple[str, str, int | None]:
+        return self.name, str(index), None
 
     def load(self, index: int) -> RawSample:
         img, caption, labels = zero_shot_sample(self.seed, index)
         return RawSample(img, caption, labels, str(index))
 
 
+def skip_record(source: str, key: str | None, line: int | None, reason: str, detail: str = "") -> dict[str, Any]:
+    """One entry of the skip log: where the sample is (source, key or path, line) and why it was skipped."""
+    return {"source": source, "key": key, "line": line, "reason": reason, "detail": detail}
+
+
+def split_row(line: str, separator: str) -> list[str]:
+    """One table line into fields. A field is quoted only when it is wholly quoted (RFC 4180: `"a ""b"" c"`
+    is `a "b" c`, and may hold the separator); any other quote is text (`"The Best" of summer` keeps its
+    quotes, an unbalanced `"` stays in its field). A row never continues on the next line."""
+    fields: list[str] = []
+    i, n = 0, len(line)
+    while True:
+        end = -1
+        if line.startswith('"', i):
+            j, text = i + 1, []
+            while j < n:
+                if line[j] == '"':
+                    if line.startswith('"', j + 1):
+                        text.append('"')
+                        j += 2
+                        continue
+                    end = j + 1
+                    break
+                text.append(line[j])
+                j += 1
+            if end != -1 and (end == n or line.startswith(separator, end)):
+                fields.append("".join(text))
+            else:
+                end = -1
+        if end == -1:  # plain field: up to the next separator, quotes and all
+            end = line.find(separator, i)
+            end = n if end == -1 else end
+            fields.append(line[i:end])
+        if end >= n:
+            return fields
+        i = end + len(separator)
+        if i == n:
+            fields.append("")
+            return fields
+
+
+def _separator_hint(path: str, header: str, separator: str, wanted: tuple[str, str]) -> str:
+    for sep, flag in ((",", ","), ("\t", "$'\\t'"), (";", "';'"), ("|", "'|'")):
+        if sep != separator and all(w in [c.strip() for c in split_row(header, sep)] for w in wanted):
+            return f"; the header splits on {sep!r}: pass --csv-separator {flag}"
+    if path.lower().endswith(".csv") and separator == "\t":
+        return "; --csv-separator defaults to a tab (OpenCLIP's convention): pass --csv-separator , for a .csv"
+    return ""
+
+
 class CsvSource:
     """Rows of a CSV/TSV file: image path column `img_key`, caption column `caption_key` (OpenCLIP names).
 
-    Relative image paths are looked up next to the table first, then from the working directory.
+    One row per line (see `split_row`); a UTF-8 byte-order mark is ignored. Rows that do not split into
+    the header's columns and rows whose image file does not exist are found when the table is read
+    (one stat per row) and listed in `index_skips` with their line numbers; the epoch plan holds the
+    others. Relative image paths are looked up next to the table first, then from the working directory.
     """
 
     def __init__(self, path: str, img_key: str, caption_key: str, separator: str) -> None:
         if not os.path.isfile(path):
             raise DataError(f"CSV data file not found: {path}")
+        if not separator:
+            raise DataError("--csv-separator must not be empty")
         self.name = path
         self.root = os.path.dirname(os.path.abspath(path))
+        self.index_skips: list[dict[str, Any]] = []
+        self.paths: list[str] = []
+        self.captions: list[str] = []
+        self.keys: list[str] = []
+        self.lines: list[int] = []
         # surrogateescape keeps non-UTF-8 caption bytes around so the row is skipped, not the file
-        with open(path, newline="", encoding="utf-8", errors="surrogateescape") as f:
-            reader = csv.DictReader(f, delimiter=separator)
-            columns = reader.fieldnames or []
+        with open(path, newline="", encoding="utf-8-sig", errors="surrogateescape") as f:
+            header = f.readline().rstrip("\r\n").lstrip("\ufeff")
+            columns = [c.strip() for c in split_row(header, separator)]
             for flag, key in (("--csv-img-key", img_key), ("--csv-caption-key", caption_key)):
                 if key not in columns:
-                    raise DataError(f"{flag} {key!r} is not a column of {path} (columns: {columns})")
-            self.rows = [(row[img_key], row[caption_key]) for row in reader]
+                    hint = _separator_hint(path, header, separator, (img_key, caption_key))
+                    raise DataError(f"{flag} {key!r} is not a column of {path} "
+                                    f"(columns with --csv-separator {separator!r}: {columns}){hint}")
+            img_col, cap_col = columns.index(img_key), columns.index(caption_key)
+            for lineno, text in enumerate(f, start=2):
+                text = text.rstrip("\r\n")
+                if not text.strip():
+                    continue  # blank lines (a trailing newline, spacing) are not rows
+                fields = split_row(text, separator)
+                if len(fields) != len(columns):
+                    self.index_skips.append(skip_record(
+                        path, None, lineno, "malformed_row",
+                        f"{len(fields)} fields with --csv-separator {separator!r}, the header has {len(columns)}"))
+                    continue
+                image_path = fields[img_col]
+                resolved = self._resolve(image_path) if image_path else None
+                if resolved is None:
+                    self.index_skips.append(skip_record(path, image_path, lineno, "missing_file",
+                                                        f"not found beside {path} nor from {os.getcwd()}"))
+                    continue
+                self.paths.append(resolved)
+                self.captions.append(fields[cap_col])
+                self.keys.append(image_path)
+                self.lines.append(lineno)
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.paths)
 
-    def _resolve(self, image_path: str) -> str:
+    def _resolve(self, image_path: str) -> str | None:
+        """The image file: beside the table first, then from the working directory; None if neither exists."""
         if os.path.isabs(image_path):
-            return image_path
+            return image_path if os.path.isfile(image_path) else None
         beside = os.path.join(self.root, image_path)
-        return beside if os.path.exists(beside) or not os.path.exists(image_path) else image_path
+        if os.path.isfile(beside):
+            return beside
+        return image_path if os.path.isfile(image_path) else None
+
+    def describe(self, index: int) -> tuple[str, str, int | None]:
+        """(source, key, line) of sample `index`, for the skip log."""
+        return self.name, self.keys[index], self.lines[index]
 
     def load(self, index: int) -> RawSample:
-        image_path, caption = self.rows[index]
-        if not image_path:
-            raise SkipSample("missing_file", f"row {index} has an empty {image_path!r}")
-        return RawSample(read_image_file(self._resolve(image_path)), caption, None, image_path)
+        image = read_image_file(self.paths[index])
+        return RawSample(image, self.captions[index], None, self.keys[index])
 
 
 class FolderSource:
-    """A directory tree of images, each captioned by the .txt file with the same stem."""
+    """A directory tree of images, each captioned by the .txt file with the same stem (`a.b.jpg` -> `a.b.txt`).
+
+    Symbolic links to folders are followed, each real folder once (no loops, no doubles). Images that
+    share a stem (`dup.jpg`, `dup.png` beside `dup.txt`) are each a sample with that caption. Images
+    without a caption file are listed in `index_skips` (`missing_caption`).
+    """
 
     def __init__(self, root: str) -> None:
         if not os.path.isdir(root):
             raise DataError(f"image folder not found: {root}")
         self.name = root
-        images: dict[str, str] = {}
+        images: list[tuple[str, str]] = []  # (stem key, path)
         captions: dict[str, str] = {}
-        for dirpath, _, files in os.walk(root):
+        seen_dirs: set[tuple[int, int]] = set()
+        for dirpath, dirnames, files in os.walk(root, followlinks=True):
+            st = os.stat(dirpath)
+            if (st.st_dev, st.st_ino) in seen_dirs:
+                dirnames[:] = []
+                continue
+            seen_dirs.add((st.st_dev, st.st_ino))
+            dirnames.sort()
             for fname in files:
-                stem, _, ext = fname.rpartition(".")
+                stem, dot, ext = fname.rpartition(".")
+                if not dot:
+                    continue
                 key = os.path.join(dirpath, stem)
                 if ext.lower() in IMAGE_EXTENSIONS:
-                    images[key] = os.path.join(dirpath, fname)
+                    images.append((key, os.path.join(dirpath, fname)))
                 elif ext.lower() in CAPTION_EXTENSIONS:
                     captions[key] = os.path.join(dirpath, fname)
-        self.items = sorted((path, captions.get(key)) for key, path in images.items())
-        if not self.items:
+        if not images:
             raise DataError(f"no images ({'/'.join(IMAGE_EXTENSIONS)}) found under {root}")
+        self.index_skips: list[dict[str, Any]] = []
+        self.items: list[tuple[str, str]] = []
+        for key, path in sorted(images, key=lambda kp: kp[1]):
+            if key in captions:
+                self.items.append((path, captions[key]))
+            else:
+                self.index_skips.append(skip_record(root, path, None, "missing_caption", f"no {key}.txt"))
 
     def __len__(self) -> int:
         return len(self.items)
 
+    def describe(self, index: int) -> tuple[str, str, int | None]:
+        return self.name, self.items[index][0], None
+
     def load(self, index: int) -> RawSample:
         image_path, caption_path = self.items[index]
-        caption = None
-        if caption_path is not None:
-            with open(caption_path, "rb") as f:
-                caption = f.read()
-        return RawSample(read_image_file(image_path), caption, None, image_path)
+        image = read_image_file(image_path)
+        with open(caption_path, "rb") as f:
+            caption = f.read()
+        return RawSample(image, caption, None, image_path)
 
 
 def expand_shards(urls: str) -> list[str]:
@@ -189,15 +307,17 @@ def count_shard_samples(urls: list[str]) -> int:
 
 @dataclass
 class ShardReadLog:
-    """What reading shards went wrong with, per epoch: each bad shard counted once."""
+    """What reading shards went wrong with, per epoch: each bad shard counted and logged once."""
 
     counts: Counter = field(default_factory=Counter)
     bad_urls: set = field(default_factory=set)
+    records: list = field(default_factory=list)
 
     def record(self, reason: str, url: str) -> None:
         if url not in self.bad_urls:
             self.bad_urls.add(url)
             self.counts[reason] += 1
+            self.records.append(skip_record(url, None, None, reason))
 
 
 def shard_samples(url: str, log: ShardReadLog) -> Iterator[RawSample]:
@@ -209,12 +329,45 @@ def shard_samples(url: str, log: ShardReadLog) -> Iterator[RawSample]:
         return
     try:
         files = tar_file_expander([{"url": url, "stream": stream}], handler=reraise_exception)
-        for sample in group_by_keys(files, handler=reraise_exception):
+        for sample in _group_members(files):
             yield _raw_from_wds(sample)
     except (tarfile.TarError, OSError, EOFError, ValueError):
         log.record("truncated_shard", url)
     finally:
         stream.close()
+
+
+def member_key(name: str) -> tuple[str, str]:
+    """(sample key, extension) of a tar member name. WebDataset's key ends at the file name's first dot;
+    when the last suffix is an image or caption extension the key is everything before it instead, so
+    `img.v2.3.jpg` is sample `img.v2.3` with extension `jpg`."""
+    directory, _, fname = name.rpartition("/")
+    stem, dot, ext = fname.rpartition(".")
+    if dot and stem and ext.lower() in IMAGE_EXTENSIONS + CAPTION_EXTENSIONS:
+        return (f"{directory}/{stem}" if directory else stem), ext.lower()
+    key, suffix = base_plus_ext(name)
+    return key or name, (suffix or "").lower()
+
+
+def same_sample(key: str, current: str | None) -> bool:
+    """A member with `key` continues the sample `current` (consecutive members; `k.seg.png` joins `k`)."""
+    return current is not None and (key == current or key.startswith(current + "."))
+
+
+def _group_members(files: Iterator[dict]) -> Iterator[dict]:
+    sample: dict | None = None
+    for member in files:
+        if "fname" not in member:  # the expander's end-of-shard marker
+            continue
+        key, ext = member_key(member["fname"])
+        if sample is None or not same_sample(key, sample["__key__"]):
+            if sample is not None:
+                yield sample
+            sample = {"__key__": key, "__url__": member.get("__url__", "")}
+        if key == sample["__key__"] and ext not in sample:
+            sample[ext] = member["data"]
+    if sample is not None:
+        yield sample
 
 
 def _raw_from_wds(sample: dict) -> RawSample:

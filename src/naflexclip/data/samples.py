@@ -2,7 +2,7 @@
 
 Every way a sample can be unusable maps to one reason in `SKIP_REASONS`; readers and the loader
 count them instead of crashing. Palette, CMYK, greyscale, 16-bit and alpha images are converted
-to 8-bit RGB (alpha composited over white), not skipped.
+to 8-bit RGB (alpha composited over white; 16-bit divided by 257, whatever the content), not skipped.
 """
 
 from __future__ import annotations
@@ -25,9 +25,13 @@ SKIP_REASONS = (
     "missing_caption",  # no caption member / cell
     "empty_caption",  # caption is empty or whitespace
     "caption_not_utf8",  # caption bytes are not valid UTF-8
+    "malformed_row",  # a CSV/TSV line that does not split into the header's columns
     "truncated_shard",  # a tar shard that ends early or is not a tar (counted once per shard)
-    "missing_shard",  # a shard URL that cannot be opened
+    "missing_shard",  # a shard URL that cannot be opened (a shard problem, not a bad sample)
+    "epoch_remainder",  # an epoch with fewer samples than ranks: no rank can be given one without the others
 )
+# reasons about whole shards or the plan, reported apart from bad samples
+NOT_SAMPLE_REASONS = ("truncated_shard", "missing_shard", "epoch_remainder")
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
 
@@ -45,11 +49,13 @@ def to_rgb(img: Image.Image) -> Image.Image:
     """Convert any PIL mode to 8-bit RGB: alpha over white, 16/32-bit scaled down, palette/CMYK/L expanded."""
     if img.mode == "RGB":
         return img
-    if img.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
-        arr = np.asarray(img).astype(np.float32)
-        if arr.max(initial=0.0) > 255.0:
-            arr = arr / 257.0  # 16-bit range -> 8-bit
-        return Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8), "L").convert("RGB")
+    if img.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
+        # scaled by bit depth, never by content: 65535 -> 255 for every image, dark or bright
+        # ("I" is how Pillow opens 16-bit greyscale from some formats; its values are read as 16-bit too)
+        arr = np.asarray(img).astype(np.float64) / 257.0
+        return Image.fromarray(np.clip(np.rint(arr), 0, 255).astype(np.uint8), "L").convert("RGB")
+    if img.mode == "F":
+        return Image.fromarray(np.clip(np.asarray(img), 0, 255).astype(np.uint8), "L").convert("RGB")
     if img.mode == "P":
         img = img.convert("RGBA" if "transparency" in img.info else "RGB")
     if img.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
@@ -79,8 +85,8 @@ def decode_image(data: bytes | None, draft: DraftFn | None = None) -> Image.Imag
             img = Image.open(io.BytesIO(data))
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
             raise SkipSample("decompression_bomb", str(exc)) from None
-        except UnidentifiedImageError as exc:
-            raise SkipSample("not_an_image", str(exc)) from None
+        except UnidentifiedImageError:
+            raise SkipSample("not_an_image", "no image format recognised") from None
         except Exception as exc:  # noqa: BLE001 - any header parse failure is a corrupt image
             raise SkipSample("corrupt_image", f"{type(exc).__name__}: {exc}") from None
         return _load_checked(img, draft)

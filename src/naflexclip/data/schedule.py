@@ -1,11 +1,11 @@
-"""Token-budget batch schedule: per-epoch (seq_len, batch_size) plan shared by every rank and worker.
+"""Token-budget batch schedule: per-epoch (seq_len, batch_size) plans shared by every rank and worker.
 
-For each microbatch a sequence length is drawn from `seq_lens` (weights `probs`), and the batch
-size is `max_tokens // seq_len` rounded down to a multiple of `divisor` (at least 1); the last
-batch of an epoch takes what is left. The plan depends only on (seed, epoch, samples per rank),
-so every rank computes the same one and all ranks step through the same number of microbatches.
-DataLoader workers take the plan's batches round-robin (worker w owns batches w, w+K, ...), which
-torch's DataLoader hands back in plan order, so no sample is duplicated or dropped.
+For each step a sequence length is drawn from `seq_lens` (weights `probs`), and the batch size is
+`max_tokens // seq_len` rounded down to a multiple of `divisor` (at least 1). `build_global_plan`
+cuts one global per-epoch order (`epoch_order`) into steps of one microbatch per rank, so every
+position is read once and all ranks step through the same number of microbatches; `build_schedule`
+plans one rank's share of a stream. DataLoader workers take a plan's batches round-robin (worker w owns
+batches w, w+K, ...), which torch's DataLoader hands back in plan order.
 """
 
 from __future__ import annotations
@@ -80,38 +80,144 @@ def build_schedule(
     return schedule
 
 
-def rank_sample_order(
-    num_samples: int, *, rank: int, world_size: int, seed: int, epoch: int, shuffle: bool, group_size: int = 1
-) -> np.ndarray:
-    """Dataset indices this rank reads this epoch, in order (int64, length ceil(N / world_size)).
-
-    One permutation of all N indices (same on every rank: it depends on seed and epoch only),
-    padded by wrapping to a multiple of world_size, then strided by rank. `group_size` > 1 shuffles
-    groups of that many consecutive indices and keeps each group's indices next to each other, so a
-    group lands in one window (across ranks when strided: the window is global).
-    """
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    if group_size < 1:
-        raise ValueError(f"group_size must be >= 1, got {group_size}")
-    if not shuffle:
-        order = np.arange(num_samples)
-    elif group_size == 1:
-        order = _rng(seed, epoch, 0x5A3).permutation(num_samples)
-    else:
-        groups = _rng(seed, epoch, 0x5A3).permutation(-(-num_samples // group_size))
-        order = (groups[:, None] * group_size + np.arange(group_size)).ravel()
-        order = order[order < num_samples]
-    per_rank = samples_per_rank(num_samples, world_size)
-    pad = per_rank * world_size - num_samples
-    if pad:
-        order = np.concatenate([order, np.resize(order, pad)])
-    return order[rank::world_size].astype(np.int64)
-
-
 def worker_batches(
     schedule: list[ScheduledBatch], worker_id: int, num_workers: int, start_batch: int = 0
 ) -> list[ScheduledBatch]:
     """The batches worker `worker_id` of `num_workers` builds, from `start_batch` on (round-robin)."""
     num_workers = max(1, num_workers)
-    return [b for b in schedule[start_batch:] if (b.index - start_batch) % num_workers == worker_id]
+    return [b for b in schedule if b.index >= start_batch and (b.index - start_batch) % num_workers == worker_id]
+
+
+# -- the global plan: one permutation, R microbatches per step, every sample once ----------------------
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """One step of the global plan: every rank runs one microbatch at `seq_len`.
+
+    `sizes[r]`: rows of rank r's microbatch (all >= 1); rank r reads the epoch order from
+    `offset + sum(sizes[:r])`. `index`: the microbatch index on every rank.
+    """
+
+    index: int
+    seq_len: int
+    sizes: tuple[int, ...]
+    offset: int
+
+
+@dataclass(frozen=True)
+class GlobalPlan:
+    """An epoch's steps from global sample position `start_sample` on; `dropped`: samples no step can take
+    (an epoch, or a re-planned rest of one, with fewer samples than ranks)."""
+
+    steps: tuple[PlannedStep, ...]
+    num_samples: int
+    start_sample: int
+    dropped: int
+
+    def rank_batches(self, rank: int) -> list[ScheduledBatch]:
+        """Rank `rank`'s microbatches; `offset` indexes the epoch's global order."""
+        return [ScheduledBatch(s.index, s.seq_len, s.sizes[rank], s.offset + sum(s.sizes[:rank])) for s in self.steps]
+
+    def step_start(self, index: int) -> int:
+        """Global sample position where microbatch `index` starts (the epoch's end for index == last + 1)."""
+        for step in self.steps:
+            if step.index == index:
+                return step.offset
+        return self.num_samples - self.dropped
+
+
+def _even(total: int, parts: int) -> tuple[int, ...]:
+    """`total` split into `parts` sizes that differ by at most one, larger first."""
+    return tuple(total // parts + (1 if r < total % parts else 0) for r in range(parts))
+
+
+def build_global_plan(
+    num_samples: int,
+    world_size: int,
+    seq_lens: tuple[int, ...],
+    max_tokens: int,
+    *,
+    probs: tuple[float, ...] | None = None,
+    divisor: int = 1,
+    seed: int = 0,
+    epoch: int = 0,
+    fixed_seq_len: int | None = None,
+    start_step: int = 0,
+    start_sample: int = 0,
+) -> GlobalPlan:
+    """Plan an epoch of `num_samples` samples (positions in one global order) over `world_size` ranks.
+
+    Step i draws its sequence length from (seed, epoch, i) alone and gives every rank
+    `batch_size_for(seq_len)` rows, so every rank runs the same number of microbatches and every
+    position is read once. The epoch's tail (fewer than a full step) is split evenly over the ranks;
+    when it has fewer samples than ranks it is merged into the step before (one step at the longest
+    sequence length that holds it, else two steps at that step's length; when every sequence length
+    allows a single row, that step's first ranks take two rows, one over the token budget, rather than
+    leave a sample out). Only fewer samples than ranks in all are left out, counted in `dropped`.
+    `start_step`/`start_sample` plan the rest of an epoch resumed at that microbatch and position,
+    at any world size: with the same world size the steps equal the uninterrupted plan's.
+    """
+    if num_samples < 0 or not 0 <= start_sample <= num_samples:
+        raise ValueError(f"need 0 <= start_sample <= num_samples, got {start_sample}, {num_samples}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    rng = _rng(seed, epoch, 0x5EC)
+    weights = None if probs is None else np.asarray(probs, dtype=np.float64) / float(sum(probs))
+    draws: list[int] = []
+
+    def seq_len_of(i: int) -> int:
+        if fixed_seq_len is not None:
+            return fixed_seq_len
+        while len(draws) <= i:  # draws are sequential from step 0, so step i's length never depends on the start
+            draws.append(int(seq_lens[int(rng.choice(len(seq_lens), p=weights))]))
+        return draws[i]
+
+    steps: list[PlannedStep] = []
+    offset, index, dropped = start_sample, start_step, 0
+    while offset < num_samples:
+        seq_len = seq_len_of(index)
+        rows = batch_size_for(seq_len, max_tokens, divisor)
+        left = num_samples - offset
+        if left >= world_size * rows:
+            sizes = (rows,) * world_size
+        elif left >= world_size:
+            sizes = _even(left, world_size)
+        elif steps:  # fewer samples than ranks: fold them into the previous step
+            prev = steps.pop()
+            total = sum(prev.sizes) + left
+            lengths = (fixed_seq_len,) if fixed_seq_len is not None else sorted(seq_lens, reverse=True)
+            fit = next((s for s in lengths if world_size * batch_size_for(s, max_tokens, divisor) >= total), None)
+            if fit is not None:
+                steps.append(PlannedStep(prev.index, fit, _even(total, world_size), prev.offset))
+            elif total >= 2 * world_size:
+                parts = _even(total, 2 * world_size)
+                first = tuple(parts[0::2])
+                steps.append(PlannedStep(prev.index, prev.seq_len, first, prev.offset))
+                steps.append(PlannedStep(prev.index + 1, prev.seq_len, tuple(parts[1::2]), prev.offset + sum(first)))
+            else:  # every length allows one row only: the last step's first ranks take a second row
+                steps.append(PlannedStep(prev.index, prev.seq_len, _even(total, world_size), prev.offset))
+            break
+        else:
+            dropped = left
+            break
+        steps.append(PlannedStep(index, seq_len, sizes, offset))
+        offset += sum(sizes)
+        index += 1
+    return GlobalPlan(tuple(steps), num_samples, start_sample, dropped)
+
+
+def epoch_order(num_samples: int, *, seed: int, epoch: int, shuffle: bool, group_size: int = 1) -> np.ndarray:
+    """The epoch's global order of dataset indices (int64): one permutation, the same on every rank and worker.
+
+    `group_size` > 1 shuffles groups of that many consecutive indices and keeps each group together.
+    """
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if not shuffle:
+        return np.arange(num_samples, dtype=np.int64)
+    if group_size == 1:
+        return _rng(seed, epoch, 0x5A3).permutation(num_samples).astype(np.int64)
+    groups = _rng(seed, epoch, 0x5A3).permutation(-(-num_samples // group_size))
+    order = (groups[:, None] * group_size + np.arange(group_size)).ravel()
+    return order[order < num_samples].astype(np.int64)

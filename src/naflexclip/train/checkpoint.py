@@ -39,6 +39,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from naflexclip.data.loader import NaFlexLoader
 from naflexclip.model import NaFlexClip, config_from_dict, create_model, load_weights
 
 MODEL_FILE = "model.safetensors"
@@ -335,10 +336,10 @@ def _plain(value: Any) -> Any:
 
 
 def position_remaps(data_state: dict[str, Any]) -> bool:
-    """True when the saved data position means the same samples at any world size. The loader's position
-    (`next_batch`) counts batches of this rank's share of the epoch, so it does not: a resume at another
-    world size would skip or repeat samples. Return True here once the data layer saves a global position."""
-    return False
+    """True when the saved data position means the same samples at any world size: every rank's loader
+    state names one place in the epoch's global sample order (`NaFlexLoader.can_remap`). Not so for
+    checkpoints without per-rank states, streamed shards, or a rank caught inside a split microbatch."""
+    return NaFlexLoader.can_remap(data_state.get("ranks") or [])
 
 
 def resume_errors(saved: dict[str, Any], current: dict[str, Any], saved_world_size: int, world_size: int,

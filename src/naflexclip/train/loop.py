@@ -17,6 +17,7 @@ had logged, so every step appears once.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import random
@@ -30,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from naflexclip.batch import is_naflex, to_device
 from naflexclip.data import build_loader
@@ -59,8 +61,20 @@ from naflexclip.train.config import TrainConfig
 from naflexclip.train.evaluate import evaluate
 from naflexclip.train.optim import CosineSchedule, create_optimizer
 from naflexclip.train.precision import create_precision
-from naflexclip.train.report import METRICS_FILE, PLOT_FILE, Reporter, plot_curves, read_metrics, summary_table
+from naflexclip.train.report import (
+    METRICS_FILE,
+    PLOT_FILE,
+    SKIP_LOG_FILE,
+    Reporter,
+    data_summary,
+    epoch_data_record,
+    plot_curves,
+    read_metrics,
+    summary_table,
+)
 from naflexclip.window import WindowStats, accumulate_gradients
+
+MAX_SKIP_LINES = 20  # skipped samples printed per epoch; all of them are in skipped_samples.jsonl
 
 
 class TrainingStopped(RuntimeError):
@@ -162,6 +176,7 @@ class Trainer:
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.reporter = Reporter(self.run_dir, enabled=env.is_main, tensorboard=cfg.report_to == "tensorboard")
         self.evals: list[dict[str, float]] = []  # [0]: the evaluation before the run's first step
+        self.skips_printed: dict[int, int] = {}
         self.stop_signal: int | None = None  # set by SIGINT/SIGTERM (see `stop_signals`)
         self.last_step_saved: int | None = None
         total = self.schedule.total_steps
@@ -254,6 +269,10 @@ class Trainer:
 
     def train_epoch(self) -> bool:
         """Train the rest of the current epoch; True when --stop-after-steps stopped the run."""
+        with logging_redirect_tqdm():  # data warnings print on their own line above the bar, not inside it
+            return self._train_epoch()
+
+    def _train_epoch(self) -> bool:
         cfg, progress = self.cfg, self.progress
         self.loader.set_epoch(progress.epoch, start_batch=progress.next_batch)
         total = self.windows_per_epoch[progress.epoch]
@@ -261,6 +280,7 @@ class Trainer:
         tick = time.perf_counter()
         try:
             for microbatches in windows(self.loader, cfg.accum_freq):
+                self.log_skipped_samples()
                 result = self.train_step(microbatches)
                 progress.step += 1
                 progress.next_batch = self.loader.position
@@ -281,11 +301,39 @@ class Trainer:
             self.exchange.set_position(progress.step + 1, progress.epoch)
             self.exchange.end_of_data()
         finally:
+            self.log_skipped_samples()
             bar.close()
         return False
 
+    def log_skipped_samples(self) -> None:
+        """Every rank appends its skipped samples to skipped_samples.jsonl; the main rank also prints them
+        (the first few per epoch) on their own lines above the progress bar."""
+        records, self.loader.skip_records = self.loader.skip_records, []
+        if not records:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # ranks append to one file: one O_APPEND write per line keeps every line whole
+        fd = os.open(self.run_dir / SKIP_LOG_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            for record in records:
+                os.write(fd, (json.dumps({**record, "rank": self.env.rank}) + "\n").encode())
+        finally:
+            os.close(fd)
+        for record in records:
+            self.skips_printed[record["epoch"]] = shown = self.skips_printed.get(record["epoch"], 0) + 1
+            where = ", ".join(f"{k} {record[k]}" for k in ("key", "line") if record.get(k) is not None)
+            if shown <= MAX_SKIP_LINES:
+                self.reporter.message(f"skipped ({record['reason']}): {record['source']}"
+                                      + (f" [{where}]" if where else ""))
+            elif shown == MAX_SKIP_LINES + 1:
+                self.reporter.message(f"more skipped samples this epoch: see {self.run_dir / SKIP_LOG_FILE}")
+
     def end_epoch(self) -> None:
         cfg, progress = self.cfg, self.progress
+        barrier(self.env)  # every rank has written its skipped samples of the epoch
+        if self.env.is_main:
+            self.reporter.log("data", progress.step, progress.epoch + 1.0,
+                              epoch_data_record(self.run_dir, progress.epoch, progress.num_samples_seen))
         progress.epoch += 1
         progress.next_batch = 0
         last = progress.epoch == cfg.epochs
@@ -383,14 +431,15 @@ class Trainer:
         """Curves, summary table and skip counts (main rank)."""
         if not self.env.is_main:
             return
-        counts = {"skipped steps (non-finite)": self.progress.num_skipped_steps,
-                  "skipped samples (bad data)": sum(self.loader.skip_counts.values())}
-        if self.loader.skip_counts:
-            counts.update({f"  skipped: {k}": v for k, v in sorted(self.loader.skip_counts.items())})
+        counts = {"skipped steps (non-finite)": self.progress.num_skipped_steps}
+        records = read_metrics(self.reporter.metrics_path) if self.reporter.metrics_path.exists() else []
         if self.cfg.plot:
-            plot_curves(read_metrics(self.reporter.metrics_path), self.run_dir / PLOT_FILE)
+            plot_curves(records, self.run_dir / PLOT_FILE)
         if self.evals:
             print(summary_table(self.evals[0], self.evals[-1], counts))
+        else:
+            print("\n".join(f"{key}: {value}" for key, value in counts.items()))
+        print(data_summary(records, self.run_dir / SKIP_LOG_FILE))
         print(f"outputs in {self.run_dir}")
         self.reporter.close()
 
@@ -410,7 +459,7 @@ class Trainer:
             "rng": rng,
             "rng_per_rank": gather_to_main(self.env, rng),
             "data": {"epoch": self.progress.epoch, "next_batch": self.progress.next_batch,
-                     "skip_counts": dict(self.loader.skip_counts)},
+                     "skip_counts": dict(self.loader.skip_counts), "ranks": self._data_states()},
             "world_size": self.env.world_size,
             # the summary's "before" column, and how much of metrics.jsonl this checkpoint had written
             "first_eval": self.evals[0] if self.evals else None,
@@ -420,6 +469,15 @@ class Trainer:
     def _metrics_bytes(self) -> int:
         path = self.reporter.run_dir / METRICS_FILE
         return path.stat().st_size if self.env.is_main and path.exists() else 0
+
+    def _data_states(self) -> list[dict[str, Any]]:
+        """Every rank's loader position (a rank may be mid-way through covering a broken microbatch)."""
+        state = self.loader.state_dict()
+        if not self.env.distributed:
+            return [state]
+        every: list[Any] = [None] * self.env.world_size
+        torch.distributed.all_gather_object(every, state)
+        return every
 
     def save(self, name: str) -> Path:
         """Gather (every rank) and write (main rank) one checkpoint; its path."""
@@ -511,7 +569,7 @@ class Trainer:
             self.precision.scaler.load_state_dict(state["grad_scaler"])
         self.progress = Progress(**state["progress"])
         self.last_step_saved = self.progress.step
-        self.loader.skip_counts.update(state["data"]["skip_counts"])
+        self.loader.load_state_dict(state["data"].get("ranks") or dict(state["data"]))
         per_rank = state.get("rng_per_rank")
         own = per_rank[self.env.rank] if per_rank and len(per_rank) == self.env.world_size else state["rng"]
         ckpt.set_rng_state(own, self.env.device)

@@ -12,8 +12,11 @@ from typing import Any
 
 from tqdm import tqdm
 
+from naflexclip.data.samples import NOT_SAMPLE_REASONS
+
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "curves.png"
+SKIP_LOG_FILE = "skipped_samples.jsonl"  # one JSON line per skipped sample: source, key, line, reason, epoch, rank
 # the metrics of the summary table, with the chance level next to them where there is one
 SUMMARY_KEYS = (
     "val/image_to_text_R@1", "val/image_to_text_R@5", "val/image_to_text_R@10", "val/image_to_text_median_rank",
@@ -83,6 +86,8 @@ def plot_curves(records: list[dict[str, Any]], out_path: Path) -> None:
 
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
+    if not train and not evals:
+        return  # nothing to plot: no empty figure, no matplotlib warnings
     fig, (ax_loss, ax_eval) = plt.subplots(1, 2, figsize=(12, 4.5))
     ax_loss.plot([r["step"] for r in train], [r["train/loss"] for r in train], lw=0.8)
     ax_loss.set(xlabel="optimizer step", ylabel="window loss L(W)", title="training loss")
@@ -95,7 +100,10 @@ def plot_curves(records: list[dict[str, Any]], out_path: Path) -> None:
             ax_eval.plot(*zip(*points, strict=True), marker="o", label=label)
     ax_eval.set(xlabel="optimizer step", ylabel="accuracy / recall", ylim=(0, 1), title="evaluation")
     ax_eval.grid(alpha=0.3)
-    ax_eval.legend(loc="lower right", fontsize=8)
+    if ax_eval.get_lines():
+        ax_eval.legend(loc="lower right", fontsize=8)
+    else:
+        ax_eval.text(0.5, 0.5, "no evaluation data", ha="center", va="center", transform=ax_eval.transAxes)
     fig.tight_layout()
     fig.savefig(out_path, dpi=100)
     plt.close(fig)
@@ -122,3 +130,54 @@ def summary_table(first: dict[str, float], last: dict[str, float], counts: dict[
     lines.insert(1, "-" * len(lines[0]))
     lines += [f"{key}: {value}" for key, value in counts.items()]
     return "\n".join(lines)
+
+
+def read_skip_log(path: Path) -> list[dict[str, Any]]:
+    """The run's skipped samples, each once: a sample re-read after a resume is not counted twice."""
+    if not path.exists():
+        return []
+    seen, records = set(), []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line torn by a crash
+        ident = tuple(str(record.get(k)) for k in ("epoch", "source", "key", "line", "reason"))
+        if ident not in seen:
+            seen.add(ident)
+            records.append(record)
+    return records
+
+
+def epoch_data_record(run_dir: Path, epoch: int, num_samples_seen: int) -> dict[str, Any]:
+    """The `data` record of a finished epoch: samples trained in it (all ranks) and skipped by reason."""
+    metrics_path = run_dir / METRICS_FILE
+    earlier = {}
+    if metrics_path.exists():
+        earlier = {int(r["data/epoch"]): r["data/trained_samples"]
+                   for r in read_metrics(metrics_path) if r["kind"] == "data" and r["data/epoch"] < epoch}
+    record: dict[str, Any] = {"data/epoch": epoch, "data/trained_samples": num_samples_seen - sum(earlier.values())}
+    for skip in read_skip_log(run_dir / SKIP_LOG_FILE):
+        if skip.get("epoch") == epoch:
+            key = f"data/skipped/{skip['reason']}"
+            record[key] = record.get(key, 0) + 1
+    return record
+
+
+def data_summary(records: list[dict[str, Any]], skip_log: Path) -> str:
+    """Per epoch: samples trained, bad samples skipped by reason, and shard/plan problems apart."""
+    epochs = {int(r["data/epoch"]): r for r in records if r["kind"] == "data"}
+    lines = []
+    for epoch, record in sorted(epochs.items()):
+        skips = {k.rsplit("/", 1)[1]: v for k, v in record.items() if k.startswith("data/skipped/")}
+        bad = {k: v for k, v in skips.items() if k not in NOT_SAMPLE_REASONS}
+        other = {k: v for k, v in skips.items() if k in NOT_SAMPLE_REASONS}
+        line = f"epoch {epoch}: trained {record['data/trained_samples']} samples, skipped {sum(bad.values())} bad"
+        if bad:
+            line += " (" + ", ".join(f"{k}={v}" for k, v in sorted(bad.items())) + ")"
+        if other:
+            line += "; " + ", ".join(f"{k}={v}" for k, v in sorted(other.items()))
+        lines.append(line)
+    if any("data/skipped/" in k for r in epochs.values() for k in r):
+        lines.append(f"every skipped sample, with its file, key or line: {skip_log}")
+    return "\n".join(lines) if lines else "no epoch finished"

@@ -1,0 +1,193 @@
+"""WebDataset shard index: each local `.tar` shard's samples as tar member offsets, read as a map-style source.
+
+Indexing reads tar headers only (no member data, no decoding). The index of a shard is cached as
+JSON beside it (`<shard>.naflexclip-index.json`), or under a cache directory when the shard's folder
+is not writable or `--shard-index-dir` is set; a cached index is used only while the shard's size and
+modification time are the ones it was built from. Streams that cannot be indexed (`pipe:`, URLs,
+compressed tars) are read by `readers.shard_samples` instead.
+
+Grouping follows WebDataset (consecutive members with the same key are one sample), with one change:
+when a member's last suffix is an image or caption extension, its key is everything before that suffix,
+so `img.v2.3.jpg` + `img.v2.3.txt` is sample `img.v2.3` (WebDataset would make it `img` with extension
+`v2.3.jpg` and find no image); `k.seg.png` still joins sample `k`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tarfile
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from naflexclip.data.readers import CAPTION_EXTENSIONS, RawSample, member_key, same_sample, skip_record
+from naflexclip.data.samples import IMAGE_EXTENSIONS
+
+INDEX_VERSION = 1
+INDEX_SUFFIX = ".naflexclip-index.json"
+# one image and one caption per sample, first match in this order (as the streaming reader picks them)
+_IMAGE_RANK = {e: i for i, e in enumerate(IMAGE_EXTENSIONS)}
+_CAPTION_RANK = {e: i for i, e in enumerate(CAPTION_EXTENSIONS)}
+
+
+def is_indexable(url: str) -> bool:
+    """A local, uncompressed tar file path (what can be read by offset)."""
+    return "://" not in url and not url.startswith("pipe:") and url.endswith(".tar")
+
+
+@dataclass
+class ShardIndex:
+    """One shard's samples: key, image (offset, size, or -1, -1), caption (offset, size, or -1, -1).
+
+    `status`: "ok", "missing" (cannot be opened) or "truncated" (ends early or is not a tar; the samples
+    before the damage are kept, the last, possibly incomplete, one is not)."""
+
+    url: str
+    status: str
+    keys: list[str]
+    offsets: np.ndarray  # int64 [num_samples, 4]: image offset, image size, caption offset, caption size
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def scan_shard(url: str) -> ShardIndex:
+    """Index a local tar shard by reading its member headers."""
+    try:
+        file_size = os.path.getsize(url)
+    except OSError:
+        return ShardIndex(url, "missing", [], np.zeros((0, 4), np.int64))
+    members: list[tuple[str, int, int]] = []
+    truncated = False
+    try:
+        with tarfile.open(url, "r:") as tar:  # reads headers and seeks past member data
+            while True:
+                try:
+                    info = tar.next()
+                except (tarfile.TarError, EOFError, OSError):
+                    truncated = True
+                    break
+                if info is None:
+                    break
+                if not info.isreg():
+                    continue
+                if info.offset_data + info.size > file_size:
+                    truncated = True
+                    break
+                members.append((info.name, info.offset_data, info.size))
+    except (tarfile.TarError, EOFError, OSError):
+        truncated = True
+    keys: list[str] = []
+    rows: list[list[int]] = []
+    ranks: list[list[int]] = []
+    for name, offset, size in members:
+        key, ext = member_key(name)
+        if not keys or not same_sample(key, keys[-1]):
+            keys.append(key)
+            rows.append([-1, -1, -1, -1])
+            ranks.append([len(_IMAGE_RANK), len(_CAPTION_RANK)])
+        exact = key == keys[-1]
+        if exact and ext in _IMAGE_RANK and _IMAGE_RANK[ext] < ranks[-1][0]:
+            rows[-1][0:2], ranks[-1][0] = [offset, size], _IMAGE_RANK[ext]
+        elif exact and ext in _CAPTION_RANK and _CAPTION_RANK[ext] < ranks[-1][1]:
+            rows[-1][2:4], ranks[-1][1] = [offset, size], _CAPTION_RANK[ext]
+    if truncated and keys:  # the damaged tail may have cut the last sample's other members
+        keys.pop()
+        rows.pop()
+    return ShardIndex(url, "truncated" if truncated else "ok", keys,
+                      np.asarray(rows, dtype=np.int64).reshape(-1, 4))
+
+
+def _cache_path(url: str, cache_dir: str | None) -> str:
+    if cache_dir is None and os.access(os.path.dirname(os.path.abspath(url)), os.W_OK):
+        return url + INDEX_SUFFIX
+    directory = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "naflexclip", "shard-index")
+    digest = hashlib.sha1(os.path.abspath(url).encode()).hexdigest()[:20]
+    return os.path.join(directory, f"{os.path.basename(url)}-{digest}.json")
+
+
+def load_shard_index(url: str, cache_dir: str | None = None) -> ShardIndex:
+    """The shard's index: from its cache while the shard's size and mtime match, else scanned and cached."""
+    try:
+        st = os.stat(url)
+    except OSError:
+        return scan_shard(url)
+    stamp = {"version": INDEX_VERSION, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    path = _cache_path(url, cache_dir)
+    try:
+        with open(path) as f:
+            cached = json.load(f)
+        if all(cached.get(k) == v for k, v in stamp.items()):
+            return ShardIndex(url, cached["status"], cached["keys"],
+                              np.asarray(cached["offsets"], dtype=np.int64).reshape(-1, 4))
+    except (OSError, ValueError, KeyError):
+        pass
+    index = scan_shard(url)
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({**stamp, "status": index.status, "keys": index.keys, "offsets": index.offsets.tolist()}, f)
+        os.replace(tmp, path)  # atomic: ranks indexing the same shard at once each write a whole file
+    except OSError:
+        pass  # an unwritable cache only costs a re-scan next time
+    return index
+
+
+class IndexedShardSource:
+    """Local tar shards as a map-style source: `load(i)` reads sample i's image and caption by offset.
+
+    Samples with no image, no caption or a zero-byte image, and missing or truncated shards, are found
+    by indexing and listed in `index_skips`; `len()` counts the others.
+    """
+
+    def __init__(self, spec: str, urls: list[str], cache_dir: str | None = None) -> None:
+        self.name = spec
+        self.urls = urls
+        self.index_skips: list[dict[str, Any]] = []
+        shard_ids, keys, offsets = [], [], []
+        for shard_id, url in enumerate(urls):
+            index = load_shard_index(url, cache_dir)
+            if index.status != "ok":
+                self.index_skips.append(skip_record(url, None, None, f"{index.status}_shard"))
+            for key, row in zip(index.keys, index.offsets, strict=True):
+                reason = ("missing_image" if row[0] < 0 else "empty_image" if row[1] == 0
+                          else "missing_caption" if row[2] < 0 else None)
+                if reason is not None:
+                    self.index_skips.append(skip_record(url, key, None, reason))
+                    continue
+                shard_ids.append(shard_id)
+                keys.append(key)
+                offsets.append(row)
+        self.shard_ids = np.asarray(shard_ids, dtype=np.int64)
+        self.keys = keys
+        self.offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 4)
+        self._fds: dict[int, int] = {}
+        self._pid = -1
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def describe(self, index: int) -> tuple[str, str, int | None]:
+        return self.urls[int(self.shard_ids[index])], self.keys[index], None
+
+    def _fd(self, shard_id: int) -> int:
+        if self._pid != os.getpid():  # a forked worker opens its own descriptors
+            self._fds, self._pid = {}, os.getpid()
+        if shard_id not in self._fds:
+            self._fds[shard_id] = os.open(self.urls[shard_id], os.O_RDONLY)
+        return self._fds[shard_id]
+
+    def load(self, index: int) -> RawSample:
+        shard_id = int(self.shard_ids[index])
+        img_off, img_size, cap_off, cap_size = (int(v) for v in self.offsets[index])
+        fd = self._fd(shard_id)
+        image = os.pread(fd, img_size, img_off)  # pread: no shared file position between threads or forks
+        caption = os.pread(fd, cap_size, cap_off)
+        return RawSample(image, caption, None, f"{self.urls[shard_id]}:{self.keys[index]}")
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_fds": {}, "_pid": -1}

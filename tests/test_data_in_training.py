@@ -1,0 +1,106 @@
+"""Data trust inside a training run: skipped_samples.jsonl, the per-epoch summary without validation data, and the
+two-rank run with a missing image that used to leave ranks waiting on each other (gloo, torchrun)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+from conftest_data import image_bytes
+
+from naflexclip.cli import main
+
+RUN = ["--model", "tiny", "--warmup", "1", "--device", "cpu", "--naflex-seq-lens", "16", "32",
+       "--naflex-max-tokens-per-batch", "32", "--workers", "0"]
+
+
+def eight_rows_one_missing(root: Path) -> str:
+    rows = ["filepath\ttitle"]
+    for i in range(8):
+        if i != 5:
+            (root / f"i{i}.png").write_bytes(image_bytes(16, 16 + 2 * i, seed=i))
+        rows.append(f"i{i}.png\ta picture number {i}")
+    (root / "data.tsv").write_text("\n".join(rows) + "\n")
+    return str(root / "data.tsv")
+
+
+def test_a_run_names_every_skipped_sample_and_sums_up_each_epoch(tmp_path, capsys):
+    table = eight_rows_one_missing(tmp_path)
+    (tmp_path / "i2.png").write_bytes(b"not a png")  # broken only when decoded
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # e.g. matplotlib's "no artists with labels" on empty plots
+        code = main(["train", *RUN, "--epochs", "2", "--accum-freq", "2", "--train-data", table,
+                     "--logs", str(tmp_path), "--name", "run"])
+    assert code == 0
+    out = capsys.readouterr()
+    log = [json.loads(line) for line in (tmp_path / "run" / "skipped_samples.jsonl").read_text().splitlines()]
+    assert sorted((r["epoch"], r["reason"], r["key"], r["line"]) for r in log) == [
+        (0, "missing_file", "i5.png", 7), (0, "not_an_image", "i2.png", 4),
+        (1, "missing_file", "i5.png", 7), (1, "not_an_image", "i2.png", 4)]
+    assert all(r["source"] == table for r in log)
+    assert "epoch 0: trained 6 samples, skipped 2 bad (missing_file=1, not_an_image=1)" in out.out
+    assert "epoch 1: trained 6 samples" in out.out and "skipped_samples.jsonl" in out.out
+    assert "skipped (missing_file): " in out.err  # each on its own line, not inside the progress bar
+    assert (tmp_path / "run" / "curves.png").exists()
+
+
+@pytest.mark.slow
+def test_two_ranks_with_a_missing_image_train_every_usable_pair(tmp_path):
+    """The run from the ranks-and-resume issue: 2 ranks, 8 rows with one missing file, one pair per microbatch
+    at 32 patches, --accum-freq 3. The plan gives both ranks the same microbatch count over the 7 usable pairs."""
+    table = eight_rows_one_missing(tmp_path)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "naflexclip", "train", *RUN, "--no-plot", "--epochs", "1", "--accum-freq", "3", "--train-data", table,
+           "--naflex-seq-len-probs", "0", "1", "--dist-timeout", "60", "--logs-dir", str(tmp_path), "--name", "two"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    (data,) = [r for r in records if r["kind"] == "data"]
+    assert data["data/trained_samples"] == 7 and data["data/skipped/missing_file"] == 1
+    assert "epoch 0: trained 7 samples, skipped 1 bad (missing_file=1)" in result.stdout
+
+
+def test_resume_with_other_workers_trains_the_same_weights(tmp_path):
+    """Broken rows make the loader split microbatches; a run stopped mid-epoch and resumed with another
+    --workers ends with the weights of the uninterrupted run."""
+    import torch
+
+    from naflexclip.data import DataConfig
+    from naflexclip.train.checkpoint import find_latest, load_checkpoint
+    from naflexclip.train.config import TrainConfig
+    from naflexclip.train.loop import train
+
+    rows = ["filepath\ttitle"]
+    for i in range(16):
+        (tmp_path / f"i{i}.png").write_bytes(image_bytes(16, 16 + i, seed=i) if i % 3 else b"broken")
+        rows.append(f"i{i}.png\ta picture number {i}")
+    (tmp_path / "t.tsv").write_text("\n".join(rows) + "\n")
+
+    def config(name: str, workers: int, **overrides) -> TrainConfig:
+        data = DataConfig(train_data=str(tmp_path / "t.tsv"), naflex_seq_lens=(16,), naflex_max_tokens_per_batch=32,
+                          workers=workers)
+        return TrainConfig(data=data, model="tiny", epochs=1, accum_freq=1, lr=1e-3, warmup=1, logs=str(tmp_path),
+                           name=name, device="cpu", val_frequency=0, plot=False, **overrides)
+
+    train(config("straight", 0))
+    train(config("split", 0, stop_after_steps=3))
+    _, halfway = load_checkpoint(find_latest(tmp_path / "split" / "checkpoints"))
+    assert halfway["progress"]["next_batch"] == 3
+    train(config("split", 2, resume="latest"))
+    straight, state_a = load_checkpoint(find_latest(tmp_path / "straight" / "checkpoints"))
+    split, state_b = load_checkpoint(find_latest(tmp_path / "split" / "checkpoints"))
+    assert state_a["progress"] == state_b["progress"]
+    assert all(torch.equal(straight[k], split[k]) for k in straight)
+    from naflexclip.train.report import read_skip_log
+
+    log = read_skip_log(tmp_path / "split" / "skipped_samples.jsonl")
+    assert sorted(r["key"] for r in log) == [f"i{i}.png" for i in (0, 12, 15, 3, 6, 9)]  # each once
+    records = [json.loads(line) for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    (data,) = [r for r in records if r["kind"] == "data"]
+    assert data["data/trained_samples"] == 10 and data["data/skipped/not_an_image"] == 6
