@@ -83,12 +83,35 @@ def test_resume_refuses_a_change_of_model_loss_or_data(stopped_run: Path, tmp_pa
     assert len(str(raised.value).splitlines()) == 1
 
 
+def _as_two_ranks(state: dict, *, inside_a_split: bool) -> None:
+    """Make a 1-process checkpoint look saved by 2 ranks; optionally with rank 1 inside a split microbatch
+    (the one data position that cannot be re-mapped to another world size)."""
+    mine = state["data"]["ranks"][0]
+    other = {**mine, "rank": 1, "piece": 1, "sample_position": None} if inside_a_split else {**mine, "rank": 1}
+    state.update(world_size=2)
+    state["data"]["ranks"] = [{**mine, "world_size": 2}, {**other, "world_size": 2}]
+
+
 def test_resume_at_another_world_size_is_refused_naming_both(stopped_run: Path, tmp_path: Path) -> None:
     logs = _copy_run(stopped_run, tmp_path)
-    _edit_state(ckpt.find_latest(logs / "base" / "checkpoints"), lambda state: state.update(world_size=2))
+    _edit_state(ckpt.find_latest(logs / "base" / "checkpoints"), lambda state: _as_two_ranks(state,
+                                                                                             inside_a_split=True))
     with pytest.raises(ValueError, match=r"world size: the checkpoint was saved by 2 process\(es\), this run has 1; "
                                          r"its per-rank data position cannot be re-mapped exactly"):
         train(tiny_config(logs, "base", val_frequency=0, resume="latest"))
+
+
+def test_resume_at_another_world_size_re_plans_from_the_global_position(stopped_run: Path, tmp_path: Path) -> None:
+    """A data position that is a place in the epoch's global order re-maps to any world size: here the
+    "2-rank" checkpoint continues on 1 process exactly as the uninterrupted 1-process run."""
+    logs = _copy_run(stopped_run, tmp_path)
+    _edit_state(ckpt.find_latest(logs / "base" / "checkpoints"), lambda state: _as_two_ranks(state,
+                                                                                             inside_a_split=False))
+    train(tiny_config(logs, "base", val_frequency=0, resume="latest", stop_after_steps=4))
+    train(tiny_config(logs, "straight", val_frequency=0, stop_after_steps=4))
+    resumed, _ = ckpt.load_checkpoint(ckpt.find_latest(logs / "base" / "checkpoints"))
+    straight, _ = ckpt.load_checkpoint(ckpt.find_latest(logs / "straight" / "checkpoints"))
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
 
 
 def test_harmless_changes_are_applied_and_listed_in_one_notice(stopped_run: Path, tmp_path: Path,
