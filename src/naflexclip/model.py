@@ -249,6 +249,32 @@ class NaFlexClip(nn.Module):
             out["logit_bias"] = self.logit_bias
         return out
 
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each transformer block's activations in backward instead of keeping them (both towers).
+
+        timm and open_clip checkpoint with `torch.utils.checkpoint(use_reentrant=False)`, which keeps its
+        default `preserve_rng_state=True`: the recomputation draws the dropout / drop-path numbers of the
+        forward it replaces, so the window stays exact with stochastic layers on.
+        """
+        self.visual.set_grad_checkpointing(enable)
+        self.text.set_grad_checkpointing(enable)
+
+    def compile_towers(self, *, dynamic: bool | None = True, backend: str = "inductor") -> None:
+        """`torch.compile` the towers in place (parameter names unchanged): every block of the image tower
+        and its attention pool, and the whole text tower.
+
+        The image tower's embedding stays eager: timm resamples the position table once per distinct
+        image grid in a Python loop over `.item()` values, which would recompile for every new set of
+        grids. `dynamic=True` traces batch size and sequence length symbolically from the first call,
+        so the token-budget schedule's varying shapes reuse one graph per grad mode (no-grad cache
+        forward, grad forward); only a microbatch of one row gets its own (torch specialises sizes 0/1).
+        """
+        for block in self.visual.blocks:
+            block.compile(dynamic=dynamic, backend=backend)
+        if self.visual.attn_pool is not None:
+            self.visual.attn_pool.compile(dynamic=dynamic, backend=backend)
+        self.text.compile(dynamic=dynamic, backend=backend)
+
     @torch.no_grad()
     def clamp_logit_scale_(self) -> None:
         """Clamp the temperature to [0, ln 100] (CLIP's rule; no upper bound for SigLIP 2), after each step."""

@@ -174,9 +174,11 @@ def verify_window(
     num_splits: int,
     seed: int,
     first_split: list[int] | None = None,
+    grad_checkpointing: bool = False,
 ) -> VerifyResult:
     """Compare accumulated gradients of splits of `batch` (`first_split`, e.g. the loader's own, then
-    random ones) with its full-batch reference."""
+    random ones) with its full-batch reference. `grad_checkpointing`: the windows recompute the towers'
+    activations (`model.set_grad_checkpointing`), the reference does not."""
     dtype = next(model.parameters()).dtype
     num_examples = batch_size(batch)
     rng = random.Random(seed)
@@ -188,6 +190,8 @@ def verify_window(
     worst: dict[str, float] = {}
     legacy_worst: dict[str, float] = {}
     loss = math.nan
+    if grad_checkpointing:
+        model.set_grad_checkpointing(True)
     for sizes in splits:
         microbatches = split_batch(batch, sizes)
         for method in methods:
@@ -205,6 +209,8 @@ def verify_window(
         )
         for name, err in gradient_errors(model, collect_gradients(model), reference).items():
             legacy_worst[name] = max(legacy_worst.get(name, 0.0), err)
+    if grad_checkpointing:
+        model.set_grad_checkpointing(False)
     model.zero_grad(set_to_none=True)
     return VerifyResult(_group_results(worst, legacy_worst, dtype), splits, scale, loss)
 
@@ -255,6 +261,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", default="float64", choices=("float64", "float32"))
     parser.add_argument("--device", default="cpu",
                         help=f"where the model and the window run: {', '.join(DEVICE_CHOICES)}")
+    parser.add_argument("--grad-checkpointing", action="store_true",
+                        help="accumulate with activation checkpointing in both towers (the reference without)")
     # a real window: the first --accum-freq batches the loader yields (with --train-data, --checkpoint,
     # or --dataset-type synthetic); its own split is checked first, then random re-splits
     add_data_args(parser)
@@ -344,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
     result = verify_window(
         model, create_loss(setup.siglip), batch, accum_freq=setup.accum_freq,
         reference_batch_size=setup.reference_batch_size, loss_scale=setup.loss_scale, methods=methods,
-        num_splits=args.splits, seed=args.seed, first_split=first_split,
+        num_splits=args.splits, seed=args.seed, first_split=first_split, grad_checkpointing=args.grad_checkpointing,
     )
     loss_name = "SigLIP" if setup.siglip else "CLIP"
     source = "loader" if first_split else "random"
@@ -353,7 +361,8 @@ def run(args: argparse.Namespace) -> int:
         f"B_ref {setup.reference_batch_size}, {loss_name}, scale {setup.loss_scale} → s(W) = {result.scale:.6g}, "
         f"L(W) = {result.loss:.6g}"
     )
-    print(f"splits: {result.splits}; methods: {', '.join(methods)}; {args.dtype} on {device}")
+    checkpointing = "; grad checkpointing" if args.grad_checkpointing else ""
+    print(f"splits: {result.splits}; methods: {', '.join(methods)}; {args.dtype} on {device}{checkpointing}")
     print(format_table(result))
     verdict = "PASS" if result.passed else "FAIL"
     print(f"{verdict}: accumulated gradient {'equals' if result.passed else 'differs from'} "

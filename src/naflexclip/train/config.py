@@ -56,6 +56,8 @@ class TrainConfig:
     device: str | None = None
     max_skipped_steps: int = 10
     fsdp: bool = False
+    grad_checkpointing: bool = False  # recompute block activations in backward (both towers)
+    torchcompile: bool = False  # torch.compile the towers' blocks (dynamic shapes)
     dist_timeout: float = 1800.0
     plot: bool = True
     pretrained: str | None = None  # a transformers SigLIP 2 directory: architecture, weights, tokenizer, patching

@@ -156,7 +156,12 @@ class Trainer:
         seed_everything(cfg.seed)  # the same initial weights on every rank (FSDP2 does not broadcast them)
         self.precision = create_precision(cfg.precision, env.device)
         model = create_model(cfg.pretrained or cfg.model, siglip=cfg.siglip)  # --pretrained: a SigLIP 2 directory
-        self.model = wrap_model(model.to(env.device), env, cfg.fsdp)
+        model = model.to(env.device)
+        if cfg.grad_checkpointing:
+            model.set_grad_checkpointing()
+        if cfg.torchcompile:
+            model.compile_towers()  # before wrapping: DDP/FSDP2 then see the compiled blocks (torchtitan's order)
+        self.model = wrap_model(model, env, cfg.fsdp)
         # dropout / drop-path / patch-dropout draw a different stream on every rank (OpenCLIP: seed + rank);
         # the data order does not depend on it (the loader seeds itself from --seed, epoch and position)
         seed_everything(cfg.seed + env.rank)
