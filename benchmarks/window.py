@@ -3,9 +3,11 @@
 For each configuration it runs, side by side on one model and one batch: one full-batch
 forward/backward of N examples (the baseline), and the `cache` and `replay` windows over the same N
 split into n = 2, 4, 8 microbatches. Times come from one process in which the variants alternate round
-by round (median per variant); peak memory from a fresh process per variant (CUDA: max allocated;
-CPU: peak RSS growth over the state before the step, .grad buffers included).
-It prints seconds per window, peak memory, and the ratios against the full batch and cache/replay.
+by round (median per variant). Peak memory: on CUDA in that same process (max allocated over model,
+.grad buffers and batch, reset per variant); on CPU from a fresh process per variant (peak RSS growth over
+the state before the step, .grad buffers included), since a process's peak RSS cannot be reset.
+It prints seconds per window, peak memory, and the ratios against the full batch and cache/replay, each
+row as soon as it is measured (a timeout keeps the rows already printed).
 
     python benchmarks/window.py                       # both default configurations
     python benchmarks/window.py --model small --num-examples 128 --splits 2 4 8
@@ -37,7 +39,8 @@ def _setup(config: dict) -> tuple[Callable[[str, int], None], torch.device]:
     torch.manual_seed(0)
     torch.set_num_threads(config["threads"])
     device = torch.device(config["device"])
-    model = create_model(config["model"]).to(device).train()
+    with torch.device(device):  # initialise on the device: a CPU init of `base` costs seconds per process
+        model = create_model(config["model"]).train()
     loss_fn = create_loss(False)
     batch = random_naflex_batch(
         config["num_examples"], patch_size=model.image_patch_size, context_length=model.context_length,
@@ -71,18 +74,24 @@ def _variants(config: dict) -> list[tuple[str, int]]:
 
 def _time_all(config: dict, queue: mp.Queue) -> None:
     """Median seconds per window of every variant; the variants alternate within each round, so a
-    change in machine load hits them all alike."""
-    step, _ = _setup(config)
+    change in machine load hits them all alike. On CUDA also the peak memory of each (else None)."""
+    step, device = _setup(config)
     variants = _variants(config)
+    memory: dict[tuple[str, int], int] = {}
     for variant in variants:
-        step(*variant)  # warm-up
+        step(*variant)  # warm-up (allocates the .grad buffers, kept by zero_grad(set_to_none=False))
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            step(*variant)
+            memory[variant] = torch.cuda.max_memory_allocated() - base
     times: dict[tuple[str, int], list[float]] = {v: [] for v in variants}
     for _ in range(config["repeats"]):
         for variant in variants:
             start = time.perf_counter()
             step(*variant)
             times[variant].append(time.perf_counter() - start)
-    queue.put({v: statistics.median(t) for v, t in times.items()})
+    queue.put(({v: statistics.median(t) for v, t in times.items()}, memory or None))
 
 
 def _peak_memory(config: dict, variant: tuple[str, int], queue: mp.Queue) -> None:
@@ -109,24 +118,25 @@ def _in_subprocess(target: Callable[..., None], *args: object) -> object:
     return result
 
 
-def run_configuration(args: argparse.Namespace, model: str, num_examples: int, seq_lens: list[int]) -> list[str]:
+def run_configuration(args: argparse.Namespace, model: str, num_examples: int, seq_lens: list[int]) -> None:
+    """Print the configuration's table, row by row as each is measured."""
     config = dict(model=model, num_examples=num_examples, seq_lens=seq_lens, device=args.device,
                   repeats=args.repeats, threads=args.threads, splits=args.splits, precision=args.precision)
-    seconds = _in_subprocess(_time_all, config)
-    memory = {v: _in_subprocess(_peak_memory, config, v) for v in _variants(config)}
-    full_time, full_mem = seconds[("full", 1)], memory[("full", 1)]
-    rows = [f"\n### {model}, N = {num_examples}, seq lens {seq_lens}, {args.device}, {args.precision}, "
-            f"median of {args.repeats}",
-            "| step | s / window | × full batch | peak memory (MiB) | × full batch | cache ÷ replay time |",
-            "| --- | --- | --- | --- | --- | --- |",
-            f"| full batch N={num_examples} | {full_time:.3f} | 1.00 | {full_mem / 2**20:.0f} | 1.00 | |"]
-    for n in args.splits:
-        for method in ("cache", "replay"):
-            t, mem = seconds[(method, n)], memory[(method, n)]
-            versus = f"{seconds[('cache', n)] / seconds[('replay', n)]:.2f}" if method == "cache" else ""
-            rows.append(f"| {method} n={n} | {t:.3f} | {t / full_time:.2f} | {mem / 2**20:.0f} | "
-                        f"{mem / max(full_mem, 1):.2f} | {versus} |")
-    return rows
+    print(f"\n### {model}, N = {num_examples}, seq lens {seq_lens}, {args.device}, {args.precision}, "
+          f"median of {args.repeats}", flush=True)
+    seconds, memory = _in_subprocess(_time_all, config)
+    print("| step | s / window | × full batch | peak memory (MiB) | × full batch | cache ÷ replay time |\n"
+          "| --- | --- | --- | --- | --- | --- |", flush=True)
+    full_time, full_mem = seconds[("full", 1)], None
+    for method, n in _variants(config):
+        # CPU: a fresh process per variant (peak RSS cannot be reset)
+        mem = memory[(method, n)] if memory else _in_subprocess(_peak_memory, config, (method, n))
+        full_mem = full_mem or mem
+        t = seconds[(method, n)]
+        label = f"full batch N={num_examples}" if method == "full" else f"{method} n={n}"
+        versus = f"{seconds[('cache', n)] / seconds[('replay', n)]:.2f}" if method == "cache" else ""
+        print(f"| {label} | {t:.3f} | {t / full_time:.2f} | {mem / 2**20:.0f} | {mem / max(full_mem, 1):.2f} | "
+              f"{versus} |", flush=True)
 
 
 def main() -> None:
@@ -147,7 +157,7 @@ def main() -> None:
         # towers dominate (small preset) / the N×N loss dominates (tiny towers, large N)
         configurations = [("small", 96, [16, 36, 64]), ("tiny", 2048, [4, 9])]
     for model, num_examples, seq_lens in configurations:
-        print("\n".join(run_configuration(args, model, num_examples, seq_lens)), flush=True)
+        run_configuration(args, model, num_examples, seq_lens)
 
 
 if __name__ == "__main__":
