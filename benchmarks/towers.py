@@ -333,6 +333,12 @@ def run_sweep(args: argparse.Namespace) -> None:
             torch.cuda.empty_cache()
 
 
+# host-side costs per window: device-to-host reads (.item(), .tolist()), syncs, copies, kernel launches
+HOST_COST_EVENTS = ("aten::_local_scalar_dense", "aten::item", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+                    "cudaMemcpyAsync", "cudaLaunchKernel", "aten::copy_", "aten::get_rng_state",
+                    "aten::set_rng_state")
+
+
 def run_profile(args: argparse.Namespace) -> None:
     """Where a window's host time goes: one eager `cache` window at the largest n, torch.profiler table."""
     from torch.profiler import ProfilerActivity, profile
@@ -352,8 +358,11 @@ def run_profile(args: argparse.Namespace) -> None:
         with profile(activities=activities) as prof:
             window_step(model, loss_fn, microbatches, autocast)
             synchronize(device)
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows)
-        emit(args.out, f"\n### profile: {args.model[0]}, seq len {seq_len}, cache n={n}\n{table}")
+        events = prof.key_averages()
+        counts = {key: sum(e.count for e in events if e.key == key) for key in HOST_COST_EVENTS}
+        table = events.table(sort_by="self_cpu_time_total", row_limit=args.profile_rows)
+        emit(args.out, f"\n### profile: {args.model[0]}, seq len {seq_len}, cache n={n}\n"
+                       + ", ".join(f"{key}: {count}" for key, count in counts.items()) + f"\n{table}")
 
 
 def main() -> None:
