@@ -107,17 +107,20 @@ def num_graphs() -> int:
 
 
 def saved_activation_bytes(model: torch.nn.Module, microbatch: dict, autocast: Callable) -> int:
-    """Bytes autograd keeps for backward in one grad forward (a checkpointed block keeps only its input)."""
-    total = 0
+    """Bytes autograd keeps for backward in one grad forward, weights excluded (a checkpointed block keeps
+    only its input)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}  # a tensor saved by several ops (or as views) is kept once
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        total += t.numel() * t.element_size()
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
         model(image=microbatch["image"], text=microbatch["text"])
-    return total
+    return sum(storages.values())
 
 
 # ------------------------------------------------------------------------------------------------ ratios (CPU)

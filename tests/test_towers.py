@@ -50,17 +50,20 @@ def test_grad_checkpointing_keeps_the_window_exact_with_stochastic_layers(method
 
 
 def _saved_activation_bytes(model: torch.nn.Module, batch: dict) -> int:
-    """Bytes autograd keeps for backward in one grad forward (a checkpointed block keeps only its input)."""
-    total = 0
+    """Bytes autograd keeps for backward in one grad forward, weights excluded (a checkpointed block keeps
+    only its input)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}  # a tensor saved by several ops (or as views) is kept once
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        total += t.numel() * t.element_size()
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(**batch)
-    return total
+    return sum(storages.values())
 
 
 def test_grad_checkpointing_keeps_fewer_activations():
