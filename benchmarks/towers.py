@@ -56,11 +56,9 @@ SIGLIP2_BASE = ModelConfig(
 
 
 def build_model(name: str, device: torch.device) -> NaFlexClip:
-    """A preset, or the SigLIP 2 base sizes when this checkout has no `siglip2-base` preset; built on `device`."""
-    with torch.device(device):  # initialise on the device: a CPU init of `base` costs seconds per process
-        if name == "siglip2-base" and name not in PRESETS:
-            return NaFlexClip(SIGLIP2_BASE)
-        return create_model(name)
+    """A preset, or the SigLIP 2 base sizes when this checkout has no `siglip2-base` preset, on `device`."""
+    model = NaFlexClip(SIGLIP2_BASE) if name == "siglip2-base" and name not in PRESETS else create_model(name)
+    return model.to(device)
 
 
 def make_batch(model: NaFlexClip, num_examples: int, seq_lens: list[int], seed: int = 0) -> dict:

@@ -39,8 +39,7 @@ def _setup(config: dict) -> tuple[Callable[[str, int], None], torch.device]:
     torch.manual_seed(0)
     torch.set_num_threads(config["threads"])
     device = torch.device(config["device"])
-    with torch.device(device):  # initialise on the device: a CPU init of `base` costs seconds per process
-        model = create_model(config["model"]).train()
+    model = create_model(config["model"]).to(device).train()
     loss_fn = create_loss(False)
     batch = random_naflex_batch(
         config["num_examples"], patch_size=model.image_patch_size, context_length=model.context_length,
