@@ -37,28 +37,17 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from naflexclip import accumulate_gradients, create_loss
 from naflexclip.batch import split_batch, to_device
-from naflexclip.model import PRESETS, ImageTowerConfig, ModelConfig, NaFlexClip, TextTowerConfig, create_model
+from naflexclip.model import NaFlexClip, create_model
 from naflexclip.train.precision import create_precision
 from naflexclip.verify import random_naflex_batch
 
 # dense bf16 tensor-core peaks (vendor datasheets, without sparsity), FLOP/s
 BF16_PEAK = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
 
-# the published SigLIP 2 ViT-B/16 NaFlex sizes (width 768, 12 layers, 12 heads, attention-pool head; text
-# 768 wide, 64 tokens, last-token pooling) for checkouts without that preset; the text vocabulary stays
-# open_clip's (the 256k Gemma table changes parameter memory, not the towers' compute)
-SIGLIP2_BASE = ModelConfig(
-    embed_dim=768, siglip=True,
-    image=ImageTowerConfig(patch_size=16, width=768, depth=12, heads=12, global_pool="map",
-                           pos_embed_grid_size=(16, 16)),
-    text=TextTowerConfig(context_length=64, width=768, heads=12, layers=12, pool_type="last"),
-)
-
 
 def build_model(name: str, device: torch.device) -> NaFlexClip:
-    """A preset, or the SigLIP 2 base sizes when this checkout has no `siglip2-base` preset, on `device`."""
-    model = NaFlexClip(SIGLIP2_BASE) if name == "siglip2-base" and name not in PRESETS else create_model(name)
-    return model.to(device)
+    """A preset (`base`, `siglip2-base`, ...) on `device`."""
+    return create_model(name).to(device)
 
 
 def make_batch(model: NaFlexClip, num_examples: int, seq_lens: list[int], seed: int = 0) -> dict:
