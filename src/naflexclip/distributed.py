@@ -10,7 +10,9 @@ The window (naflexclip.window) holds the math; this module only hands it what it
 - `window_exchange` → `ProcessGroupExchange`: every rank's microbatch sizes, and one no-grad
   all-gather of feature rows with uneven per-rank row counts (pad to the largest, then trim). The size
   exchange meets every rank every window, so it also checks that the ranks agree on the step and epoch
-  and that every rank has data (`RanksDisagree` on every rank at once, never a wait until the timeout).
+  and that every rank has data (`RanksDisagree` on every rank at once, never a wait until the timeout);
+  FSDP's equal microbatch counts are checked there too. The sharded loss's row gradients go back to
+  their owners with `reduce_scatter_rows`, its per-rank values with `sum_over_ranks` (a few numbers).
 - `check_consistency` / `any_rank_true` / `sum_over_ranks`: ranks agree on step/window/schedule, skip
   the same steps, and sum the counters the logs show.
 - `fault_guard`: a rank that raises records why in the rendezvous store; a rank whose collective fails
@@ -347,6 +349,37 @@ class ProcessGroupExchange:
             gathered = _all_gather_tensor(self.env, padded.contiguous())
             gathered = gathered.view(self.world_size, num_max, *local_rows.shape[1:])
             return torch.cat([gathered[r, :rows] for r, rows in enumerate(rows_per_rank)])
+
+
+    def reduce_scatter_rows(self, rows: torch.Tensor, rows_per_rank: Sequence[int]) -> torch.Tensor:
+        """Sum every rank's `[N, ...]` tensor, `N = Σ rows_per_rank`, and return this rank's rows of the sum
+        (no autograd): each rank's block is padded to the largest, one reduce-scatter, then trimmed."""
+        if len(rows_per_rank) != self.world_size or rows.shape[0] != sum(rows_per_rank):
+            raise ValueError(
+                f"reduce_scatter_rows: {rows.shape[0]} rows for rows_per_rank={list(rows_per_rank)} "
+                f"in world size {self.world_size}"
+            )
+        num_max = max(rows_per_rank)
+        with torch.no_grad(), _translate_faults(self.env, "returning feature gradients to their ranks"):
+            padded = rows.new_zeros((self.world_size, num_max, *rows.shape[1:]))
+            for rank, block in enumerate(rows.detach().split(list(rows_per_rank))):
+                padded[rank, : block.shape[0]] = block
+            out = rows.new_empty((num_max, *rows.shape[1:]))
+            _REDUCE_SCATTER(out, padded.view(self.world_size * num_max, *rows.shape[1:]), op=dist.ReduceOp.SUM)
+            return out[: rows_per_rank[self.rank]]
+
+    def sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """The elementwise sum of every rank's `values` (one all-reduce; no autograd)."""
+        with torch.no_grad(), _translate_faults(self.env, "summing the loss over ranks"):
+            summed = values.detach().clone()
+            dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+        return summed
+
+
+# torch ≥ 2.14 renames reduce_scatter_tensor (and warns on the old name). Bound once at import: this is the
+# window's feature-gradient exchange, apart from the parameter-gradient reduce-scatters FSDP2 makes
+# through `dist.reduce_scatter_single` (which tools wrap to count gradient syncs).
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _all_gather_tensor(env: DistributedEnv, tensor: torch.Tensor) -> torch.Tensor:

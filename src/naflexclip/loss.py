@@ -1,14 +1,38 @@
-"""Contrastive losses over one batch of features: CLIP (softmax) and SigLIP (sigmoid).
+"""Contrastive losses over feature rows: CLIP (softmax) and SigLIP (sigmoid), tiled, with a per-rank form.
 
-Both are computed over exactly the rows they are given: the window hands them the whole
-window's features, so these losses never gather across ranks themselves.
+Memory contract (FlashAttention's online softmax; Inf-CL, Yu et al. 2024, https://arxiv.org/abs/2410.17243):
+the `N×N` logit matrix never exists. The forward walks `tile × tile` blocks of it and keeps O(N·D) inputs
+plus per-row/per-column statistics (CLIP: log-sum-exp of each row and column; SigLIP: none); the backward
+recomputes every block from them. The largest temporary is a few `tile × tile` blocks.
+
+Per-rank form (`sharded`): rank r holds the block of logit rows of its own images against every text,
+`z[I_r, :]`. Its terms are the rows' image→text cross-entropies and — CLIP — the text→image terms of its
+own texts, whose column normalisers combine every rank's partial column log-sum-exp (`N` numbers per rank,
+passed in as `reduce_column_lse`). Its backward gives the gradient of the *whole* `L(W)` with respect to
+its block: complete for its image rows, a partial sum for the texts (the caller sums those over ranks,
+with one reduce-scatter) and for `logit_scale`/`logit_bias` (summed over ranks once). The per-rank values
+sum to `L(W)`. In one process (`forward`) the block is the whole matrix.
+
+The dense formulas (`clip_loss_dense`, `siglip_loss_dense`) are kept as the reference for the tests.
+CLIP: Radford et al. 2021; SigLIP: Zhai et al. 2023.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# rows × columns of one logit block. 1024² float32 = 4 MiB per temporary; measured on CPU as fast as
+# larger tiles (benchmarks/window_loss.py); a GPU wants larger tiles (fewer kernel launches).
+DEFAULT_TILE_SIZE = 1024
+
+
+def _identity(column_lse: torch.Tensor) -> torch.Tensor:
+    return column_lse
 
 
 def pairwise_logits(
@@ -17,13 +41,239 @@ def pairwise_logits(
     logit_scale: torch.Tensor,
     logit_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`[N, N]` logits, row i = image i against every text: `t · ⟨x_i, y_j⟩ (+ b)`."""
+    """`[N, N]` logits, row i = image i against every text: `t · ⟨x_i, y_j⟩ (+ b)` (dense reference only)."""
     logits = logit_scale * image_features @ text_features.T
     return logits if logit_bias is None else logits + logit_bias
 
 
+def clip_loss_dense(
+    image_features: torch.Tensor,
+    text_features: torch.Tensor,
+    logit_scale: torch.Tensor,
+    logit_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference: the CLIP loss through the whole `[N, N]` logit matrix (O(N²) memory)."""
+    logits_per_image = pairwise_logits(image_features, text_features, logit_scale, logit_bias)
+    labels = torch.arange(logits_per_image.shape[0], device=logits_per_image.device)
+    return (F.cross_entropy(logits_per_image, labels) + F.cross_entropy(logits_per_image.T, labels)) / 2
+
+
+def siglip_loss_dense(
+    image_features: torch.Tensor,
+    text_features: torch.Tensor,
+    logit_scale: torch.Tensor,
+    logit_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference: the SigLIP loss through the whole `[N, N]` logit matrix (O(N²) memory)."""
+    logits = pairwise_logits(image_features, text_features, logit_scale, logit_bias)
+    num_pairs = logits.shape[0]
+    # +1 on the diagonal (matching pairs), -1 everywhere else
+    labels = 2 * torch.eye(num_pairs, device=logits.device, dtype=logits.dtype) - 1
+    return -F.logsigmoid(labels * logits).sum() / num_pairs
+
+
+def _check_tile_size(tile_size: int) -> int:
+    if isinstance(tile_size, bool) or not isinstance(tile_size, int) or tile_size < 1:
+        raise ValueError(f"--loss-tile-size / tile_size must be a positive integer, got {tile_size!r}")
+    return tile_size
+
+
+def _check_shapes(image_rows: torch.Tensor, text_features: torch.Tensor, row_offset: int) -> None:
+    if image_rows.dim() != 2 or text_features.dim() != 2 or image_rows.shape[1] != text_features.shape[1]:
+        raise ValueError(
+            f"features must be [rows, D] with one D, got image {tuple(image_rows.shape)} "
+            f"and text {tuple(text_features.shape)}"
+        )
+    if not 0 <= row_offset <= text_features.shape[0] - image_rows.shape[0] or image_rows.shape[0] < 1:
+        raise ValueError(
+            f"image rows [{row_offset}, {row_offset + image_rows.shape[0]}) are not a non-empty part of the "
+            f"{text_features.shape[0]} text rows"
+        )
+
+
+def _scalars(logit_scale: torch.Tensor, logit_bias: torch.Tensor | None) -> tuple[float, float]:
+    # Python numbers go into addmm's alpha/beta-free form below (one host sync per call, not per tile)
+    return float(logit_scale.detach()), 0.0 if logit_bias is None else float(logit_bias.detach())
+
+
+def _tiles(num: int, tile: int) -> list[tuple[int, int]]:
+    return [(start, min(start + tile, num)) for start in range(0, num, tile)]
+
+
+def _logits(x: torch.Tensor, y: torch.Tensor, scale: float, shift: torch.Tensor | float) -> torch.Tensor:
+    """One block `scale · x yᵀ + shift` in one GEMM (`shift`: a number, or a row/column vector view)."""
+    if not isinstance(shift, torch.Tensor):
+        shift = x.new_tensor(shift)
+    return torch.addmm(shift, x, y.T, alpha=scale)
+
+
+def _diagonal_sum(block: torch.Tensor, first_row: int, first_column: int) -> torch.Tensor:
+    """Σ of the block's entries on the window's diagonal (global row == global column); 0 if it misses it."""
+    offset = first_row - first_column  # local column − local row of a diagonal entry
+    if not -block.shape[0] < offset < block.shape[1]:
+        return block.new_zeros(())
+    return block.diagonal(offset).sum()
+
+
+def _scalar_grads(
+    ctx: Any, grad_out: torch.Tensor, grad_x: torch.Tensor, grad_y: torch.Tensor, bias_sum: torch.Tensor,
+    image_rows: torch.Tensor, logit_scale: torch.Tensor, logit_bias: torch.Tensor | None, scale: float, norm: float,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """From the block sums `Σ_j dz_ij y_j` (grad_x), `Σ_i dz_ij x_i` (grad_y) and `Σ dz` to the input gradients.
+
+    `∂z_ij/∂t = ⟨x_i, y_j⟩`, so `∂L/∂t = Σ_ij dz_ij ⟨x_i, y_j⟩ = Σ_i ⟨x_i, (grad_x)_i⟩`: no per-block product."""
+    coeff = grad_out / norm
+    d_scale = (coeff * (image_rows * grad_x).sum()).reshape(logit_scale.shape).to(logit_scale.dtype)
+    d_bias = None
+    if logit_bias is not None and ctx.needs_input_grad[3]:
+        d_bias = (coeff * bias_sum).reshape(logit_bias.shape).to(logit_bias.dtype)
+    return (
+        grad_x * (coeff * scale) if ctx.needs_input_grad[0] else None,
+        grad_y * (coeff * scale) if ctx.needs_input_grad[1] else None,
+        d_scale if ctx.needs_input_grad[2] else None,
+        d_bias,
+    )
+
+
+class _TiledClip(torch.autograd.Function):
+    """This rank's part of the CLIP loss from its logit block `z[I, :]`, `I = [offset, offset + n)`:
+
+        (1/2N) [ Σ_{i∈I} (lse_j z_ij − z_ii) + Σ_{j∈I} (lse_i z_ij − z_jj) ]
+
+    with the column log-sum-exps over *all* ranks' rows (`reduce_column_lse`). The backward returns the
+    gradient of the whole loss through this block: `dz_ij = (P_ij + Q_ij − 2δ_ij) / 2N`,
+    `P = softmax over the row`, `Q = softmax over the column`, both recomputed from the saved statistics."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, image_rows: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor,
+        logit_bias: torch.Tensor | None, row_offset: int, tile: int, reduce_column_lse: Callable[..., torch.Tensor],
+    ) -> torch.Tensor:
+        scale, bias = _scalars(logit_scale, logit_bias)
+        num_rows, num_all = image_rows.shape[0], text_features.shape[0]
+        row_lse = image_rows.new_empty(num_rows)
+        column_lse = image_rows.new_full((num_all,), float("-inf"))
+        diagonal = image_rows.new_zeros(())  # Σ z_ii, taken from the same blocks as the log-sum-exps
+        for i0, i1 in _tiles(num_rows, tile):
+            x, lse = image_rows[i0:i1], None
+            for j0, j1 in _tiles(num_all, tile):
+                z = _logits(x, text_features[j0:j1], scale, bias)
+                diagonal += _diagonal_sum(z, row_offset + i0, j0)
+                # online log-sum-exp: rows across column tiles, columns across row tiles
+                block_rows = torch.logsumexp(z, dim=1)
+                lse = block_rows if lse is None else torch.logaddexp(lse, block_rows)
+                column_lse[j0:j1] = torch.logaddexp(column_lse[j0:j1], torch.logsumexp(z, dim=0))
+            row_lse[i0:i1] = lse
+        column_lse = reduce_column_lse(column_lse)  # every rank's rows: the full column normaliser
+        loss = (row_lse.sum() + column_lse[row_offset : row_offset + num_rows].sum() - 2 * diagonal) / (2 * num_all)
+        ctx.save_for_backward(image_rows, text_features, logit_scale, logit_bias, row_lse, column_lse)
+        ctx.row_offset, ctx.tile = row_offset, tile
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        image_rows, text_features, logit_scale, logit_bias, row_lse, column_lse = ctx.saved_tensors
+        scale, bias = _scalars(logit_scale, logit_bias)
+        num_rows, num_all, offset = image_rows.shape[0], text_features.shape[0], ctx.row_offset
+        grad_x = torch.zeros_like(image_rows)  # Σ_j dz_ij y_j, before the 1/2N and t factors
+        grad_y = torch.zeros_like(text_features)  # Σ_i dz_ij x_i
+        bias_sum = image_rows.new_zeros(())
+        for i0, i1 in _tiles(num_rows, ctx.tile):
+            x, shift = image_rows[i0:i1], (bias - row_lse[i0:i1])[:, None]
+            for j0, j1 in _tiles(num_all, ctx.tile):
+                y = text_features[j0:j1]
+                u = _logits(x, y, scale, shift)  # z − row_lse
+                probs = u.exp()  # P
+                # z − column_lse, then Q; P + Q is dz without the diagonal and the 1/2N
+                probs.add_(u.add_(row_lse[i0:i1, None]).sub_(column_lse[None, j0:j1]).exp_())
+                grad_x[i0:i1].addmm_(probs, y)
+                grad_y[j0:j1].addmm_(probs.T, x)
+                if logit_bias is not None:
+                    bias_sum += probs.sum()
+        # the matching pairs: −1 in each direction
+        grad_x.sub_(text_features[offset : offset + num_rows], alpha=2)
+        grad_y[offset : offset + num_rows].sub_(image_rows, alpha=2)
+        bias_sum -= 2 * num_rows
+        grads = _scalar_grads(ctx, grad_out, grad_x, grad_y, bias_sum, image_rows, logit_scale, logit_bias,
+                              scale, 2 * num_all)
+        return (*grads, None, None, None)
+
+
+class _TiledSigLip(torch.autograd.Function):
+    """This rank's part of the SigLIP loss from its logit block `z[I, :]`:
+
+        (1/N) [ Σ_{i∈I, j} softplus(z_ij) − Σ_{i∈I} z_ii ]
+
+    (`−log σ(z)` on the diagonal is `softplus(z) − z`, `−log σ(−z)` elsewhere is `softplus(z)`), so no label
+    matrix is needed; `dz_ij = (σ(z_ij) − δ_ij) / N`. No statistics are saved: the rows are independent."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, image_rows: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor,
+        logit_bias: torch.Tensor | None, row_offset: int, tile: int,
+    ) -> torch.Tensor:
+        scale, bias = _scalars(logit_scale, logit_bias)
+        num_rows, num_all = image_rows.shape[0], text_features.shape[0]
+        total = image_rows.new_zeros(())
+        negative_diagonal = image_rows.new_zeros(())
+        for i0, i1 in _tiles(num_rows, tile):
+            for j0, j1 in _tiles(num_all, tile):
+                negative_z = _logits(image_rows[i0:i1], text_features[j0:j1], -scale, -bias)
+                negative_diagonal += _diagonal_sum(negative_z, row_offset + i0, j0)
+                # softplus(z) = −log σ(−z), exact for every z (torch's softplus switches to z above 20)
+                total -= F.logsigmoid(negative_z).sum()
+        ctx.save_for_backward(image_rows, text_features, logit_scale, logit_bias)
+        ctx.row_offset, ctx.tile = row_offset, tile
+        return (total + negative_diagonal) / num_all
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        image_rows, text_features, logit_scale, logit_bias = ctx.saved_tensors
+        scale, bias = _scalars(logit_scale, logit_bias)
+        num_rows, num_all, offset = image_rows.shape[0], text_features.shape[0], ctx.row_offset
+        grad_x, grad_y = torch.zeros_like(image_rows), torch.zeros_like(text_features)
+        bias_sum = image_rows.new_zeros(())
+        for i0, i1 in _tiles(num_rows, ctx.tile):
+            x = image_rows[i0:i1]
+            for j0, j1 in _tiles(num_all, ctx.tile):
+                y = text_features[j0:j1]
+                probs = _logits(x, y, scale, bias).sigmoid_()
+                grad_x[i0:i1].addmm_(probs, y)
+                grad_y[j0:j1].addmm_(probs.T, x)
+                if logit_bias is not None:
+                    bias_sum += probs.sum()
+        grad_x.sub_(text_features[offset : offset + num_rows])
+        grad_y[offset : offset + num_rows].sub_(image_rows)
+        bias_sum -= num_rows
+        grads = _scalar_grads(ctx, grad_out, grad_x, grad_y, bias_sum, image_rows, logit_scale, logit_bias,
+                              scale, num_all)
+        return (*grads, None, None)
+
+
+@runtime_checkable
+class ShardedLoss(Protocol):
+    """A loss the window can split over ranks (see the module docstring for what `sharded` returns)."""
+
+    def sharded(
+        self,
+        image_rows: torch.Tensor,
+        text_features: torch.Tensor,
+        logit_scale: torch.Tensor,
+        logit_bias: torch.Tensor | None = None,
+        *,
+        row_offset: int,
+        reduce_column_lse: Callable[[torch.Tensor], torch.Tensor] = _identity,
+    ) -> torch.Tensor: ...
+
+
 class ClipLoss(nn.Module):
-    """Mean of image→text and text→image cross-entropy over `N` pairs (Radford et al. 2021)."""
+    """Mean of image→text and text→image cross-entropy over `N` pairs (Radford et al. 2021), tiled.
+
+    tile_size: rows/columns of one logit block; memory is O(N·D + tile²) whatever `N`."""
+
+    def __init__(self, tile_size: int = DEFAULT_TILE_SIZE) -> None:
+        super().__init__()
+        self.tile_size = _check_tile_size(tile_size)
 
     def forward(
         self,
@@ -33,13 +283,36 @@ class ClipLoss(nn.Module):
         logit_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """image_features, text_features: `[N, D]`; logit_scale: exponentiated scalar → scalar loss."""
-        logits_per_image = pairwise_logits(image_features, text_features, logit_scale, logit_bias)
-        labels = torch.arange(logits_per_image.shape[0], device=logits_per_image.device)
-        return (F.cross_entropy(logits_per_image, labels) + F.cross_entropy(logits_per_image.T, labels)) / 2
+        if image_features.shape[0] != text_features.shape[0]:
+            raise ValueError(f"{image_features.shape[0]} image rows but {text_features.shape[0]} text rows")
+        return self.sharded(image_features, text_features, logit_scale, logit_bias, row_offset=0)
+
+    def sharded(
+        self,
+        image_rows: torch.Tensor,
+        text_features: torch.Tensor,
+        logit_scale: torch.Tensor,
+        logit_bias: torch.Tensor | None = None,
+        *,
+        row_offset: int,
+        reduce_column_lse: Callable[[torch.Tensor], torch.Tensor] = _identity,
+    ) -> torch.Tensor:
+        """This rank's part of L: image_rows `[n, D]` are rows `[row_offset, row_offset + n)` of the window,
+        text_features `[N, D]` all of its texts; reduce_column_lse maps this rank's `[N]` partial column
+        log-sum-exps to the log-sum-exp over all ranks (identity in one process)."""
+        _check_shapes(image_rows, text_features, row_offset)
+        return _TiledClip.apply(image_rows, text_features, logit_scale, logit_bias, row_offset, self.tile_size,
+                                reduce_column_lse)
 
 
 class SigLipLoss(nn.Module):
-    """Pairwise sigmoid loss over all `N×N` pairs, normalised by `N` (Zhai et al. 2023)."""
+    """Pairwise sigmoid loss over all `N×N` pairs, normalised by `N` (Zhai et al. 2023), tiled.
+
+    tile_size: rows/columns of one logit block; memory is O(N·D + tile²) whatever `N`."""
+
+    def __init__(self, tile_size: int = DEFAULT_TILE_SIZE) -> None:
+        super().__init__()
+        self.tile_size = _check_tile_size(tile_size)
 
     def forward(
         self,
@@ -49,13 +322,26 @@ class SigLipLoss(nn.Module):
         logit_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """image_features, text_features: `[N, D]`; logit_scale exponentiated; logit_bias scalar."""
-        logits = pairwise_logits(image_features, text_features, logit_scale, logit_bias)
-        num_pairs = logits.shape[0]
-        # +1 on the diagonal (matching pairs), -1 everywhere else
-        labels = 2 * torch.eye(num_pairs, device=logits.device, dtype=logits.dtype) - 1
-        return -F.logsigmoid(labels * logits).sum() / num_pairs
+        if image_features.shape[0] != text_features.shape[0]:
+            raise ValueError(f"{image_features.shape[0]} image rows but {text_features.shape[0]} text rows")
+        return self.sharded(image_features, text_features, logit_scale, logit_bias, row_offset=0)
+
+    def sharded(
+        self,
+        image_rows: torch.Tensor,
+        text_features: torch.Tensor,
+        logit_scale: torch.Tensor,
+        logit_bias: torch.Tensor | None = None,
+        *,
+        row_offset: int,
+        reduce_column_lse: Callable[[torch.Tensor], torch.Tensor] = _identity,
+    ) -> torch.Tensor:
+        """This rank's part of L (rows `[row_offset, row_offset + n)` against all `N` texts); the rows are
+        independent, so `reduce_column_lse` is not needed (it is accepted for a common signature)."""
+        _check_shapes(image_rows, text_features, row_offset)
+        return _TiledSigLip.apply(image_rows, text_features, logit_scale, logit_bias, row_offset, self.tile_size)
 
 
-def create_loss(siglip: bool) -> nn.Module:
-    """The loss that matches the model family."""
-    return SigLipLoss() if siglip else ClipLoss()
+def create_loss(siglip: bool, tile_size: int = DEFAULT_TILE_SIZE) -> nn.Module:
+    """The loss that matches the model family (tiled; `tile_size` tunes speed, not results)."""
+    return SigLipLoss(tile_size) if siglip else ClipLoss(tile_size)

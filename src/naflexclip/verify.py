@@ -25,7 +25,7 @@ from naflexclip.batch import batch_size, concat_microbatches, split_batch, to_de
 from naflexclip.data import DataError, add_data_args, build_loader, data_config_from_args
 from naflexclip.distributed import DEVICE_CHOICES, check_device
 from naflexclip.legacy import per_microbatch_scale_gradients
-from naflexclip.loss import create_loss
+from naflexclip.loss import DEFAULT_TILE_SIZE, create_loss
 from naflexclip.model import PRESETS, create_model
 from naflexclip.train.checkpoint import load_checkpoint_model
 from naflexclip.window import METHODS, SCALE_MODES, accumulate_gradients, window_loss_scale
@@ -254,6 +254,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="reference batch size B_ref (default 4)")
     parser.add_argument("--naflex-loss-scale", default=None, choices=SCALE_MODES, help="default: linear")
     parser.add_argument("--accum-method", default="all", choices=(*METHODS, "all"))
+    parser.add_argument("--loss-tile-size", type=int, default=DEFAULT_TILE_SIZE,
+                        help="rows/columns of one block of the tiled loss (speed only)")
     parser.add_argument("--splits", type=int, default=3, help="random splits of the window to check")
     parser.add_argument("--num-examples", type=int, default=None,
                         help="random window: examples in it (default: accum-freq × batch-size)")
@@ -330,6 +332,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--device: {args.device!r} requested but CUDA is not available")
         device = torch.device(args.device)
         setup = _setup(args)
+        loss_fn = create_loss(setup.siglip, tile_size=args.loss_tile_size)
         dtype = torch.float64 if args.dtype == "float64" else torch.float32
         torch.manual_seed(args.seed)
         # eval: dropout would make the full batch and the splits draw different masks
@@ -350,7 +353,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     methods = list(METHODS) if args.accum_method == "all" else [args.accum_method]
     result = verify_window(
-        model, create_loss(setup.siglip), batch, accum_freq=setup.accum_freq,
+        model, loss_fn, batch, accum_freq=setup.accum_freq,
         reference_batch_size=setup.reference_batch_size, loss_scale=setup.loss_scale, methods=methods,
         num_splits=args.splits, seed=args.seed, first_split=first_split, grad_checkpointing=args.grad_checkpointing,
     )

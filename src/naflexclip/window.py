@@ -12,7 +12,9 @@ split into microbatches and ranks. See docs/accumulation.md for the math.
 Phases (GradCache, Gao et al. 2021, https://arxiv.org/abs/2101.06983):
   cache  — forward every microbatch without grad, recording its RNG state;
   loss   — `s · L(W)` once over the cached features; backward gives every feature row's gradient and
-           the gradient of `logit_scale`/`logit_bias` (counted here, once);
+           the gradient of `logit_scale`/`logit_bias` (counted here, once). With R ranks and a
+           `ShardedLoss` (the default losses) each rank computes only its own rows' block of the loss
+           (~N²/R work); the text-row gradients it gives other ranks go to them in one reduce-scatter;
   replay — per microbatch: restore RNG, forward with grad, backward the cached row gradients.
 The `replay` method (OpenCLIP's scheme) instead differentiates `s · L(W)` once per microbatch with
 that microbatch's rows live and the others cached; `logit_scale`/`logit_bias` are live in one replay.
@@ -34,6 +36,7 @@ import torch
 from torch import nn
 
 from naflexclip.batch import batch_size, is_naflex
+from naflexclip.loss import ShardedLoss
 
 SCALE_MODES = ("none", "linear", "sqrt")
 METHODS = ("cache", "replay")
@@ -93,6 +96,14 @@ class WindowExchange(Protocol):
         """Concatenate every rank's `[rows_r, ...]` tensor in rank order (no autograd)."""
         ...
 
+    def reduce_scatter_rows(self, rows: torch.Tensor, rows_per_rank: Sequence[int]) -> torch.Tensor:
+        """Sum every rank's `[N, ...]` tensor and return this rank's rows of the sum (no autograd)."""
+        ...
+
+    def sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """The elementwise sum of every rank's `values` (no autograd)."""
+        ...
+
 
 class LocalExchange:
     """The single-process exchange: this process is the whole window."""
@@ -105,6 +116,12 @@ class LocalExchange:
 
     def gather_rows(self, local_rows: torch.Tensor, rows_per_rank: Sequence[int]) -> torch.Tensor:
         return local_rows
+
+    def reduce_scatter_rows(self, rows: torch.Tensor, rows_per_rank: Sequence[int]) -> torch.Tensor:
+        return rows
+
+    def sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        return values
 
 
 class RngState:
@@ -158,7 +175,7 @@ def _tensors(microbatch: dict[str, Any]) -> list[torch.Tensor]:
 
 
 def _loss_precision(t: torch.Tensor) -> torch.Tensor:
-    # the N×N loss is computed in at least float32 even when the towers ran in bf16/fp16
+    # the loss is computed in at least float32 even when the towers ran in bf16/fp16
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
@@ -191,6 +208,7 @@ class _Window:
     autocast: Callable[[], ContextManager[Any]]
     grad_scaler: Any
     rows_per_rank: list[int]
+    sharded: bool  # each rank computes only its own rows' block of the loss
 
     def forward(self, microbatch: dict[str, Any]) -> dict[str, torch.Tensor]:
         with self.autocast():
@@ -233,21 +251,32 @@ class _Window:
 
     def window_loss(self, features: dict[str, torch.Tensor]) -> torch.Tensor:
         """L(W) over the whole window (all ranks' rows) — unscaled."""
-        return self.loss_fn(
-            _loss_precision(features["image_features"]),
-            _loss_precision(features["text_features"]),
-            _loss_precision(features["logit_scale"]),
-            _loss_precision(features["logit_bias"]) if features.get("logit_bias") is not None else None,
-        )
+        return self.loss_fn(*_loss_inputs(features))
+
+    def reduce_column_lse(self, partial: torch.Tensor) -> torch.Tensor:
+        """`[N]` column log-sum-exps over this rank's rows → over every rank's rows (N numbers per rank)."""
+        return self.exchange.gather_rows(partial[None], [1] * self.exchange.world_size).logsumexp(dim=0)
 
 
-def _run_cache(window: _Window) -> torch.Tensor:
-    states, local = window.cache()
-    # phase 2: s·L(W) once, on detached leaves for every row of every rank
+def _loss_inputs(features: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    bias = features.get("logit_bias")
+    return (
+        _loss_precision(features["image_features"]),
+        _loss_precision(features["text_features"]),
+        _loss_precision(features["logit_scale"]),
+        _loss_precision(bias) if bias is not None else None,
+    )
+
+
+def _scalar_leaves(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {key: local[key].detach().requires_grad_() for key in SCALAR_KEYS if key in local}
+
+
+def _whole_loss(window: _Window, local: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict, dict]:
+    """Phase 2 with every rank computing all of L(W) (one process, or a loss that cannot be sharded):
+    returns L(W), this rank's row gradients and the scalar gradients."""
     leaves = {key: window.gather(local[key]).detach().requires_grad_() for key in FEATURE_KEYS}
-    for key in SCALAR_KEYS:
-        if key in local:
-            leaves[key] = local[key].detach().requires_grad_()
+    leaves.update(_scalar_leaves(local))
     loss = window.window_loss(leaves)
     # the leaves are detached from the towers: this backward touches no parameter
     window.scaled_for_backward(loss).backward()
@@ -259,6 +288,47 @@ def _run_cache(window: _Window) -> torch.Tensor:
     }
     # every rank computed the same scalar gradients: the average over ranks is that value, once
     scalar_grads = {key: leaves[key].grad for key in SCALAR_KEYS if key in leaves}
+    return loss.detach(), row_grads, scalar_grads
+
+
+def _sharded_loss(window: _Window, local: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict, dict]:
+    """Phase 2 split over ranks: this rank's block of logit rows (its images against every text).
+
+    Its backward gives the gradient of the whole L(W) through the block: complete for this rank's
+    image rows, a partial sum for every text row and for `logit_scale`/`logit_bias`. The text-row
+    partials go to their owners summed (one reduce-scatter), the scalar partials and the per-rank loss
+    values are summed over ranks (one all-reduce of a few numbers), so every rank ends with the same
+    L(W) and scalar gradients as in the unsharded phase."""
+    exchange, world = window.exchange, window.exchange.world_size
+    leaves = {
+        # only the texts are gathered: this rank's rows of the logit matrix need only its own images
+        "image_features": local["image_features"].detach().requires_grad_(),
+        "text_features": window.gather(local["text_features"]).detach().requires_grad_(),
+    }
+    leaves.update(_scalar_leaves(local))
+    assert isinstance(window.loss_fn, ShardedLoss)
+    part = window.loss_fn.sharded(*_loss_inputs(leaves), row_offset=window.local_offset,
+                                  reduce_column_lse=window.reduce_column_lse)
+    window.scaled_for_backward(part).backward()
+    # × R: DDP/FSDP average the tower gradients over ranks (as in the unsharded phase)
+    row_grads = {
+        "image_features": leaves["image_features"].grad * world,
+        "text_features": exchange.reduce_scatter_rows(leaves["text_features"].grad, window.rows_per_rank) * world,
+    }
+    scalar_keys = [key for key in SCALAR_KEYS if key in leaves]
+    parts = torch.stack([part.detach().double(), *(leaves[key].grad.double().reshape(()) for key in scalar_keys)])
+    summed = exchange.sum_over_ranks(parts)  # Σ_r: L(W), ∂(s·L)/∂t, ∂(s·L)/∂b — counted once
+    scalar_grads = {
+        key: summed[index + 1].to(leaves[key].grad.dtype).reshape(leaves[key].grad.shape)
+        for index, key in enumerate(scalar_keys)
+    }
+    return summed[0], row_grads, scalar_grads
+
+
+def _run_cache(window: _Window) -> torch.Tensor:
+    states, local = window.cache()
+    # phase 2: s·L(W) once, on detached leaves
+    loss, row_grads, scalar_grads = (_sharded_loss if window.sharded else _whole_loss)(window, local)
 
     # phase 3: replay each microbatch with grad and push its cached row gradients into the towers
     start = 0
@@ -277,7 +347,7 @@ def _run_cache(window: _Window) -> torch.Tensor:
                 surrogate = surrogate + sum((out[key] * grad).sum() for key, grad in scalar_grads.items())
             surrogate.backward()
         start += size
-    return loss.detach()
+    return loss
 
 
 def _run_replay(window: _Window) -> torch.Tensor:
@@ -326,7 +396,9 @@ def accumulate_gradients(
     """Add `s(W)·∇θ L(W)` for this window to the parameters' `.grad` (no optimizer step).
 
     model: any module whose `forward(image=, text=)` returns OpenCLIP's output dict.
-    loss_fn: `loss(image_features, text_features, logit_scale, logit_bias=None)` over `[N, D]` rows.
+    loss_fn: `loss(image_features, text_features, logit_scale, logit_bias=None)` over `[N, D]` rows; one
+        that also has the per-rank form (`naflexclip.loss.ShardedLoss`: `ClipLoss`, `SigLipLoss`) is split
+        over ranks in the `cache` method; any other is computed whole on every rank.
     microbatches: this rank's microbatches of the window, in order (sizes may differ).
     loss_scale / reference_batch_size: `--naflex-loss-scale` / `--batch-size`; dense windows scale 1.
     method: `cache` (gradient caching, default) or `replay` (OpenCLIP's scheme); both exact.
@@ -355,6 +427,7 @@ def accumulate_gradients(
         autocast=autocast or contextlib.nullcontext,
         grad_scaler=grad_scaler,
         rows_per_rank=[sum(rank_sizes) for rank_sizes in sizes_per_rank],
+        sharded=exchange.world_size > 1 and isinstance(loss_fn, ShardedLoss),
     )
     loss = _run_cache(window) if method == "cache" else _run_replay(window)
     return WindowStats(

@@ -58,6 +58,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--accum-freq", type=int, default=_default("accum_freq"),
                    help="microbatches per optimizer step (one window; every example is a negative for every other)")
     g.add_argument("--accum-method", default=_default("accum_method"), choices=METHODS)
+    g.add_argument("--loss-tile-size", type=int, default=_default("loss_tile_size"),
+                   help="rows/columns of one block of the tiled loss (speed only; memory O(N·D + tile²))")
     g.add_argument("--naflex-loss-scale", default=_default("naflex_loss_scale"), choices=SCALE_MODES)
     o = parser.add_argument_group("optimization")
     o.add_argument("--lr", type=float, default=_default("lr"), help="peak learning rate")
@@ -124,7 +126,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         resume_fresh=args.resume_fresh,
         report_to=args.report_to, log_every_n_steps=args.log_every_n_steps, val_frequency=args.val_frequency,
         device=args.device, max_skipped_steps=args.max_skipped_steps, fsdp=args.fsdp,
-        dist_timeout=args.dist_timeout, plot=not args.no_plot,
+        dist_timeout=args.dist_timeout, plot=not args.no_plot, loss_tile_size=args.loss_tile_size,
         zero_shot_samples=args.zero_shot_samples, pretrained=args.pretrained,
         grad_checkpointing=args.grad_checkpointing, torchcompile=args.torchcompile,
     )

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from naflexclip.data import DataConfig
+from naflexclip.loss import DEFAULT_TILE_SIZE
 from naflexclip.model import PRESETS
 from naflexclip.window import METHODS, SCALE_MODES
 
@@ -31,6 +32,7 @@ class TrainConfig:
     batch_size: int | None = None
     accum_freq: int = 2
     accum_method: str = "cache"
+    loss_tile_size: int = DEFAULT_TILE_SIZE
     naflex_loss_scale: str = "none"
     lr: float = 1e-3
     wd: float = 0.1
@@ -87,6 +89,7 @@ class TrainConfig:
     def _check_counts(self) -> None:
         for flag, value, minimum in (
             ("--accum-freq", self.accum_freq, 1),
+            ("--loss-tile-size", self.loss_tile_size, 1),
             ("--epochs", self.epochs, 1),
             ("--warmup", self.warmup, 0),
             ("--save-frequency", self.save_frequency, 0),

@@ -166,7 +166,7 @@ class Trainer:
         # the data order does not depend on it (the loader seeds itself from --seed, epoch and position)
         seed_everything(cfg.seed + env.rank)
         self.module = unwrap_model(self.model)
-        self.loss_fn = create_loss(cfg.siglip)
+        self.loss_fn = create_loss(cfg.siglip, tile_size=cfg.loss_tile_size)
         # every window's size exchange also checks that the ranks agree on step, epoch and having data
         self.exchange = window_exchange(env, equal_counts=cfg.fsdp)
         self.optimizer = create_optimizer(self.model, lr=cfg.lr, weight_decay=cfg.wd, betas=(cfg.beta1, cfg.beta2),
