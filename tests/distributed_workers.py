@@ -13,6 +13,9 @@ Scenarios:
   raise     — rank 1 raises mid-window; rank 0 must fail with a message naming rank 1 and its error.
   agree     — ranks meet a window's size exchange at different steps/epochs, or one with no data left:
               every rank raises the same RanksDisagree at once; a Trainer draws per-rank random streams.
+  shard     — the loss split over ranks with small tiles (4 ranks): cache and replay windows, CLIP and SigLIP,
+              every scale mode, uneven sizes and counts, against the single-process full batch with the dense
+              loss; teeth (no reduce-scatter, unsummed logit_scale/bias); an FSDP2 window.
 """
 
 from __future__ import annotations
@@ -41,6 +44,11 @@ SPLITS: dict[int, list[list[list[int]]]] = {
 # ranks holding different numbers of microbatches (an epoch's end): allowed by the window
 UNEVEN_COUNT_SPLIT: dict[int, list[list[int]]] = {2: [[2, 3], [1, 1, 3]], 3: [[2, 3], [1], [1, 1, 2]]}
 TIMEOUT_S = 20.0  # short collective timeout for the fault scenarios
+# the `shard` scenario: a 4-rank window cut with equal and with unequal microbatch counts, in 2-row loss tiles
+SHARD_SPLITS: dict[int, list[list[list[int]]]] = {
+    4: [[[1, 2], [2, 1], [1, 1], [1, 1]], [[3], [1, 2], [1], [1, 1, 1]]],
+}
+SHARD_TILE_SIZE = 2
 
 
 # ----------------------------------------------------------------------------------------- parent side
@@ -551,6 +559,98 @@ def _full_sum(param: torch.Tensor) -> float:
     return float(value.detach().double().sum())
 
 
+class _ExchangeVariant:
+    """Teeth: the real exchange with one of its collectives replaced by a wrong one."""
+
+    def __init__(self, inner: Any, **replaced: Callable[..., Any]) -> None:
+        self.inner, self.replaced = inner, replaced
+
+    def __getattr__(self, name: str) -> Any:
+        return self.replaced[name] if name in self.replaced else getattr(self.inner, name)
+
+
+def scenario_shard(env: Any) -> dict[str, Any]:
+    from naflexclip.batch import concat_microbatches, split_batch
+    from naflexclip.distributed import no_sync_context, window_exchange, wrap_model
+    from naflexclip.loss import clip_loss_dense, create_loss, siglip_loss_dense
+    from naflexclip.model import create_model
+    from naflexclip.verify import full_batch_gradients, random_naflex_batch
+    from naflexclip.window import accumulate_gradients, window_loss_scale
+
+    world = env.world_size
+    batch = random_naflex_batch(
+        NUM_EXAMPLES, patch_size=4, context_length=16, generator=torch.Generator().manual_seed(321)
+    )
+    results: dict[str, Any] = {"exact": {}, "loss": {}, "teeth": {}}
+
+    def build(siglip: bool) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return create_model("tiny", siglip=siglip).double()
+
+    def reference(siglip: bool, mode: str, split: list[list[int]]) -> tuple[dict[str, torch.Tensor], float]:
+        """s(W)·∇L(W) and L(W) of the whole window in one process, with the dense (N×N) loss."""
+        sizes = [size for rank_sizes in split for size in rank_sizes]
+        full = concat_microbatches(split_batch(batch, sizes))
+        dense = siglip_loss_dense if siglip else clip_loss_dense
+        model = build(siglip)
+        grads = full_batch_gradients(model, dense, full, window_loss_scale(sizes, REFERENCE_BATCH_SIZE, mode))
+        with torch.no_grad():
+            out = model(**full)
+            loss = dense(out["image_features"], out["text_features"], out["logit_scale"], out.get("logit_bias"))
+        return grads, float(loss)
+
+    exchange = window_exchange(env)
+    # (split, method, mode): every mode, both methods, and ranks holding different numbers of microbatches
+    configs = [(0, "cache", "none"), (0, "cache", "linear"), (0, "cache", "sqrt"), (0, "replay", "sqrt"),
+               (1, "cache", "linear"), (1, "replay", "none")]
+    def window(model: Any, loss_fn: Any, split_index: int, method: str, mode: str, exch: Any) -> Any:
+        model.zero_grad(set_to_none=True)
+        return accumulate_gradients(
+            model, loss_fn, _local_microbatches(batch, SHARD_SPLITS[world][split_index], env.rank), loss_scale=mode,
+            reference_batch_size=REFERENCE_BATCH_SIZE, method=method, exchange=exch, no_sync=no_sync_context(model),
+        )
+
+    offset = sum(sum(rank_sizes) for rank_sizes in SHARD_SPLITS[world][0][: env.rank])
+    rows = sum(SHARD_SPLITS[world][0][env.rank])
+    wrong = {
+        # each rank keeps its own block's gradient for its text rows: the other ranks' terms are lost
+        "no_reduce_scatter": _ExchangeVariant(
+            exchange, reduce_scatter_rows=lambda grad, _: grad[offset : offset + rows]
+        ),
+        # each rank keeps its own block's logit_scale/logit_bias gradient (and loss): not summed over ranks
+        "unsummed_scalars": _ExchangeVariant(exchange, sum_over_ranks=lambda values: values),
+    }
+    for siglip in (False, True):
+        _log(env, f"shard siglip={siglip}")
+        model = wrap_model(build(siglip), env)
+        loss_fn = create_loss(siglip, tile_size=SHARD_TILE_SIZE)
+        for split_index, method, mode in configs:
+            stats = window(model, loss_fn, split_index, method, mode, exchange)
+            grads, loss = reference(siglip, mode, SHARD_SPLITS[world][split_index])
+            name = f"siglip={siglip}/split={split_index}/{method}/{mode}"
+            results["exact"][name] = _errors(_gradients(model), grads)
+            results["loss"][name] = abs(stats.loss - loss) / abs(loss)
+        grads, _ = reference(siglip, "none", SHARD_SPLITS[world][0])
+        scalar_grads = {key: value for key, value in grads.items() if key.startswith("logit_")}
+        for teeth_name, variant in wrong.items():
+            window(model, loss_fn, 0, "cache", "none", variant)
+            ours = _gradients(model)
+            results["teeth"][f"siglip={siglip}/{teeth_name}"] = {
+                "all": _errors(ours, grads),
+                "scalars": _errors({key: ours[key] for key in scalar_grads}, scalar_grads),
+            }
+
+    _log(env, "fsdp")
+    # FSDP2 (equal microbatch counts, which its exchange requires): the sharded loss with small tiles is exact
+    model = wrap_model(build(False), env, fsdp=True)
+    model.zero_grad(set_to_none=True)
+    accumulate_gradients(model, create_loss(False, tile_size=SHARD_TILE_SIZE),
+                         _local_microbatches(batch, SHARD_SPLITS[world][0], env.rank),
+                         exchange=window_exchange(env, equal_counts=True), no_sync=no_sync_context(model))
+    results["fsdp"] = _errors(_gradients(model), reference(False, "none", SHARD_SPLITS[world][0])[0])
+    return results
+
+
 def main() -> None:
     scenario, out_dir = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
@@ -560,6 +660,8 @@ def main() -> None:
     env = init_distributed(device="cpu", timeout_s=TIMEOUT_S if fault or scenario == "agree" else 120.0)
     if scenario == "agree":
         result = scenario_agree(env, out_dir)
+    elif scenario == "shard":
+        result = scenario_shard(env)
     else:
         result = scenario_fault(env, scenario) if fault else scenario_exact(env)
     (out_dir / f"rank{env.rank}.json").write_text(json.dumps(result, indent=1, default=repr))
@@ -575,4 +677,4 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()
 
-__all__ = ["NUM_EXAMPLES", "SPLITS", "TIMEOUT_S", "launch"]
+__all__ = ["NUM_EXAMPLES", "SHARD_SPLITS", "SPLITS", "TIMEOUT_S", "launch"]

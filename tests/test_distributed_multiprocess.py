@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from distributed_workers import SPLITS, TIMEOUT_S, launch
+from distributed_workers import SHARD_SPLITS, SPLITS, TIMEOUT_S, launch
 
 from naflexclip.verify import FLOAT64_TOLERANCE, POS_EMBED_TOLERANCE
 
@@ -123,3 +123,44 @@ def test_failed_rank_is_named_within_the_timeout(how: str, tmp_path: Path) -> No
     step_seconds = float(survivor["stderr"].split("elapsed ")[1].split("s")[0])
     assert step_seconds < TIMEOUT_S + 12, survivor["stderr"][-2000:]
     assert elapsed < TIMEOUT_S + 80
+
+
+# ----------------------------------------------------------------- the loss split over ranks (4 ranks)
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _run("shard", 4, tmp_path_factory)
+
+
+def test_sharded_loss_with_small_tiles_equals_single_process_full_batch(shard: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(shard):
+        cases = result["exact"]
+        # CLIP and SigLIP, cache and replay, every scale mode, ranks with different microbatch counts
+        assert {name.split("/")[0] for name in cases} == {"siglip=False", "siglip=True"}
+        assert {name.split("/")[1] for name in cases} == {f"split={i}" for i in range(len(SHARD_SPLITS[4]))}
+        assert {name.split("/")[2] for name in cases} == {"cache", "replay"}
+        assert {name.split("/")[3] for name in cases} == {"none", "linear", "sqrt"}
+        for name, errors in cases.items():
+            assert errors["missing"] == 0, f"rank {rank} {name}: gradients missing"
+            assert errors["params"] <= FLOAT64_TOLERANCE, f"rank {rank} {name}: {errors}"
+            assert errors["pos_embed"] <= POS_EMBED_TOLERANCE, f"rank {rank} {name}: {errors}"
+            # WindowStats.loss is L(W) of the whole window on every rank, not this rank's part
+            assert result["loss"][name] <= 1e-12, f"rank {rank} {name}: loss off by {result['loss'][name]}"
+
+
+def test_dropping_the_reduce_scatter_or_the_scalar_sum_fails(shard: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(shard):
+        teeth = result["teeth"]
+        assert len(teeth) == 4
+        for name, errors in teeth.items():
+            assert errors["all"]["params"] > TEETH_MIN_ERROR, f"rank {rank}: wrong rule {name} passed: {errors}"
+            if name.endswith("unsummed_scalars"):
+                # the towers are right; logit_scale/logit_bias carry only one rank's block
+                assert errors["scalars"]["params"] > TEETH_MIN_ERROR, (rank, name, errors)
+
+
+def test_fsdp2_window_with_the_sharded_loss_is_exact(shard: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(shard):
+        assert result["fsdp"]["missing"] == 0 and result["fsdp"]["params"] <= FLOAT64_TOLERANCE, (rank, result["fsdp"])
+        assert result["fsdp"]["pos_embed"] <= POS_EMBED_TOLERANCE, (rank, result["fsdp"])
