@@ -222,3 +222,18 @@ def test_mismatched_rows_are_named():
         ClipLoss()(image, text[:3], scale)
     with pytest.raises(ValueError, match=r"image rows \[2, 6\) are not a non-empty part of the 4 text rows"):
         SigLipLoss().sharded(image, text, scale, row_offset=2)
+
+
+def test_loss_tile_size_flag_in_train_and_verify(capsys):
+    from naflexclip.cli import main
+
+    assert main(["train", "--loss-tile-size", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "naflexclip train: error: --loss-tile-size must be >= 1, got 0"
+    assert main(["verify", "--loss-tile-size", "0"]) == 2
+    assert capsys.readouterr().out.strip() == (
+        "naflexclip verify: error: --loss-tile-size / tile_size must be a positive integer, got 0"
+    )
+    # several tiles over the verify window (8 examples in tiles of 3): still exact, cache and replay
+    assert main(["verify", "--loss-tile-size", "3", "--splits", "1", "--accum-freq", "2", "--batch-size", "4"]) == 0
+    assert "FAIL" not in capsys.readouterr().out
