@@ -73,10 +73,22 @@ def test_uneven_counts_pass_but_not_under_fsdp(monkeypatch: pytest.MonkeyPatch) 
         fsdp.gather_sizes([2, 3])
 
 
+def test_ranks_that_failed_between_windows_are_named_with_their_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    exchange = _exchange_seeing(monkeypatch, [[-1, 1, 7, 1], [2, 1, 7, 1], [-1, 1, 7, 1]])
+    reasons = ["OSError: unreadable shard (while reading data for step 7)", None, "DataError: no samples (while x)"]
+    monkeypatch.setattr(distributed.dist, "all_gather_object", lambda out, own: out.__setitem__(slice(None), reasons))
+    with pytest.raises(distributed.RankFailed) as raised:
+        exchange.gather_sizes([2])
+    assert str(raised.value) == ("rank 0 raised OSError: unreadable shard (while reading data for step 7); "
+                                 "rank 2 raised DataError: no samples (while x)")
+
+
 def test_single_process_exchange_accepts_the_agreement_calls() -> None:
     exchange = window_exchange(DistributedEnv(0, 1, 0, torch.device("cpu"), None))
     exchange.set_position(1, 0)
     exchange.end_of_data()
+    exchange.fail(ValueError("nothing to tell"), "reading data")
+    assert distributed.run_on_main(DistributedEnv(0, 1, 0, torch.device("cpu"), None), "evaluating", lambda: 5) == 5
     assert exchange.gather_sizes([3, 1]) == [[3, 1]]
     assert sum_over_ranks(DistributedEnv(0, 1, 0, torch.device("cpu"), None), [3, 4]) == [3, 4]
 

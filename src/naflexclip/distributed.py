@@ -527,7 +527,8 @@ def _record_failure(env: DistributedEnv, error: BaseException) -> None:
 
 T = TypeVar("T")
 _MAIN_WORK_CALLS = itertools.count()  # every rank calls run_on_main in the same order: the same key
-_POLL_S = 0.1
+# the waiting ranks poll the store ever less often (many ranks polling one store), at most once a second
+_POLL_FIRST_S, _POLL_MAX_S = 0.05, 1.0
 
 
 def run_on_main(env: DistributedEnv, what: str, work: Callable[[], T]) -> T | None:
@@ -557,8 +558,10 @@ def run_on_main(env: DistributedEnv, what: str, work: Callable[[], T]) -> T | No
         store.set(key, "ok")
         return result
     try:
+        pause = _POLL_FIRST_S
         while not store.check([key]):
-            time.sleep(_POLL_S)
+            time.sleep(pause)
+            pause = min(_POLL_MAX_S, pause * 1.5)
         outcome = store.get(key).decode(errors="replace")
     except Exception as error:  # the store lives on rank 0 unless torchrun's agent hosts it
         raise DistributedFault(f"rank {env.rank} stopped while rank 0 was {what}: the rendezvous store is "
