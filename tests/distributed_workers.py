@@ -16,6 +16,8 @@ Scenarios:
   shard     — the loss split over ranks with small tiles (4 ranks): cache and replay windows, CLIP and SigLIP,
               every scale mode, uneven sizes and counts, against the single-process full batch with the dense
               loss; teeth (no reduce-scatter, unsummed logit_scale/bias); an FSDP2 window.
+  trainer_faults — a Trainer whose loader raises on rank 1 between windows, and whose rank-0 evaluation
+              outlasts the collective timeout or raises: every rank stops at once naming the rank, or waits.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ SHARD_SPLITS: dict[int, list[list[list[int]]]] = {
     4: [[[1, 2], [2, 1], [1, 1], [1, 1]], [[3], [1, 2], [1], [1, 1, 1]]],
 }
 SHARD_TILE_SIZE = 2
+EVAL_TIMEOUT_S = 5.0  # trainer_faults: a collective timeout that rank 0's slow evaluation outlasts
 
 
 # ----------------------------------------------------------------------------------------- parent side
@@ -551,6 +554,57 @@ def scenario_agree(env: Any, out_dir: Path) -> dict[str, Any]:
     return results
 
 
+def scenario_trainer_faults(env: Any, out_dir: Path) -> dict[str, Any]:
+    """Faults outside the step, each recorded per rank as {error, seconds}; the process group survives them."""
+    from naflexclip.data import DataConfig
+    from naflexclip.distributed import barrier
+    from naflexclip.train import loop
+    from naflexclip.train.config import TrainConfig
+
+    cfg = TrainConfig(data=DataConfig(synthetic_train_size=16, synthetic_val_size=8, naflex_seq_lens=(16,),
+                                      naflex_max_tokens_per_batch=32, workers=0),
+                      model="tiny", epochs=1, accum_freq=2, logs=str(out_dir), name="faults", device="cpu",
+                      zero_shot_samples=8, plot=False, dist_timeout=EVAL_TIMEOUT_S)
+    trainer = loop.Trainer(cfg, env)
+    results: dict[str, Any] = {}
+    real_windows, real_evaluate = loop.windows, loop.evaluate
+
+    def windows_failing_on_rank_1(loader: Any, accum_freq: int) -> Iterator[list[dict[str, Any]]]:
+        for index, window in enumerate(real_windows(loader, accum_freq)):
+            if index == 1 and env.rank == 1:  # e.g. an unreadable shard, at the start of the second window
+                raise OSError("unreadable shard on purpose")
+            yield window
+
+    def evaluate_on_rank_0(how: str) -> Callable[..., dict[str, float]]:
+        def evaluate(*args: Any, **kwargs: Any) -> dict[str, float]:
+            assert env.rank == 0, "only rank 0 evaluates"
+            if how == "raise":
+                raise ValueError("evaluation failed on purpose")
+            time.sleep(EVAL_TIMEOUT_S + 3)  # longer than any collective may wait
+            return real_evaluate(*args, **kwargs)
+        return evaluate
+
+    def attempt(name: str, run: Callable[[], Any]) -> None:
+        start = time.monotonic()
+        try:
+            run()
+            results[name] = {"error": None}
+        except Exception as error:  # noqa: BLE001 - recorded for the parent to check
+            results[name] = {"error": f"{type(error).__name__}: {error}"}
+        results[name]["seconds"] = time.monotonic() - start
+        barrier(env)  # the process group still works: no rank was left inside a collective
+
+    loop.windows = windows_failing_on_rank_1
+    attempt("loader", trainer.train_epoch)
+    loop.windows = real_windows
+    loop.evaluate = evaluate_on_rank_0("sleep")
+    attempt("eval_slow", trainer.run_evaluation)
+    results["eval_slow"]["evals"] = len(trainer.evals)
+    loop.evaluate = evaluate_on_rank_0("raise")
+    attempt("eval_raise", trainer.run_evaluation)
+    return results
+
+
 def _full_sum(param: torch.Tensor) -> float:
     """The sum of a parameter's whole (unsharded) value; a collective for an FSDP2 DTensor."""
     from torch.distributed.tensor import DTensor
@@ -657,11 +711,14 @@ def main() -> None:
     from naflexclip.distributed import cleanup, init_distributed
 
     fault = scenario in ("kill", "raise")
-    env = init_distributed(device="cpu", timeout_s=TIMEOUT_S if fault or scenario == "agree" else 120.0)
+    timeout_s = EVAL_TIMEOUT_S if scenario == "trainer_faults" else TIMEOUT_S if fault or scenario == "agree" else 120.0
+    env = init_distributed(device="cpu", timeout_s=timeout_s)
     if scenario == "agree":
         result = scenario_agree(env, out_dir)
     elif scenario == "shard":
         result = scenario_shard(env)
+    elif scenario == "trainer_faults":
+        result = scenario_trainer_faults(env, out_dir)
     else:
         result = scenario_fault(env, scenario) if fault else scenario_exact(env)
     (out_dir / f"rank{env.rank}.json").write_text(json.dumps(result, indent=1, default=repr))
@@ -677,4 +734,4 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()
 
-__all__ = ["NUM_EXAMPLES", "SHARD_SPLITS", "SPLITS", "TIMEOUT_S", "launch"]
+__all__ = ["EVAL_TIMEOUT_S", "NUM_EXAMPLES", "SHARD_SPLITS", "SPLITS", "TIMEOUT_S", "launch"]

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from conftest_data import image_bytes
-from distributed_workers import TIMEOUT_S, launch
+from distributed_workers import EVAL_TIMEOUT_S, TIMEOUT_S, launch
 
 import naflexclip.distributed as distributed
 from naflexclip.cli import main
@@ -73,10 +73,22 @@ def test_uneven_counts_pass_but_not_under_fsdp(monkeypatch: pytest.MonkeyPatch) 
         fsdp.gather_sizes([2, 3])
 
 
+def test_ranks_that_failed_between_windows_are_named_with_their_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    exchange = _exchange_seeing(monkeypatch, [[-1, 1, 7, 1], [2, 1, 7, 1], [-1, 1, 7, 1]])
+    reasons = ["OSError: unreadable shard (while reading data for step 7)", None, "DataError: no samples (while x)"]
+    monkeypatch.setattr(distributed.dist, "all_gather_object", lambda out, own: out.__setitem__(slice(None), reasons))
+    with pytest.raises(distributed.RankFailed) as raised:
+        exchange.gather_sizes([2])
+    assert str(raised.value) == ("rank 0 raised OSError: unreadable shard (while reading data for step 7); "
+                                 "rank 2 raised DataError: no samples (while x)")
+
+
 def test_single_process_exchange_accepts_the_agreement_calls() -> None:
     exchange = window_exchange(DistributedEnv(0, 1, 0, torch.device("cpu"), None))
     exchange.set_position(1, 0)
     exchange.end_of_data()
+    exchange.fail(ValueError("nothing to tell"), "reading data")
+    assert distributed.run_on_main(DistributedEnv(0, 1, 0, torch.device("cpu"), None), "evaluating", lambda: 5) == 5
     assert exchange.gather_sizes([3, 1]) == [[3, 1]]
     assert sum_over_ranks(DistributedEnv(0, 1, 0, torch.device("cpu"), None), [3, 4]) == [3, 4]
 
@@ -229,3 +241,79 @@ def test_a_missing_image_on_one_rank_ends_in_seconds_not_at_the_timeout(tmp_path
         "rank 1: step 2, epoch 0, no microbatches left (the ranks' data ended at different points)"
     ), ours
     assert "Traceback" not in "\n".join(line for line in result.stderr.splitlines() if "[rank" in line)
+
+
+# ------------------------------------------------------------- faults outside the step, real processes
+
+
+@pytest.fixture(scope="module")
+def trainer_faults(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out_dir = tmp_path_factory.mktemp("trainer_faults")
+    reports = launch("trainer_faults", 2, Path(out_dir), timeout_s=120)
+    for rank, report in enumerate(reports):
+        assert report["returncode"] == 0, f"rank {rank} exited {report['returncode']}:\n{report['stderr'][-4000:]}"
+    return [report["result"] for report in reports]
+
+
+@pytest.mark.slow
+def test_a_loader_error_on_one_rank_stops_every_rank_at_once_naming_it(trainer_faults: list[dict[str, Any]]) -> None:
+    rank0, rank1 = (result["loader"] for result in trainer_faults)
+    assert rank1["error"] == "OSError: unreadable shard on purpose"  # the failing rank raises its own error
+    assert rank0["error"] == ("RankFailed: rank 1 raised OSError: unreadable shard on purpose "
+                              "(while reading data for step 2)")
+    # at the next size exchange, not at the collective timeout
+    assert rank0["seconds"] < EVAL_TIMEOUT_S and rank1["seconds"] < EVAL_TIMEOUT_S, (rank0, rank1)
+
+
+@pytest.mark.slow
+def test_an_evaluation_longer_than_the_collective_timeout_is_waited_for(trainer_faults: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(trainer_faults):
+        assert result["eval_slow"]["error"] is None, (rank, result["eval_slow"])
+        assert result["eval_slow"]["seconds"] > EVAL_TIMEOUT_S
+    assert [result["eval_slow"]["evals"] for result in trainer_faults] == [1, 0]  # rank 0 evaluated
+
+
+@pytest.mark.slow
+def test_an_evaluation_error_on_rank_0_reaches_the_others_at_once(trainer_faults: list[dict[str, Any]]) -> None:
+    rank0, rank1 = (result["eval_raise"] for result in trainer_faults)
+    assert rank0["error"] == "ValueError: evaluation failed on purpose"
+    assert rank1["error"] == "RankFailed: rank 0 raised ValueError: evaluation failed on purpose (while evaluating)"
+    assert rank1["seconds"] < EVAL_TIMEOUT_S / 2, rank1
+
+
+def _tsv_with_one_corrupt_image(folder: Path) -> Path:
+    rows = ["filepath\ttitle"]
+    for index in range(8):
+        path = folder / f"img{index}.png"
+        # exists but does not decode: found while reading, so one rank is a microbatch short at its epoch's end
+        path.write_bytes(b"not an image" if index == 5 else image_bytes(24, 16, "PNG", seed=index))
+        rows.append(f"{path}\tcaption {index}")
+    (folder / "train.tsv").write_text("\n".join(rows) + "\n")
+    return folder / "train.tsv"
+
+
+@pytest.mark.slow
+def test_a_rank_whose_loader_raises_stops_every_rank_in_seconds_naming_it(tmp_path: Path) -> None:
+    """2 ranks, one pair per microbatch, one image that does not decode: one rank's loader raises a DataError
+    (it has fewer usable samples than microbatches) while the other waits at the next window's size exchange.
+    The failing rank prints its own error; the other names it, in one line, long before --dist-timeout."""
+    timeout = 60
+    train_data = _tsv_with_one_corrupt_image(tmp_path)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "naflexclip",
+           "train", "--model", "tiny", "--epochs", "1", "--accum-freq", "3", "--warmup", "1", "--device", "cpu",
+           "--train-data", str(train_data), "--naflex-seq-lens", "16", "--naflex-max-tokens-per-batch", "16",
+           "--workers", "0", "--zero-shot-samples", "8", "--no-plot", "--dist-timeout", str(timeout),
+           "--logs-dir", str(tmp_path / "logs"), "--name", "run"]
+    start = time.monotonic()
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout * 3,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0 and elapsed < timeout / 2, f"{elapsed:.0f}s:\n{result.stderr[-3000:]}"
+    ours = [line for line in result.stderr.splitlines() if line.startswith("naflexclip train:")]
+    own = [line for line in ours if line.startswith("naflexclip train: error: ")]
+    assert len(own) == 1 and len(ours) == 2, result.stderr[-3000:]
+    failed = int(own[0].split(": rank ")[1].split()[0])
+    cause = own[0].removeprefix("naflexclip train: error: ")
+    assert "fewer usable samples" in cause
+    others = [line for line in ours if line not in own]
+    assert others == [f"naflexclip train: rank {failed} raised DataError: {cause} (while reading data for step 2)"]

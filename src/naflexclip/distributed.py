@@ -10,9 +10,12 @@ The window (naflexclip.window) holds the math; this module only hands it what it
 - `window_exchange` → `ProcessGroupExchange`: every rank's microbatch sizes, and one no-grad
   all-gather of feature rows with uneven per-rank row counts (pad to the largest, then trim). The size
   exchange meets every rank every window, so it also checks that the ranks agree on the step and epoch
-  and that every rank has data (`RanksDisagree` on every rank at once, never a wait until the timeout);
+  and that every rank has data (`RanksDisagree` on every rank at once, never a wait until the timeout),
+  and carries the error of a rank that failed between windows (`fail`: e.g. its loader raised);
   FSDP's equal microbatch counts are checked there too. The sharded loss's row gradients go back to
   their owners with `reduce_scatter_rows`, its per-rank values with `sum_over_ranks` (a few numbers).
+- `run_on_main`: work only rank 0 does (evaluation, checkpoint writing) while the others wait on the
+  rendezvous store, with no collective timeout, and learn of rank 0's error at once.
 - `check_consistency` / `any_rank_true` / `sum_over_ranks`: ranks agree on step/window/schedule, skip
   the same steps, and sum the counters the logs show.
 - `fault_guard`: a rank that raises records why in the rendezvous store; a rank whose collective fails
@@ -25,13 +28,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
+import itertools
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -270,9 +274,15 @@ class RanksDisagree(DistributedFault):
     every rank raises the same one-line message at once (no rank is left waiting in a collective)."""
 
 
+class RankFailed(DistributedFault):
+    """Another rank raised between windows (e.g. in its loader) and said so at the size exchange; the message
+    names the rank and its error. The failing rank itself re-raises its own error."""
+
+
 # the fixed-size header every rank contributes to a window's first all-gather:
-# [microbatches, position set?, step, epoch]
+# [microbatches, position set?, step, epoch]; microbatches is FAILED for a rank that raised (`fail`)
 _HEADER_FIELDS = 4
+FAILED = -1
 
 
 class ProcessGroupExchange:
@@ -306,6 +316,16 @@ class ProcessGroupExchange:
         """
         self._meet(0)
 
+    def fail(self, error: BaseException, what: str) -> None:
+        """This rank raised outside the window (`what`, e.g. "reading data for step 3"): meet the other ranks'
+        next size exchange with the error instead of leaving them waiting there until the timeout. Every
+        other rank raises `RankFailed` naming this rank and its error; this one returns, for the caller to
+        re-raise its own error. Only on the failure path: one small extra all-gather of the reasons."""
+        try:
+            self._meet(FAILED, f"{_one_line(error)} (while {what})")
+        except DistributedFault:
+            pass  # its own error says more; a collective failure here leaves the others to the roll call
+
     def gather_sizes(self, local_sizes: Sequence[int]) -> list[list[int]]:
         """Every rank's microbatch sizes, indexed by rank; ranks may hold different numbers of microbatches."""
         env = self.env
@@ -318,14 +338,22 @@ class ProcessGroupExchange:
             sizes = _all_gather_tensor(env, padded).view(self.world_size, num_max).tolist()
         return [row[:count] for row, count in zip(sizes, counts, strict=True)]
 
-    def _meet(self, count: int) -> list[int]:
-        """One all-gather of every rank's header; the microbatch counts per rank, or `RanksDisagree`."""
+    def _meet(self, count: int, failure: str | None = None) -> list[int]:
+        """One all-gather of every rank's header; the microbatch counts per rank, or `RanksDisagree`, or
+        `RankFailed` when a rank came with an error (`failure`, its one-line reason)."""
         env = self.env
         step, epoch = self._position if self._position is not None else (0, 0)
         header = torch.tensor([count, self._position is not None, step, epoch], dtype=torch.int64)
         with _translate_faults(env, "exchanging microbatch sizes"):
             gathered = _all_gather_tensor(env, header.to(env.device)).view(self.world_size, _HEADER_FIELDS)
         rows = [tuple(int(v) for v in row) for row in gathered.tolist()]
+        if any(row[0] == FAILED for row in rows):
+            # every rank saw the flag, so every rank joins this gather of the failed ranks' reasons
+            reasons: list[str | None] = [None] * self.world_size
+            with _translate_faults(env, "gathering a failed rank's error"):
+                dist.all_gather_object(reasons, failure)
+            raise RankFailed("; ".join(f"rank {rank} raised {reason}" for rank, reason in enumerate(reasons)
+                                       if rows[rank][0] == FAILED))
         problem = _disagreement(rows, self.equal_counts)
         if problem:
             raise RanksDisagree(f"ranks disagree at the window's size exchange: {problem}")
@@ -398,6 +426,9 @@ class SingleProcessExchange(LocalExchange):
         pass
 
     def end_of_data(self) -> None:
+        pass
+
+    def fail(self, error: BaseException, what: str) -> None:
         pass
 
 
@@ -513,14 +544,64 @@ def _store() -> Any:
         return None
 
 
+def _one_line(error: BaseException) -> str:
+    """`Type: first line of the message`, at most 500 characters: how another rank names this error."""
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:500]
+
+
 def _record_failure(env: DistributedEnv, error: BaseException) -> None:
     """Leave this rank's error in the rendezvous store so the other ranks can name it."""
     store = _store()
     if store is None:
         return
-    message = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     with contextlib.suppress(Exception):
-        store.set(f"{_STORE_PREFIX}/failed/{env.rank}", message[:500])
+        store.set(f"{_STORE_PREFIX}/failed/{env.rank}", _one_line(error))
+
+
+T = TypeVar("T")
+_MAIN_WORK_CALLS = itertools.count()  # every rank calls run_on_main in the same order: the same key
+# the waiting ranks poll the store ever less often (many ranks polling one store), at most once a second
+_POLL_FIRST_S, _POLL_MAX_S = 0.05, 1.0
+
+
+def run_on_main(env: DistributedEnv, what: str, work: Callable[[], T]) -> T | None:
+    """`work()` on rank 0 while the other ranks wait for it (every rank must call this); its result on rank 0,
+    None on the others.
+
+    The others poll a key rank 0 sets in the rendezvous store when it is done, instead of waiting in a
+    barrier: no collective timeout applies, so an evaluation or a checkpoint write may take longer than
+    `--dist-timeout`; an error in `work` reaches them at once as `RankFailed` naming it (`what`, e.g.
+    "evaluating"), while rank 0 re-raises its own. Without a store it falls back to a barrier.
+    """
+    if not env.distributed:
+        return work()
+    store = _store()
+    if store is None:
+        result = work() if env.is_main else None
+        barrier(env)
+        return result
+    key = f"{_STORE_PREFIX}/main_work/{next(_MAIN_WORK_CALLS)}"
+    if env.is_main:
+        try:
+            result = work()
+        except BaseException as error:
+            with contextlib.suppress(Exception):
+                store.set(key, "error " + _one_line(error))
+            raise
+        store.set(key, "ok")
+        return result
+    try:
+        pause = _POLL_FIRST_S
+        while not store.check([key]):
+            time.sleep(pause)
+            pause = min(_POLL_MAX_S, pause * 1.5)
+        outcome = store.get(key).decode(errors="replace")
+    except Exception as error:  # the store lives on rank 0 unless torchrun's agent hosts it
+        raise DistributedFault(f"rank {env.rank} stopped while rank 0 was {what}: the rendezvous store is "
+                               f"unreachable (rank 0 may have died): {_one_line(error)}") from error
+    if outcome != "ok":
+        raise RankFailed(f"rank 0 raised {outcome.removeprefix('error ')} (while {what})")
+    return None
 
 
 def _diagnose(env: DistributedEnv, what: str, error: BaseException) -> str:

@@ -49,6 +49,7 @@ from naflexclip.distributed import (
     load_full_optimizer_state_dict,
     load_full_state_dict,
     no_sync_context,
+    run_on_main,
     sum_over_ranks,
     unwrap_model,
     window_exchange,
@@ -284,7 +285,7 @@ class Trainer:
         bar = self.reporter.progress_bar(progress.epoch, total, math.ceil(progress.next_batch / cfg.accum_freq))
         tick = time.perf_counter()
         try:
-            for microbatches in windows(self.loader, cfg.accum_freq):
+            for microbatches in self._windows():
                 self.log_skipped_samples()
                 result = self.train_step(microbatches)
                 progress.step += 1
@@ -309,6 +310,18 @@ class Trainer:
             self.log_skipped_samples()
             bar.close()
         return False
+
+    def _windows(self) -> Iterator[list[dict[str, Any]]]:
+        """The epoch's windows; an error reading them (a decode or IO error, a rank short of usable samples)
+        is taken to the other ranks' next size exchange, so every rank stops at once naming this rank and
+        its error (this rank re-raises its own) instead of the others waiting there until the timeout."""
+        try:
+            yield from windows(self.loader, self.cfg.accum_freq)
+        except Exception as error:
+            step = self.progress.step + 1
+            self.exchange.set_position(step, self.progress.epoch)
+            self.exchange.fail(error, f"reading data for step {step}")
+            raise
 
     def log_skipped_samples(self) -> None:
         """Every rank appends its skipped samples to skipped_samples.jsonl; the main rank also prints them
@@ -417,20 +430,26 @@ class Trainer:
         return self.progress.epoch + self.progress.next_batch / max(1, self.loader.num_batches)
 
     def run_evaluation(self) -> dict[str, float]:
-        """Evaluate on the main rank (FSDP: every rank runs the forwards, which need all shards)."""
-        metrics: dict[str, float] = {}
-        if self.env.is_main or self.cfg.fsdp:
+        """Evaluate on the main rank while the others wait without a collective timeout, learning of an error
+        at once (`run_on_main`); FSDP: every rank runs the forwards, which need all shards."""
+
+        def work() -> dict[str, float]:
             # the zero-shot tasks are the built-in dataset's attributes: only a model trained on it knows them
             on_builtin = self.cfg.data.source("train") == ("synthetic", None)
             model = self.model if self.cfg.fsdp else self.module
             metrics = evaluate(model, self.cfg.data, self.env.device, self.precision.autocast,
                                zero_shot_samples=self.cfg.zero_shot_samples if on_builtin else 0)
-        if self.env.is_main and metrics:
-            self.evals.append(metrics)
-            self.reporter.log("eval", self.progress.step, self._fractional_epoch(), metrics)
-            self.reporter.message(f"eval after step {self.progress.step}: " + _brief(metrics))
-        barrier(self.env)
-        return metrics
+            if self.env.is_main and metrics:
+                self.evals.append(metrics)
+                self.reporter.log("eval", self.progress.step, self._fractional_epoch(), metrics)
+                self.reporter.message(f"eval after step {self.progress.step}: " + _brief(metrics))
+            return metrics
+
+        if self.cfg.fsdp:
+            metrics = work()
+            barrier(self.env)
+            return metrics
+        return run_on_main(self.env, "evaluating", work) or {}
 
     def finish(self) -> None:
         """Curves, summary table and skip counts (main rank)."""
@@ -489,11 +508,14 @@ class Trainer:
         model_state = full_state_dict(self.model, self.env)
         state = self.train_state()
         path = self.checkpoint_dir / name
-        if self.env.is_main:
-            path = ckpt.save_checkpoint(self.checkpoint_dir, name, model_state, state)
-            self.reporter.message(f"saved {path}")
-        barrier(self.env)
-        return path
+
+        def write() -> Path:
+            written = ckpt.save_checkpoint(self.checkpoint_dir, name, model_state, state)
+            self.reporter.message(f"saved {written}")
+            return written
+
+        # the others wait without a collective timeout (a large checkpoint may take longer) and hear of an error
+        return run_on_main(self.env, f"writing checkpoint {name}", write) or path
 
     def save_step(self) -> Path:
         """Save `step_{step}` unless this step was saved already (--save-every-n-steps and --stop-after-steps
