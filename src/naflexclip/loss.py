@@ -266,8 +266,8 @@ class ShardedLoss(Protocol):
     ) -> torch.Tensor: ...
 
 
-class ClipLoss(nn.Module):
-    """Mean of image→text and text→image cross-entropy over `N` pairs (Radford et al. 2021), tiled.
+class _TiledLoss(nn.Module):
+    """A tiled contrastive loss over `N` pairs: `forward` is the one-process case of `sharded`.
 
     tile_size: rows/columns of one logit block; memory is O(N·D + tile²) whatever `N`."""
 
@@ -301,44 +301,33 @@ class ClipLoss(nn.Module):
         text_features `[N, D]` all of its texts; reduce_column_lse maps this rank's `[N]` partial column
         log-sum-exps to the log-sum-exp over all ranks (identity in one process)."""
         _check_shapes(image_rows, text_features, row_offset)
-        return _TiledClip.apply(image_rows, text_features, logit_scale, logit_bias, row_offset, self.tile_size,
-                                reduce_column_lse)
+        return self._apply(image_rows, text_features, logit_scale, logit_bias, row_offset, reduce_column_lse)
 
-
-class SigLipLoss(nn.Module):
-    """Pairwise sigmoid loss over all `N×N` pairs, normalised by `N` (Zhai et al. 2023), tiled.
-
-    tile_size: rows/columns of one logit block; memory is O(N·D + tile²) whatever `N`."""
-
-    def __init__(self, tile_size: int = DEFAULT_TILE_SIZE) -> None:
-        super().__init__()
-        self.tile_size = _check_tile_size(tile_size)
-
-    def forward(
-        self,
-        image_features: torch.Tensor,
-        text_features: torch.Tensor,
-        logit_scale: torch.Tensor,
-        logit_bias: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """image_features, text_features: `[N, D]`; logit_scale exponentiated; logit_bias scalar."""
-        if image_features.shape[0] != text_features.shape[0]:
-            raise ValueError(f"{image_features.shape[0]} image rows but {text_features.shape[0]} text rows")
-        return self.sharded(image_features, text_features, logit_scale, logit_bias, row_offset=0)
-
-    def sharded(
+    def _apply(
         self,
         image_rows: torch.Tensor,
         text_features: torch.Tensor,
         logit_scale: torch.Tensor,
-        logit_bias: torch.Tensor | None = None,
-        *,
+        logit_bias: torch.Tensor | None,
         row_offset: int,
-        reduce_column_lse: Callable[[torch.Tensor], torch.Tensor] = _identity,
+        reduce_column_lse: Callable[[torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
-        """This rank's part of L (rows `[row_offset, row_offset + n)` against all `N` texts); the rows are
-        independent, so `reduce_column_lse` is not needed (it is accepted for a common signature)."""
-        _check_shapes(image_rows, text_features, row_offset)
+        raise NotImplementedError
+
+
+class ClipLoss(_TiledLoss):
+    """Mean of image→text and text→image cross-entropy over `N` pairs (Radford et al. 2021), tiled."""
+
+    def _apply(self, image_rows, text_features, logit_scale, logit_bias, row_offset, reduce_column_lse):
+        return _TiledClip.apply(image_rows, text_features, logit_scale, logit_bias, row_offset, self.tile_size,
+                                reduce_column_lse)
+
+
+class SigLipLoss(_TiledLoss):
+    """Pairwise sigmoid loss over all `N×N` pairs, normalised by `N` (Zhai et al. 2023), tiled."""
+
+    def _apply(self, image_rows, text_features, logit_scale, logit_bias, row_offset, reduce_column_lse):
+        # the rows are independent: no column statistic crosses ranks, reduce_column_lse is not needed
         return _TiledSigLip.apply(image_rows, text_features, logit_scale, logit_bias, row_offset, self.tile_size)
 
 
