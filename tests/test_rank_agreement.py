@@ -211,15 +211,10 @@ def _tsv_with_one_missing_image(folder: Path) -> Path:
     return folder / "train.tsv"
 
 
-@pytest.mark.slow
-def test_a_missing_image_on_one_rank_ends_in_seconds_not_at_the_timeout(tmp_path: Path) -> None:
-    """The issue's reproduction: 2 ranks, 8 rows with one missing image, one pair per microbatch, --accum-freq 3.
-
-    It used to hang: rank 0 in the size exchange, rank 1 in a barrier, until --dist-timeout. Now the ranks
-    agree on their data at every window: either the loader gives both ranks the same microbatch count and
-    the 7 usable pairs train, or every rank stops at once with one line naming the ranks."""
-    timeout = 60
-    train_data = _tsv_with_one_missing_image(tmp_path)
+def _train_two_ranks_one_pair_per_microbatch(
+    tmp_path: Path, train_data: Path, timeout: int
+) -> tuple[subprocess.CompletedProcess, float]:
+    """torchrun, 2 gloo ranks, `tiny`, one pair per microbatch, --accum-freq 3; returns the result and seconds."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "naflexclip",
            "train", "--model", "tiny", "--epochs", "1", "--accum-freq", "3", "--warmup", "1", "--device", "cpu",
            "--train-data", str(train_data), "--naflex-seq-lens", "16", "--naflex-max-tokens-per-batch", "16",
@@ -228,19 +223,24 @@ def test_a_missing_image_on_one_rank_ends_in_seconds_not_at_the_timeout(tmp_path
     start = time.monotonic()
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout * 3,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
-    elapsed = time.monotonic() - start
+    return result, time.monotonic() - start
+
+
+@pytest.mark.slow
+def test_a_missing_image_on_one_rank_trains_its_7_pairs_in_seconds(tmp_path: Path) -> None:
+    """The issue's reproduction: 2 ranks, 8 rows with one missing image, one pair per microbatch, --accum-freq 3.
+
+    It used to hang: rank 0 in the size exchange, rank 1 in a barrier, until --dist-timeout. Now the epoch's
+    plan gives both ranks the same microbatch count over the 7 usable pairs, and they all train (a
+    disagreement, should the data ever produce one, is `RanksDisagree` on every rank: see scenario `agree`)."""
+    timeout = 60
+    train_data = _tsv_with_one_missing_image(tmp_path)
+    result, elapsed = _train_two_ranks_one_pair_per_microbatch(tmp_path, train_data, timeout)
     assert elapsed < timeout, f"took {elapsed:.0f}s (--dist-timeout {timeout}):\n{result.stderr[-3000:]}"
-    if result.returncode == 0:
-        records = [json.loads(line) for line in (tmp_path / "logs" / "run" / "metrics.jsonl").read_text().splitlines()]
-        assert sum(r["train/window_examples"] for r in records if r["kind"] == "train") == 7
-        return
-    ours = [line for line in result.stderr.splitlines() if line.startswith("naflexclip train:")]
-    assert ours and len(set(ours)) == 1, result.stderr[-3000:]
-    assert ours[0] == (
-        "naflexclip train: ranks disagree at the window's size exchange: rank 0: step 2, epoch 0, 1 microbatch; "
-        "rank 1: step 2, epoch 0, no microbatches left (the ranks' data ended at different points)"
-    ), ours
-    assert "Traceback" not in "\n".join(line for line in result.stderr.splitlines() if "[rank" in line)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "logs" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r["train/window_examples"] for r in records if r["kind"] == "train") == 7
+    assert "Traceback" not in result.stderr
 
 
 # ------------------------------------------------------------- faults outside the step, real processes
@@ -299,15 +299,7 @@ def test_a_rank_whose_loader_raises_stops_every_rank_in_seconds_naming_it(tmp_pa
     The failing rank prints its own error; the other names it, in one line, long before --dist-timeout."""
     timeout = 60
     train_data = _tsv_with_one_corrupt_image(tmp_path)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "naflexclip",
-           "train", "--model", "tiny", "--epochs", "1", "--accum-freq", "3", "--warmup", "1", "--device", "cpu",
-           "--train-data", str(train_data), "--naflex-seq-lens", "16", "--naflex-max-tokens-per-batch", "16",
-           "--workers", "0", "--zero-shot-samples", "8", "--no-plot", "--dist-timeout", str(timeout),
-           "--logs-dir", str(tmp_path / "logs"), "--name", "run"]
-    start = time.monotonic()
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout * 3,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    elapsed = time.monotonic() - start
+    result, elapsed = _train_two_ranks_one_pair_per_microbatch(tmp_path, train_data, timeout)
     assert result.returncode != 0 and elapsed < timeout / 2, f"{elapsed:.0f}s:\n{result.stderr[-3000:]}"
     ours = [line for line in result.stderr.splitlines() if line.startswith("naflexclip train:")]
     own = [line for line in ours if line.startswith("naflexclip train: error: ")]
