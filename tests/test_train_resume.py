@@ -376,3 +376,22 @@ def test_eval_of_a_run_without_validation_data_says_so(tmp_path: Path, capsys: p
     assert captured.out == ""
     assert captured.err.strip().startswith("naflexclip eval: error: nothing to evaluate: the run of")
     assert len(captured.err.strip().splitlines()) == 1 and "--val-data" in captured.err
+
+
+def test_tensorboard_has_each_step_once_after_a_resume(stopped_run: Path, tmp_path: Path) -> None:
+    """As for metrics.jsonl: TensorBoard events logged after the checkpoint are discarded by the resume."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logs = _copy_run(stopped_run, tmp_path)
+    flags = dict(val_frequency=0, resume="latest", report_to="tensorboard")
+    train(tiny_config(logs, "base", stop_after_steps=4, save_every_n_steps=10, **flags))
+    # as if the process had died after logging step 4 but before saving it: the resume starts at step 3
+    shutil.rmtree(logs / "base" / "checkpoints" / "step_00000004")
+    train(tiny_config(logs, "base", stop_after_steps=5, **flags))
+    events = EventAccumulator(str(logs / "base" / "tensorboard"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert [e.step for e in events.Scalars("train/loss")] == [3, 4, 5]
+    for tag in tags:
+        steps = [e.step for e in events.Scalars(tag)]
+        assert steps == sorted(set(steps)), (tag, steps)

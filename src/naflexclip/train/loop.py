@@ -625,13 +625,15 @@ class Trainer:
                 f"(lr at step {step}: {old:.3g} -> {self.schedule.lr:.3g})"]
 
     def _cut_metrics(self, path: Path, state: dict[str, Any]) -> None:
-        """Drop what metrics.jsonl logged after this checkpoint (a crash or stop after it), so each step
-        appears once; only for this run's own checkpoints."""
+        """Drop what metrics.jsonl and TensorBoard logged after this checkpoint (a crash or stop after it), so
+        each step appears once; only for this run's own checkpoints."""
         metrics = self.run_dir / METRICS_FILE
         size = state.get("metrics_bytes")
         own = path.resolve().parent == self.checkpoint_dir.resolve()
         if self.env.is_main and own and size is not None and metrics.exists() and metrics.stat().st_size > size:
             os.truncate(metrics, size)
+        if own:
+            self.reporter.purge_after(self.progress.step)
         barrier(self.env)
 
 

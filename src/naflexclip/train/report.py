@@ -33,14 +33,25 @@ class Reporter:
         self.run_dir = run_dir
         self.enabled = enabled
         self.writer = None
+        self.tensorboard = enabled and tensorboard
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = run_dir / METRICS_FILE
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+        if self.tensorboard:
+            self._open_writer()
 
-            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+    def _open_writer(self, purge_step: int | None = None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=purge_step)
+
+    def purge_after(self, step: int) -> None:
+        """After a resume at `step`: TensorBoard hides the events a previous process logged after it
+        (as metrics.jsonl is cut back), so each step appears once."""
+        if self.writer is not None:
+            self.writer.close()
+            self._open_writer(purge_step=step + 1)
 
     def log(self, kind: str, step: int, epoch: float, metrics: dict[str, float]) -> None:
         if not self.enabled:
