@@ -49,6 +49,27 @@ def test_a_run_names_every_skipped_sample_and_sums_up_each_epoch(tmp_path, capsy
     assert (tmp_path / "run" / "curves.png").exists()
 
 
+def test_validation_skips_are_in_the_skip_log_apart_from_training(tmp_path, capsys):
+    train_dir, val_dir = tmp_path / "train", tmp_path / "val"
+    train_dir.mkdir()
+    val_dir.mkdir()
+    train_table, val_table = eight_rows_one_missing(train_dir), eight_rows_one_missing(val_dir)
+    code = main(["train", *RUN, "--no-plot", "--epochs", "1", "--train-data", train_table, "--val-data", val_table,
+                 "--logs", str(tmp_path), "--name", "run"])
+    assert code == 0
+    out = capsys.readouterr()
+    log = [json.loads(line) for line in (tmp_path / "run" / "skipped_samples.jsonl").read_text().splitlines()]
+    assert sorted((r["split"], r["key"]) for r in log if r["source"] == train_table) == [("train", "i5.png")]
+    # both evaluations (before step 1, after the epoch) left out the validation row, each naming its step
+    val = [r for r in log if r["source"] == val_table]
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    last = max(r["step"] for r in metrics if r["kind"] == "train")
+    assert sorted((r["split"], r["step"], r["reason"], r["key"], r["line"], r["rank"]) for r in val) == [
+        ("val", 0, "missing_file", "i5.png", 7, 0), ("val", last, "missing_file", "i5.png", 7, 0)]
+    assert "epoch 0: trained 7 samples, skipped 1 bad (missing_file=1)" in out.out  # the epoch counts training only
+    assert f"skipped (missing_file, val): {val_table} [key i5.png, line 7]" in out.err
+
+
 @pytest.mark.slow
 def test_two_ranks_with_a_missing_image_train_every_usable_pair(tmp_path):
     """The run from the ranks-and-resume issue: 2 ranks, 8 rows with one missing file, one pair per microbatch

@@ -242,7 +242,7 @@ class NaFlexLoader:
     same rank (the microbatch before it, or the next one), so the rank still yields `len()` microbatches,
     none empty. Only a rank with fewer usable samples than microbatches cannot: that is a DataError.
 
-    Every skip is a record (source, key, line, reason, detail, epoch) in `skip_records` (drained by the
+    Every skip is a record (source, key, line, reason, detail, split, epoch) in `skip_records` (drained by the
     caller) and counted by reason in `skip_counts` (the loader's lifetime). Problems found by indexing
     (missing files, malformed rows, missing shards...) are recorded once per epoch, by rank 0.
     `state_dict()`/`load_state_dict()` resume mid-epoch exactly, with any number of workers.
@@ -433,7 +433,7 @@ class NaFlexLoader:
 
     def _record(self, records: list[dict[str, Any]], epoch_skips: Counter) -> None:
         for record in records:
-            record = {**record, "epoch": self.epoch}
+            record = {**record, "split": self.split, "epoch": self.epoch}
             self.skip_records.append(record)
             self.skip_counts[record["reason"]] += 1
             epoch_skips[record["reason"]] += 1

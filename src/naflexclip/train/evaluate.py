@@ -74,10 +74,12 @@ def _class_embeddings(model: nn.Module, attribute: str, context_length: int, dev
 
 @torch.no_grad()
 def evaluate(model: nn.Module, data: DataConfig, device: torch.device,
-             autocast: Callable[[], ContextManager[Any]], *, zero_shot_samples: int = 0) -> dict[str, float]:
+             autocast: Callable[[], ContextManager[Any]], *, zero_shot_samples: int = 0,
+             skip_records: list[dict[str, Any]] | None = None) -> dict[str, float]:
     """Retrieval on the validation split (`val/...`) and, with `zero_shot_samples` > 0, zero-shot accuracy on
     that many built-in single-object images (`zeroshot/{attribute}_top1`). `model`: the plain module,
-    or the FSDP-sharded one (then every rank must call this); it is left in train mode."""
+    or the FSDP-sharded one (then every rank must call this); it is left in train mode. `skip_records`, when
+    given, receives the validation samples left out (the loader's skip records, `"split": "val"`)."""
     patch_size, context_length = model.image_patch_size, model.context_length
     model.eval()
     try:
@@ -85,6 +87,8 @@ def evaluate(model: nn.Module, data: DataConfig, device: torch.device,
         if data.source("val") is not None:
             val = build_loader(data, split="val", patch_size=patch_size, context_length=context_length)
             features = _features(model, val, device, autocast)
+            if skip_records is not None:
+                skip_records.extend(val.skip_records)
             metrics.update({f"val/{k}": v for k, v in retrieval_metrics(features["image"], features["text"]).items()})
             metrics["val/num_samples"] = float(features["image"].shape[0])
         if zero_shot_samples:

@@ -182,7 +182,7 @@ class Trainer:
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.reporter = Reporter(self.run_dir, enabled=env.is_main, tensorboard=cfg.report_to == "tensorboard")
         self.evals: list[dict[str, float]] = []  # [0]: the evaluation before the run's first step
-        self.skips_printed: dict[int, int] = {}
+        self.skips_printed: dict[tuple[str, int], int] = {}  # (split, epoch): skip lines printed
         self.stop_signal: int | None = None  # set by SIGINT/SIGTERM (see `stop_signals`)
         self.last_step_saved: int | None = None
         total = self.schedule.total_steps
@@ -324,9 +324,13 @@ class Trainer:
             raise
 
     def log_skipped_samples(self) -> None:
-        """Every rank appends its skipped samples to skipped_samples.jsonl; the main rank also prints them
-        (the first few per epoch) on their own lines above the progress bar."""
+        """Every rank logs the samples its training loader skipped since the last call (`write_skip_records`)."""
         records, self.loader.skip_records = self.loader.skip_records, []
+        self.write_skip_records(records)
+
+    def write_skip_records(self, records: list[dict[str, Any]], **extra: Any) -> None:
+        """Append skip records (with this rank and `extra`) to skipped_samples.jsonl; the main rank also prints
+        them (the first few per split and epoch) on their own lines above the progress bar."""
         if not records:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -334,17 +338,19 @@ class Trainer:
         fd = os.open(self.run_dir / SKIP_LOG_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             for record in records:
-                os.write(fd, (json.dumps({**record, "rank": self.env.rank}) + "\n").encode())
+                os.write(fd, (json.dumps({**record, "rank": self.env.rank, **extra}) + "\n").encode())
         finally:
             os.close(fd)
         for record in records:
-            self.skips_printed[record["epoch"]] = shown = self.skips_printed.get(record["epoch"], 0) + 1
+            split = record.get("split", "train")
+            key = (split, record["epoch"])
+            self.skips_printed[key] = shown = self.skips_printed.get(key, 0) + 1
             where = ", ".join(f"{k} {record[k]}" for k in ("key", "line") if record.get(k) is not None)
+            reason = record["reason"] if split == "train" else f"{record['reason']}, {split}"
             if shown <= MAX_SKIP_LINES:
-                self.reporter.message(f"skipped ({record['reason']}): {record['source']}"
-                                      + (f" [{where}]" if where else ""))
+                self.reporter.message(f"skipped ({reason}): {record['source']}" + (f" [{where}]" if where else ""))
             elif shown == MAX_SKIP_LINES + 1:
-                self.reporter.message(f"more skipped samples this epoch: see {self.run_dir / SKIP_LOG_FILE}")
+                self.reporter.message(f"more skipped {split} samples: see {self.run_dir / SKIP_LOG_FILE}")
 
     def end_epoch(self) -> None:
         cfg, progress = self.cfg, self.progress
@@ -437,8 +443,11 @@ class Trainer:
             # the zero-shot tasks are the built-in dataset's attributes: only a model trained on it knows them
             on_builtin = self.cfg.data.source("train") == ("synthetic", None)
             model = self.model if self.cfg.fsdp else self.module
+            skips: list[dict[str, Any]] = []
             metrics = evaluate(model, self.cfg.data, self.env.device, self.precision.autocast,
-                               zero_shot_samples=self.cfg.zero_shot_samples if on_builtin else 0)
+                               zero_shot_samples=self.cfg.zero_shot_samples if on_builtin else 0, skip_records=skips)
+            if self.env.is_main:  # (FSDP: every rank evaluated the same validation data)
+                self.write_skip_records(skips, step=self.progress.step)
             if self.env.is_main and metrics:
                 self.evals.append(metrics)
                 self.reporter.log("eval", self.progress.step, self._fractional_epoch(), metrics)

@@ -16,7 +16,9 @@ from naflexclip.data.samples import NOT_SAMPLE_REASONS
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "curves.png"
-SKIP_LOG_FILE = "skipped_samples.jsonl"  # one JSON line per skipped sample: source, key, line, reason, epoch, rank
+# one JSON line per skipped sample: source, key, line, reason, detail, split, epoch, rank (and, for the
+# validation split, the step of the evaluation that left it out)
+SKIP_LOG_FILE = "skipped_samples.jsonl"
 # the metrics of the summary table, with the chance level next to them where there is one
 SUMMARY_KEYS = (
     "val/image_to_text_R@1", "val/image_to_text_R@5", "val/image_to_text_R@10", "val/image_to_text_median_rank",
@@ -153,7 +155,7 @@ def read_skip_log(path: Path) -> list[dict[str, Any]]:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line torn by a crash
-        ident = tuple(str(record.get(k)) for k in ("epoch", "source", "key", "line", "reason"))
+        ident = tuple(str(record.get(k)) for k in ("split", "step", "epoch", "source", "key", "line", "reason"))
         if ident not in seen:
             seen.add(ident)
             records.append(record)
@@ -161,7 +163,8 @@ def read_skip_log(path: Path) -> list[dict[str, Any]]:
 
 
 def epoch_data_record(run_dir: Path, epoch: int, num_samples_seen: int) -> dict[str, Any]:
-    """The `data` record of a finished epoch: samples trained in it (all ranks) and skipped by reason."""
+    """The `data` record of a finished epoch: samples trained in it (all ranks) and skipped by reason
+    (training samples: the validation split's skips are in the skip log apart)."""
     metrics_path = run_dir / METRICS_FILE
     earlier = {}
     if metrics_path.exists():
@@ -169,7 +172,7 @@ def epoch_data_record(run_dir: Path, epoch: int, num_samples_seen: int) -> dict[
                    for r in read_metrics(metrics_path) if r["kind"] == "data" and r["data/epoch"] < epoch}
     record: dict[str, Any] = {"data/epoch": epoch, "data/trained_samples": num_samples_seen - sum(earlier.values())}
     for skip in read_skip_log(run_dir / SKIP_LOG_FILE):
-        if skip.get("epoch") == epoch:
+        if skip.get("epoch") == epoch and skip.get("split", "train") == "train":
             key = f"data/skipped/{skip['reason']}"
             record[key] = record.get(key, 0) + 1
     return record
