@@ -131,6 +131,23 @@ def test_harmless_changes_are_applied_and_listed_in_one_notice(stopped_run: Path
     assert trainer.optimizer.param_groups[0]["lr"] == trainer.schedule.lr_at(2)
 
 
+def test_changed_flags_notice_reads_like_the_command_line(stopped_run: Path, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    """Values as typed: an unset flag says so (not Python's None), a path with a space is quoted, a list is
+    space-separated; still one line."""
+    logs = _copy_run(stopped_run, tmp_path)
+    data = dataclasses.replace(tiny_config(Path()).data, shard_index_dir="my index, 2")
+    cfg = tiny_config(logs, "base", val_frequency=0, resume="latest", save_every_n_steps=1, data=data)
+    assert Trainer(cfg, init_distributed("cpu")).maybe_resume()
+    (notice,) = [line for line in capsys.readouterr().err.splitlines() if "changed flags" in line]
+    assert notice == ("resume applies changed flags: --save-every-n-steps unset -> 1, "
+                      "--shard-index-dir unset -> 'my index, 2'")
+    saved = {"grad_clip_norm": 1.0, "data": {"val_data": None, "val_num_samples": [16, 32]}}
+    current = {"grad_clip_norm": None, "data": {"val_data": "v.tsv", "val_num_samples": (16, 64)}}
+    assert ckpt.resume_changes(saved, current) == [
+        "--grad-clip-norm 1.0 -> unset", "--val-data unset -> v.tsv", "--val-num-samples 16 32 -> 16 64"]
+
+
 def test_lr_schedule_continues_as_saved(stopped_run: Path, tmp_path: Path) -> None:
     """The same flags continue the saved schedule even where this run would plan another length."""
     logs = _copy_run(stopped_run, tmp_path)

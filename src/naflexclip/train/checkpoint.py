@@ -29,6 +29,7 @@ import logging
 import os
 import random
 import re
+import shlex
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -330,6 +331,17 @@ def _flag(key: str) -> str:
     return "--" + key.replace("_", "-")
 
 
+def _shown(value: Any) -> str:
+    """A flag's value as typed on the command line (`unset` for None, a list space-separated, a string quoted
+    where it holds a space or comma), so the one-line notice of changed flags reads unambiguously."""
+    if value is None:
+        return "unset"
+    if isinstance(value, (list, tuple)):
+        return " ".join(_shown(v) for v in value)
+    text = str(value)
+    return shlex.quote(text) if isinstance(value, str) and (not text or re.search(r"[\s,']", text)) else text
+
+
 def _plain(value: Any) -> Any:
     """Lists and tuples compare alike (a config may come back from a checkpoint with either)."""
     return tuple(_plain(v) for v in value) if isinstance(value, (list, tuple)) else value
@@ -381,11 +393,11 @@ def resume_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
         if key == "data" or key in NOT_COMPARED:
             continue
         if _plain(saved[key]) != _plain(current[key]):
-            changes.append(f"{_flag(key)} {saved[key]} -> {current[key]}")
+            changes.append(f"{_flag(key)} {_shown(saved[key])} -> {_shown(current[key])}")
     old_data, new_data = saved.get("data", {}), current.get("data", {})
     for key in sorted(set(old_data) & set(new_data)):
         if key not in BREAKING_DATA and _plain(old_data[key]) != _plain(new_data[key]):
-            changes.append(f"{_flag(key)} {old_data[key]} -> {new_data[key]}")
+            changes.append(f"{_flag(key)} {_shown(old_data[key])} -> {_shown(new_data[key])}")
     return changes
 
 
