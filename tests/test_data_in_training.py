@@ -125,3 +125,22 @@ def test_resume_with_other_workers_trains_the_same_weights(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
     (data,) = [r for r in records if r["kind"] == "data"]
     assert data["data/trained_samples"] == 10 and data["data/skipped/not_an_image"] == 6
+
+
+def test_a_validation_set_with_more_broken_images_than_its_planned_batches_allow_still_evaluates(tmp_path, capsys):
+    """Validation runs on one rank, so its microbatch count need not match anyone's: broken images that leave
+    it fewer usable samples than planned microbatches shrink the evaluation (counted, logged) instead of
+    stopping the run — only training ranks must run equally many microbatches."""
+    train_dir, val_dir = tmp_path / "train", tmp_path / "val"
+    train_dir.mkdir()
+    val_dir.mkdir()
+    train_table, val_table = eight_rows_one_missing(train_dir), eight_rows_one_missing(val_dir)
+    for broken in ("i1.png", "i2.png", "i3.png"):  # found only when decoded, after the plan was made
+        (val_dir / broken).write_bytes(b"not a png")
+    code = main(["train", *RUN, "--no-plot", "--epochs", "1", "--naflex-seq-len-probs", "0", "1",
+                 "--train-data", train_table, "--val-data", val_table, "--logs", str(tmp_path), "--name", "run"])
+    out = capsys.readouterr()
+    assert code == 0, out.err[-3000:]
+    log = [json.loads(line) for line in (tmp_path / "run" / "skipped_samples.jsonl").read_text().splitlines()]
+    val = {(r["step"], r["reason"], r["key"]) for r in log if r["source"] == val_table}
+    assert {key for _, reason, key in val if reason == "not_an_image"} == {"i1.png", "i2.png", "i3.png"}

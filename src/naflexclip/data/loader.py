@@ -240,7 +240,8 @@ class NaFlexLoader:
     workers and ranks, and every rank has `len()` microbatches. A sample found broken at decode time
     leaves its microbatch smaller; a microbatch left with no sample takes rows from its neighbour on the
     same rank (the microbatch before it, or the next one), so the rank still yields `len()` microbatches,
-    none empty. Only a rank with fewer usable samples than microbatches cannot: that is a DataError.
+    none empty. Only a rank with fewer usable samples than microbatches cannot: in training that is a
+    DataError; an evaluation split then yields fewer microbatches.
 
     Every skip is a record (source, key, line, reason, detail, split, epoch) in `skip_records` (drained by the
     caller) and counted by reason in `skip_counts` (the loader's lifetime). Problems found by indexing
@@ -521,7 +522,9 @@ class NaFlexLoader:
         if num_yielded == 0 and self.num_batches > self.start_batch:
             raise DataError(f"no usable samples in data source {self.source_name!r} ({self.split}): "
                             f"{_reasons(epoch_skips) or 'nothing read'}")
-        if owed > 0:
+        # only training ranks must run equally many microbatches (they meet every window); an evaluation
+        # runs on its own, so there the broken samples just make it shorter (counted and logged above)
+        if owed > 0 and self.split == "train":
             raise DataError(
                 f"data source {self.source_name!r} ({self.split}) epoch {self.epoch}: rank {self.rank} has "
                 f"{owed} microbatch(es) fewer usable samples than its {self.num_batches} planned microbatches "
