@@ -86,7 +86,7 @@ DEVICE_CHOICES = ("cpu", "cuda", "cuda:N")
 
 
 def check_device(device: str | None) -> None:
-    """A `--device` value: None (automatic), `cpu`, `cuda` or `cuda:N`; else ValueError naming it and the choices."""
+    """A `--device` value: None (automatic), `cpu`, `cuda` or `cuda:N` (CUDA available); else ValueError naming it."""
     if device is None:
         return
     try:
@@ -95,6 +95,8 @@ def check_device(device: str | None) -> None:
         parsed = None
     if parsed is None or parsed.type not in ("cpu", "cuda") or (parsed.type == "cpu" and parsed.index):
         raise ValueError(f"--device: {device!r} is not one of {', '.join(DEVICE_CHOICES)}")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device: {device!r} requested but CUDA is not available")
 
 
 def launched_world_size() -> int:

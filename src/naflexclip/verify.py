@@ -328,8 +328,6 @@ def loader_window(args: argparse.Namespace, setup: VerifySetup) -> tuple[dict[st
 def run(args: argparse.Namespace) -> int:
     try:
         check_device(args.device)
-        if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"--device: {args.device!r} requested but CUDA is not available")
         device = torch.device(args.device)
         setup = _setup(args)
         loss_fn = create_loss(setup.siglip, tile_size=args.loss_tile_size)

@@ -239,9 +239,11 @@ class _Window:
     def cache(self) -> tuple[list[RngState], dict[str, torch.Tensor]]:
         """Phase 1: no-grad forwards; returns RNG states and the local features/scalars."""
         states, outputs = [], []
+        # where any of the window's forwards may draw: looked up once per window, not per microbatch
+        devices = RngState.devices_of(self.model, [t for mb in self.microbatches for t in _tensors(mb)])
         with torch.no_grad():
             for mb in self.microbatches:
-                states.append(RngState(RngState.devices_of(self.model, _tensors(mb))))
+                states.append(RngState(devices))
                 outputs.append(self.forward(mb))
         cached = {key: torch.cat([out[key] for out in outputs]) for key in FEATURE_KEYS}
         for key in SCALAR_KEYS:

@@ -80,17 +80,26 @@ def read_templates(path: str | Path) -> list[str]:
     return templates
 
 
-def class_embeddings(model: nn.Module, classnames: list[str], templates: list[str],
-                     tokenize: Callable[[list[str], int], torch.Tensor], device: torch.device,
-                     autocast: Callable[[], ContextManager[Any]]) -> torch.Tensor:
-    """`[num_classes, D]`: each class's prompt-ensemble embedding (mean of normalised, renormalised)."""
+def ensemble_embeddings(model: nn.Module, prompt_lists: list[list[str]],
+                        tokenize: Callable[[list[str], int], torch.Tensor], device: torch.device,
+                        autocast: Callable[[], ContextManager[Any]]) -> torch.Tensor:
+    """`[num_classes, D]`: one row per list of prompts, the mean of their normalised text embeddings, renormalised
+    (CLIP's prompt ensembling)."""
     rows = []
-    for name in classnames:
-        ids = tokenize([t.format(name) for t in templates], model.context_length).to(device)
+    for prompts in prompt_lists:
+        ids = tokenize(prompts, model.context_length).to(device)
         with autocast():
             features = model(text=ids)["text_features"].float()
         rows.append(F.normalize(F.normalize(features, dim=-1).mean(dim=0), dim=-1))
     return torch.stack(rows)
+
+
+def class_embeddings(model: nn.Module, classnames: list[str], templates: list[str],
+                     tokenize: Callable[[list[str], int], torch.Tensor], device: torch.device,
+                     autocast: Callable[[], ContextManager[Any]]) -> torch.Tensor:
+    """`[num_classes, D]`: each class's prompt-ensemble embedding over `templates`."""
+    return ensemble_embeddings(model, [[t.format(name) for t in templates] for name in classnames], tokenize,
+                               device, autocast)
 
 
 @torch.no_grad()

@@ -468,7 +468,7 @@ class NaFlexLoader:
         iterator = iter(self._dataloader(resume["item"]))
 
         def emit(item: dict[str, Any]) -> Iterator[dict[str, Any]]:
-            nonlocal owed
+            nonlocal owed, num_yielded, num_samples
             index, rows = item["batch_index"], item["text"].shape[0]
             parts = min(owed + 1, rows)
             # replay state: owed at this item's start, before the empties it will count again
@@ -488,6 +488,8 @@ class NaFlexLoader:
                 self._sample_position = self.plan.step_start(ahead) if clean else None
                 self.position += 1
                 piece["batch_index"] = self.position - 1
+                num_yielded += 1
+                num_samples += piece["text"].shape[0]
                 yield piece
 
         try:
@@ -507,15 +509,9 @@ class NaFlexLoader:
                     buffer.append(item)
                 while (buffer and buffer[0]["batch_index"] <= index - HOLD_BACK
                        and buffer[0]["batch_index"] < self.num_batches - END_HOLD):
-                    for piece in emit(buffer.popleft()):
-                        num_yielded += 1
-                        num_samples += piece["text"].shape[0]
-                        yield piece
+                    yield from emit(buffer.popleft())
             while buffer:
-                for piece in emit(buffer.popleft()):
-                    num_yielded += 1
-                    num_samples += piece["text"].shape[0]
-                    yield piece
+                yield from emit(buffer.popleft())
         finally:
             del iterator  # shuts the workers down, also when the consumer stops early
         self._log_epoch(num_yielded, num_samples, epoch_skips)

@@ -11,6 +11,7 @@ batches w, w+K, ...), which torch's DataLoader hands back in plan order.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,6 +45,24 @@ def samples_per_rank(num_samples: int, world_size: int) -> int:
     return math.ceil(num_samples / world_size)
 
 
+def _seq_len_draws(seq_lens: tuple[int, ...], probs: tuple[float, ...] | None, seed: int, epoch: int,
+                   fixed_seq_len: int | None) -> Callable[[int], int]:
+    """`seq_len_of(i)`: microbatch/step i's sequence length, drawn in order from (seed, epoch) alone, so step i's
+    length never depends on where a plan starts; `fixed_seq_len` (evaluation) is every step's length."""
+    rng = _rng(seed, epoch, 0x5EC)
+    weights = None if probs is None else np.asarray(probs, dtype=np.float64) / float(sum(probs))
+    draws: list[int] = []
+
+    def seq_len_of(i: int) -> int:
+        if fixed_seq_len is not None:
+            return fixed_seq_len
+        while len(draws) <= i:
+            draws.append(int(seq_lens[int(rng.choice(len(seq_lens), p=weights))]))
+        return draws[i]
+
+    return seq_len_of
+
+
 def build_schedule(
     num_samples: int,
     seq_lens: tuple[int, ...],
@@ -62,18 +81,11 @@ def build_schedule(
     """
     if num_samples < 0:
         raise ValueError(f"num_samples must be >= 0, got {num_samples}")
-    rng = _rng(seed, epoch, 0x5EC)
-    weights = None
-    if probs is not None:
-        total = float(sum(probs))
-        weights = np.asarray(probs, dtype=np.float64) / total
+    seq_len_of = _seq_len_draws(seq_lens, probs, seed, epoch, fixed_seq_len)
     schedule: list[ScheduledBatch] = []
     offset = 0
     while offset < num_samples:
-        if fixed_seq_len is not None:
-            seq_len = fixed_seq_len
-        else:
-            seq_len = int(seq_lens[int(rng.choice(len(seq_lens), p=weights))])
+        seq_len = seq_len_of(len(schedule))
         size = min(batch_size_for(seq_len, max_tokens, divisor), num_samples - offset)
         schedule.append(ScheduledBatch(len(schedule), seq_len, size, offset))
         offset += size
@@ -162,17 +174,7 @@ def build_global_plan(
         raise ValueError(f"need 0 <= start_sample <= num_samples, got {start_sample}, {num_samples}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    rng = _rng(seed, epoch, 0x5EC)
-    weights = None if probs is None else np.asarray(probs, dtype=np.float64) / float(sum(probs))
-    draws: list[int] = []
-
-    def seq_len_of(i: int) -> int:
-        if fixed_seq_len is not None:
-            return fixed_seq_len
-        while len(draws) <= i:  # draws are sequential from step 0, so step i's length never depends on the start
-            draws.append(int(seq_lens[int(rng.choice(len(seq_lens), p=weights))]))
-        return draws[i]
-
+    seq_len_of = _seq_len_draws(seq_lens, probs, seed, epoch, fixed_seq_len)
     steps: list[PlannedStep] = []
     offset, index, dropped = start_sample, start_step, 0
     while offset < num_samples:

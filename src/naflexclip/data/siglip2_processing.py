@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from naflexclip.data.transform import patch_grid
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 PREPROCESSOR_FILE = "preprocessor_config.json"
 
@@ -119,8 +121,7 @@ class Siglip2Transform:
         p = self.patch_size
         nh, nw = height // p, width // p
         patches = resized.reshape(3, nh, p, nw, p).permute(1, 3, 2, 4, 0).reshape(nh * nw, p * p * 3)
-        rows, cols = torch.meshgrid(torch.arange(nh), torch.arange(nw), indexing="ij")
-        return patches.contiguous(), torch.stack([rows.reshape(-1), cols.reshape(-1)], dim=1)
+        return patches.contiguous(), patch_grid(nh, nw)  # (row, col), row-major: the processor's order
 
 
 def siglip2_collate(directory: str | None, samples: list[tuple[torch.Tensor, torch.Tensor]], seq_len: int,

@@ -74,11 +74,11 @@ class NaFlexTransform:
         # the same (ph, pw, C) flattening as timm's patchify_image(channels_last=True), done on the
         # HWC array directly instead of through a CHW copy (tested equal to timm's Patchify)
         patches = pixels.reshape(nh, p, nw, p, 3).transpose(0, 2, 1, 3, 4).reshape(nh * nw, p * p * 3)
-        return torch.from_numpy(np.ascontiguousarray(patches)), _grid(nh, nw)
+        return torch.from_numpy(np.ascontiguousarray(patches)), patch_grid(nh, nw)
 
 
 @functools.lru_cache(maxsize=1024)
-def _grid(nh: int, nw: int) -> torch.Tensor:
+def patch_grid(nh: int, nw: int) -> torch.Tensor:
     """(row, col) of each patch in row-major order, long [nh * nw, 2], as timm's patchify_image gives."""
     _, coord, _ = patchify_image(torch.zeros(1, nh, nw), (1, 1))
     return coord

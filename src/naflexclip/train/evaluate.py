@@ -18,9 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from naflexclip.batch import to_device
-from naflexclip.data import DataConfig, build_loader, build_zero_shot_loader, tokenize
+from naflexclip.data import DataConfig, build_loader, build_zero_shot_loader
 from naflexclip.data.processing import make_processing
 from naflexclip.data.synthetic import ATTRIBUTES, zero_shot_prompt_ensemble
+from naflexclip.zeroshot import ensemble_embeddings
 
 RECALL_AT = (1, 5, 10)
 ZERO_SHOT_ATTRIBUTES = ("shape", "colour")
@@ -60,18 +61,6 @@ def retrieval_metrics(image_features: torch.Tensor, text_features: torch.Tensor)
     return metrics
 
 
-def _class_embeddings(model: nn.Module, attribute: str, context_length: int, device: torch.device,
-                      autocast: Callable[[], ContextManager[Any]],
-                      tokenizer: Callable[[list[str], int], torch.Tensor] = tokenize) -> torch.Tensor:
-    """`[num_classes, D]`: mean normalised embedding of each class's prompt ensemble, renormalised."""
-    rows = []
-    for prompts in zero_shot_prompt_ensemble(attribute):
-        with autocast():
-            features = model(text=tokenizer(prompts, context_length).to(device))["text_features"].float()
-        rows.append(F.normalize(F.normalize(features, dim=-1).mean(dim=0), dim=-1))
-    return torch.stack(rows).cpu()
-
-
 @torch.no_grad()
 def evaluate(model: nn.Module, data: DataConfig, device: torch.device,
              autocast: Callable[[], ContextManager[Any]], *, zero_shot_samples: int = 0,
@@ -107,7 +96,8 @@ def zero_shot_metrics(model: nn.Module, data: DataConfig, device: torch.device,
     metrics = {}
     for attribute in ZERO_SHOT_ATTRIBUTES:
         tokenizer = make_processing(data.hf_processor, model.image_patch_size).tokenize  # the model's own
-        classes = _class_embeddings(model, attribute, model.context_length, device, autocast, tokenizer)
+        classes = ensemble_embeddings(model, zero_shot_prompt_ensemble(attribute), tokenizer, device,
+                                      autocast).cpu()
         predicted = (features["image"] @ classes.T).argmax(dim=1)
         metrics[f"zeroshot/{attribute}_top1"] = float((predicted == features["labels"][attribute]).float().mean())
         metrics[f"zeroshot/{attribute}_chance"] = 1.0 / len(ATTRIBUTES[attribute])

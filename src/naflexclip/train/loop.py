@@ -492,7 +492,9 @@ class Trainer:
             "rng": rng,
             "rng_per_rank": gather_to_main(self.env, rng),
             "data": {"epoch": self.progress.epoch, "next_batch": self.progress.next_batch,
-                     "skip_counts": dict(self.loader.skip_counts), "ranks": self._data_states()},
+                     "skip_counts": dict(self.loader.skip_counts),
+                     # every rank's loader position (a rank may be covering a broken microbatch); on rank 0
+                     "ranks": gather_to_main(self.env, self.loader.state_dict())},
             "world_size": self.env.world_size,
             # the summary's "before" column, and how much of metrics.jsonl this checkpoint had written
             "first_eval": self.evals[0] if self.evals else None,
@@ -502,15 +504,6 @@ class Trainer:
     def _metrics_bytes(self) -> int:
         path = self.reporter.run_dir / METRICS_FILE
         return path.stat().st_size if self.env.is_main and path.exists() else 0
-
-    def _data_states(self) -> list[dict[str, Any]]:
-        """Every rank's loader position (a rank may be mid-way through covering a broken microbatch)."""
-        state = self.loader.state_dict()
-        if not self.env.distributed:
-            return [state]
-        every: list[Any] = [None] * self.env.world_size
-        torch.distributed.all_gather_object(every, state)
-        return every
 
     def save(self, name: str) -> Path:
         """Gather (every rank) and write (main rank) one checkpoint; its path."""
