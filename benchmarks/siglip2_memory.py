@@ -11,7 +11,7 @@ activation bytes measured on a CPU.
   window adds only its features and their gradients (N × width × 16 bytes) and the tiled loss no N × N matrix.
 
 Usage: `python benchmarks/siglip2_memory.py [--budgets 16384 32768 65536] [--seq-len 256]`. Prints the table
-the README quotes. It is an estimate: allocator fragmentation, the optimizer's temporaries and CUDA context
+docs/siglip2.md quotes. It is an estimate: allocator fragmentation, the optimizer's temporaries and CUDA context
 (~0.5-1 GB) come on top.
 """
 

@@ -136,7 +136,7 @@ def _gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _errors(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Worst relative error of pos_embed and of every other parameter (DESIGN.md tolerances)."""
+    """Worst relative error of pos_embed and of every other parameter (docs/accumulation.md, Tolerances)."""
     from naflexclip.verify import relative_error
 
     worst = {"params": 0.0, "pos_embed": 0.0, "missing": 0.0}

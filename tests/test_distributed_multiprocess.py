@@ -17,7 +17,7 @@ from naflexclip.verify import FLOAT64_TOLERANCE, POS_EMBED_TOLERANCE
 
 pytestmark = pytest.mark.slow
 
-# DESIGN.md tolerances for float64: 1e-10 relative per parameter; pos_embed 1e-6 alone, because timm's
+# docs/accumulation.md's tolerances for float64: 1e-10 relative per parameter; pos_embed 1e-6 alone, because timm's
 # NaFlexVit resamples its position table in float32 even in a float64 model (~1e-7 measured here)
 assert FLOAT64_TOLERANCE == 1e-10 and POS_EMBED_TOLERANCE == 1e-6
 # a wrong rule must miss by far more than rounding: the teeth variants are off by 9% to 160%

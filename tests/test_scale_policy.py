@@ -1,4 +1,4 @@
-"""window_loss_scale: one coefficient per window, from every microbatch size (DESIGN.md, Scale)."""
+"""window_loss_scale: one coefficient per window, from every microbatch size (docs/accumulation.md, The rule)."""
 
 import math
 

@@ -1,5 +1,5 @@
 """SigLIP 2 interop: import equals transformers' outputs, export loads in transformers with the same outputs,
-round trips are bit-equal, and what does not map is refused in one line (docs: README "Fine-tune SigLIP 2")."""
+round trips are bit-equal, and what does not map is refused in one line (docs/siglip2.md)."""
 
 from __future__ import annotations
 

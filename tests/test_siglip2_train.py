@@ -169,6 +169,7 @@ def test_export_of_a_preset_run_is_refused_in_one_line(tmp_path: Path, capsys: p
     assert len(err) == 1 and "cannot export to transformers Siglip2Model: image pooling 'max'" in err[0], err
 
 
+@pytest.mark.slow
 def test_resume_needs_the_same_pretrained_directory(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     source = make_checkpoint(tmp_path / "siglip2")
     flags = ["--logs", str(tmp_path / "logs"), "--name", "run", *TRAIN_FLAGS]

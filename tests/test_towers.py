@@ -86,6 +86,7 @@ def _num_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.slow
 def test_compiled_towers_do_not_recompile_per_microbatch_shape():
     # the token-budget schedule changes rows and padded length every microbatch: with dynamic shapes the
     # graphs of the first window (no-grad and grad, per compiled function) serve every later window

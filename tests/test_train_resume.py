@@ -234,6 +234,7 @@ def test_metrics_have_each_step_once_after_a_resume(stopped_run: Path, tmp_path:
     assert _train_steps(logs / "base") == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.slow
 def test_summary_before_column_is_the_evaluation_before_the_first_step(tmp_path: Path) -> None:
     train(tiny_config(tmp_path, "run", epochs=2, stop_after_steps=4))
     trainer = Trainer(tiny_config(tmp_path, "run", epochs=2, resume="latest"), init_distributed("cpu"))
@@ -268,6 +269,7 @@ def _dropout_preset(monkeypatch: pytest.MonkeyPatch) -> None:
         tiny.image, drop_path_rate=0.2, proj_drop_rate=0.2, patch_drop_rate=0.25)))
 
 
+@pytest.mark.slow
 def test_sigint_saves_the_step_and_the_resume_is_bit_exact_with_dropout(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """Ctrl-C at step 2: the step finishes, is saved, the run ends with one line (exit 130); the resume with

@@ -1,5 +1,8 @@
 """`naflexclip verify` passes every method × loss × mode, and fails (exit 1) when the rule is wrong."""
 
+import math
+from pathlib import Path
+
 import pytest
 
 import naflexclip.verify as verify
@@ -15,6 +18,15 @@ def test_verify_passes_on_tiny(mode, loss, capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "PASS" in out and "visual.blocks" in out and "FAIL" not in out
+    assert "within the tolerances of docs/accumulation.md" in out
+
+
+def test_the_page_verify_cites_states_its_tolerances():
+    page = (Path(__file__).parents[1] / "docs" / "accumulation.md").read_text()
+    assert "\n## Tolerances\n" in page
+    section = page.split("\n## Tolerances\n")[1].split("\n## ")[0]
+    for tolerance in (verify.FLOAT64_TOLERANCE, verify.POS_EMBED_TOLERANCE, verify.FLOAT32_TOLERANCE):
+        assert f"| 1e{round(math.log10(tolerance))} |" in section, tolerance
 
 
 def test_verify_passes_on_small(capsys):

@@ -1,4 +1,4 @@
-"""For all splits: the accumulated gradient equals s(W)·∇L(W) of the full batch (DESIGN.md contract).
+"""For all splits: the accumulated gradient equals s(W)·∇L(W) of the full batch (docs/accumulation.md, The contract).
 
 Random partitions of random NaFlex windows into 1–6 uneven microbatches, every scale mode × loss ×
 method, float64 (1e-10; pos_embed 1e-6) and float32 (1e-4). Teeth: OpenCLIP's per-microbatch

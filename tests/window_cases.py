@@ -35,7 +35,7 @@ def loss_for(siglip: bool) -> torch.nn.Module:
 
 
 def failures(model: torch.nn.Module, reference: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Parameters whose current .grad is outside DESIGN.md's tolerance of `reference`."""
+    """Parameters whose current .grad is outside the tolerance (docs/accumulation.md) of `reference`."""
     dtype = next(model.parameters()).dtype
     errors = gradient_errors(model, collect_gradients(model), reference)
     return {name: err for name, err in errors.items() if err > tolerance_for(name, dtype)}

@@ -1,7 +1,7 @@
 """Microbatch helpers: size, kind (dense or NaFlex), device moves, concatenation and splitting.
 
-A microbatch is `{"image": dense [B, C, H, W] or NaFlex dict, "text": long [B, T], ...}`
-(see DESIGN.md); NaFlex dicts hold `patches [B, L, P*P*C]`, `patch_coord [B, L, 2]` (row, col)
+A microbatch is `{"image": dense [B, C, H, W] or NaFlex dict, "text": long [B, T], ...}`;
+NaFlex dicts hold `patches [B, L, P*P*C]`, `patch_coord [B, L, 2]` (row, col)
 and `patch_valid [B, L]` (True for real patches), `L` being that microbatch's padded length.
 """
 

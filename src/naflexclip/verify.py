@@ -4,7 +4,7 @@ It builds a model (a preset, or a trained checkpoint), takes a window of NaFlex 
 sequences of varied lengths, or the first batches of `--train-data`), computes the full-batch reference
 `s(W)·∇θ L(W)` in float64, then accumulates the same examples split at random into `--accum-freq`
 microbatches with each chosen method, and prints the worst relative error per parameter group against
-DESIGN.md's tolerances. For contrast it also runs OpenCLIP's per-microbatch rule on the same splits.
+the tolerances of docs/accumulation.md. For contrast it also runs OpenCLIP's per-microbatch rule on the same splits.
 Exit code 0 when every group passes, 1 otherwise.
 """
 
@@ -33,12 +33,12 @@ from naflexclip.window import METHODS, SCALE_MODES, accumulate_gradients, window
 FLOAT64_TOLERANCE = 1e-10
 FLOAT32_TOLERANCE = 1e-4
 # timm's NaFlexVit resamples its learned position table in float32 even in a float64 model,
-# so that one tensor's gradient agrees only to ~1e-8 (DESIGN.md, tolerances).
+# so that one tensor's gradient agrees only to ~1e-8 (docs/accumulation.md, Tolerances).
 POS_EMBED_TOLERANCE = 1e-6
 
 
 def tolerance_for(param_name: str, dtype: torch.dtype) -> float:
-    """DESIGN.md's relative tolerance for one parameter's gradient."""
+    """The relative tolerance for one parameter's gradient (docs/accumulation.md, Tolerances)."""
     if dtype != torch.float64:
         return FLOAT32_TOLERANCE
     return POS_EMBED_TOLERANCE if "pos_embed" in param_name else FLOAT64_TOLERANCE
@@ -367,5 +367,5 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(result))
     verdict = "PASS" if result.passed else "FAIL"
     print(f"{verdict}: accumulated gradient {'equals' if result.passed else 'differs from'} "
-          f"s(W)·∇L(W) of the full batch within DESIGN.md tolerances")
+          f"s(W)·∇L(W) of the full batch within the tolerances of docs/accumulation.md")
     return 0 if result.passed else 1
