@@ -1,0 +1,168 @@
+"""`--report-to wandb`: a Weights & Biases run per training run, which every resume continues.
+
+The run id is saved in the checkpoint (`state_dict`); a resume reopens that run (`resume="allow"`) and logs only
+the steps the run does not have yet, so each step is in the run once. Which steps it has: online, the server says
+(`run.starting_step`); offline, the run's earlier offline files under the same wandb directory do (what `wandb sync`
+uploads, in order). Steps a killed process logged after its last checkpoint are therefore not logged again: the run
+keeps their first values, which an exact resume reproduces anyway.
+
+wandb's own settings are honoured: `WANDB_MODE=offline` (or `wandb offline`) logs to local files for a later
+`wandb sync`, `WANDB_MODE=disabled` logs nothing, WANDB_DIR, WANDB_ENTITY and the rest as usual. Online without
+an API key is an error before training starts, never a login prompt. The package is optional and imported only
+when the sink is built: `pip install 'naflexclip[wandb]'`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import string
+import struct
+import zlib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from naflexclip.train.report import SinkContext
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PROJECT = "naflexclip"
+# wandb-core writes an offline run's file every 15 s by default; a killed process loses what is not yet written,
+# steps up to its last checkpoint included, which no resume logs again. A short interval narrows that window.
+FLUSH_SECONDS = 1.0
+FLUSH_SETTING, FLUSH_ENV = "x_transaction_log_flush_interval", "WANDB__TRANSACTION_LOG_FLUSH_INTERVAL"
+
+
+def _import_wandb() -> Any:
+    try:
+        import wandb
+    except ImportError:
+        raise ValueError("--report-to wandb: the wandb package is not installed; "
+                         "pip install 'naflexclip[wandb]'") from None
+    return wandb
+
+
+class WandbSink:
+    """One W&B run: `log` sends each record's metrics at its optimizer step (names as in TensorBoard: `train/loss`,
+    a bare `name` of kind `k` as `k/name`, plus `epoch`). The run starts at the first record, or at
+    `load_state_dict` when resuming."""
+
+    def __init__(self, ctx: SinkContext) -> None:
+        self.wandb = _import_wandb()
+        self.ctx = ctx
+        self.run: Any = None
+        # wandb's form of a run id: 8 lowercase letters and digits
+        self.run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+        self.last_step = -1  # the last step this run holds (as far as this process knows)
+        self.first_step = 0  # records below this step are in the run already
+        settings = self.wandb.setup().settings
+        if settings.mode not in ("offline", "dryrun", "disabled") and not self.wandb.login(prompt=False,
+                                                                                            verify=False):
+            raise ValueError("--report-to wandb: no W&B API key; run `wandb login` (or set WANDB_API_KEY), or set "
+                             "WANDB_MODE=offline to log locally and `wandb sync` later")
+
+    def _start(self, resuming: bool) -> None:
+        wandb, config = self.wandb, self.ctx.config
+        settings = {}
+        if FLUSH_SETTING in wandb.Settings.model_fields and FLUSH_ENV not in os.environ:
+            settings[FLUSH_SETTING] = FLUSH_SECONDS
+        self.run = wandb.init(
+            project=config.get("wandb_project_name") or DEFAULT_PROJECT, name=self.ctx.name,
+            notes=config.get("wandb_notes") or None, config=dict(config), id=self.run_id, resume="allow",
+            dir=None if "WANDB_DIR" in os.environ else str(self.ctx.run_dir), reinit="create_new",
+            settings=wandb.Settings(**settings),
+        )
+        if not resuming or self.run.disabled:
+            return
+        # the first step the run does not have: the server's, or after the earlier offline files of the run
+        held = self.run.starting_step - 1
+        if self.run.offline:
+            own = Path(self.run.settings.sync_dir)
+            for path in own.parent.glob(f"offline-run-*-{self.run_id}/run-{self.run_id}.wandb"):
+                if path.parent != own:
+                    held = max([held, *history_steps(path)])
+        if held < self.last_step:
+            logger.warning(f"wandb: run {self.run_id} lacks the steps {held + 1}..{self.last_step} the stopped process "
+                           "logged: it had not written them yet (or its files are elsewhere)")
+        elif held > self.last_step:
+            logger.warning(f"wandb: run {self.run_id} already has steps up to {held} (logged before the stop); "
+                           f"this resume logs from step {held + 1}")
+        self.first_step = max(self.first_step, held + 1)
+        self.last_step = max(self.last_step, held)
+
+    def log(self, kind: str, step: int, epoch: float, metrics: Mapping[str, float]) -> None:
+        if self.run is None:
+            self._start(resuming=False)
+        if step < self.first_step:
+            return
+        row = {key if "/" in key else f"{kind}/{key}": value for key, value in metrics.items()}
+        self.run.log({"epoch": epoch, **row}, step=step)
+        self.last_step = max(self.last_step, step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "last_step": self.last_step}
+
+    def load_state_dict(self, state: dict[str, Any], step: int) -> None:
+        """Continue the saved run after `step` (a state without a run id, from a run that did not report to
+        wandb, starts a new run)."""
+        if self.run is not None:
+            raise RuntimeError("WandbSink.load_state_dict: the run has started already")
+        if state.get("run_id"):
+            self.run_id = state["run_id"]
+            self.last_step = int(state["last_step"])
+        self.first_step = step + 1
+        self._start(resuming=bool(state.get("run_id")))
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+# The `.wandb` file of a run is wandb's transaction log: LevelDB's log framing (32 KiB blocks of chunks, each a
+# CRC-32, a length and a type: full, first, middle or last) after a 7-byte header, around `wandb.proto` Records.
+_HEADER = struct.Struct("<4sHB")  # b":W&B", 0xBEE1, version 0
+_CHUNK = struct.Struct("<IHB")
+_BLOCK = 32768
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+def read_run_file(path: Path) -> Iterator[Any]:
+    """The `wandb.proto` Records of a `.wandb` file, up to the first torn or damaged chunk (a killed process's
+    last write)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = Path(path).read_bytes()
+    if len(data) < _HEADER.size or _HEADER.unpack_from(data)[:2] != (b":W&B", 0xBEE1):
+        raise ValueError(f"{path}: not a wandb run file")
+    pos, parts = _HEADER.size, []
+    while True:
+        if _BLOCK - pos % _BLOCK < _CHUNK.size:  # a block's tail too short for a chunk header is padding
+            pos += _BLOCK - pos % _BLOCK
+        if pos + _CHUNK.size > len(data):
+            return
+        checksum, length, kind = _CHUNK.unpack_from(data, pos)
+        chunk = data[pos + _CHUNK.size:pos + _CHUNK.size + length]
+        if len(chunk) < length or zlib.crc32(chunk, zlib.crc32(bytes([kind]))) != checksum:
+            return
+        pos += _CHUNK.size + length
+        if kind in (_FULL, _FIRST):
+            parts = [chunk]
+        elif kind in (_MIDDLE, _LAST) and parts:
+            parts.append(chunk)
+        if kind in (_FULL, _LAST) and parts:
+            yield wandb_internal_pb2.Record.FromString(b"".join(parts))
+            parts = []
+
+
+def history_steps(path: Path) -> list[int]:
+    """The `_step` of every history row in a `.wandb` file, in order."""
+    steps = []
+    for record in read_run_file(path):
+        if record.WhichOneof("record_type") == "history":
+            steps += [int(item.value_json) for item in record.history.item
+                      if item.key == "_step" or list(item.nested_key) == ["_step"]]  # older and newer wandb
+    return steps
