@@ -214,6 +214,18 @@ def test_online_without_an_api_key_is_a_one_line_error_not_a_prompt(tmp_path: Pa
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.slow
+def test_online_with_no_network_is_a_one_line_error_after_wandbs_timeout(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "3")
+    sink = WandbSink(_context(tmp_path))
+    with pytest.raises(ValueError, match=r"^--report-to wandb: W&B could not start run \w{8}: .*WANDB_MODE=offline"):
+        sink.log("train", 1, 0.1, {"train/loss": 1.0})
+
+
 def test_a_missing_wandb_package_names_the_flag_and_the_extra(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "wandb", None)

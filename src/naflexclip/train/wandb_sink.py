@@ -69,12 +69,16 @@ class WandbSink:
         settings = {}
         if FLUSH_SETTING in wandb.Settings.model_fields and FLUSH_ENV not in os.environ:
             settings[FLUSH_SETTING] = FLUSH_SECONDS
-        self.run = wandb.init(
-            project=config.get("wandb_project_name") or DEFAULT_PROJECT, name=self.ctx.name,
-            notes=config.get("wandb_notes") or None, config=dict(config), id=self.run_id, resume="allow",
-            dir=None if "WANDB_DIR" in os.environ else str(self.ctx.run_dir), reinit="create_new",
-            settings=wandb.Settings(**settings),
-        )
+        try:
+            self.run = wandb.init(
+                project=config.get("wandb_project_name") or DEFAULT_PROJECT, name=self.ctx.name,
+                notes=config.get("wandb_notes") or None, config=dict(config), id=self.run_id, resume="allow",
+                dir=None if "WANDB_DIR" in os.environ else str(self.ctx.run_dir), reinit="create_new",
+                settings=wandb.Settings(**settings),
+            )
+        except wandb.Error as error:  # e.g. online with no network: a timeout after init_timeout
+            raise ValueError(f"--report-to wandb: W&B could not start run {self.run_id}: "
+                             f"{str(error).splitlines()[0]} (WANDB_MODE=offline logs locally)") from None
         if not resuming or self.run.disabled:
             return
         # the first step the run does not have: the server's, or after the earlier offline files of the run
