@@ -157,3 +157,18 @@ def test_amp_needs_cuda(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["train", "--model", "tiny", "--precision", "amp", "--device", "cpu", "--logs", str(tmp_path),
                  *TINY_DATA_FLAGS]) == 2
     assert "--precision amp" in capsys.readouterr().err
+
+
+def test_val_frequency_0_evaluates_before_training_and_at_the_end(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    """`--val-frequency 0`: "only before training and at the end" — the summary's "after" column is the end's
+    evaluation, not the one before the first step."""
+    train(tiny_config(tmp_path, "run", epochs=1, val_frequency=0, plot=False))
+    records = _records(tmp_path / "run")
+    last = max(r["step"] for r in records if r["kind"] == "train")
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, last]
+    table = {line.split()[0]: line.split()[1:3] for line in capsys.readouterr().out.splitlines()
+             if line.startswith(("val/", "zeroshot/"))}
+    key = "val/image_to_text_median_rank"
+    assert table[key] == [f"{evals[0][key]:.3f}", f"{evals[-1][key]:.3f}"]

@@ -175,8 +175,8 @@ class Trainer:
         self.loader = build_loader(cfg.data, split="train", patch_size=self.module.image_patch_size,
                                    context_length=self.module.context_length, rank=env.rank,
                                    world_size=env.world_size, device_pin=env.device.type == "cuda")
-        self.windows_per_epoch = self._plan_windows()
-        self.schedule = CosineSchedule(self.optimizer, cfg.lr, cfg.warmup, sum(self.windows_per_epoch))
+        self.batches_per_epoch = self._plan_batches()
+        self.schedule = CosineSchedule(self.optimizer, cfg.lr, cfg.warmup, self.windows_left(0, 0))
         self.progress = Progress()
         self.run_dir = Path(cfg.logs) / str(cfg.name)
         self.checkpoint_dir = self.run_dir / "checkpoints"
@@ -190,14 +190,21 @@ class Trainer:
             self.reporter.message(f"warning: --warmup {cfg.warmup} is longer than the run ({total} optimizer steps): "
                                   f"the learning rate never reaches --lr {cfg.lr:g}")
 
-    def _plan_windows(self) -> list[int]:
-        """Optimizer steps in each epoch (the schedule's length): ceil(planned microbatches / accum_freq)."""
+    def _plan_batches(self) -> list[int]:
+        """Planned microbatches of each epoch (the same on every rank)."""
         counts = []
         for epoch in range(self.cfg.epochs):
             self.loader.set_epoch(epoch)
-            counts.append(math.ceil(self.loader.num_batches / self.cfg.accum_freq))
+            counts.append(self.loader.num_batches)
         self.loader.set_epoch(0)
         return counts
+
+    def windows_left(self, epoch: int, next_batch: int) -> int:
+        """Optimizer steps from microbatch `next_batch` of `epoch` to the end of the run: ceil(microbatches left
+        / accum_freq) per epoch (the lr schedule spans them, whatever --accum-freq the earlier steps used)."""
+        counts = self.batches_per_epoch[epoch:]
+        return sum(math.ceil((count - (next_batch if i == 0 else 0)) / self.cfg.accum_freq)
+                   for i, count in enumerate(counts))
 
     # ----------------------------------------------------------------------------------- one step
 
@@ -281,8 +288,9 @@ class Trainer:
     def _train_epoch(self) -> bool:
         cfg, progress = self.cfg, self.progress
         self.loader.set_epoch(progress.epoch, start_batch=progress.next_batch)
-        total = self.windows_per_epoch[progress.epoch]
-        bar = self.reporter.progress_bar(progress.epoch, total, math.ceil(progress.next_batch / cfg.accum_freq))
+        done = math.ceil(progress.next_batch / cfg.accum_freq)
+        left = math.ceil((self.batches_per_epoch[progress.epoch] - progress.next_batch) / cfg.accum_freq)
+        bar = self.reporter.progress_bar(progress.epoch, done + left, done)
         tick = time.perf_counter()
         try:
             for microbatches in self._windows():
@@ -361,7 +369,7 @@ class Trainer:
         progress.epoch += 1
         progress.next_batch = 0
         last = progress.epoch == cfg.epochs
-        if cfg.val_frequency and (progress.epoch % cfg.val_frequency == 0 or last):
+        if last or (cfg.val_frequency and progress.epoch % cfg.val_frequency == 0):
             self.run_evaluation()
         if cfg.save_frequency and (progress.epoch % cfg.save_frequency == 0 or last):
             self.save(f"epoch_{progress.epoch}")
@@ -593,10 +601,10 @@ class Trainer:
         load_full_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], self.env)
         for group, values in zip(self.optimizer.param_groups, hyper, strict=True):
             group.update(values)
+        self.progress = Progress(**state["progress"])
         changes += self._restore_schedule(state["schedule"], state["config"])
         if self.precision.scaler is not None and state["grad_scaler"]:
             self.precision.scaler.load_state_dict(state["grad_scaler"])
-        self.progress = Progress(**state["progress"])
         self.last_step_saved = self.progress.step
         self.loader.load_state_dict(state["data"].get("ranks") or dict(state["data"]))
         per_rank = state.get("rng_per_rank")
@@ -610,7 +618,8 @@ class Trainer:
 
     def _restore_schedule(self, saved: dict[str, Any], saved_config: dict[str, Any]) -> list[str]:
         """Continue the saved lr schedule; only when a flag that defines it changed (--lr, --warmup, --epochs,
-        --accum-freq) does this run's schedule replace it, and the lr change at the resumed step is listed."""
+        --accum-freq) does this run's schedule replace it, spanning the steps actually left, and the lr change at
+        the resumed step is listed."""
         step = int(saved["last_step"])
         defining = ("lr", "warmup", "epochs", "accum_freq")
         current = self.cfg.to_dict()
@@ -622,6 +631,7 @@ class Trainer:
             return []
         old = CosineSchedule(self.optimizer, float(saved["base_lr"]), int(saved["warmup_steps"]),
                              int(saved["total_steps"])).lr_at(step)
+        self.schedule.total_steps = step + self.windows_left(self.progress.epoch, self.progress.next_batch)
         self.schedule.load_state_dict(saved)  # (after the line above set the optimizer's lr) this run's lr
         return [f"lr schedule {saved['total_steps']} -> {self.schedule.total_steps} steps "
                 f"(lr at step {step}: {old:.3g} -> {self.schedule.lr:.3g})"]
