@@ -435,3 +435,53 @@ def test_resume_with_another_accum_freq_schedules_the_steps_actually_left(tmp_pa
     assert "lr schedule 17 -> 13 steps" in notice
     done, total = re.findall(r"(\d+)/(\d+) \[", err)[-1]  # the bar's last state: full, not past its end
     assert done == total
+
+
+class _RecordingSink:
+    """A sink as another logger would plug in: built from the run's context, saved and continued by name."""
+
+    events: list[tuple] = []
+
+    def __init__(self, context) -> None:
+        self.context = context
+        self.events.append(("open", context.name, context.config["report_to"]))
+
+    def log(self, kind: str, step: int, epoch: float, metrics) -> None:
+        self.events.append(("log", kind, step))
+
+    def state_dict(self) -> dict:
+        return {"run_id": f"id-of-{self.context.name}"}
+
+    def load_state_dict(self, state: dict, step: int) -> None:
+        self.events.append(("continue", state, step))
+
+    def close(self) -> None:
+        self.events.append(("close",))
+
+
+def test_a_registered_sink_logs_saves_and_continues_after_the_resumed_step(stopped_run: Path, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from naflexclip.train.report import SINKS
+
+    monkeypatch.setitem(SINKS, "recording", _RecordingSink)
+    monkeypatch.setattr(_RecordingSink, "events", [])
+    logs = _copy_run(stopped_run, tmp_path)
+    flags = dict(val_frequency=0, resume="latest", report_to="recording, tensorboard")
+    train(tiny_config(logs, "base", stop_after_steps=4, save_every_n_steps=3, **flags))
+    state = torch.load(logs / "base" / "checkpoints" / "step_00000003" / ckpt.STATE_FILE, weights_only=True)
+    assert state["reporter"]["recording"] == {"run_id": "id-of-base"} and "jsonl" in state["reporter"]
+    events = _RecordingSink.events
+    assert events[0] == ("open", "base", "recording, tensorboard")
+    assert events[1] == ("continue", {}, 2)  # the stopped run did not use this sink: nothing of it to continue
+    assert [e[2] for e in events if e[0] == "log" and e[1] == "train"] == [3, 4]
+    events.clear()
+    shutil.rmtree(logs / "base" / "checkpoints" / "step_00000004")  # as if it died after logging step 4
+    train(tiny_config(logs, "base", stop_after_steps=5, **flags))
+    assert events[1] == ("continue", {"run_id": "id-of-base"}, 3)
+    assert [e[2] for e in events if e[0] == "log" and e[1] == "train"] == [4, 5]
+
+
+def test_report_to_takes_a_comma_list_of_known_sinks(capsys: pytest.CaptureFixture) -> None:
+    assert main(["train", "--report-to", "tensorboard,tensorbored"]) == 2
+    assert capsys.readouterr().err.strip() == ("naflexclip train: error: --report-to: unknown 'tensorbored'; "
+                                               "choose from jsonl, tensorboard, wandb (several comma-separated)")

@@ -92,7 +92,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                    "checkpoint; a run folder without one stops the run)")
     r.add_argument("--resume-fresh", action="store_true",
                    help="with --resume latest: start the run over when it has no usable checkpoint")
-    r.add_argument("--report-to", default="", choices=("", "tensorboard"))
+    r.add_argument("--report-to", default="",
+                   help="also log to these, comma-separated: tensorboard, wandb (metrics.jsonl is always written)")
     r.add_argument("--log-every-n-steps", type=int, default=_default("log_every_n_steps"))
     r.add_argument("--val-frequency", type=int, default=_default("val_frequency"),
                    help="evaluate every N epochs (and at the end); 0: only before training and at the end")

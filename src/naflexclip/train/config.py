@@ -15,10 +15,10 @@ from typing import Any
 from naflexclip.data import DataConfig
 from naflexclip.loss import DEFAULT_TILE_SIZE
 from naflexclip.model import PRESETS
+from naflexclip.train.report import report_to_names
 from naflexclip.window import METHODS, SCALE_MODES
 
 PRECISIONS = ("fp32", "amp_bf16", "amp")
-REPORT_TO = ("", "tensorboard")
 
 
 @dataclass
@@ -51,7 +51,7 @@ class TrainConfig:
     stop_after_steps: int | None = None
     resume: str | None = None
     resume_fresh: bool = False  # --resume latest on a run with no usable checkpoint: start over, not stop
-    report_to: str = ""
+    report_to: str = ""  # sinks besides metrics.jsonl, comma-separated ("wandb,tensorboard")
     log_every_n_steps: int = 1
     val_frequency: int = 1
     zero_shot_samples: int = 300
@@ -81,10 +81,10 @@ class TrainConfig:
             ("--accum-method", self.accum_method, METHODS),
             ("--naflex-loss-scale", self.naflex_loss_scale, SCALE_MODES),
             ("--precision", self.precision, PRECISIONS),
-            ("--report-to", self.report_to, REPORT_TO),
         ):
             if value not in choices:
                 raise ValueError(f"{flag}: {value!r} is not one of {list(choices)}")
+        report_to_names(self.report_to)
 
     def _check_counts(self) -> None:
         for flag, value, minimum in (

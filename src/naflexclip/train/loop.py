@@ -17,9 +17,7 @@ had logged, so every step appears once.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import os
 import random
 import signal
 import threading
@@ -62,20 +60,8 @@ from naflexclip.train.config import TrainConfig
 from naflexclip.train.evaluate import evaluate
 from naflexclip.train.optim import CosineSchedule, create_optimizer
 from naflexclip.train.precision import create_precision
-from naflexclip.train.report import (
-    METRICS_FILE,
-    PLOT_FILE,
-    SKIP_LOG_FILE,
-    Reporter,
-    data_summary,
-    epoch_data_record,
-    plot_curves,
-    read_metrics,
-    summary_table,
-)
+from naflexclip.train.report import Reporter, refuse_existing_run, run_exists
 from naflexclip.window import WindowStats, accumulate_gradients
-
-MAX_SKIP_LINES = 20  # skipped samples printed per epoch; all of them are in skipped_samples.jsonl
 
 
 class TrainingStopped(RuntimeError):
@@ -180,9 +166,9 @@ class Trainer:
         self.progress = Progress()
         self.run_dir = Path(cfg.logs) / str(cfg.name)
         self.checkpoint_dir = self.run_dir / "checkpoints"
-        self.reporter = Reporter(self.run_dir, enabled=env.is_main, tensorboard=cfg.report_to == "tensorboard")
+        self.reporter = Reporter(self.run_dir, rank=env.rank, report_to=cfg.report_to, config=cfg.to_dict(),
+                                 name=str(cfg.name))
         self.evals: list[dict[str, float]] = []  # [0]: the evaluation before the run's first step
-        self.skips_printed: dict[tuple[str, int], int] = {}  # (split, epoch): skip lines printed
         self.stop_signal: int | None = None  # set by SIGINT/SIGTERM (see `stop_signals`)
         self.last_step_saved: int | None = None
         total = self.schedule.total_steps
@@ -332,40 +318,14 @@ class Trainer:
             raise
 
     def log_skipped_samples(self) -> None:
-        """Every rank logs the samples its training loader skipped since the last call (`write_skip_records`)."""
+        """Every rank logs the samples its training loader skipped since the last call."""
         records, self.loader.skip_records = self.loader.skip_records, []
-        self.write_skip_records(records)
-
-    def write_skip_records(self, records: list[dict[str, Any]], **extra: Any) -> None:
-        """Append skip records (with this rank and `extra`) to skipped_samples.jsonl; the main rank also prints
-        them (the first few per split and epoch) on their own lines above the progress bar."""
-        if not records:
-            return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        # ranks append to one file: one O_APPEND write per line keeps every line whole
-        fd = os.open(self.run_dir / SKIP_LOG_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            for record in records:
-                os.write(fd, (json.dumps({**record, "rank": self.env.rank, **extra}) + "\n").encode())
-        finally:
-            os.close(fd)
-        for record in records:
-            split = record.get("split", "train")
-            key = (split, record["epoch"])
-            self.skips_printed[key] = shown = self.skips_printed.get(key, 0) + 1
-            where = ", ".join(f"{k} {record[k]}" for k in ("key", "line") if record.get(k) is not None)
-            reason = record["reason"] if split == "train" else f"{record['reason']}, {split}"
-            if shown <= MAX_SKIP_LINES:
-                self.reporter.message(f"skipped ({reason}): {record['source']}" + (f" [{where}]" if where else ""))
-            elif shown == MAX_SKIP_LINES + 1:
-                self.reporter.message(f"more skipped {split} samples: see {self.run_dir / SKIP_LOG_FILE}")
+        self.reporter.write_skips(records)
 
     def end_epoch(self) -> None:
         cfg, progress = self.cfg, self.progress
         barrier(self.env)  # every rank has written its skipped samples of the epoch
-        if self.env.is_main:
-            self.reporter.log("data", progress.step, progress.epoch + 1.0,
-                              epoch_data_record(self.run_dir, progress.epoch, progress.num_samples_seen))
+        self.reporter.log_epoch_data(progress.step, progress.epoch, progress.num_samples_seen)
         progress.epoch += 1
         progress.next_batch = 0
         last = progress.epoch == cfg.epochs
@@ -455,7 +415,7 @@ class Trainer:
             metrics = evaluate(model, self.cfg.data, self.env.device, self.precision.autocast,
                                zero_shot_samples=self.cfg.zero_shot_samples if on_builtin else 0, skip_records=skips)
             if self.env.is_main:  # (FSDP: every rank evaluated the same validation data)
-                self.write_skip_records(skips, step=self.progress.step)
+                self.reporter.write_skips(skips, step=self.progress.step)
             if self.env.is_main and metrics:
                 self.evals.append(metrics)
                 self.reporter.log("eval", self.progress.step, self._fractional_epoch(), metrics)
@@ -470,19 +430,8 @@ class Trainer:
 
     def finish(self) -> None:
         """Curves, summary table and skip counts (main rank)."""
-        if not self.env.is_main:
-            return
-        counts = {"skipped steps (non-finite)": self.progress.num_skipped_steps}
-        records = read_metrics(self.reporter.metrics_path) if self.reporter.metrics_path.exists() else []
-        if self.cfg.plot:
-            plot_curves(records, self.run_dir / PLOT_FILE)
-        if self.evals:
-            print(summary_table(self.evals[0], self.evals[-1], counts))
-        else:
-            print("\n".join(f"{key}: {value}" for key, value in counts.items()))
-        print(data_summary(records, self.run_dir / SKIP_LOG_FILE))
-        print(f"outputs in {self.run_dir}")
-        self.reporter.close()
+        self.reporter.finish(self.evals, {"skipped steps (non-finite)": self.progress.num_skipped_steps},
+                             plot=self.cfg.plot)
 
     # ------------------------------------------------------------------------------- checkpoints
 
@@ -504,14 +453,10 @@ class Trainer:
                      # every rank's loader position (a rank may be covering a broken microbatch); on rank 0
                      "ranks": gather_to_main(self.env, self.loader.state_dict())},
             "world_size": self.env.world_size,
-            # the summary's "before" column, and how much of metrics.jsonl this checkpoint had written
+            # the summary's "before" column, and what each sink had logged (main rank)
             "first_eval": self.evals[0] if self.evals else None,
-            "metrics_bytes": self._metrics_bytes(),
+            "reporter": self.reporter.state_dict(),
         }
-
-    def _metrics_bytes(self) -> int:
-        path = self.reporter.run_dir / METRICS_FILE
-        return path.stat().st_size if self.env.is_main and path.exists() else 0
 
     def save(self, name: str) -> Path:
         """Gather (every rank) and write (main rank) one checkpoint; its path."""
@@ -561,16 +506,14 @@ class Trainer:
     def _start_fresh(self) -> bool:
         """--resume latest without a usable checkpoint: a new run starts; an existing one stops unless
         --resume-fresh says to start it over."""
-        existing = (self.run_dir / METRICS_FILE).exists() or (
-            self.checkpoint_dir.is_dir() and any(self.checkpoint_dir.iterdir()))
+        existing = run_exists(self.run_dir) or (self.checkpoint_dir.is_dir() and any(self.checkpoint_dir.iterdir()))
         if existing and not self.cfg.resume_fresh:
             raise ValueError(f"--resume latest: run {str(self.run_dir)!r} exists but has no usable checkpoint; pass "
                              f"--resume-fresh to start it over from scratch")
         if existing:
             self.reporter.message(f"--resume latest: no usable checkpoint in {self.checkpoint_dir}; starting the run "
                                   f"over (--resume-fresh)")
-            if self.env.is_main and (self.run_dir / METRICS_FILE).exists():
-                os.truncate(self.run_dir / METRICS_FILE, 0)
+            self.reporter.start_over()
         else:
             self.reporter.message(f"--resume latest: no checkpoint in {self.checkpoint_dir}; starting fresh")
         barrier(self.env)
@@ -637,15 +580,10 @@ class Trainer:
                 f"(lr at step {step}: {old:.3g} -> {self.schedule.lr:.3g})"]
 
     def _cut_metrics(self, path: Path, state: dict[str, Any]) -> None:
-        """Drop what metrics.jsonl and TensorBoard logged after this checkpoint (a crash or stop after it), so
-        each step appears once; only for this run's own checkpoints."""
-        metrics = self.run_dir / METRICS_FILE
-        size = state.get("metrics_bytes")
-        own = path.resolve().parent == self.checkpoint_dir.resolve()
-        if self.env.is_main and own and size is not None and metrics.exists() and metrics.stat().st_size > size:
-            os.truncate(metrics, size)
-        if own:
-            self.reporter.purge_after(self.progress.step)
+        """Drop what the sinks logged after this checkpoint (a crash or stop after it), so each step appears
+        once; only for this run's own checkpoints."""
+        if path.resolve().parent == self.checkpoint_dir.resolve():
+            self.reporter.load_state_dict(state["reporter"], self.progress.step)
         barrier(self.env)
 
 
@@ -657,11 +595,10 @@ def _brief(metrics: dict[str, float]) -> str:
 
 def prepare_run_dir(cfg: TrainConfig, env: DistributedEnv) -> None:
     """Refuse to overwrite another run's logs unless resuming it (OpenCLIP's rule)."""
-    run_dir = Path(cfg.logs) / str(cfg.name)
-    exists = cfg.resume is None and (run_dir / "metrics.jsonl").exists()
-    barrier(env)  # every rank looked before any rank writes
-    if exists:
-        raise ValueError(f"--name: run {str(run_dir)!r} already exists; pick another --name or pass --resume latest")
+    try:
+        refuse_existing_run(Path(cfg.logs) / str(cfg.name), resuming=cfg.resume is not None)
+    finally:
+        barrier(env)  # every rank looked before any rank writes
 
 
 @contextlib.contextmanager
@@ -708,4 +645,6 @@ def train(cfg: TrainConfig) -> dict[str, float]:
         raise TrainingInterrupted(f"interrupted by {signal.Signals(number).name}; last complete checkpoint: "
                                   f"{latest if latest is not None else 'none'}", number, show=env.is_main) from None
     finally:
+        if trainer is not None:
+            trainer.reporter.close()
         cleanup(env)

@@ -1,24 +1,34 @@
-"""What a user sees of a run: the per-epoch progress bar, `metrics.jsonl`, TensorBoard, `curves.png` and
-the terminal summary table. Only the main rank reports; on other ranks every method is a no-op.
+"""What a user sees of a run: the progress bar and messages, the logged metrics, the skip log, `curves.png` and
+the terminal summary.
+
+Metrics go to a `Reporter` of sinks: `metrics.jsonl` always, others named by `--report-to` in OpenCLIP's comma
+form ("wandb,tensorboard"). A sink is one small class (`Sink`) registered by name in `SINKS`; it exists on the main rank
+only, and it saves what a resume needs (`state_dict`) so that a resumed run logs every step once. Every rank
+appends the samples its loader skipped to `skipped_samples.jsonl`; the main rank prints the first few.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from tqdm import tqdm
 
 from naflexclip.data.samples import NOT_SAMPLE_REASONS
+from naflexclip.train.wandb_sink import WandbSink
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "curves.png"
 # one JSON line per skipped sample: source, key, line, reason, detail, split, epoch, rank (and, for the
 # validation split, the step of the evaluation that left it out)
 SKIP_LOG_FILE = "skipped_samples.jsonl"
+MAX_SKIP_LINES = 20  # skipped samples printed per split and epoch; all of them are in the skip log
 # the metrics of the summary table, with the chance level next to them where there is one
 SUMMARY_KEYS = (
     "val/image_to_text_R@1", "val/image_to_text_R@5", "val/image_to_text_R@10", "val/image_to_text_median_rank",
@@ -27,43 +37,149 @@ SUMMARY_KEYS = (
 )
 
 
-class Reporter:
-    """Writes every logged metric as one JSON line `{"step", "epoch", "kind", <metrics>}` and, with
-    `--report-to tensorboard`, as TensorBoard scalars under `{run_dir}/tensorboard`."""
+class Sink(Protocol):
+    """Where logged metrics go. `kind`: "train", "eval" or "data"; keys are `group/name` ("train/loss")."""
 
-    def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool) -> None:
-        self.run_dir = run_dir
-        self.enabled = enabled
-        self.writer = None
-        self.tensorboard = enabled and tensorboard
-        if not enabled:
-            return
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics_path = run_dir / METRICS_FILE
-        if self.tensorboard:
-            self._open_writer()
+    def log(self, kind: str, step: int, epoch: float, metrics: Mapping[str, float]) -> None: ...
 
-    def _open_writer(self, purge_step: int | None = None) -> None:
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume needs (JSONL: the bytes written; a hosted logger: its run id)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any], step: int) -> None:
+        """Continue after `step`: nothing logged after it appears twice. `state` is empty when the sink saved
+        nothing (a run started over, or a sink the checkpoint's run did not use)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class SinkContext:
+    """What a sink is built from: the run's folder, its config (`TrainConfig.to_dict()`) and its name."""
+
+    run_dir: Path
+    config: dict[str, Any]
+    name: str
+
+
+SinkFactory = Callable[[SinkContext], Sink]
+
+
+class JsonlSink:
+    """`metrics.jsonl`: one line `{"kind", "step", "epoch", <metrics>}` per call."""
+
+    def __init__(self, context: SinkContext) -> None:
+        self.path = context.run_dir / METRICS_FILE
+
+    def log(self, kind: str, step: int, epoch: float, metrics: Mapping[str, float]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"kind": kind, "step": step, "epoch": epoch, **metrics}) + "\n")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"bytes": self.path.stat().st_size if self.path.exists() else 0}
+
+    def load_state_dict(self, state: dict[str, Any], step: int) -> None:
+        """Cut the file back to what was written when the state was saved (a crash or stop after it)."""
+        size = int(state.get("bytes", 0))
+        if self.path.exists() and self.path.stat().st_size > size:
+            os.truncate(self.path, size)
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardSink:
+    """TensorBoard scalars under `{run_dir}/tensorboard` (tag `group/name`, or `kind/name` for a bare name)."""
+
+    def __init__(self, context: SinkContext) -> None:
+        self.log_dir = context.run_dir / "tensorboard"
+        self.writer = self._open()
+
+    def _open(self, purge_step: int | None = None) -> Any:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=purge_step)
+        return SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
 
-    def purge_after(self, step: int) -> None:
-        """After a resume at `step`: TensorBoard hides the events a previous process logged after it
-        (as metrics.jsonl is cut back), so each step appears once."""
-        if self.writer is not None:
-            self.writer.close()
-            self._open_writer(purge_step=step + 1)
+    def log(self, kind: str, step: int, epoch: float, metrics: Mapping[str, float]) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key if "/" in key else f"{kind}/{key}", value, step)
 
-    def log(self, kind: str, step: int, epoch: float, metrics: dict[str, float]) -> None:
-        if not self.enabled:
-            return
-        record = {"kind": kind, "step": step, "epoch": epoch, **metrics}
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.writer is not None:
-            for key, value in metrics.items():
-                self.writer.add_scalar(key if "/" in key else f"{kind}/{key}", value, step)
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any], step: int) -> None:
+        """TensorBoard hides the events an earlier process logged after `step`."""
+        self.writer.close()
+        self.writer = self._open(purge_step=step + 1)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+# --report-to names; "jsonl" is always on
+SINKS: dict[str, SinkFactory] = {
+    "jsonl": JsonlSink,
+    "tensorboard": TensorBoardSink,
+    "wandb": WandbSink,
+}
+
+
+def report_to_names(text: str) -> list[str]:
+    """The sinks of `--report-to` (OpenCLIP's comma form, e.g. "wandb,tensorboard"); one-line ValueError
+    naming an unknown one."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    for name in names:
+        if name not in SINKS:
+            raise ValueError(f"--report-to: unknown {name!r}; choose from {', '.join(sorted(SINKS))} "
+                             f"(several comma-separated)")
+    return names
+
+
+def refuse_existing_run(run_dir: Path, resuming: bool) -> None:
+    """OpenCLIP's rule: a new run does not write over another run's logs."""
+    if not resuming and (run_dir / METRICS_FILE).exists():
+        raise ValueError(f"--name: run {str(run_dir)!r} already exists; pick another --name or pass --resume latest")
+
+
+def run_exists(run_dir: Path) -> bool:
+    """True when the run folder holds logs of an earlier start."""
+    return (run_dir / METRICS_FILE).exists()
+
+
+class Reporter:
+    """The run's logs: sinks (main rank), messages and the progress bar (main rank), the skip log (every rank).
+
+    `state_dict()` holds each sink's state under its name; `load_state_dict(state, step)` continues every sink
+    after `step`."""
+
+    def __init__(self, run_dir: Path, *, rank: int = 0, report_to: str = "", config: dict[str, Any] | None = None,
+                 name: str | None = None) -> None:
+        self.run_dir, self.rank = run_dir, rank
+        self.enabled = rank == 0
+        self.metrics_path = run_dir / METRICS_FILE
+        self.skips_printed: dict[tuple[str, int], int] = {}  # (split, epoch): skip lines printed
+        self.sinks: dict[str, Sink] = {}
+        names = dict.fromkeys(["jsonl", *report_to_names(report_to)])
+        if self.enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            context = SinkContext(run_dir, dict(config or {}), name or run_dir.name)
+            self.sinks = {name: SINKS[name](context) for name in names}
+
+    def log(self, kind: str, step: int, epoch: float, metrics: Mapping[str, float]) -> None:
+        for sink in self.sinks.values():
+            sink.log(kind, step, epoch, metrics)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: sink.state_dict() for name, sink in self.sinks.items()}
+
+    def load_state_dict(self, state: dict[str, Any], step: int) -> None:
+        for name, sink in self.sinks.items():
+            sink.load_state_dict(state.get(name, {}), step)
+
+    def start_over(self) -> None:
+        """A run started over from scratch (`--resume-fresh`): what earlier starts logged is dropped."""
+        self.load_state_dict({}, step=-1)
 
     def message(self, text: str) -> None:
         """A line for the user that does not break the progress bar."""
@@ -74,9 +190,52 @@ class Reporter:
         return tqdm(total=total, initial=initial, desc=f"epoch {epoch}", unit="step", dynamic_ncols=True,
                     disable=not self.enabled, file=sys.stderr, leave=True)
 
+    def write_skips(self, records: list[dict[str, Any]], **extra: Any) -> None:
+        """Append skip records (with this rank and `extra`) to the skip log; the main rank also prints the first
+        few per split and epoch, each on its own line above the progress bar."""
+        if not records:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # ranks append to one file: one O_APPEND write per line keeps every line whole
+        fd = os.open(self.run_dir / SKIP_LOG_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            for record in records:
+                os.write(fd, (json.dumps({**record, "rank": self.rank, **extra}) + "\n").encode())
+        finally:
+            os.close(fd)
+        for record in records:
+            split = record.get("split", "train")
+            key = (split, record["epoch"])
+            self.skips_printed[key] = shown = self.skips_printed.get(key, 0) + 1
+            where = ", ".join(f"{k} {record[k]}" for k in ("key", "line") if record.get(k) is not None)
+            reason = record["reason"] if split == "train" else f"{record['reason']}, {split}"
+            if shown <= MAX_SKIP_LINES:
+                self.message(f"skipped ({reason}): {record['source']}" + (f" [{where}]" if where else ""))
+            elif shown == MAX_SKIP_LINES + 1:
+                self.message(f"more skipped {split} samples: see {self.run_dir / SKIP_LOG_FILE}")
+
+    def log_epoch_data(self, step: int, epoch: int, num_samples_seen: int) -> None:
+        """The `data` record of a finished epoch (after every rank wrote its skip records)."""
+        if self.enabled:
+            self.log("data", step, epoch + 1.0, epoch_data_record(self.run_dir, epoch, num_samples_seen))
+
+    def finish(self, evals: list[dict[str, float]], counts: dict[str, int], plot: bool) -> None:
+        """Curves, the before/after summary table, skip counts and the data summary (main rank)."""
+        if not self.enabled:
+            return
+        records = read_metrics(self.metrics_path) if self.metrics_path.exists() else []
+        if plot:
+            plot_curves(records, self.run_dir / PLOT_FILE)
+        if evals:
+            print(summary_table(evals[0], evals[-1], counts))
+        else:
+            print("\n".join(f"{key}: {value}" for key, value in counts.items()))
+        print(data_summary(records, self.run_dir / SKIP_LOG_FILE))
+        print(f"outputs in {self.run_dir}")
+
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        for sink in self.sinks.values():
+            sink.close()
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
