@@ -83,14 +83,14 @@ def write_wds_corpus(root) -> tuple[str, list[str], dict[str, int]]:
     write_tar(f"{root}/shard-0.tar", mixed)
     tail = [m for j in range(4) for m in ((f"t{j}.png", image_bytes(16, 24, "PNG", seed=j)), (f"t{j}.txt", b"tail"))]
     write_tar(f"{root}/shard-1.tar", tail)
-    truncate_inside_last_member(f"{root}/shard-1.tar")  # t3's caption is cut: t0..t2 survive
+    truncate_inside_last_member(f"{root}/shard-1.tar")  # t3's caption is cut: t0..t2 survive, t3 is named
     write_tar(f"{root}/shard-2.tar", [m for j in range(6) for m in (
         (f"c{j}.jpg", image_bytes(20 + j, 30, "JPEG", seed=10 + j)), (f"c{j}.txt", f"clean {j}".encode()))])
     usable = ([f"{root}/shard-0.tar:{k}" for k, _, _ in good] + [f"{root}/shard-1.tar:t{j}" for j in range(3)]
               + [f"{root}/shard-2.tar:c{j}" for j in range(6)])
     skips = {"corrupt_image": 1, "not_an_image": 1, "empty_image": 1, "degenerate_image": 1, "decompression_bomb": 1,
              "missing_caption": 1, "empty_caption": 1, "caption_not_utf8": 1, "missing_image": 1,
-             "truncated_shard": 1, "missing_shard": 1}
+             "truncated_sample": 1, "truncated_shard": 1, "missing_shard": 1}
     return f"{root}/shard-{{0..3}}.tar", usable, skips
 
 

@@ -28,11 +28,13 @@ def test_every_bad_kind_is_named_and_every_good_sample_arrives(tmp_path, split, 
         got = [k for b in loader for k in b["keys"]]
     assert sorted(got) == sorted(usable)
     assert dict(loader.skip_counts) == skips
-    assert "skipped 11" in caplog.text and "missing_shard=1" in loader.summary()
+    assert "skipped 12" in caplog.text and "missing_shard=1" in loader.summary()
     by_reason = {r["reason"]: r for r in loader.skip_records}
     # a user can find each one: the shard and the sample key (or the shard alone for shard problems)
     assert by_reason["missing_shard"]["source"].endswith("shard-3.tar") and by_reason["missing_shard"]["key"] is None
     assert by_reason["truncated_shard"]["source"].endswith("shard-1.tar")
+    cut = by_reason["truncated_sample"]  # the sample whose caption the truncation cut
+    assert cut["source"].endswith("shard-1.tar") and cut["key"] == "t3"
     assert by_reason["corrupt_image"]["key"] == "b_truncated" and by_reason["missing_image"]["key"] == "b_noimage"
     assert by_reason["caption_not_utf8"]["source"].endswith("shard-0.tar")
     assert all(r["epoch"] == 0 for r in loader.skip_records)
@@ -114,3 +116,45 @@ def test_worker_exception_surfaces_as_data_error(tmp_path, monkeypatch):
                           context_length=CONTEXT)
     with pytest.raises(DataError, match="synthetic:train.*disk on fire"):
         list(loader)
+
+
+def cut_inside_a_sample_start(root) -> tuple[str, list[str], str]:
+    """Two shards, 27 samples; the second is cut inside the image of its last sample (`s1-06`), whose caption
+    was never written: 26 usable samples, `s1-06` cut. Returns (spec, usable keys, the cut shard)."""
+    from conftest_data import image_bytes, truncate_inside_last_member
+
+    for shard, count in ((0, 20), (1, 7)):
+        members = [m for j in range(count) for m in (
+            (f"s{shard}-{j:02d}.png", image_bytes(16, 16 + j, seed=10 * shard + j)),
+            (f"s{shard}-{j:02d}.txt", f"caption {shard} {j}".encode()))]
+        write_tar(f"{root}/shard-{shard}.tar", members[:-1] if shard else members)  # s1-06: no caption
+    truncate_inside_last_member(f"{root}/shard-1.tar")  # ... and its image is cut half-way
+    usable = [f"s0-{j:02d}" for j in range(20)] + [f"s1-{j:02d}" for j in range(6)]
+    return f"{root}/shard-{{0..1}}.tar", usable, f"{root}/shard-1.tar"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_shard_cut_inside_its_last_sample_loses_that_sample_only_and_names_it(tmp_path, workers, world_size):
+    """The sample before the cut is whole (image and caption): it trains; the cut one is a named, counted skip."""
+    spec, usable, cut_shard = cut_inside_a_sample_start(tmp_path)
+    cfg = cfg_for(spec, workers=workers)
+    trained, records = [], []
+    for rank in range(world_size):
+        loader = build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT, rank=rank,
+                              world_size=world_size)
+        trained += keys_of(loader)
+        records += loader.skip_records
+    assert sorted(trained) == usable
+    assert sorted(((r["source"], r["key"], r["reason"]) for r in records), key=repr) == [
+        (cut_shard, "s1-06", "truncated_sample"), (cut_shard, None, "truncated_shard")]
+
+
+def test_a_streamed_shard_cut_inside_its_last_sample_loses_that_sample_only(tmp_path):
+    spec, usable, cut_shard = cut_inside_a_sample_start(tmp_path)
+    stream = "::".join(f"pipe:cat {tmp_path}/shard-{s}.tar" for s in range(2))
+    loader = build_loader(cfg_for(stream, dataset_type="webdataset", train_num_samples=26, shuffle_buffer=0),
+                          split="train", patch_size=PATCH, context_length=CONTEXT)
+    assert sorted(keys_of(loader)) == usable  # one pass over the shards is the epoch: nothing repeated
+    assert sorted(((r["key"], r["reason"]) for r in loader.skip_records), key=repr) == [
+        ("s1-06", "truncated_sample"), (None, "truncated_shard")]

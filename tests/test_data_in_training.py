@@ -144,3 +144,21 @@ def test_a_validation_set_with_more_broken_images_than_its_planned_batches_allow
     log = [json.loads(line) for line in (tmp_path / "run" / "skipped_samples.jsonl").read_text().splitlines()]
     val = {(r["step"], r["reason"], r["key"]) for r in log if r["source"] == val_table}
     assert {key for _, reason, key in val if reason == "not_an_image"} == {"i1.png", "i2.png", "i3.png"}
+
+
+def test_a_run_on_a_shard_cut_inside_its_last_sample_trains_every_whole_sample(tmp_path, capsys):
+    """The shard's download died inside the image of its last sample: the sample before it is whole and trains;
+    the cut one is named in skipped_samples.jsonl and counted in the epoch's summary."""
+    from conftest_data import truncate_inside_last_member, write_tar
+
+    members = [m for j in range(5) for m in ((f"k{j}.png", image_bytes(16, 16 + j, seed=j)), (f"k{j}.txt", b"a pic"))]
+    write_tar(str(tmp_path / "shard.tar"), members[:-1])
+    truncate_inside_last_member(str(tmp_path / "shard.tar"))  # k4's image cut, its caption never written
+    code = main(["train", *RUN, "--no-plot", "--epochs", "1", "--train-data", str(tmp_path / "shard.tar"),
+                 "--logs", str(tmp_path), "--name", "run"])
+    out = capsys.readouterr()
+    assert code == 0, out.err[-3000:]
+    log = [json.loads(line) for line in (tmp_path / "run" / "skipped_samples.jsonl").read_text().splitlines()]
+    assert sorted(((r["key"], r["reason"]) for r in log), key=repr) == [
+        ("k4", "truncated_sample"), (None, "truncated_shard")]
+    assert "epoch 0: trained 4 samples, skipped 1 bad (truncated_sample=1)" in out.out

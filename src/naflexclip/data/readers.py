@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tarfile
 from collections import Counter
 from collections.abc import Iterator
@@ -19,14 +20,14 @@ from typing import Any
 
 from PIL import Image
 from webdataset.gopen import gopen
-from webdataset.handlers import reraise_exception
 from webdataset.shardlists import expand_urls
-from webdataset.tariterators import base_plus_ext, tar_file_expander
+from webdataset.tariterators import base_plus_ext
 
 from naflexclip.data.samples import IMAGE_EXTENSIONS, read_image_file
 from naflexclip.data.synthetic import synthetic_sample, zero_shot_sample
 
 CAPTION_EXTENSIONS = ("txt", "text", "caption")
+_META = re.compile(r"__[^/]*__($|/)")  # WebDataset's metadata members (`__key__`, ...), not sample data
 
 
 class DataError(RuntimeError):
@@ -307,34 +308,57 @@ def count_shard_samples(urls: list[str]) -> int:
 
 @dataclass
 class ShardReadLog:
-    """What reading shards went wrong with, per epoch: each bad shard counted and logged once."""
+    """What reading shards went wrong with, per epoch: each bad shard (and each sample a truncation cut)
+    counted and logged once."""
 
     counts: Counter = field(default_factory=Counter)
-    bad_urls: set = field(default_factory=set)
+    seen: set = field(default_factory=set)
     records: list = field(default_factory=list)
 
-    def record(self, reason: str, url: str) -> None:
-        if url not in self.bad_urls:
-            self.bad_urls.add(url)
+    def record(self, reason: str, url: str, key: str | None = None, detail: str = "") -> None:
+        if (reason, url, key) not in self.seen:
+            self.seen.add((reason, url, key))
             self.counts[reason] += 1
-            self.records.append(skip_record(url, None, None, reason))
+            self.records.append(skip_record(url, key, None, reason, detail))
 
 
 def shard_samples(url: str, log: ShardReadLog) -> Iterator[RawSample]:
-    """Samples of one tar shard, in order; a truncated/corrupt shard ends early and is logged once."""
+    """Samples of one tar shard, in order. A truncated or corrupt shard ends early and is logged once; a
+    sample whose member data the damage cut is left out and logged, the samples before it are kept."""
     try:
         stream = gopen(url, "rb")
     except OSError:
         log.record("missing_shard", url)
         return
+    sample: dict | None = None  # the sample being grouped: consecutive members with the same key
+    reading = None  # the member whose data is being read
     try:
-        files = tar_file_expander([{"url": url, "stream": stream}], handler=reraise_exception)
-        for sample in _group_members(files):
-            yield _raw_from_wds(sample)
+        with tarfile.open(fileobj=stream, mode="r|*") as tar:
+            for info in tar:
+                tar.members = []  # a stream keeps no member list: memory stays flat over a shard
+                if not info.isreg() or _META.match(info.name):
+                    continue
+                reading = info.name
+                data = tar.extractfile(info).read()
+                reading = None
+                key, ext = member_key(info.name)
+                if sample is None or not same_sample(key, sample["__key__"]):
+                    if sample is not None:
+                        yield _raw_sample(url, sample)
+                    sample = {"__key__": key}
+                if key == sample["__key__"] and ext not in sample:
+                    sample[ext] = data
     except (tarfile.TarError, OSError, EOFError, ValueError):
         log.record("truncated_shard", url)
+        if reading is not None:  # only the sample the cut member belongs to is lost
+            cut = member_key(reading)[0]
+            if sample is not None and same_sample(cut, sample["__key__"]):
+                cut, sample = sample["__key__"], None
+            log.record("truncated_sample", url, cut, "the shard ends inside this sample's data")
     finally:
         stream.close()
+    if sample is not None:
+        yield _raw_sample(url, sample)
 
 
 def member_key(name: str) -> tuple[str, str]:
@@ -354,23 +378,7 @@ def same_sample(key: str, current: str | None) -> bool:
     return current is not None and (key == current or key.startswith(current + "."))
 
 
-def _group_members(files: Iterator[dict]) -> Iterator[dict]:
-    sample: dict | None = None
-    for member in files:
-        if "fname" not in member:  # the expander's end-of-shard marker
-            continue
-        key, ext = member_key(member["fname"])
-        if sample is None or not same_sample(key, sample["__key__"]):
-            if sample is not None:
-                yield sample
-            sample = {"__key__": key, "__url__": member.get("__url__", "")}
-        if key == sample["__key__"] and ext not in sample:
-            sample[ext] = member["data"]
-    if sample is not None:
-        yield sample
-
-
-def _raw_from_wds(sample: dict) -> RawSample:
+def _raw_sample(url: str, sample: dict) -> RawSample:
     image = next((sample[e] for e in IMAGE_EXTENSIONS if e in sample), None)
     caption = next((sample[e] for e in CAPTION_EXTENSIONS if e in sample), None)
-    return RawSample(image, caption, None, f"{sample.get('__url__', '')}:{sample.get('__key__', '')}")
+    return RawSample(image, caption, None, f"{url}:{sample['__key__']}")

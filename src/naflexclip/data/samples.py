@@ -26,6 +26,7 @@ SKIP_REASONS = (
     "empty_caption",  # caption is empty or whitespace
     "caption_not_utf8",  # caption bytes are not valid UTF-8
     "malformed_row",  # a CSV/TSV line that does not split into the header's columns
+    "truncated_sample",  # a sample whose data a truncated shard cut (the samples before it are kept)
     "truncated_shard",  # a tar shard that ends early or is not a tar (counted once per shard)
     "missing_shard",  # a shard URL that cannot be opened (a shard problem, not a bad sample)
     "epoch_remainder",  # an epoch with fewer samples than ranks: no rank can be given one without the others

@@ -26,7 +26,7 @@ import numpy as np
 from naflexclip.data.readers import CAPTION_EXTENSIONS, RawSample, member_key, same_sample, skip_record
 from naflexclip.data.samples import IMAGE_EXTENSIONS
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2
 INDEX_SUFFIX = ".naflexclip-index.json"
 # one image and one caption per sample, first match in this order (as the streaming reader picks them)
 _IMAGE_RANK = {e: i for i, e in enumerate(IMAGE_EXTENSIONS)}
@@ -43,12 +43,14 @@ class ShardIndex:
     """One shard's samples: key, image (offset, size, or -1, -1), caption (offset, size, or -1, -1).
 
     `status`: "ok", "missing" (cannot be opened) or "truncated" (ends early or is not a tar; the samples
-    before the damage are kept, the last, possibly incomplete, one is not)."""
+    before the damage are kept). `cut`: the key of the sample a member of which the damage cut (left out of
+    `keys`), or None when no member was cut."""
 
     url: str
     status: str
     keys: list[str]
     offsets: np.ndarray  # int64 [num_samples, 4]: image offset, image size, caption offset, caption size
+    cut: str | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -61,7 +63,7 @@ def scan_shard(url: str) -> ShardIndex:
     except OSError:
         return ShardIndex(url, "missing", [], np.zeros((0, 4), np.int64))
     members: list[tuple[str, int, int]] = []
-    truncated = False
+    truncated, cut_member = False, None
     try:
         with tarfile.open(url, "r:") as tar:  # reads headers and seeks past member data
             while True:
@@ -75,7 +77,7 @@ def scan_shard(url: str) -> ShardIndex:
                 if not info.isreg():
                     continue
                 if info.offset_data + info.size > file_size:
-                    truncated = True
+                    truncated, cut_member = True, info.name
                     break
                 members.append((info.name, info.offset_data, info.size))
     except (tarfile.TarError, EOFError, OSError):
@@ -94,11 +96,14 @@ def scan_shard(url: str) -> ShardIndex:
             rows[-1][0:2], ranks[-1][0] = [offset, size], _IMAGE_RANK[ext]
         elif exact and ext in _CAPTION_RANK and _CAPTION_RANK[ext] < ranks[-1][1]:
             rows[-1][2:4], ranks[-1][1] = [offset, size], _CAPTION_RANK[ext]
-    if truncated and keys:  # the damaged tail may have cut the last sample's other members
-        keys.pop()
-        rows.pop()
+    cut = None
+    if cut_member is not None:  # only the sample the cut member belongs to is lost
+        cut = member_key(cut_member)[0]
+        if keys and same_sample(cut, keys[-1]):
+            cut = keys.pop()
+            rows.pop()
     return ShardIndex(url, "truncated" if truncated else "ok", keys,
-                      np.asarray(rows, dtype=np.int64).reshape(-1, 4))
+                      np.asarray(rows, dtype=np.int64).reshape(-1, 4), cut)
 
 
 def _cache_path(url: str, cache_dir: str | None) -> str:
@@ -122,7 +127,7 @@ def load_shard_index(url: str, cache_dir: str | None = None) -> ShardIndex:
             cached = json.load(f)
         if all(cached.get(k) == v for k, v in stamp.items()):
             return ShardIndex(url, cached["status"], cached["keys"],
-                              np.asarray(cached["offsets"], dtype=np.int64).reshape(-1, 4))
+                              np.asarray(cached["offsets"], dtype=np.int64).reshape(-1, 4), cached["cut"])
     except (OSError, ValueError, KeyError):
         pass
     index = scan_shard(url)
@@ -130,7 +135,8 @@ def load_shard_index(url: str, cache_dir: str | None = None) -> ShardIndex:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         tmp = f"{path}.tmp-{os.getpid()}"
         with open(tmp, "w") as f:
-            json.dump({**stamp, "status": index.status, "keys": index.keys, "offsets": index.offsets.tolist()}, f)
+            json.dump({**stamp, "status": index.status, "keys": index.keys, "offsets": index.offsets.tolist(),
+                       "cut": index.cut}, f)
         os.replace(tmp, path)  # atomic: ranks indexing the same shard at once each write a whole file
     except OSError:
         pass  # an unwritable cache only costs a re-scan next time
@@ -140,8 +146,8 @@ def load_shard_index(url: str, cache_dir: str | None = None) -> ShardIndex:
 class IndexedShardSource:
     """Local tar shards as a map-style source: `load(i)` reads sample i's image and caption by offset.
 
-    Samples with no image, no caption or a zero-byte image, and missing or truncated shards, are found
-    by indexing and listed in `index_skips`; `len()` counts the others.
+    Samples with no image, no caption or a zero-byte image, samples cut by a truncated shard, and missing or
+    truncated shards, are found by indexing and listed in `index_skips`; `len()` counts the others.
     """
 
     def __init__(self, spec: str, urls: list[str], cache_dir: str | None = None) -> None:
@@ -153,6 +159,9 @@ class IndexedShardSource:
             index = load_shard_index(url, cache_dir)
             if index.status != "ok":
                 self.index_skips.append(skip_record(url, None, None, f"{index.status}_shard"))
+            if index.cut is not None:
+                self.index_skips.append(skip_record(url, index.cut, None, "truncated_sample",
+                                                    "the shard ends inside this sample's data"))
             for key, row in zip(index.keys, index.offsets, strict=True):
                 reason = ("missing_image" if row[0] < 0 else "empty_image" if row[1] == 0
                           else "missing_caption" if row[2] < 0 else None)
