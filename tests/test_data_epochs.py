@@ -11,8 +11,7 @@ from collections import Counter
 import pytest
 from conftest_data import write_csv_corpus, write_folder_corpus, write_wds_corpus
 
-from naflexclip.data import DataConfig, build_loader
-from naflexclip.data.loader import NaFlexLoader
+from naflexclip.data import DataConfig, NaFlexLoader, build_loader
 
 PATCH, CONTEXT = 8, 16
 
@@ -158,8 +157,8 @@ def test_epoch_remainder_is_folded_in(tmp_path):
     cfg.train_num_samples = 2
     loaders = [build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT, rank=r, world_size=3)
                for r in range(3)]
-    assert [len(ld) for ld in loaders] == [0, 0, 0] and [r["reason"] for r in loaders[0]._epoch_start_records()] == [
-        "epoch_remainder", "epoch_remainder"]
+    assert [len(ld) for ld in loaders] == [0, 0, 0] and all(list(ld) == [] for ld in loaders)
+    assert [r["reason"] for ld in loaders for r in ld.skip_records] == ["epoch_remainder", "epoch_remainder"]
 
 
 def test_train_num_samples_means_what_it_says(tmp_path):
@@ -208,7 +207,7 @@ def test_resume_mid_epoch_with_other_workers_is_exact(tmp_path, before, after):
         cfg.workers = after
         second = build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT, rank=1, world_size=2)
         second.load_state_dict(state)
-        second.set_epoch(state["epoch"], state["next_batch"])
+        second.set_epoch(state["epoch"], state["position"])
         tail = [b["keys"] for b in second]
         assert head + tail == full_keys
         assert first.skip_records + second.skip_records == full_log  # nothing logged twice or lost
@@ -238,7 +237,7 @@ def test_resume_inside_a_split_microbatch_is_exact(tmp_path):
         second = build_loader(DataConfig(**{**cfg.__dict__, "workers": 2}), split="train", patch_size=PATCH,
                               context_length=CONTEXT)
         second.load_state_dict(state)
-        second.set_epoch(0, state["next_batch"])
+        second.set_epoch(0, state["position"])
         assert head + [b["keys"] for b in second] == full, stop
     assert mid_split  # some stops fell inside a split, where the position is not a plain global one
 
@@ -264,9 +263,9 @@ def test_resume_at_another_world_size_continues_exactly(tmp_path, old, new):
         loader = build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT, rank=rank,
                               world_size=new)
         loader.load_state_dict(states)
-        loader.set_epoch(0, states[0]["next_batch"])
+        loader.set_epoch(0, states[0]["position"])
         batches = list(loader)
-        assert len(batches) == len(loader) - states[0]["next_batch"]
+        assert len(batches) == len(loader) - states[0]["position"]
         keys.update(k for b in batches for k in b["keys"])
         counts.update(Counter(r["reason"] for r in loader.skip_records))
     assert keys == Counter(usable)
@@ -276,7 +275,7 @@ def test_resume_at_another_world_size_continues_exactly(tmp_path, old, new):
 def test_resume_refuses_a_world_size_it_cannot_remap(tmp_path):
     cfg, _, _ = corpus("csv", tmp_path)
     loader = build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT, rank=0, world_size=2)
-    state = {**loader.state_dict(), "piece": 1, "sample_position": None}
+    state = {**loader.state_dict(), "pieces": 1, "sample_position": None}
     other = build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT, rank=0, world_size=3)
     with pytest.raises(ValueError, match="world size 2 .* world size 3"):
         other.load_state_dict([state, {**state, "rank": 1}])

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from timm.models.naflexvit import NaFlexVit
 
 from naflexclip.data import DataConfig, build_loader, build_zero_shot_loader, tokenize
-from naflexclip.data.loader import iter_epoch_indices
 from naflexclip.data.synthetic import (
     COLOURS,
     SHAPES,
@@ -31,6 +32,11 @@ def small_cfg(**kwargs) -> DataConfig:
 
 def batches(cfg: DataConfig, **kwargs) -> list[dict]:
     return list(build_loader(cfg, patch_size=PATCH, context_length=CONTEXT, **{"split": "train", **kwargs}))
+
+
+def iter_epoch_indices(loader) -> list[list[int]]:
+    """The dataset indices each planned microbatch of a map-style loader's epoch reads, in order."""
+    return [loader.order[b.offset: b.offset + b.batch_size].tolist() for b in loader.schedule]
 
 
 def test_batch_format_and_budget():
@@ -103,11 +109,27 @@ def test_resume_mid_epoch_sees_exactly_the_remaining_batches(workers):
         if i == 2:
             break
     state = loader.state_dict()
-    assert state["next_batch"] == 3 and state["epoch"] == 1
-    resumed = batches(cfg, epoch=1, start_batch=state["next_batch"])
+    assert state["position"] == 3 and state["epoch"] == 1
+    resumed = batches(cfg, epoch=1, start_batch=state["position"])
     assert [b["keys"] for b in resumed] == [b["keys"] for b in full[3:]]
     for a, b in zip(resumed, full[3:], strict=True):  # augmentation replays too
         assert torch.equal(a["image"]["patches"], b["image"]["patches"])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loading_leaves_the_training_process_random_streams_alone(workers):
+    """The augment crops draw from their own generator and the DataLoader from its own: the model's dropout,
+    init and the like in the training process never depend on the data pipeline."""
+    random.seed(7)
+    np.random.seed(7)
+    torch.manual_seed(7)
+    before = random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state()
+    augmented = batches(small_cfg(workers=workers, augment=True))
+    assert random.getstate() == before[0] and (np.random.get_state()[1] == before[1]).all()
+    assert torch.equal(torch.get_rng_state(), before[2])
+    plain = batches(small_cfg(workers=workers))
+    assert any(not torch.equal(a["image"]["patches"], b["image"]["patches"]) for a, b in zip(augmented, plain,
+                                                                                            strict=True))
 
 
 def test_simulated_ranks_share_batch_count_and_cover_the_epoch():

@@ -10,60 +10,58 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from naflexclip.data import DataConfig, add_data_args, data_config_from_args
-from naflexclip.data.schedule import (
-    batch_size_for,
-    build_global_plan,
-    build_schedule,
-    epoch_order,
-    worker_batches,
-)
+from naflexclip.data import DataConfig, TokenBudget, add_data_args, data_config_from_args
+from naflexclip.data.schedule import build_global_plan, build_schedule, epoch_order, worker_batches
 
 SEQ_LENS = (64, 128, 256, 576)
 
 
+def budget(max_tokens: int, divisor: int = 1, probs=None, seq_lens=SEQ_LENS) -> TokenBudget:
+    return TokenBudget(seq_lens, max_tokens, probs, divisor)
+
+
 @pytest.mark.parametrize("divisor", [1, 4, 8])
 def test_batch_sizes_respect_budget_and_divisor(divisor):
-    schedule = build_schedule(1000, SEQ_LENS, 4096, divisor=divisor, seed=3)
+    schedule = build_schedule(1000, budget(4096, divisor), seed=3)
     assert sum(b.batch_size for b in schedule) == 1000
     for b in schedule[:-1]:  # only the epoch's last batch may be cut short
-        assert b.batch_size == batch_size_for(b.seq_len, 4096, divisor)
+        assert b.batch_size == budget(4096, divisor).batch_size(b.seq_len)
         assert b.batch_size * b.seq_len <= 4096
         assert b.batch_size % divisor == 0 or b.batch_size == 1
     assert [b.offset for b in schedule] == list(np.cumsum([0] + [b.batch_size for b in schedule[:-1]]))
 
 
 def test_batch_size_rounds_down_to_divisor_but_at_least_one():
-    assert batch_size_for(576, 4096, 1) == 7
-    assert batch_size_for(576, 4096, 4) == 4
-    assert batch_size_for(576, 4096, 8) == 1  # 7 rounds down to 0 -> at least 1
-    assert batch_size_for(100, 100, 1) == 1
+    assert budget(4096, 1).batch_size(576) == 7
+    assert budget(4096, 4).batch_size(576) == 4
+    assert budget(4096, 8).batch_size(576) == 1  # 7 rounds down to 0 -> at least 1
+    assert budget(576, 1).batch_size(576) == 1
 
 
 def test_schedule_deterministic_from_seed_and_epoch():
-    a = build_schedule(500, SEQ_LENS, 4096, seed=1, epoch=2)
-    assert a == build_schedule(500, SEQ_LENS, 4096, seed=1, epoch=2)
-    assert a != build_schedule(500, SEQ_LENS, 4096, seed=1, epoch=3)
-    assert a != build_schedule(500, SEQ_LENS, 4096, seed=2, epoch=2)
+    a = build_schedule(500, budget(4096), seed=1, epoch=2)
+    assert a == build_schedule(500, budget(4096), seed=1, epoch=2)
+    assert a != build_schedule(500, budget(4096), seed=1, epoch=3)
+    assert a != build_schedule(500, budget(4096), seed=2, epoch=2)
 
 
 def test_seq_len_probs_weight_the_draw():
-    schedule = build_schedule(20000, SEQ_LENS, 4096, probs=(0.0, 1.0, 3.0, 0.0), seed=0)
+    schedule = build_schedule(20000, budget(4096, probs=(0.0, 1.0, 3.0, 0.0)), seed=0)
     counts = Counter(b.seq_len for b in schedule)
     assert set(counts) == {128, 256}
     assert 2.5 < counts[256] / counts[128] < 3.5
 
 
-def test_fixed_seq_len_for_eval():
-    schedule = build_schedule(100, SEQ_LENS, 4096, fixed_seq_len=256)
-    assert {b.seq_len for b in schedule} == {256}
-    assert [b.batch_size for b in schedule] == [16] * 6 + [4]
+def test_evaluation_budget_is_the_longest_length_only():
+    schedule = build_schedule(100, budget(4096, probs=(1.0, 1.0, 1.0, 0.0), seq_lens=(64, 128, 256, 512)).at_longest())
+    assert {b.seq_len for b in schedule} == {512}
+    assert [b.batch_size for b in schedule] == [8] * 12 + [4]
 
 
 @pytest.mark.parametrize("num_workers", [1, 2, 3, 5])
 @pytest.mark.parametrize("start_batch", [0, 3])
 def test_workers_split_batches_without_duplicates_or_gaps(num_workers, start_batch):
-    schedule = build_schedule(300, SEQ_LENS, 2048, seed=7)
+    schedule = build_schedule(300, budget(2048), seed=7)
     per_worker = [worker_batches(schedule, w, num_workers, start_batch) for w in range(num_workers)]
     # torch's DataLoader takes one item from each live worker in turn: that round-robin is the plan order
     queues, merged = [list(p) for p in per_worker], []
@@ -79,24 +77,25 @@ def test_workers_split_batches_without_duplicates_or_gaps(num_workers, start_bat
 def test_global_plan_reads_every_position_once_with_equal_microbatch_counts(num, world_size, seq_lens, max_tokens,
                                                                             divisor, seed):
     seq_lens = tuple(sorted(seq_lens))
-    plan = build_global_plan(num, world_size, seq_lens, max_tokens, divisor=divisor, seed=seed)
+    sizes = TokenBudget(seq_lens, max_tokens, None, divisor)
+    plan = build_global_plan(num, world_size, sizes, seed=seed)
     read = [p for r in range(world_size) for b in plan.rank_batches(r)
             for p in range(b.offset, b.offset + b.batch_size)]
     assert sorted(read) == list(range(num - plan.dropped))  # every position once, no wrap-around repeat
     assert [s.index for s in plan.steps] == list(range(len(plan.steps)))  # each step: one microbatch per rank
-    single_row = all(batch_size_for(s, max_tokens, divisor) == 1 for s in seq_lens)
+    single_row = all(sizes.batch_size(s) == 1 for s in seq_lens)
     for step in plan.steps:
         assert len(step.sizes) == world_size
         # over the budget only by one row, only in the last step, only when no length allows a second row
         over = 1 if single_row and step is plan.steps[-1] else 0
-        assert all(1 <= size <= batch_size_for(step.seq_len, max_tokens, divisor) + over for size in step.sizes)
+        assert all(1 <= size <= sizes.batch_size(step.seq_len) + over for size in step.sizes)
     assert plan.dropped == (num if num < world_size else 0)  # only an epoch with fewer samples than ranks
 
 
 def test_global_plan_resumed_at_another_world_size_covers_the_rest():
-    plan = build_global_plan(203, 2, SEQ_LENS, 2048, seed=5)
+    plan = build_global_plan(203, 2, budget(2048), seed=5)
     position = plan.step_start(2)
-    rest = build_global_plan(203, 3, SEQ_LENS, 2048, seed=5, start_step=2, start_sample=position)
+    rest = build_global_plan(203, 3, budget(2048), seed=5, start_step=2, start_sample=position)
     assert rest.steps[0].index == 2 and rest.steps[0].offset == position
     assert rest.steps[0].seq_len == plan.steps[2].seq_len  # a step's length depends on its index only
     read = [p for r in range(3) for b in rest.rank_batches(r) for p in range(b.offset, b.offset + b.batch_size)]
@@ -144,6 +143,7 @@ def test_flags_map_onto_config():
     cfg = data_config_from_args(args)
     assert cfg.naflex_seq_lens == (128, 256) and cfg.naflex_seq_len_probs == (1.0, 2.0)
     assert (cfg.naflex_max_tokens_per_batch, cfg.naflex_batch_divisor, cfg.workers, cfg.seed) == (8192, 4, 3, 9)
+    assert cfg.token_budget() == TokenBudget((128, 256), 8192, (1.0, 2.0), 4)
     assert cfg.source("train") == ("webdataset", "shards/{00000..00003}.tar")
     assert cfg.source("val") is None
     assert DataConfig().source("val") == ("synthetic", None)

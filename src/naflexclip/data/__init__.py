@@ -2,23 +2,30 @@
 
 Public API: `DataConfig`, `add_data_args`, `data_config_from_args`, `build_loader`,
 `build_zero_shot_loader`, `tokenize`, `DataError`, and the built-in dataset in
-`naflexclip.data.synthetic`.
+`naflexclip.data.synthetic`. A loader is a `NaFlexLoader`: a `MapLoader` over a map-style `Source`, or a
+`StreamLoader` over shards that cannot be indexed; `TokenBudget` sizes its microbatches.
 """
 
+from naflexclip.data.build import build_loader, build_zero_shot_loader
 from naflexclip.data.config import DataConfig, add_data_args, data_config_from_args
-from naflexclip.data.loader import NaFlexLoader, build_loader, build_zero_shot_loader
-from naflexclip.data.readers import DataError
+from naflexclip.data.loader import NaFlexLoader
+from naflexclip.data.map_loader import MapLoader
+from naflexclip.data.readers import DataError, Source
 from naflexclip.data.samples import SKIP_REASONS
-from naflexclip.data.schedule import batch_size_for, build_schedule
+from naflexclip.data.schedule import TokenBudget, build_schedule
+from naflexclip.data.stream_loader import StreamLoader
 from naflexclip.data.transform import tokenize
 
 __all__ = [
     "SKIP_REASONS",
     "DataConfig",
     "DataError",
+    "MapLoader",
     "NaFlexLoader",
+    "Source",
+    "StreamLoader",
+    "TokenBudget",
     "add_data_args",
-    "batch_size_for",
     "build_loader",
     "build_schedule",
     "build_zero_shot_loader",

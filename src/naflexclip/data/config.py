@@ -8,9 +8,9 @@ Defaults are sized for a CPU demo: sequence lengths (64, 128, 256) at a token bu
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import dataclass
 
+from naflexclip.data.schedule import TokenBudget
 from naflexclip.data.synthetic import SHAPES
 
 DATASET_TYPES = ("synthetic", "webdataset", "csv", "folder", "auto")
@@ -21,10 +21,8 @@ DEFAULT_SEQ_LENS = (64, 128, 256)
 class DataConfig:
     """Where the data comes from and how microbatches are sized.
 
-    `naflex_seq_lens`: sequence lengths (patches per image) a microbatch can be drawn at;
-    `naflex_seq_len_probs`: their weights (uniform when None);
-    `naflex_max_tokens_per_batch`: token budget, batch size = budget // seq_len rounded down
-    to a multiple of `naflex_batch_divisor` (at least 1).
+    The `naflex_*` fields are the flags of the token budget (`token_budget()`): sequence lengths, their
+    weights, patches per microbatch and the batch-size divisor.
     """
 
     train_data: str | None = None
@@ -60,26 +58,7 @@ class DataConfig:
             raise ValueError(f"--dataset-type must be one of {DATASET_TYPES}, got {self.dataset_type!r}")
         if self.dataset_type in ("webdataset", "csv", "folder") and not self.train_data and not self.val_data:
             raise ValueError(f"--dataset-type {self.dataset_type} needs --train-data or --val-data, got neither")
-        if not self.naflex_seq_lens or any(s < 1 for s in self.naflex_seq_lens):
-            raise ValueError(f"--naflex-seq-lens must be positive integers, got {self.naflex_seq_lens}")
-        if len(set(self.naflex_seq_lens)) != len(self.naflex_seq_lens):
-            raise ValueError(f"--naflex-seq-lens must not repeat a length, got {self.naflex_seq_lens}")
-        probs = self.naflex_seq_len_probs
-        if probs is not None:
-            if len(probs) != len(self.naflex_seq_lens):
-                raise ValueError(
-                    f"--naflex-seq-len-probs needs one weight per --naflex-seq-lens entry "
-                    f"({len(self.naflex_seq_lens)}), got {probs}"
-                )
-            if any(p < 0 or not math.isfinite(p) for p in probs) or sum(probs) <= 0:
-                raise ValueError(f"--naflex-seq-len-probs must be non-negative with a positive sum, got {probs}")
-        if self.naflex_max_tokens_per_batch < max(self.naflex_seq_lens):
-            raise ValueError(
-                f"--naflex-max-tokens-per-batch must be >= the largest --naflex-seq-lens "
-                f"({max(self.naflex_seq_lens)}), got {self.naflex_max_tokens_per_batch}"
-            )
-        if self.naflex_batch_divisor < 1:
-            raise ValueError(f"--naflex-batch-divisor must be >= 1, got {self.naflex_batch_divisor}")
+        self.token_budget()  # the --naflex-* flags, checked where they are used
         if self.workers < 0:
             raise ValueError(f"--workers must be >= 0, got {self.workers}")
         for name in ("synthetic_train_size", "synthetic_val_size"):
@@ -96,6 +75,11 @@ class DataConfig:
             raise ValueError("--csv-separator must not be empty")
         if self.shuffle_buffer < 0:
             raise ValueError(f"--shuffle-buffer must be >= 0, got {self.shuffle_buffer}")
+
+    def token_budget(self) -> TokenBudget:
+        """How microbatches are sized: the `--naflex-*` flags as one `TokenBudget`."""
+        return TokenBudget(self.naflex_seq_lens, self.naflex_max_tokens_per_batch, self.naflex_seq_len_probs,
+                           self.naflex_batch_divisor)
 
     def source(self, split: str) -> tuple[str, str | None] | None:
         """(dataset type, path) that feeds `split` ("train" or "val"), or None when the split has no data.

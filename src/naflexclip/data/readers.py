@@ -1,9 +1,7 @@
 """Data sources: the built-in synthetic splits, CSV/TSV tables, image+.txt folders, and WebDataset streams.
 
-Map-style sources (synthetic, CSV, folder; local shards in `shard_index`) expose `len()`,
-`load(index) -> RawSample`, `describe(index) -> (source, key, line)` and `index_skips`, the samples
-found unusable before decoding (missing files, malformed rows, missing captions). Shards that cannot
-be indexed are read as a stream by `shard_samples`, one shard at a time so that a truncated shard
+Map-style sources (synthetic, CSV, folder; local shards in `shard_index`) are `Source`s. Shards that
+cannot be indexed are read as a stream by `shard_samples`, one shard at a time so that a truncated shard
 costs only its unread tail.
 """
 
@@ -13,10 +11,9 @@ import json
 import os
 import re
 import tarfile
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from PIL import Image
 from webdataset.gopen import gopen
@@ -44,6 +41,29 @@ class RawSample:
     key: str = ""
 
 
+class Source(Protocol):
+    """A map-style reader: `len()` samples, each read by its index, so an epoch can visit them in any order.
+
+    `name` names it in messages; `index_skips` are the skip records of the samples found unusable before any
+    decoding (missing files, malformed rows, missing captions), which `len()` does not count; `group_size` is
+    how many consecutive indices the epoch's shuffle keeps together (1: none).
+    """
+
+    name: str
+    index_skips: list[dict[str, Any]]
+    group_size: int
+
+    def __len__(self) -> int: ...
+
+    def load(self, index: int) -> RawSample:
+        """Sample `index`, undecoded; raises `SkipSample` when it cannot be read."""
+        ...
+
+    def describe(self, index: int) -> tuple[str, str, int | None]:
+        """Where sample `index` is, for the skip log: (source, key or path, line or None)."""
+        ...
+
+
 class SyntheticSource:
     """The built-in dataset's `split` ("train"/"val") as a map-style source of `size` samples.
 
@@ -68,6 +88,8 @@ class SyntheticSource:
 
 class ZeroShotSource:
     """Single-object synthetic validation images with shape/colour/size labels."""
+
+    group_size = 1
 
     def __init__(self, seed: int, size: int) -> None:
         self.seed, self.size = seed, size
@@ -144,6 +166,8 @@ class CsvSource:
     others. Relative image paths are looked up next to the table first, then from the working directory.
     """
 
+    group_size = 1
+
     def __init__(self, path: str, img_key: str, caption_key: str, separator: str) -> None:
         if not os.path.isfile(path):
             raise DataError(f"CSV data file not found: {path}")
@@ -215,6 +239,8 @@ class FolderSource:
     share a stem (`dup.jpg`, `dup.png` beside `dup.txt`) are each a sample with that caption. Images
     without a caption file are listed in `index_skips` (`missing_caption`).
     """
+
+    group_size = 1
 
     def __init__(self, root: str) -> None:
         if not os.path.isdir(root):
@@ -309,16 +335,14 @@ def count_shard_samples(urls: list[str]) -> int:
 @dataclass
 class ShardReadLog:
     """What reading shards went wrong with, per epoch: each bad shard (and each sample a truncation cut)
-    counted and logged once."""
+    logged once."""
 
-    counts: Counter = field(default_factory=Counter)
     seen: set = field(default_factory=set)
     records: list = field(default_factory=list)
 
     def record(self, reason: str, url: str, key: str | None = None, detail: str = "") -> None:
         if (reason, url, key) not in self.seen:
             self.seen.add((reason, url, key))
-            self.counts[reason] += 1
             self.records.append(skip_record(url, key, None, reason, detail))
 
 

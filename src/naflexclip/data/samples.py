@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import io
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -33,6 +33,12 @@ SKIP_REASONS = (
 )
 # reasons about whole shards or the plan, reported apart from bad samples
 NOT_SAMPLE_REASONS = ("truncated_shard", "missing_shard", "epoch_remainder")
+
+
+def reasons_line(counts: Mapping[str, int]) -> str:
+    """Skip counts as one line: `reason=count, ...` by reason."""
+    return ", ".join(f"{k}={v}" for k, v in sorted(counts.items()))
+
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
 

@@ -1,11 +1,11 @@
 """Token-budget batch schedule: per-epoch (seq_len, batch_size) plans shared by every rank and worker.
 
-For each step a sequence length is drawn from `seq_lens` (weights `probs`), and the batch size is
-`max_tokens // seq_len` rounded down to a multiple of `divisor` (at least 1). `build_global_plan`
-cuts one global per-epoch order (`epoch_order`) into steps of one microbatch per rank, so every
-position is read once and all ranks step through the same number of microbatches; `build_schedule`
-plans one rank's share of a stream. DataLoader workers take a plan's batches round-robin (worker w owns
-batches w, w+K, ...), which torch's DataLoader hands back in plan order.
+A `TokenBudget` says how microbatches are sized: for each step a sequence length is drawn from its
+`seq_lens` (weights `probs`), and the batch size is `max_tokens // seq_len` rounded down to a multiple of
+`divisor` (at least 1). `build_global_plan` cuts one global per-epoch order (`epoch_order`) into steps of
+one microbatch per rank, so every position is read once and all ranks step through the same number of
+microbatches; `build_schedule` plans one rank's share of a stream. DataLoader workers take a plan's batches
+round-robin (worker w owns batches w, w+K, ...), which torch's DataLoader hands back in plan order.
 """
 
 from __future__ import annotations
@@ -18,10 +18,52 @@ import numpy as np
 
 
 @dataclass(frozen=True)
-class ScheduledBatch:
-    """One planned microbatch: its position in the epoch, patch budget per image and row count.
+class TokenBudget:
+    """How microbatches are sized (`DataConfig.token_budget()` gives the one of the `--naflex-*` flags).
 
-    `offset`: where its samples start in this rank's sample order for the epoch.
+    `seq_lens`: sequence lengths (patches per image) a microbatch can be drawn at; `probs`: their weights
+    (uniform when None); `max_tokens`: patches per microbatch, so `max_tokens // seq_len` rows, rounded down
+    to a multiple of `divisor` (at least 1).
+    """
+
+    seq_lens: tuple[int, ...]
+    max_tokens: int
+    probs: tuple[float, ...] | None = None
+    divisor: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.seq_lens or any(s < 1 for s in self.seq_lens):
+            raise ValueError(f"--naflex-seq-lens must be positive integers, got {self.seq_lens}")
+        if len(set(self.seq_lens)) != len(self.seq_lens):
+            raise ValueError(f"--naflex-seq-lens must not repeat a length, got {self.seq_lens}")
+        if self.probs is not None:
+            if len(self.probs) != len(self.seq_lens):
+                raise ValueError(f"--naflex-seq-len-probs needs one weight per --naflex-seq-lens entry "
+                                 f"({len(self.seq_lens)}), got {self.probs}")
+            if any(p < 0 or not math.isfinite(p) for p in self.probs) or sum(self.probs) <= 0:
+                raise ValueError(f"--naflex-seq-len-probs must be non-negative with a positive sum, got {self.probs}")
+        if self.max_tokens < max(self.seq_lens):
+            raise ValueError(f"--naflex-max-tokens-per-batch must be >= the largest --naflex-seq-lens "
+                             f"({max(self.seq_lens)}), got {self.max_tokens}")
+        if self.divisor < 1:
+            raise ValueError(f"--naflex-batch-divisor must be >= 1, got {self.divisor}")
+
+    def batch_size(self, seq_len: int) -> int:
+        """Rows that fit `max_tokens` at `seq_len`, rounded down to a multiple of `divisor`, at least 1."""
+        rows = self.max_tokens // seq_len
+        return max(1, rows // self.divisor * self.divisor)
+
+    def at_longest(self) -> TokenBudget:
+        """Every microbatch at the longest sequence length (evaluation: one deterministic size)."""
+        return TokenBudget((max(self.seq_lens),), self.max_tokens, None, self.divisor)
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    """One planned microbatch: its index in the epoch's plan, patch budget per image and row count.
+
+    `offset`: where its samples start in the epoch's sample order (the global order for a global plan,
+    this rank's share for a stream).
     """
 
     index: int
@@ -34,59 +76,41 @@ def _rng(seed: int, epoch: int, tag: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([seed & 0xFFFFFFFF, epoch, tag]))
 
 
-def batch_size_for(seq_len: int, max_tokens: int, divisor: int = 1) -> int:
-    """Rows that fit `max_tokens` at `seq_len`, rounded down to a multiple of `divisor`, at least 1."""
-    rows = max_tokens // seq_len
-    return max(1, rows // divisor * divisor)
-
-
 def samples_per_rank(num_samples: int, world_size: int) -> int:
     """Samples each rank sees per epoch: ceil(N / world_size); short ranks wrap around (<= R-1 repeats)."""
     return math.ceil(num_samples / world_size)
 
 
-def _seq_len_draws(seq_lens: tuple[int, ...], probs: tuple[float, ...] | None, seed: int, epoch: int,
-                   fixed_seq_len: int | None) -> Callable[[int], int]:
+def _seq_len_draws(budget: TokenBudget, seed: int, epoch: int) -> Callable[[int], int]:
     """`seq_len_of(i)`: microbatch/step i's sequence length, drawn in order from (seed, epoch) alone, so step i's
-    length never depends on where a plan starts; `fixed_seq_len` (evaluation) is every step's length."""
+    length never depends on where a plan starts."""
+    if len(budget.seq_lens) == 1:
+        return lambda i: budget.seq_lens[0]
     rng = _rng(seed, epoch, 0x5EC)
-    weights = None if probs is None else np.asarray(probs, dtype=np.float64) / float(sum(probs))
+    weights = None if budget.probs is None else np.asarray(budget.probs, dtype=np.float64) / float(sum(budget.probs))
     draws: list[int] = []
 
     def seq_len_of(i: int) -> int:
-        if fixed_seq_len is not None:
-            return fixed_seq_len
         while len(draws) <= i:
-            draws.append(int(seq_lens[int(rng.choice(len(seq_lens), p=weights))]))
+            draws.append(int(budget.seq_lens[int(rng.choice(len(budget.seq_lens), p=weights))]))
         return draws[i]
 
     return seq_len_of
 
 
-def build_schedule(
-    num_samples: int,
-    seq_lens: tuple[int, ...],
-    max_tokens: int,
-    *,
-    probs: tuple[float, ...] | None = None,
-    divisor: int = 1,
-    seed: int = 0,
-    epoch: int = 0,
-    fixed_seq_len: int | None = None,
-) -> list[ScheduledBatch]:
+def build_schedule(num_samples: int, budget: TokenBudget, *, seed: int = 0, epoch: int = 0) -> list[ScheduledBatch]:
     """Plan one rank's epoch of `num_samples` samples as token-budget microbatches.
 
-    `fixed_seq_len` (evaluation) uses that one length for every batch instead of drawing.
     The sum of batch sizes is exactly `num_samples`; only the last batch may be smaller.
     """
     if num_samples < 0:
         raise ValueError(f"num_samples must be >= 0, got {num_samples}")
-    seq_len_of = _seq_len_draws(seq_lens, probs, seed, epoch, fixed_seq_len)
+    seq_len_of = _seq_len_draws(budget, seed, epoch)
     schedule: list[ScheduledBatch] = []
     offset = 0
     while offset < num_samples:
         seq_len = seq_len_of(len(schedule))
-        size = min(batch_size_for(seq_len, max_tokens, divisor), num_samples - offset)
+        size = min(budget.batch_size(seq_len), num_samples - offset)
         schedule.append(ScheduledBatch(len(schedule), seq_len, size, offset))
         offset += size
     return schedule
@@ -119,13 +143,19 @@ class PlannedStep:
 
 @dataclass(frozen=True)
 class GlobalPlan:
-    """An epoch's steps from global sample position `start_sample` on; `dropped`: samples no step can take
-    (an epoch, or a re-planned rest of one, with fewer samples than ranks)."""
+    """An epoch's steps from step `start_step` and global sample position `start_sample` on; `dropped`: samples
+    no step can take (an epoch, or a re-planned rest of one, with fewer samples than ranks)."""
 
     steps: tuple[PlannedStep, ...]
     num_samples: int
     start_sample: int
     dropped: int
+    start_step: int = 0
+
+    @property
+    def num_steps(self) -> int:
+        """Steps of the whole epoch (one microbatch per rank each), also those before `start_step`."""
+        return self.steps[-1].index + 1 if self.steps else self.start_step
 
     def rank_batches(self, rank: int) -> list[ScheduledBatch]:
         """Rank `rank`'s microbatches; `offset` indexes the epoch's global order."""
@@ -147,21 +177,17 @@ def _even(total: int, parts: int) -> tuple[int, ...]:
 def build_global_plan(
     num_samples: int,
     world_size: int,
-    seq_lens: tuple[int, ...],
-    max_tokens: int,
+    budget: TokenBudget,
     *,
-    probs: tuple[float, ...] | None = None,
-    divisor: int = 1,
     seed: int = 0,
     epoch: int = 0,
-    fixed_seq_len: int | None = None,
     start_step: int = 0,
     start_sample: int = 0,
 ) -> GlobalPlan:
     """Plan an epoch of `num_samples` samples (positions in one global order) over `world_size` ranks.
 
     Step i draws its sequence length from (seed, epoch, i) alone and gives every rank
-    `batch_size_for(seq_len)` rows, so every rank runs the same number of microbatches and every
+    `budget.batch_size(seq_len)` rows, so every rank runs the same number of microbatches and every
     position is read once. The epoch's tail (fewer than a full step) is split evenly over the ranks;
     when it has fewer samples than ranks it is merged into the step before (one step at the longest
     sequence length that holds it, else two steps at that step's length; when every sequence length
@@ -174,12 +200,12 @@ def build_global_plan(
         raise ValueError(f"need 0 <= start_sample <= num_samples, got {start_sample}, {num_samples}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    seq_len_of = _seq_len_draws(seq_lens, probs, seed, epoch, fixed_seq_len)
+    seq_len_of = _seq_len_draws(budget, seed, epoch)
     steps: list[PlannedStep] = []
     offset, index, dropped = start_sample, start_step, 0
     while offset < num_samples:
         seq_len = seq_len_of(index)
-        rows = batch_size_for(seq_len, max_tokens, divisor)
+        rows = budget.batch_size(seq_len)
         left = num_samples - offset
         if left >= world_size * rows:
             sizes = (rows,) * world_size
@@ -188,8 +214,8 @@ def build_global_plan(
         elif steps:  # fewer samples than ranks: fold them into the previous step
             prev = steps.pop()
             total = sum(prev.sizes) + left
-            lengths = (fixed_seq_len,) if fixed_seq_len is not None else sorted(seq_lens, reverse=True)
-            fit = next((s for s in lengths if world_size * batch_size_for(s, max_tokens, divisor) >= total), None)
+            fit = next((s for s in sorted(budget.seq_lens, reverse=True) if world_size * budget.batch_size(s) >= total),
+                       None)
             if fit is not None:
                 steps.append(PlannedStep(prev.index, fit, _even(total, world_size), prev.offset))
             elif total >= 2 * world_size:
@@ -206,7 +232,7 @@ def build_global_plan(
         steps.append(PlannedStep(index, seq_len, sizes, offset))
         offset += sum(sizes)
         index += 1
-    return GlobalPlan(tuple(steps), num_samples, start_sample, dropped)
+    return GlobalPlan(tuple(steps), num_samples, start_sample, dropped, start_step)
 
 
 def epoch_order(num_samples: int, *, seed: int, epoch: int, shuffle: bool, group_size: int = 1) -> np.ndarray:

@@ -150,6 +150,8 @@ class IndexedShardSource:
     truncated shards, are found by indexing and listed in `index_skips`; `len()` counts the others.
     """
 
+    group_size = 1
+
     def __init__(self, spec: str, urls: list[str], cache_dir: str | None = None) -> None:
         self.name = spec
         self.urls = urls

@@ -10,19 +10,19 @@ normalised at once (OpenAI CLIP mean/std) and padding rows are zeroed.
 from __future__ import annotations
 
 import functools
+import math
+import random
 
 import numpy as np
 import torch
 from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 from PIL import Image
-from timm.data.naflex_transforms import (
-    RandomResizedCropToSequence,
-    ResizeToSequence,
-    get_image_size_for_seq,
-    patchify_image,
-)
+from timm.data.naflex_transforms import ResizeToSequence, get_image_size_for_seq, patchify_image
+from torchvision.transforms import InterpolationMode
+from torchvision.transforms import functional as F
 
 INTERPOLATION = "bicubic"
+_BICUBIC = InterpolationMode.BICUBIC
 
 
 @functools.lru_cache(maxsize=4)
@@ -40,34 +40,52 @@ def tokenize(texts: list[str], context_length: int) -> torch.Tensor:
 class NaFlexTransform:
     """PIL RGB image + sequence length -> uint8 patches [N, P*P*3], patch_coord long [N, 2] (row, col).
 
-    `augment=True` uses timm's RandomResizedCropToSequence (scale 0.5-1, ratio 3/4-4/3); otherwise the
-    deterministic ResizeToSequence. N <= seq_len always.
+    Without augmentation, timm's deterministic ResizeToSequence. `augment=True` is timm's
+    RandomResizedCropToSequence (scale 0.5-1, ratio 3/4-4/3 of the image's own aspect) with its crop drawn
+    from the `rng` each call is given, never from the process's global `random`. N <= seq_len always.
     """
+
+    scale = (0.5, 1.0)
+    ratio = (3 / 4, 4 / 3)
 
     def __init__(self, patch_size: int, augment: bool = False) -> None:
         self.patch_size = patch_size
         self.augment = augment
         self._resizers: dict[int, torch.nn.Module] = {}
 
-    def _resizer(self, seq_len: int) -> torch.nn.Module:
+    def _resize(self, img: Image.Image, seq_len: int) -> Image.Image:
         if seq_len not in self._resizers:
-            if self.augment:
-                self._resizers[seq_len] = RandomResizedCropToSequence(
-                    patch_size=self.patch_size, max_seq_len=seq_len, scale=(0.5, 1.0),
-                    ratio=(3 / 4, 4 / 3), interpolation=INTERPOLATION,
-                )
-            else:
-                self._resizers[seq_len] = ResizeToSequence(
-                    patch_size=self.patch_size, max_seq_len=seq_len, interpolation=INTERPOLATION
-                )
-        return self._resizers[seq_len]
+            self._resizers[seq_len] = ResizeToSequence(self.patch_size, seq_len, interpolation=INTERPOLATION)
+        return self._resizers[seq_len](img)
+
+    def _random_resized_crop(self, img: Image.Image, seq_len: int, rng: random.Random) -> Image.Image:
+        """timm's RandomResizedCropToSequence (`get_params`, then `resized_crop`), its draws taken from `rng`."""
+        width, height = img.size
+        log_ratio = (math.log(self.ratio[0]), math.log(self.ratio[1]))
+        for _ in range(10):
+            area = height * width * rng.uniform(*self.scale)
+            aspect = width / height * math.exp(rng.uniform(*log_ratio))
+            crop_h, crop_w = int(round(math.sqrt(area / aspect))), int(round(math.sqrt(area * aspect)))
+            if 0 < crop_w <= width and 0 < crop_h <= height:
+                top, left = rng.randint(0, height - crop_h), rng.randint(0, width - crop_w)
+                break
+        else:  # timm's fallback: the ratio range holds the image's own aspect, so the whole image
+            top, left, crop_h, crop_w = 0, 0, height, width
+        size = get_image_size_for_seq((crop_h, crop_w), (self.patch_size, self.patch_size), seq_len)[1]
+        return F.resized_crop(img, top, left, crop_h, crop_w, list(size), interpolation=_BICUBIC, antialias=True)
 
     def target_hw(self, image_hw: tuple[int, int], seq_len: int) -> tuple[int, int]:
         """(height, width) the eval resize gives an image of `image_hw` at `seq_len`."""
         return get_image_size_for_seq(image_hw, self.patch_size, seq_len)[1]
 
-    def __call__(self, img: Image.Image, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        resized = self._resizer(seq_len)(img)
+    def __call__(self, img: Image.Image, seq_len: int, rng: random.Random | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.augment:
+            if rng is None:
+                raise ValueError("an augmenting NaFlexTransform needs the rng to draw its crop from")
+            resized = self._random_resized_crop(img, seq_len, rng)
+        else:
+            resized = self._resize(img, seq_len)
         pixels = np.asarray(resized, dtype=np.uint8)  # [H, W, 3], H and W multiples of the patch size
         p = self.patch_size
         nh, nw = pixels.shape[0] // p, pixels.shape[1] // p

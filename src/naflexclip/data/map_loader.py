@@ -1,0 +1,78 @@
+"""The map-style loader: a `Source` (built-in, CSV, folder, indexed local shards) read by one global plan.
+
+Each epoch is one permutation of the usable samples (`schedule.epoch_order`), cut into steps of one
+microbatch per rank (`schedule.build_global_plan`), so every usable sample is read exactly once per epoch
+whatever the workers, ranks and shards, and every rank has `len()` microbatches. Problems found by indexing
+(missing files, malformed rows, missing shards...) and the samples no step can take are recorded once per
+epoch, by rank 0. A position that is one place in the epoch's global order continues at any world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from naflexclip.data.loader import NaFlexLoader, WorkerEpoch
+from naflexclip.data.readers import RawSample, Source, skip_record
+from naflexclip.data.samples import SkipSample
+from naflexclip.data.schedule import build_global_plan, epoch_order, worker_batches
+
+
+class MapEpoch(WorkerEpoch):
+    """A worker's planned microbatches of a map-style epoch: each reads its samples by index."""
+
+    def __init__(self, source: Source, order: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.source, self.order = source, order
+
+    def _load(self, index: int) -> RawSample | SkipSample:
+        try:
+            return self.source.load(index)
+        except SkipSample as skip:
+            return skip
+
+    def batches(self, worker_id: int) -> Iterator[dict[str, Any]]:
+        for planned in worker_batches(self.schedule, worker_id, self.workers, self.first):
+            indices = self.order[planned.offset: planned.offset + planned.batch_size].tolist()
+            samples = [(self._load(i), self.source.describe(i)) for i in indices]
+            yield self.builder.build(planned, samples, [], (*self.seed_key, planned.index))
+
+
+class MapLoader(NaFlexLoader):
+    """One rank's epochs of a map-style `source`: `num_samples` of its usable samples per epoch (a fresh
+    random subset each epoch when fewer than all; default all). The other arguments are `NaFlexLoader`'s."""
+
+    indexed = True
+
+    def __init__(self, source: Source, *, num_samples: int | None = None, **kwargs: Any) -> None:
+        self.source = source
+        super().__init__(name=source.name, num_samples=num_samples or len(source), **kwargs)
+
+    def _plan(self, epoch: int, sample_position: int | None, start_batch: int) -> None:
+        order = epoch_order(len(self.source), seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+                            group_size=self.source.group_size)
+        self.order = order[: self.num_source_samples]  # --train-num-samples below the usable count
+        rest = sample_position is not None  # only the rest of the epoch, re-planned at another world size
+        self.plan = build_global_plan(len(self.order), self.world_size, self.budget, seed=self.seed, epoch=epoch,
+                                      start_step=start_batch if rest else 0, start_sample=sample_position or 0)
+        self.schedule = self.plan.rank_batches(self.rank)
+
+    @property
+    def num_batches(self) -> int:
+        return self.plan.num_steps
+
+    def _worker_epoch(self, first: int) -> MapEpoch:
+        return MapEpoch(self.source, self.order, schedule=self.schedule, first=first, workers=self.workers,
+                        builder=self.builder, seed_key=(self.seed, self.epoch, self.rank))
+
+    def _epoch_start_records(self) -> list[dict[str, Any]]:
+        if self.rank != 0:
+            return []
+        records = list(self.source.index_skips)
+        for index in self.order[len(self.order) - self.plan.dropped:].tolist():
+            source, key, line = self.source.describe(index)
+            records.append(skip_record(source, key, line, "epoch_remainder", "fewer samples than ranks"))
+        return records
+
+    def _sample_position_at(self, planned: int) -> int | None:
+        return self.plan.step_start(planned)

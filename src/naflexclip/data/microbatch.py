@@ -1,0 +1,92 @@
+"""One planned microbatch from its raw samples: decode, NaFlex transform, collate, tokenize; and splitting one.
+
+Runs in the DataLoader workers. A bad sample is left out of its microbatch and becomes a skip record; a
+microbatch whose samples are all bad comes back as an empty item, covered later by the loader.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Any
+
+import torch
+from PIL import Image
+
+from naflexclip.data.processing import make_processing
+from naflexclip.data.readers import RawSample, skip_record
+from naflexclip.data.samples import SkipSample, decode_caption, decode_image
+from naflexclip.data.schedule import ScheduledBatch
+
+# where a sample is, for the skip log: (source, key, line)
+Where = tuple[str, str | None, int | None]
+
+
+class MicrobatchBuilder:
+    """Builds the item of a planned microbatch: {"planned": its index in the plan, "skips": records} and, unless
+    every sample was bad ("empty": True), "image" (the NaFlex dict), "text", "keys", "seq_len", "num_tokens" and
+    "labels" where the source has them.
+
+    `hf_processor`: a SigLIP 2 checkpoint directory whose own processing is used (see `make_processing`); a bad
+    one fails here, in the main process, not in a worker. `augment` draws each microbatch's crops from a
+    generator seeded by the microbatch's `seed_key`, so a resume replays them and no global RNG is touched.
+    """
+
+    def __init__(self, *, patch_size: int, context_length: int, augment: bool = False,
+                 hf_processor: str | None = None) -> None:
+        self.patch_size, self.context_length, self.augment = patch_size, context_length, augment
+        self.processing = make_processing(hf_processor, patch_size, augment)
+
+    def build(self, planned: ScheduledBatch, samples: list[tuple[RawSample | SkipSample, Where]],
+              records: list[dict[str, Any]], seed_key: tuple[int, ...]) -> dict[str, Any]:
+        """The item of `planned` from `samples` (each with where it is); `records`: skips found before decoding."""
+        # only our NaFlex transform augments (SigLIP 2's processing refuses --augment)
+        rng = random.Random(hash(seed_key)) if self.augment else None
+        transform = self.processing.transform
+        draft = lambda hw: transform.target_hw(hw, planned.seq_len)
+        records = list(records)
+        pixels, texts, labels, keys = [], [], [], []
+        for raw, (source, key, line) in samples:
+            try:
+                if isinstance(raw, SkipSample):
+                    raise raw
+                image = raw.image if isinstance(raw.image, Image.Image) else decode_image(raw.image, draft)
+                caption = decode_caption(raw.caption)
+                pixels.append(transform(image, planned.seq_len) if rng is None
+                              else transform(image, planned.seq_len, rng))
+            except SkipSample as skip:
+                records.append(skip_record(source, key, line, skip.reason, str(skip)))
+                continue
+            texts.append(caption)
+            keys.append(raw.key)
+            if raw.labels is not None:
+                labels.append(raw.labels)
+        item: dict[str, Any] = {"planned": planned.index, "skips": records}
+        if not pixels:
+            item["empty"] = True
+            return item
+        item["image"] = self.processing.collate(pixels, planned.seq_len, self.patch_size)
+        item["text"] = self.processing.tokenize(texts, self.context_length)
+        item["keys"] = keys
+        item["seq_len"] = planned.seq_len
+        item["num_tokens"] = int(item["image"]["patch_valid"].sum())
+        if labels:
+            item["labels"] = {k: torch.tensor([lab[k] for lab in labels]) for k in labels[0]}
+        return item
+
+
+def split_rows(item: dict[str, Any], parts: int) -> list[dict[str, Any]]:
+    """A collated microbatch cut into `parts` consecutive microbatches of nearly equal rows (larger first)."""
+    rows = item["text"].shape[0]
+    bounds = [0]
+    for r in range(parts):
+        bounds.append(bounds[-1] + rows // parts + (1 if r < rows % parts else 0))
+    pieces = []
+    for lo, hi in itertools.pairwise(bounds):
+        image = {k: v[lo:hi] for k, v in item["image"].items()}
+        piece = {**item, "image": image, "text": item["text"][lo:hi], "keys": item["keys"][lo:hi],
+                 "num_tokens": int(image["patch_valid"].sum())}
+        if "labels" in item:
+            piece["labels"] = {k: v[lo:hi] for k, v in item["labels"].items()}
+        pieces.append(piece)
+    return pieces

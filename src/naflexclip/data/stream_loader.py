@@ -1,0 +1,110 @@
+"""The streamed loader: WebDataset shards that cannot be indexed (`pipe:`, URLs, compressed tars).
+
+An epoch is `num_samples` samples split by (rank, worker) slot: by shard when there are at least as many
+shards as slots, else by sample. Each slot cycles its shards, with a per-pass shuffle buffer, so a sample can
+repeat or be missed within an epoch; resume is exact for the same world size and workers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterator
+from typing import Any
+
+from webdataset.filters import shuffle as shuffle_buffer
+
+from naflexclip.data.loader import NaFlexLoader, WorkerEpoch
+from naflexclip.data.readers import DataError, RawSample, ShardReadLog, shard_samples
+from naflexclip.data.schedule import build_schedule, samples_per_rank
+
+
+class StreamEpoch(WorkerEpoch):
+    """A worker's planned microbatches of a streamed epoch, filled from its slot's stream in plan order."""
+
+    def __init__(self, loader: StreamLoader, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.urls, self.name, self.shuffle = loader.urls, loader.name, loader.shuffle
+        self.buffer = loader.shuffle_buffer if loader.shuffle else 0
+        self.rank, self.world_size = loader.rank, loader.world_size
+
+    def _slot_stream(self, slot: int, num_slots: int, log: ShardReadLog) -> Iterator[RawSample]:
+        seed, epoch, _ = self.seed_key
+        urls = list(self.urls)
+        if self.shuffle:
+            random.Random(hash((seed, epoch))).shuffle(urls)
+        by_shard = len(urls) >= num_slots
+        for pass_index in itertools.count():
+            pass_seed = hash((seed, epoch, pass_index, slot))
+            # a slot keeps its shards for the whole epoch; a wrap-around pass only reorders them
+            mine = urls[slot::num_slots] if by_shard else list(urls)
+            if self.shuffle and pass_index > 0:
+                random.Random(pass_seed).shuffle(mine)
+            samples = (raw for url in mine for raw in shard_samples(url, log))
+            if not by_shard:  # fewer shards than slots: every slot reads all, keeps every num_slots-th
+                samples = (raw for k, raw in enumerate(samples) if k % num_slots == slot)
+            if self.buffer > 1:  # the buffer drains at the end of each pass, so a pass never leaks into the next
+                samples = shuffle_buffer(self.buffer, self.buffer, rng=random.Random(pass_seed))(samples)
+            produced = 0
+            for raw in samples:
+                produced += 1
+                yield raw
+            if produced == 0:
+                if by_shard:
+                    by_shard = False  # this slot's shards are empty; share all shards instead
+                    continue
+                raise DataError(f"no sample could be read from the shards of {self.name!r}")
+
+    def batches(self, worker_id: int) -> Iterator[dict[str, Any]]:
+        # stream v feeds planned microbatches with index % K == v; continuing at `first`, worker w builds
+        # first + w + jK, all fed by stream (first + w) % K
+        stream_id = (self.first + worker_id) % self.workers
+        log = ShardReadLog()
+        stream = _read_ahead(self._slot_stream(self.rank * self.workers + stream_id,
+                                               self.world_size * self.workers, log))
+        reported = 0
+        for planned in self.schedule:
+            if planned.index % self.workers != stream_id:
+                continue
+            raws = list(itertools.islice(stream, planned.batch_size))
+            if planned.index < self.first:
+                continue  # consumed undecoded: the stream's place is restored
+            records, reported = log.records[reported:], len(log.records)
+            samples = [(raw, (raw.key.rpartition(":")[0], raw.key.rpartition(":")[2], None)) for raw in raws]
+            yield self.builder.build(planned, samples, records, (*self.seed_key, planned.index))
+        if len(log.records) > reported:
+            yield {"skips": log.records[reported:]}  # problems found after the last microbatch was filled
+
+
+def _read_ahead(items: Iterator[RawSample]) -> Iterator[RawSample]:
+    """Yield each item only once the next one is read, so a shard's read error is logged with its last sample."""
+    previous = next(items, None)
+    for item in items:
+        yield previous
+        previous = item
+    if previous is not None:
+        yield previous
+
+
+class StreamLoader(NaFlexLoader):
+    """One rank's epochs of `num_samples` samples streamed from the shards `urls` (`name`: the shard spec);
+    `shuffle_buffer`: samples in each slot's shuffle buffer. The other arguments are `NaFlexLoader`'s."""
+
+    indexed = False
+
+    def __init__(self, urls: list[str], *, shuffle_buffer: int, **kwargs: Any) -> None:
+        self.urls, self.shuffle_buffer = urls, shuffle_buffer
+        super().__init__(**kwargs)
+
+    def _plan(self, epoch: int, sample_position: int | None, start_batch: int) -> None:
+        # each rank plans its share of the epoch's samples
+        self.schedule = build_schedule(samples_per_rank(self.num_source_samples, self.world_size), self.budget,
+                                       seed=self.seed, epoch=epoch)
+
+    @property
+    def num_batches(self) -> int:
+        return len(self.schedule)
+
+    def _worker_epoch(self, first: int) -> StreamEpoch:
+        return StreamEpoch(self, schedule=self.schedule, first=first, workers=self.workers, builder=self.builder,
+                           seed_key=(self.seed, self.epoch, self.rank))
