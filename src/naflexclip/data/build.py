@@ -90,7 +90,7 @@ def build_loader(
             logger.warning("data %s (%s): shards that cannot be indexed (pipe:, URLs, compressed) are streamed; an "
                            "epoch is %d samples split by (rank, worker) slot, so a sample can repeat or be missed in "
                            "it", split, path, num)
-        loader = StreamLoader(urls, name=path, num_samples=num, shuffle_buffer=cfg.shuffle_buffer, **common)
+        loader = StreamLoader(urls, name=path, samples_per_epoch=num, shuffle_buffer=cfg.shuffle_buffer, **common)
     else:
         source = _map_source(cfg, split, kind, path, urls)
         if requested is not None and requested > len(source):
@@ -98,7 +98,7 @@ def build_loader(
             # other's negatives; a shorter one takes a fresh random subset of the usable samples each epoch
             raise DataError(f"{flag} {requested} is more than the {len(source)} usable samples of {source.name!r}; "
                             f"an epoch reads each sample once: omit {flag} or pass at most {len(source)}")
-        loader = MapLoader(source, num_samples=requested, **common)
+        loader = MapLoader(source, samples_per_epoch=requested, **common)
     if epoch or start_batch:
         loader.set_epoch(epoch, start_batch)
     return loader

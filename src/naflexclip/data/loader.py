@@ -15,6 +15,7 @@ by splitting a neighbour on the same rank, so the rank still yields as many micr
 
 from __future__ import annotations
 
+import abc
 import collections
 import dataclasses
 import logging
@@ -103,7 +104,8 @@ class _Cover:
         # a continuation fetches the empties from here on again and counts them again
         owed_here = self.owed - sum(1 for e in self.empties if e >= planned)
         done = self.start.pieces if planned == self.start.planned else 0
-        records = item.pop("skips") if done == 0 else []  # logged with the first piece, never twice
+        skips = item.pop("skips")
+        records = skips if done == 0 else []  # logged with the item's first piece, never twice
         self.owed -= parts - 1
         pieces = split_rows(item, parts) if parts > 1 else [item]
         for q in range(done, parts):
@@ -113,7 +115,7 @@ class _Cover:
                            Cursor(0, planned, q + 1, owed_here, self.fetched), ahead if clean else None)
 
 
-class WorkerEpoch(IterableDataset):
+class WorkerEpoch(IterableDataset, abc.ABC):
     """The planned microbatches from `first` on that each DataLoader worker builds (round-robin). A worker never
     raises: its error is an item, raised by the loader as one DataError naming the source."""
 
@@ -130,8 +132,9 @@ class WorkerEpoch(IterableDataset):
         except Exception as exc:  # noqa: BLE001 - reported by the main process as one DataError
             yield {"error": f"{type(exc).__name__}: {exc}"}
 
+    @abc.abstractmethod
     def batches(self, worker_id: int) -> Iterator[dict[str, Any]]:
-        raise NotImplementedError
+        """The items of the planned microbatches worker `worker_id` builds, in plan order."""
 
 
 def _worker_init(_: int) -> None:
@@ -146,7 +149,7 @@ class _Resume:
     remap: bool  # re-plan the rest of the epoch from `sample_position` (another world size)
 
 
-class NaFlexLoader:
+class NaFlexLoader(abc.ABC):
     """Iterable over one epoch of NaFlex microbatches for one rank; `MapLoader` and `StreamLoader` are its kinds.
 
     Each item: {"image": {"patches": float32 [B, L, P*P*3], "patch_coord": long [B, L, 2] (row, col),
@@ -162,16 +165,21 @@ class NaFlexLoader:
     Every skip is a record (source, key, line, reason, detail, split, epoch) in `skip_records` (drained by the
     caller) and counted by reason in `skip_counts` (the loader's lifetime). `state_dict()`/`load_state_dict()`
     continue an epoch exactly, with any number of workers.
+
+    `name` names the data in messages; `samples_per_epoch` counts all ranks' samples; `budget` sizes the
+    microbatches, `builder` makes them; `shuffle`: a new order every epoch (training); `workers`: DataLoader
+    worker processes (0: build in this process).
     """
 
     indexed: ClassVar[bool]  # True: map-style, exactly-once epochs; False: streamed shards
+    schedule: list[ScheduledBatch]  # this rank's planned microbatches of the epoch
 
-    def __init__(self, *, name: str, split: str, num_samples: int, budget: TokenBudget, builder: MicrobatchBuilder,
-                 seed: int, shuffle: bool, workers: int, rank: int = 0, world_size: int = 1,
-                 pin_memory: bool = False) -> None:
+    def __init__(self, *, name: str, split: str, samples_per_epoch: int, budget: TokenBudget,
+                 builder: MicrobatchBuilder, seed: int, shuffle: bool, workers: int, rank: int = 0,
+                 world_size: int = 1, pin_memory: bool = False) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
-        self.name, self.split, self.num_source_samples = name, split, num_samples
+        self.name, self.split, self.samples_per_epoch = name, split, samples_per_epoch
         self.budget, self.builder, self.seed, self.shuffle = budget, builder, seed, shuffle
         self.workers, self.rank, self.world_size = workers, rank, world_size
         self.pin_memory = pin_memory and torch.cuda.is_available()
@@ -181,19 +189,18 @@ class NaFlexLoader:
         self.set_epoch(0)
 
     # -- what each kind defines -------------------------------------------------------------------
-    schedule: list[ScheduledBatch]  # this rank's planned microbatches of the epoch
-
+    @abc.abstractmethod
     def _plan(self, epoch: int, sample_position: int | None, start_batch: int) -> None:
         """Plan `epoch` (set `schedule`); with `sample_position`: only its rest from there, at `start_batch`."""
-        raise NotImplementedError
 
     @property
+    @abc.abstractmethod
     def num_batches(self) -> int:
         """Planned microbatches this epoch on this rank (the same on every rank)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _worker_epoch(self, first: int) -> WorkerEpoch:
-        raise NotImplementedError
+        """What the DataLoader workers build: the planned microbatches from `first` on."""
 
     def _epoch_start_records(self) -> list[dict[str, Any]]:
         """Skips known before decoding, recorded once per epoch."""

@@ -39,19 +39,19 @@ class MapEpoch(WorkerEpoch):
 
 
 class MapLoader(NaFlexLoader):
-    """One rank's epochs of a map-style `source`: `num_samples` of its usable samples per epoch (a fresh
+    """One rank's epochs of a map-style `source`: `samples_per_epoch` of its usable samples (a fresh
     random subset each epoch when fewer than all; default all). The other arguments are `NaFlexLoader`'s."""
 
     indexed = True
 
-    def __init__(self, source: Source, *, num_samples: int | None = None, **kwargs: Any) -> None:
+    def __init__(self, source: Source, *, samples_per_epoch: int | None = None, **kwargs: Any) -> None:
         self.source = source
-        super().__init__(name=source.name, num_samples=num_samples or len(source), **kwargs)
+        super().__init__(name=source.name, samples_per_epoch=samples_per_epoch or len(source), **kwargs)
 
     def _plan(self, epoch: int, sample_position: int | None, start_batch: int) -> None:
         order = epoch_order(len(self.source), seed=self.seed, epoch=epoch, shuffle=self.shuffle,
                             group_size=self.source.group_size)
-        self.order = order[: self.num_source_samples]  # --train-num-samples below the usable count
+        self.order = order[: self.samples_per_epoch]  # --train-num-samples below the usable count
         rest = sample_position is not None  # only the rest of the epoch, re-planned at another world size
         self.plan = build_global_plan(len(self.order), self.world_size, self.budget, seed=self.seed, epoch=epoch,
                                       start_step=start_batch if rest else 0, start_sample=sample_position or 0)

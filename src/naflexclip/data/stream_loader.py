@@ -1,6 +1,6 @@
 """The streamed loader: WebDataset shards that cannot be indexed (`pipe:`, URLs, compressed tars).
 
-An epoch is `num_samples` samples split by (rank, worker) slot: by shard when there are at least as many
+An epoch is `samples_per_epoch` samples split by (rank, worker) slot: by shard when there are at least as many
 shards as slots, else by sample. Each slot cycles its shards, with a per-pass shuffle buffer, so a sample can
 repeat or be missed within an epoch; resume is exact for the same world size and workers.
 """
@@ -12,7 +12,7 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
-from webdataset.filters import shuffle as shuffle_buffer
+import webdataset as wds
 
 from naflexclip.data.loader import NaFlexLoader, WorkerEpoch
 from naflexclip.data.readers import DataError, RawSample, ShardReadLog, shard_samples
@@ -44,7 +44,7 @@ class StreamEpoch(WorkerEpoch):
             if not by_shard:  # fewer shards than slots: every slot reads all, keeps every num_slots-th
                 samples = (raw for k, raw in enumerate(samples) if k % num_slots == slot)
             if self.buffer > 1:  # the buffer drains at the end of each pass, so a pass never leaks into the next
-                samples = shuffle_buffer(self.buffer, self.buffer, rng=random.Random(pass_seed))(samples)
+                samples = wds.shuffle(self.buffer, self.buffer, rng=random.Random(pass_seed))(samples)
             produced = 0
             for raw in samples:
                 produced += 1
@@ -87,7 +87,7 @@ def _read_ahead(items: Iterator[RawSample]) -> Iterator[RawSample]:
 
 
 class StreamLoader(NaFlexLoader):
-    """One rank's epochs of `num_samples` samples streamed from the shards `urls` (`name`: the shard spec);
+    """One rank's epochs of `samples_per_epoch` samples streamed from the shards `urls` (`name`: the shard spec);
     `shuffle_buffer`: samples in each slot's shuffle buffer. The other arguments are `NaFlexLoader`'s."""
 
     indexed = False
@@ -98,7 +98,7 @@ class StreamLoader(NaFlexLoader):
 
     def _plan(self, epoch: int, sample_position: int | None, start_batch: int) -> None:
         # each rank plans its share of the epoch's samples
-        self.schedule = build_schedule(samples_per_rank(self.num_source_samples, self.world_size), self.budget,
+        self.schedule = build_schedule(samples_per_rank(self.samples_per_epoch, self.world_size), self.budget,
                                        seed=self.seed, epoch=epoch)
 
     @property
