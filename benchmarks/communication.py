@@ -171,8 +171,8 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out_
     torch.set_num_threads(1)
     from naflexclip.batch import split_batch
     from naflexclip.distributed import cleanup, init_distributed, no_sync_context, window_exchange, wrap_model
+    from naflexclip.factory import create_model
     from naflexclip.loss import create_loss
-    from naflexclip.model import create_model
     from naflexclip.verify import random_naflex_batch
     from naflexclip.window import accumulate_gradients
 

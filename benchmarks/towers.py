@@ -37,7 +37,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from naflexclip import accumulate_gradients, create_loss
 from naflexclip.batch import split_batch, to_device
-from naflexclip.model import NaFlexClip, create_model
+from naflexclip.factory import create_model
+from naflexclip.model import NaFlexClip
 from naflexclip.train.precision import create_precision
 from naflexclip.verify import random_naflex_batch
 

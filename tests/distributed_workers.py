@@ -264,8 +264,8 @@ def scenario_exact(env: Any) -> dict[str, Any]:
         window_exchange,
         wrap_model,
     )
+    from naflexclip.factory import create_model
     from naflexclip.loss import create_loss
-    from naflexclip.model import create_model
     from naflexclip.verify import full_batch_gradients, random_naflex_batch
     from naflexclip.window import accumulate_gradients, window_loss_scale
 
@@ -457,8 +457,8 @@ def _consistency(env: Any, check_consistency: Any) -> dict[str, Any]:
 def scenario_fault(env: Any, how: str) -> dict[str, Any]:
     """Rank 1 dies or raises inside the second microbatch's replay forward; rank 0 must name it."""
     from naflexclip.distributed import fault_guard, no_sync_context, window_exchange, wrap_model
+    from naflexclip.factory import create_model
     from naflexclip.loss import create_loss
-    from naflexclip.model import create_model
     from naflexclip.verify import random_naflex_batch
     from naflexclip.window import accumulate_gradients
 
@@ -498,8 +498,8 @@ def scenario_agree(env: Any, out_dir: Path) -> dict[str, Any]:
     """Every case meets in one size exchange; each rank records what it raised and how long it took."""
     from naflexclip.data import DataConfig
     from naflexclip.distributed import RanksDisagree, no_sync_context, unwrap_model, window_exchange, wrap_model
+    from naflexclip.factory import create_model
     from naflexclip.loss import create_loss
-    from naflexclip.model import create_model
     from naflexclip.train.config import TrainConfig
     from naflexclip.train.loop import Trainer
     from naflexclip.verify import random_naflex_batch
@@ -626,8 +626,8 @@ class _ExchangeVariant:
 def scenario_shard(env: Any) -> dict[str, Any]:
     from naflexclip.batch import concat_microbatches, split_batch
     from naflexclip.distributed import no_sync_context, window_exchange, wrap_model
+    from naflexclip.factory import create_model
     from naflexclip.loss import clip_loss_dense, create_loss, siglip_loss_dense
-    from naflexclip.model import create_model
     from naflexclip.verify import full_batch_gradients, random_naflex_batch
     from naflexclip.window import accumulate_gradients, window_loss_scale
 

@@ -69,7 +69,7 @@ def make_checkpoint(path: Path, config: dict | None = None, *, seed: int = 0, to
 
 def hf_features(hf_model, image: dict[str, torch.Tensor], text: torch.Tensor) -> dict[str, torch.Tensor]:
     """transformers' normalised image/text embeddings, exp(logit_scale) and logit_bias for our inputs."""
-    from naflexclip.siglip2 import naflex_to_transformers
+    from naflexclip.families.siglip2 import naflex_to_transformers
 
     with torch.no_grad():
         image_embeds = hf_model.get_image_features(**naflex_to_transformers(image)).pooler_output

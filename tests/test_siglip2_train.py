@@ -15,7 +15,7 @@ from siglip2_cases import hf_features, make_checkpoint
 from naflexclip.cli import main
 from naflexclip.data.processing import make_processing
 from naflexclip.data.synthetic import SHAPES, zero_shot_sample
-from naflexclip.siglip2 import load_siglip2
+from naflexclip.families import siglip2
 from naflexclip.train.checkpoint import load_checkpoint_model
 from naflexclip.verify import random_naflex_batch
 from naflexclip.zeroshot import zero_shot_classify
@@ -64,7 +64,7 @@ def test_fine_tune_verify_export_and_zero_shot(tmp_path: Path, capsys: pytest.Ca
         ours = model(image=batch["image"], text=batch["text"])
     theirs = hf_features(hf, batch["image"], batch["text"])
     assert max(float((ours[k].detach() - theirs[k]).abs().max()) for k in theirs) <= 1e-5
-    assert not torch.equal(load_siglip2(source).visual.embeds.proj.weight, model.visual.embeds.proj.weight)
+    assert not torch.equal(siglip2.load(source).visual.embeds.proj.weight, model.visual.embeds.proj.weight)
 
     folder = _image_folder(tmp_path / "folder")
     for checkpoint, name in ((run / "checkpoints", "run"), (source, "imported")):
@@ -81,7 +81,7 @@ def test_zero_shot_accuracy_is_nearest_class_prompt(tmp_path: Path) -> None:
     """Top-1 equals argmax cosine against each class's single-template prompt, computed here directly;
     class names and templates come from files."""
     source = make_checkpoint(tmp_path / "siglip2", seed=2)
-    model = load_siglip2(source).eval()
+    model = siglip2.load(source).eval()
     folder = _image_folder(tmp_path / "folder", 14)
     classes = sorted(p.name for p in folder.iterdir())
     names = [f"{c}s" for c in classes]  # short: the tiny text tower reads 12 characters

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from naflexclip.cli import main
-from naflexclip.model import create_model
+from naflexclip.factory import create_model
 from naflexclip.train.config import TrainConfig
 from naflexclip.train.optim import CosineSchedule, create_optimizer, param_groups
 

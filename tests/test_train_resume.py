@@ -20,7 +20,8 @@ from test_train_loop import TINY_DATA_FLAGS, tiny_config
 from naflexclip.cli import main
 from naflexclip.data import DataConfig
 from naflexclip.distributed import init_distributed
-from naflexclip.model import PRESETS, config_to_dict, create_model
+from naflexclip.factory import create_model
+from naflexclip.model import PRESETS, config_to_dict
 from naflexclip.train import checkpoint as ckpt
 from naflexclip.train.config import TrainConfig
 from naflexclip.train.loop import Trainer, train

@@ -1,8 +1,8 @@
 """naflexclip: CLIP/SigLIP training with NaFlex ViT image towers and exact gradient accumulation."""
 
+from naflexclip.factory import create_model, export_model
 from naflexclip.loss import ClipLoss, SigLipLoss, create_loss
-from naflexclip.model import NaFlexClip, create_model, model_config
-from naflexclip.siglip2 import export_model
+from naflexclip.model import NaFlexClip, model_config
 from naflexclip.window import WindowStats, accumulate_gradients, window_loss_scale
 
 __all__ = [

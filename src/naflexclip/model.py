@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -338,13 +337,3 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) 
     if mismatch is not None:
         raise ValueError(f"{source}: {mismatch}")
     model.load_state_dict(state)
-
-
-def create_model(name: str, **overrides: Any) -> NaFlexClip:
-    """Build a preset (`tiny`, `small`, `base`, `siglip2-base`, `siglip2-so400m`) with optional overrides
-    (`siglip=True`, ...), or load a transformers SigLIP 2 checkpoint when `name` is a directory."""
-    if os.path.isdir(name):
-        from naflexclip.siglip2 import load_siglip2  # transformers interop, only when asked for
-
-        return load_siglip2(name, **overrides)
-    return NaFlexClip(model_config(name, **overrides))

@@ -24,9 +24,10 @@ from torch import nn
 from naflexclip.batch import batch_size, concat_microbatches, split_batch, to_device
 from naflexclip.data import DataError, add_data_args, build_loader, data_config_from_args
 from naflexclip.distributed import DEVICE_CHOICES, check_device
+from naflexclip.factory import create_model
 from naflexclip.legacy import per_microbatch_scale_gradients
 from naflexclip.loss import DEFAULT_TILE_SIZE, create_loss
-from naflexclip.model import PRESETS, create_model
+from naflexclip.model import PRESETS
 from naflexclip.train.checkpoint import load_checkpoint_model
 from naflexclip.window import METHODS, SCALE_MODES, accumulate_gradients, window_loss_scale
 

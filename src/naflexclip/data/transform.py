@@ -12,6 +12,9 @@ from __future__ import annotations
 import functools
 import math
 import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,6 +26,17 @@ from torchvision.transforms import functional as F
 
 INTERPOLATION = "bicubic"
 _BICUBIC = InterpolationMode.BICUBIC
+
+
+@dataclass(frozen=True)
+class Processing:
+    """A model's data processing: `transform(img, seq_len) -> (uint8 patches, patch_coord)`,
+    `collate(samples, seq_len, patch_size)` -> the NaFlex image dict, `tokenize(texts, context_length)` -> long
+    `[B, T]`. Ours is `NaFlexTransform`, `collate` and `tokenize` below; a pretrained family brings its own."""
+
+    transform: Any
+    collate: Callable[[list[tuple[torch.Tensor, torch.Tensor]], int, int], dict[str, torch.Tensor]]
+    tokenize: Callable[[list[str], int], torch.Tensor]
 
 
 @functools.lru_cache(maxsize=4)

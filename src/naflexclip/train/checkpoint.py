@@ -41,7 +41,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from naflexclip.data.loader import NaFlexLoader
-from naflexclip.model import NaFlexClip, config_from_dict, create_model, load_weights
+from naflexclip.factory import create_model
+from naflexclip.model import NaFlexClip, config_from_dict, load_weights
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "train_state.pt"

@@ -166,17 +166,16 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def _eval_model(checkpoint: str, device: torch.device) -> tuple[torch.nn.Module, dict]:
-    """(model, run config) of a naflexclip checkpoint, or of an imported SigLIP 2 directory (a config stating
-    its processor, the published patch budget and fp32)."""
-    from naflexclip.siglip2 import is_siglip2_dir, load_siglip2
+    """(model, run config) of a naflexclip checkpoint, or of a pretrained family's directory (a config stating
+    its processor, its own patch budget and fp32)."""
+    from naflexclip.families import find_family
 
     from .checkpoint import load_checkpoint_model
 
-    if is_siglip2_dir(checkpoint):
-        from naflexclip.data.siglip2_processing import processor_budget
-
-        model = load_siglip2(checkpoint).to(device).eval()
-        budget = processor_budget(checkpoint, model.image_patch_size)
+    family = find_family(checkpoint)
+    if family is not None:
+        model = family.load(checkpoint).to(device).eval()
+        budget = family.patch_budget(checkpoint, model.image_patch_size)
         data = DataConfig(hf_processor=checkpoint, naflex_seq_lens=(budget,), naflex_max_tokens_per_batch=32 * budget)
         return model, {"data": dataclasses.asdict(data), "precision": "fp32", "zero_shot_samples": 0}
     return load_checkpoint_model(checkpoint, device)

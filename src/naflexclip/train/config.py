@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from naflexclip.data import DataConfig
+from naflexclip.families import family_of
 from naflexclip.loss import DEFAULT_TILE_SIZE
 from naflexclip.model import PRESETS
 from naflexclip.train.report import report_to_names
@@ -71,7 +72,7 @@ class TrainConfig:
         self._check_pretrained()
         if self.name is None:
             # OpenCLIP-style run name: when and what
-            model = "siglip2" if self.pretrained else self.model
+            model = family_of(self.pretrained).NAME if self.pretrained else self.model
             self.name = f"{time.strftime('%Y_%m_%d-%H_%M_%S')}-model_{model}-lr_{self.lr:g}-p_{self.precision}"
 
     def _check_choices(self) -> None:
@@ -127,15 +128,14 @@ class TrainConfig:
     def _check_pretrained(self) -> None:
         if self.pretrained is None:
             return
-        from naflexclip.siglip2 import Siglip2Error, read_config
-
         try:
-            read_config(self.pretrained)
-        except Siglip2Error as error:
+            family = family_of(self.pretrained)
+            family.check(self.pretrained)
+        except ValueError as error:
             raise ValueError(f"--pretrained: {error}") from None
         self.pretrained = str(Path(self.pretrained).resolve())
         # SigLIP 2 is a sigmoid-loss model: its logit_bias only trains under that loss
-        self.siglip = True
+        self.siglip = family.LOSS == "siglip"
         if self.data.hf_processor is None:  # its own tokenizer and patching feed it
             self.data.hf_processor = self.pretrained
 

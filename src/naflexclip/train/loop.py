@@ -53,8 +53,9 @@ from naflexclip.distributed import (
     window_exchange,
     wrap_model,
 )
+from naflexclip.factory import create_model
 from naflexclip.loss import create_loss
-from naflexclip.model import config_to_dict, create_model, weights_mismatch
+from naflexclip.model import config_to_dict, weights_mismatch
 from naflexclip.train import checkpoint as ckpt
 from naflexclip.train.config import TrainConfig
 from naflexclip.train.evaluate import evaluate

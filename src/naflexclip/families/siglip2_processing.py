@@ -1,5 +1,5 @@
-"""Data processing of an imported SigLIP 2 checkpoint: its tokenizer, and patching exactly as transformers'
-`Siglip2ImageProcessor` does it for a patch budget.
+"""Data processing of a SigLIP 2 directory (the `siglip2` family's `processing`): its tokenizer, and patching
+exactly as transformers' `Siglip2ImageProcessor` does it for a patch budget.
 
 Per image (tested equal to the processor's output, tests/test_siglip2_processing.py): the largest grid of
 `patch_size` patches that fits the budget at the image's aspect ratio (the processor's own binary search,
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from naflexclip.data.transform import patch_grid
+from naflexclip.data.transform import Processing, patch_grid
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 PREPROCESSOR_FILE = "preprocessor_config.json"
@@ -144,7 +144,7 @@ def siglip2_collate(directory: str | None, samples: list[tuple[torch.Tensor, tor
     return {"patches": patches, "patch_coord": patch_coord, "patch_valid": patch_valid}
 
 
-def processor_budget(directory: str | None, patch_size: int) -> int:
+def patch_budget(directory: str | None, patch_size: int) -> int:
     """The processor's own patch budget (`max_num_patches`, 256 for the published models)."""
     _require_transformers()
     from transformers import Siglip2ImageProcessor
@@ -152,3 +152,13 @@ def processor_budget(directory: str | None, patch_size: int) -> int:
     if directory is not None and (Path(directory) / PREPROCESSOR_FILE).is_file():
         return int(Siglip2ImageProcessor.from_pretrained(directory, local_files_only=True).max_num_patches)
     return int(Siglip2ImageProcessor(patch_size=patch_size).max_num_patches)
+
+
+def processing(directory: str, patch_size: int, augment: bool = False) -> Processing:
+    """The checkpoint directory's tokenizer and patching (checked here, not in a loader worker)."""
+    if augment:
+        raise ValueError("--augment: random crops are not part of SigLIP 2's image processor; drop --augment "
+                         "when fine-tuning an imported SigLIP 2 checkpoint")
+    load_tokenizer(directory), processor_settings(directory, patch_size)
+    return Processing(Siglip2Transform(directory, patch_size), functools.partial(siglip2_collate, directory),
+                      functools.partial(siglip2_tokenize, directory))

@@ -1,10 +1,11 @@
-"""SigLIP 2 NaFlex interop: a transformers `Siglip2Model` checkpoint directory in, and out again.
+"""The `siglip2` family: a transformers `Siglip2Model` checkpoint directory in, and out again.
 
-Import (`load_siglip2`) builds our architecture from the directory's `config.json` (timm `NaFlexVit` in the
-SigLIP configuration, open_clip `TextTransformer` with last-token pooling, no causal mask and a biased
-projection) and loads every tensor through the explicit weight map below; export (`export_model`) writes the
-inverse: `config.json`, `model.safetensors` and the tokenizer / image-processor files, a directory
-`Siglip2Model.from_pretrained` loads. Equivalence is proven by outputs (tests/test_siglip2.py), not key counts.
+Import (`load`) builds our architecture from the directory's `config.json` (timm `NaFlexVit` in the SigLIP
+configuration, open_clip `TextTransformer` with last-token pooling, no causal mask and a biased projection) and
+loads every tensor through the explicit weight map below; `export` writes the inverse: `config.json`,
+`model.safetensors` and the tokenizer / image-processor files, a directory `Siglip2Model.from_pretrained` loads.
+Equivalence is proven by outputs (tests/test_siglip2.py), not key counts. Its data processing (`processing`,
+`patch_budget`) is in `siglip2_processing`. The module is registered in `naflexclip.families`.
 
 Inputs map as `pixel_values = patches`, `pixel_attention_mask = patch_valid`, `spatial_shapes[i] = (rows_i,
 cols_i)` with patches in row-major order (`naflex_to_transformers`). transformers keeps `logit_scale` as its
@@ -23,8 +24,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from naflexclip.families.siglip2_processing import patch_budget as patch_budget  # the family's data processing
+from naflexclip.families.siglip2_processing import processing as processing
 from naflexclip.model import ModelConfig, NaFlexClip, siglip2_config
 
+NAME = "siglip2"
+LOSS = "siglip"  # trained with the sigmoid loss (its logit_bias)
+EXPORT_FORMAT = "transformers"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
@@ -258,22 +264,26 @@ def _expected_their_shapes(row: WeightMap, ours: list[torch.Tensor]) -> list[tup
 # ------------------------------------------------------------------------------------------ import
 
 
-def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint directory's safetensors (one file or an index of shards)."""
-    directory = Path(path)
+def _weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory (one file or the shards of an index)."""
     if (directory / WEIGHTS_FILE).is_file():
-        files = [directory / WEIGHTS_FILE]
-    elif (directory / WEIGHTS_INDEX_FILE).is_file():
+        return [directory / WEIGHTS_FILE]
+    if (directory / WEIGHTS_INDEX_FILE).is_file():
         index = json.loads((directory / WEIGHTS_INDEX_FILE).read_text())
         files = [directory / name for name in sorted(set(index["weight_map"].values()))]
-    else:
-        others = sorted(p.name for p in directory.glob("*.bin")) if directory.is_dir() else []
-        extra = f" (found {', '.join(others)}; convert it to safetensors)" if others else ""
-        raise Siglip2Error(f"{str(directory)!r} has no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE}{extra}")
+        for file in files:
+            if not file.is_file():
+                raise Siglip2Error(f"weights shard {str(file)!r} listed in {WEIGHTS_INDEX_FILE} is missing")
+        return files
+    others = sorted(p.name for p in directory.glob("*.bin")) if directory.is_dir() else []
+    extra = f" (found {', '.join(others)}; convert it to safetensors)" if others else ""
+    raise Siglip2Error(f"{str(directory)!r} has no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE}{extra}")
+
+
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory's safetensors (one file or an index of shards)."""
     tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        if not file.is_file():
-            raise Siglip2Error(f"weights shard {str(file)!r} listed in {WEIGHTS_INDEX_FILE} is missing")
+    for file in _weight_files(Path(path)):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
                 tensors[key] = f.get_tensor(key)
@@ -308,7 +318,14 @@ def import_state_dict(model: NaFlexClip, theirs: dict[str, torch.Tensor], source
     return ours
 
 
-def load_siglip2(path: str | Path, **overrides: Any) -> NaFlexClip:
+def check(path: str | Path) -> None:
+    """Siglip2Error unless `path` is a SigLIP 2 directory whose architecture maps and whose weight files are there."""
+    directory = Path(path)
+    config_from_transformers(read_config(directory), str(directory / CONFIG_FILE))
+    _weight_files(directory)
+
+
+def load(path: str | Path, **overrides: Any) -> NaFlexClip:
     """`NaFlexClip` with the architecture and every weight of a transformers SigLIP 2 checkpoint directory.
 
     `overrides`: tower fields that do not change the weights (e.g. `drop_path_rate=0.1`)."""
@@ -334,7 +351,7 @@ def load_siglip2(path: str | Path, **overrides: Any) -> NaFlexClip:
     return model
 
 
-def is_siglip2_dir(path: str | Path) -> bool:
+def detect(path: str | Path) -> bool:
     """True when `path` is a directory whose config.json says `model_type: siglip2`."""
     config_path = Path(path) / CONFIG_FILE
     if not config_path.is_file():
@@ -372,12 +389,9 @@ def export_state_dict(model: NaFlexClip) -> dict[str, torch.Tensor]:
     return theirs
 
 
-def export_model(model: NaFlexClip, path: str | Path, format: str = "transformers",
-                 processor_dir: str | Path | None = None) -> Path:
+def export(model: NaFlexClip, path: str | Path, processor_dir: str | Path | None = None) -> Path:
     """Write `model` as a transformers SigLIP 2 directory (`config.json`, `model.safetensors`, and the tokenizer
     and image-processor files of `processor_dir`, default the directory it was imported from)."""
-    if format != "transformers":
-        raise Siglip2Error(f"export format {format!r} is not supported; use 'transformers'")
     if not isinstance(model, NaFlexClip):
         raise Siglip2Error(f"export needs a NaFlexClip model, got {type(model).__name__}")
     state = export_state_dict(model)
@@ -386,7 +400,7 @@ def export_model(model: NaFlexClip, path: str | Path, format: str = "transformer
     dtype = next(iter(state.values())).dtype
     config = config_to_transformers(model.config)
     processor_dir = processor_dir or getattr(model, "source_dir", None)
-    if processor_dir is not None and is_siglip2_dir(processor_dir):
+    if processor_dir is not None and detect(processor_dir):
         # keep what the architecture does not decide (token ids, initializer settings) from the source config
         source = read_config(processor_dir)
         for tower in ("text_config", "vision_config"):
@@ -400,3 +414,14 @@ def export_model(model: NaFlexClip, path: str | Path, format: str = "transformer
             if (Path(processor_dir) / name).is_file() and Path(processor_dir).resolve() != out.resolve():
                 shutil.copyfile(Path(processor_dir) / name, out / name)
     return out
+
+
+def export_notes(path: Path) -> list[str]:
+    """How to load an exported directory, and what it lacks."""
+    notes = ["load it with transformers.Siglip2Model.from_pretrained"]
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer.model").is_file():
+        # a preset trained from scratch used open_clip's tokenizer and timm's transform: nothing of transformers'
+        notes.append("note: no tokenizer or image-processor files (the run did not start from a SigLIP 2 directory; "
+                     "it used open_clip's tokenizer and OpenAI CLIP mean/std), add your own before using it in "
+                     "transformers")
+    return notes

@@ -1,0 +1,81 @@
+"""Pretrained families: model directories of other libraries that naflexclip loads, fine-tunes and exports.
+
+A family is one module (today `siglip2`: SigLIP 2 NaFlex from transformers) with the members of
+`PretrainedFamily`: how to recognise its directory, build and load our model from it, export our model as one,
+and the data processing (tokenizer, patching) its models expect. It is registered in `FAMILIES`; everything else
+(`create_model`, `train --pretrained`, `eval --checkpoint`, `export`, the data pipeline) asks this table.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from naflexclip.families import siglip2
+
+if TYPE_CHECKING:
+    import torch
+
+    from naflexclip.data.transform import Processing
+    from naflexclip.model import NaFlexClip
+
+
+class PretrainedFamily(Protocol):
+    """The members of a family module. Errors are `ValueError`s with a one-line message naming the file."""
+
+    NAME: str  # short name, e.g. in the default run name
+    LOSS: str  # the loss its models are trained with (a name of `naflexclip.loss.LOSSES`)
+    EXPORT_FORMAT: str  # `naflexclip export --format` value that writes this family's directories
+
+    def detect(self, path: str | Path) -> bool:
+        """True when `path` is a directory this family claims (cheap: its config, not its weights)."""
+
+    def check(self, path: str | Path) -> None:
+        """Raise when `path` is not a usable directory of this family (config, architecture, weight files)."""
+
+    def load(self, path: str | Path, **overrides: Any) -> NaFlexClip:
+        """Our model with the directory's architecture and every weight; `overrides` that keep the weights."""
+
+    def export(self, model: torch.nn.Module, path: str | Path, processor_dir: str | Path | None = None) -> Path:
+        """Write `model` as a directory of this family (with `processor_dir`'s tokenizer/processor files)."""
+
+    def export_notes(self, path: Path) -> list[str]:
+        """Lines for the user about an exported directory: how to load it, what it lacks."""
+
+    def processing(self, directory: str, patch_size: int, augment: bool = False) -> Processing:
+        """The image transform, collation and tokenizer of the directory's models."""
+
+    def patch_budget(self, directory: str, patch_size: int) -> int:
+        """The patches per image the directory's own processor uses (its evaluation default)."""
+
+
+FAMILIES: tuple[PretrainedFamily, ...] = (siglip2,)
+EXPORT_FORMATS = tuple(family.EXPORT_FORMAT for family in FAMILIES)
+
+
+def find_family(path: str | Path) -> PretrainedFamily | None:
+    """The family that claims directory `path`, or None."""
+    return next((family for family in FAMILIES if family.detect(path)), None)
+
+
+def family_of(path: str | Path) -> PretrainedFamily:
+    """The family that claims directory `path`; otherwise ValueError with every family's reason, in one line."""
+    family = find_family(path)
+    if family is not None:
+        return family
+    reasons = []
+    for candidate in FAMILIES:
+        try:
+            candidate.check(path)
+            reasons.append(f"{str(path)!r} is not a {candidate.NAME} directory")
+        except ValueError as error:
+            reasons.append(str(error))
+    raise ValueError("; ".join(reasons))
+
+
+def export_family(format: str) -> PretrainedFamily:
+    """The family whose directories `format` writes."""
+    for family in FAMILIES:
+        if family.EXPORT_FORMAT == format:
+            return family
+    raise ValueError(f"export format {format!r} is not supported; use one of {list(EXPORT_FORMATS)}")
