@@ -188,7 +188,7 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out_
         num_params = sum(p.numel() for p in model.parameters())
         model = wrap_model(model, env)
         counting_comm_hook(model, counter)
-        loss_fn = create_loss(False)
+        loss_fn = create_loss("clip")
         exchange = CountingExchange(window_exchange(env), counter)
         for accum in args.accum:
             b = args.microbatch_size

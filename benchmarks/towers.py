@@ -134,7 +134,7 @@ def _peak_memory(config: dict, checkpointing: bool, queue: mp.Queue) -> None:
     model.set_grad_checkpointing(checkpointing)
     allocate_grads(model)
     before = _rss_bytes()
-    window_step(model, create_loss(model.siglip), microbatches, autocast)
+    window_step(model, create_loss(model.config.loss), microbatches, autocast)
     queue.put(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)  # Linux reports KiB
 
 
@@ -151,7 +151,7 @@ def _in_subprocess(target: Callable[..., None], *args: object) -> object:
 def _timed_ratios(config: dict) -> list[str]:
     """Checkpointed vs plain and compiled vs eager, alternating round by round; compile recompile counts."""
     model, microbatches, autocast = _ratios_setup(config)
-    loss_fn = create_loss(model.siglip)
+    loss_fn = create_loss(model.config.loss)
     saved = {}
     for checkpointing in (False, True):
         model.set_grad_checkpointing(checkpointing)
@@ -282,7 +282,7 @@ def run_sweep(args: argparse.Namespace) -> None:
         for model in (eager, compiled):
             if model is not None:
                 allocate_grads(model)
-        loss_fn = create_loss(eager.siglip)
+        loss_fn = create_loss(eager.config.loss)
         for seq_len in args.seq_lens:
             num_examples = max(8, args.tokens_per_batch // seq_len)
             batch = make_batch(eager, num_examples, [seq_len])
@@ -341,7 +341,7 @@ def run_profile(args: argparse.Namespace) -> None:
     allocate_grads(model)
     seq_len = args.seq_lens[0]
     batch = make_batch(model, max(8, args.tokens_per_batch // seq_len), [seq_len])
-    loss_fn = create_loss(model.siglip)
+    loss_fn = create_loss(model.config.loss)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     for n in (1, max(args.splits)):
         microbatches = split_evenly(batch, n, device)

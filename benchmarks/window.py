@@ -40,7 +40,7 @@ def _setup(config: dict) -> tuple[Callable[[str, int], None], torch.device]:
     torch.set_num_threads(config["threads"])
     device = torch.device(config["device"])
     model = create_model(config["model"]).to(device).train()
-    loss_fn = create_loss(False)
+    loss_fn = create_loss("clip")
     batch = random_naflex_batch(
         config["num_examples"], patch_size=model.image_patch_size, context_length=model.context_length,
         seq_lens=tuple(config["seq_lens"]), generator=torch.Generator().manual_seed(0), dtype=torch.float32,

@@ -7,7 +7,7 @@ Three parts, each printing ratios side by side:
    CLIP and SigLIP. Each variant runs in a fresh process; memory is its peak RSS growth during the step. Dense
    runs only where its projected memory (its measured growth at a smaller N, × N²) fits `--dense-max-gib`;
    elsewhere it is reported as not fitting.
-2. `window`: a whole window through the public API (`accumulate_gradients(model, create_loss(siglip), ...)`,
+2. `window`: a whole window through the public API (`accumulate_gradients(model, create_loss(loss), ...)`,
    `tiny` preset, float32) of `--window-examples` pairs: peak RSS growth, seconds, and `WindowStats.loss`
    against an independent float64 reference (row- and column-chunked `torch.logsumexp` over the same features).
 3. `flops`: the FLOPs one rank spends on a window of `--flops-examples` pairs with R = 1, 2, 4 real gloo
@@ -93,14 +93,14 @@ def _window_step(kind: str, n: int, microbatch: int, threads: int) -> dict[str, 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     siglip = kind == "siglip"
-    model = create_model("tiny", siglip=siglip)
+    model = create_model("tiny", loss=kind)
     batch = random_naflex_batch(n, patch_size=model.image_patch_size, context_length=model.context_length,
                                 seq_lens=(16,), generator=torch.Generator().manual_seed(0), dtype=torch.float32)
     microbatches = split_batch(batch, [len(part) for part in torch.arange(n).split(microbatch)])
     del batch
     before = _peak_rss()
     start = time.perf_counter()
-    stats = accumulate_gradients(model, create_loss(siglip), microbatches)
+    stats = accumulate_gradients(model, create_loss(kind), microbatches)
     seconds = time.perf_counter() - start
     growth = _peak_rss() - before
     # the same features again (the tiny preset has no dropout), for the float64 reference
@@ -146,14 +146,13 @@ def _flops_worker(rank: int, world: int, port: int, n: int, kind: str, sharded: 
 
     env = init_distributed(device="cpu", timeout_s=600)
     torch.manual_seed(0)
-    siglip = kind == "siglip"
-    model = wrap_model(create_model("tiny", siglip=siglip), env)
+    model = wrap_model(create_model("tiny", loss=kind), env)
     module = model.module if hasattr(model, "module") else model
     rows = [len(part) for part in torch.arange(n).tensor_split(world)]
     batch = random_naflex_batch(rows[rank], patch_size=module.image_patch_size, context_length=module.context_length,
                                 seq_lens=(16,), generator=torch.Generator().manual_seed(rank), dtype=torch.float32)
     microbatches = split_batch(batch, [len(part) for part in torch.arange(rows[rank]).tensor_split(2)])
-    loss = create_loss(siglip) if sharded else _Whole(create_loss(siglip))
+    loss = create_loss(kind) if sharded else _Whole(create_loss(kind))
     with FlopCounterMode(display=False) as counter:
         accumulate_gradients(model, loss, microbatches, exchange=window_exchange(env),
                              no_sync=no_sync_context(model))
@@ -204,7 +203,7 @@ def part_loss(args: argparse.Namespace) -> None:
 
 def part_window(args: argparse.Namespace) -> None:
     n, b = args.window_examples, args.window_microbatch
-    print(f"\n## a whole window through accumulate_gradients(model, create_loss(siglip), ...): tiny preset, "
+    print(f"\n## a whole window through accumulate_gradients(model, create_loss(loss), ...): tiny preset, "
           f"N={n} in microbatches of {b}, float32, {args.threads} thread(s)")
     print(f"{'loss':6} | {'peak growth GiB':>15} {'seconds':>8} | {'WindowStats.loss':>16} {'float64 ref':>12} "
           f"{'rel. error':>10}")

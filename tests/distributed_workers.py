@@ -280,7 +280,7 @@ def scenario_exact(env: Any) -> dict[str, Any]:
     def build(siglip: bool) -> torch.nn.Module:
         # identical initialisation on every rank (DDP would broadcast rank 0's anyway; FSDP2 would not)
         torch.manual_seed(0)
-        return create_model("tiny", siglip=siglip).double()
+        return create_model("tiny", loss="siglip" if siglip else "clip").double()
 
     references: dict[tuple[bool, str], dict[str, torch.Tensor]] = {}
 
@@ -291,7 +291,8 @@ def scenario_exact(env: Any) -> dict[str, Any]:
         if key not in references:
             scale = window_loss_scale(sizes, REFERENCE_BATCH_SIZE, mode)
             full = concat_microbatches(split_batch(batch, sizes))
-            references[key] = full_batch_gradients(build(siglip), create_loss(siglip), full, scale)
+            references[key] = full_batch_gradients(build(siglip), create_loss("siglip" if siglip else "clip"), full,
+                                                   scale)
         return references[key]
 
     exchange = window_exchange(env)
@@ -300,7 +301,7 @@ def scenario_exact(env: Any) -> dict[str, Any]:
         for siglip in (False, True):
             _log(env, f"{wrapper} siglip={siglip}")
             model = wrap_model(build(siglip), env, fsdp=fsdp)
-            loss_fn = create_loss(siglip)
+            loss_fn = create_loss("siglip" if siglip else "clip")
             hook_calls = _Counter()
             if fsdp:
                 _count_reduce_scatters(hook_calls)
@@ -480,7 +481,7 @@ def scenario_fault(env: Any, how: str) -> dict[str, Any]:
     start = time.monotonic()
     try:
         with fault_guard(env, "window 0"):
-            accumulate_gradients(model, create_loss(False), microbatches, exchange=window_exchange(env),
+            accumulate_gradients(model, create_loss("clip"), microbatches, exchange=window_exchange(env),
                                  no_sync=no_sync_context(model))
     finally:
         # the parent checks this rank failed promptly; stderr carries the error itself
@@ -521,7 +522,7 @@ def scenario_agree(env: Any, out_dir: Path) -> dict[str, Any]:
                 exch.gather_sizes([2] * counts)
             elif has_data:
                 model.zero_grad(set_to_none=True)
-                accumulate_gradients(model, create_loss(False), microbatches, exchange=exch,
+                accumulate_gradients(model, create_loss("clip"), microbatches, exchange=exch,
                                      no_sync=no_sync_context(model))
             else:
                 exch.end_of_data()
@@ -639,7 +640,7 @@ def scenario_shard(env: Any) -> dict[str, Any]:
 
     def build(siglip: bool) -> torch.nn.Module:
         torch.manual_seed(0)
-        return create_model("tiny", siglip=siglip).double()
+        return create_model("tiny", loss="siglip" if siglip else "clip").double()
 
     def reference(siglip: bool, mode: str, split: list[list[int]]) -> tuple[dict[str, torch.Tensor], float]:
         """s(W)·∇L(W) and L(W) of the whole window in one process, with the dense (N×N) loss."""
@@ -677,7 +678,7 @@ def scenario_shard(env: Any) -> dict[str, Any]:
     for siglip in (False, True):
         _log(env, f"shard siglip={siglip}")
         model = wrap_model(build(siglip), env)
-        loss_fn = create_loss(siglip, tile_size=SHARD_TILE_SIZE)
+        loss_fn = create_loss("siglip" if siglip else "clip", tile_size=SHARD_TILE_SIZE)
         for split_index, method, mode in configs:
             stats = window(model, loss_fn, split_index, method, mode, exchange)
             grads, loss = reference(siglip, mode, SHARD_SPLITS[world][split_index])
@@ -698,7 +699,7 @@ def scenario_shard(env: Any) -> dict[str, Any]:
     # FSDP2 (equal microbatch counts, which its exchange requires): the sharded loss with small tiles is exact
     model = wrap_model(build(False), env, fsdp=True)
     model.zero_grad(set_to_none=True)
-    accumulate_gradients(model, create_loss(False, tile_size=SHARD_TILE_SIZE),
+    accumulate_gradients(model, create_loss("clip", tile_size=SHARD_TILE_SIZE),
                          _local_microbatches(batch, SHARD_SPLITS[world][0], env.rank),
                          exchange=window_exchange(env, equal_counts=True), no_sync=no_sync_context(model))
     results["fsdp"] = _errors(_gradients(model), reference(False, "none", SHARD_SPLITS[world][0])[0])

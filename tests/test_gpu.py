@@ -24,14 +24,14 @@ from naflexclip.window import RngState, accumulate_gradients
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("siglip", [False, True])
-def test_window_equals_full_batch_on_cuda_float64(siglip: bool) -> None:
+@pytest.mark.parametrize("loss", ["clip", "siglip"])
+def test_window_equals_full_batch_on_cuda_float64(loss: str) -> None:
     torch.manual_seed(0)
-    model = create_model("tiny", siglip=siglip).to("cuda", torch.float64).eval()
+    model = create_model("tiny", loss=loss).to("cuda", torch.float64).eval()
     batch = random_naflex_batch(13, patch_size=model.image_patch_size, context_length=model.context_length,
                                 generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     batch = to_device(batch, "cuda")
-    result = verify_window(model, create_loss(siglip), batch, accum_freq=4, reference_batch_size=4,
+    result = verify_window(model, create_loss(loss), batch, accum_freq=4, reference_batch_size=4,
                            loss_scale="linear", methods=("cache", "replay"), num_splits=3, seed=0)
     assert result.passed, [(g.group, g.worst_error) for g in result.groups if not g.passed]
     # teeth: OpenCLIP's per-microbatch rule is far off on the same windows
@@ -88,7 +88,7 @@ def test_cpu_microbatches_to_a_cuda_model_replay_its_dropout(inputs_only: bool,
     model = _MovesInputsToCuda(inner)
     batch = random_naflex_batch(5, patch_size=inner.image_patch_size, context_length=inner.context_length,
                                 generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    accumulate_gradients(model, create_loss(False), split_batch(batch, [3, 2]), method="cache")
+    accumulate_gradients(model, create_loss("clip"), split_batch(batch, [3, 2]), method="cache")
     cached, replayed = model.features[:2], model.features[2:]  # two no-grad forwards, then two with grad
     # (close, not equal: no-grad and grad forwards may pick different kernels; other masks differ by O(1))
     same = [torch.allclose(a, b, rtol=1e-9, atol=1e-12) for a, b in zip(cached, replayed, strict=True)]

@@ -204,7 +204,8 @@ def test_window_with_small_tiles_equals_dense_full_batch(siglip, method):
     reference = full_batch_gradients(model, siglip_loss_dense if siglip else clip_loss_dense, batch, scale=1.0)
     for sizes, mode, reference_batch_size, scale in (([3, 1, 3], "linear", 2, 7 / 6), ([2, 5], "sqrt", 5, 0.7**0.5)):
         model.zero_grad(set_to_none=True)
-        stats = accumulate_gradients(model, create_loss(siglip, tile_size=2), split_batch(batch, sizes),
+        stats = accumulate_gradients(model, create_loss("siglip" if siglip else "clip", tile_size=2),
+                                     split_batch(batch, sizes),
                                      loss_scale=mode, reference_batch_size=reference_batch_size, method=method)
         assert stats.scale == pytest.approx(scale)
         assert not failures(model, {name: grad * scale for name, grad in reference.items()}), sizes
@@ -213,7 +214,7 @@ def test_window_with_small_tiles_equals_dense_full_batch(siglip, method):
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True])
 def test_tile_size_must_be_a_positive_integer(bad):
     with pytest.raises(ValueError, match=f"tile_size must be a positive integer, got {bad!r}"):
-        create_loss(False, tile_size=bad)
+        create_loss("clip", tile_size=bad)
 
 
 def test_mismatched_rows_are_named():

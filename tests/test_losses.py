@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from naflexclip import ClipLoss, SigLipLoss
+from naflexclip import ClipLoss, SigLipLoss, create_loss, create_model
 
 
 def features(n: int, d: int = 8, seed: int = 0):
@@ -39,3 +39,16 @@ def test_losses_differ_when_pairs_are_shuffled():
     image, text = features(6, seed=2)
     scale = torch.tensor(20.0, dtype=torch.float64)
     assert not torch.allclose(ClipLoss()(image, text, scale), ClipLoss()(image, text.flip(0), scale))
+
+
+def test_a_loss_is_chosen_by_name_and_the_model_starts_as_it_needs():
+    assert type(create_loss("clip")) is ClipLoss
+    assert type(create_loss("siglip", tile_size=3)) is SigLipLoss and create_loss("siglip", tile_size=3).tile_size == 3
+    for bad in ("sigmoid", True):  # True: the boolean the choice used to be
+        with pytest.raises(ValueError, match=rf"unknown loss {bad!r}; choose one of \['clip', 'siglip'\]"):
+            create_loss(bad)
+    clip, siglip = create_model("tiny"), create_model("tiny", loss="siglip")
+    assert clip.config.loss == "clip" and clip.logit_bias is None
+    assert siglip.config.loss == "siglip" and float(siglip.logit_bias) == -10.0
+    with pytest.raises(ValueError, match="unknown loss 'sigmoid'"):
+        create_model("tiny", loss="sigmoid")

@@ -25,7 +25,7 @@ def test_output_dict_and_attributes():
 
 
 def test_siglip_initialisation():
-    model = create_model("tiny", siglip=True)
+    model = create_model("tiny", loss="siglip")
     out = model(**naflex_window(2, dtype=torch.float32))
     assert out["logit_scale"].item() == pytest.approx(10.0)
     assert out["logit_bias"].item() == -10.0
@@ -77,7 +77,7 @@ def test_text_mean_pool_averages_the_caption_not_its_padding():
 def test_window_is_exact_with_the_mean_pooled_layerscale_text_tower():
     torch.manual_seed(0)
     model = create_model("tiny", pool_type="mean", ls_init_value=1e-4).double().eval()
-    result = verify_window(model, create_loss(False), naflex_window(9), accum_freq=3, reference_batch_size=3,
+    result = verify_window(model, create_loss("clip"), naflex_window(9), accum_freq=3, reference_batch_size=3,
                            loss_scale="linear", methods=("cache", "replay"), num_splits=2, seed=0)
     assert result.passed and max(g.legacy_error for g in result.groups) > 1e-2
 

@@ -121,7 +121,7 @@ def test_export_loads_in_transformers_with_same_outputs(checkpoint: Path, tmp_pa
 
 def test_small_preset_export_is_refused_in_one_line(tmp_path: Path) -> None:
     with pytest.raises(Siglip2Error) as error:
-        export_model(create_model("small", siglip=True), tmp_path / "out")
+        export_model(create_model("small", loss="siglip"), tmp_path / "out")
     message = str(error.value)
     assert "\n" not in message and "'max'" in message and "MAP" in message
     assert not (tmp_path / "out").exists()

@@ -131,6 +131,15 @@ def test_train_pretrained_that_is_not_siglip2_is_a_flag_error(tmp_path: Path, ca
     assert len(err) == 1 and "--pretrained" in err[0] and "no config.json" in err[0]
 
 
+def test_pretrained_trains_with_its_own_loss(tmp_path: Path) -> None:
+    from naflexclip.train.config import TrainConfig
+
+    source = make_checkpoint(tmp_path / "siglip2")
+    assert TrainConfig(pretrained=str(source)).loss == "siglip"
+    with pytest.raises(ValueError, match="--loss clip: the --pretrained model is trained with --loss siglip"):
+        TrainConfig(pretrained=str(source), loss="clip")
+
+
 def test_zero_shot_helper_runs_on_our_presets(tmp_path: Path) -> None:
     """The default pipeline (timm transform, open_clip tokenizer) serves a naflexclip preset."""
     from naflexclip import create_model
@@ -159,8 +168,8 @@ def test_export_of_a_preset_run_is_refused_in_one_line(tmp_path: Path, capsys: p
     from naflexclip.train.checkpoint import save_checkpoint
     from naflexclip.train.config import TrainConfig
 
-    model = create_model("small", siglip=True)
-    config = TrainConfig(model="small", siglip=True, logs=str(tmp_path), name="run")
+    model = create_model("small", loss="siglip")
+    config = TrainConfig(model="small", loss="siglip", logs=str(tmp_path), name="run")
     save_checkpoint(tmp_path / "checkpoints", "epoch_1", model.state_dict(),
                     {"config": config.to_dict(), "model_config": config_to_dict(model.config)})
     capsys.readouterr()

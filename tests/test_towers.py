@@ -26,7 +26,7 @@ STOCHASTIC = dict(drop_path_rate=0.3, proj_drop_rate=0.3, patch_drop_rate=0.25)
 def _window_gradients(model: torch.nn.Module, microbatches: list[dict], method: str, seed: int) -> dict:
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
-    accumulate_gradients(model, create_loss(False), microbatches, method=method, loss_scale="linear",
+    accumulate_gradients(model, create_loss("clip"), microbatches, method=method, loss_scale="linear",
                          reference_batch_size=3)
     return collect_gradients(model)
 
@@ -101,7 +101,7 @@ def test_compiled_towers_do_not_recompile_per_microbatch_shape():
         model.compile_towers(dynamic=dynamic, backend="eager")  # guards, not kernels, decide recompiles
         seen = []
         for microbatches in windows if dynamic else windows[:2]:
-            accumulate_gradients(model, create_loss(False), microbatches)
+            accumulate_gradients(model, create_loss("clip"), microbatches)
             seen.append(_num_graphs())
         return seen
 

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from naflexclip.cli import main
+from naflexclip.cli import build_parser, main
 from naflexclip.factory import create_model
+from naflexclip.train.cli import config_from_args
 from naflexclip.train.config import TrainConfig
 from naflexclip.train.optim import CosineSchedule, create_optimizer, param_groups
 
@@ -33,6 +34,23 @@ def test_bad_flags_give_one_line_errors(flags: list[str], names: str, capsys: py
     assert err.startswith("naflexclip train: error:") and names in err
 
 
+@pytest.mark.parametrize(("flags", "loss"), [
+    ([], "clip"), (["--loss", "siglip"], "siglip"), (["--siglip"], "siglip"), (["--model", "siglip2-base"], "siglip"),
+    (["--model", "siglip2-base", "--loss", "clip"], "clip"),
+])
+def test_loss_is_chosen_by_name_and_saved_as_loss(flags: list[str], loss: str) -> None:
+    """--loss clip|siglip, --siglip as OpenCLIP's alias; without either, the model's own loss."""
+    cfg = config_from_args(build_parser().parse_args(["train", *flags]))
+    assert cfg.to_dict()["loss"] == loss and "siglip" not in cfg.to_dict()
+
+
+def test_unknown_loss_names_the_flag() -> None:
+    with pytest.raises(ValueError, match=r"--loss: 'sigmoid' is not one of \['clip', 'siglip'\]"):
+        TrainConfig(loss="sigmoid")
+    with pytest.raises(SystemExit):  # the CLI's choices
+        build_parser().parse_args(["train", "--loss", "sigmoid"])
+
+
 def test_linear_scale_with_batch_size_is_accepted() -> None:
     cfg = TrainConfig(naflex_loss_scale="linear", batch_size=32)
     assert cfg.batch_size == 32 and cfg.name
@@ -44,7 +62,7 @@ def test_config_roundtrips_through_a_dict() -> None:
 
 
 def test_weight_decay_only_on_matrices() -> None:
-    model = create_model("tiny", siglip=True)
+    model = create_model("tiny", loss="siglip")
     decayed, plain = param_groups(model, 0.1)
     names = {id(p): n for n, p in model.named_parameters()}
     decayed_names = {names[id(p)] for p in decayed["params"]}

@@ -70,7 +70,7 @@ def _copy_run(stopped_run: Path, tmp_path: Path) -> Path:
     ("overrides", "expected"),
     [
         ({"model": "small"}, r"--model: the checkpoint has 'tiny', this run 'small'"),
-        ({"siglip": True}, r"--siglip: the checkpoint has False, this run True"),
+        ({"loss": "siglip"}, r"--loss: the checkpoint has 'clip', this run 'siglip'"),
         ({"data": dataclasses.replace(tiny_config(Path()).data, synthetic_train_size=64)},
          r"--synthetic-train-size: the checkpoint has 96, this run 64"),
         ({"data": dataclasses.replace(tiny_config(Path()).data, naflex_max_tokens_per_batch=128)},

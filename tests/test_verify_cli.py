@@ -11,13 +11,14 @@ from naflexclip.legacy import per_microbatch_scale_gradients
 
 
 @pytest.mark.parametrize("mode", ["none", "linear", "sqrt"])
-@pytest.mark.parametrize("loss", ["clip", "siglip"])
-def test_verify_passes_on_tiny(mode, loss, capsys):
+@pytest.mark.parametrize(("flags", "loss"), [([], "clip"), (["--loss", "siglip"], "siglip"), (["--siglip"], "siglip")])
+def test_verify_passes_on_tiny(mode, flags, loss, capsys):
     argv = ["verify", "--model", "tiny", "--splits", "1", "--accum-freq", "3", "--batch-size", "2",
-            "--naflex-loss-scale", mode] + (["--siglip"] if loss == "siglip" else [])
+            "--naflex-loss-scale", mode, *flags]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "PASS" in out and "visual.blocks" in out and "FAIL" not in out
+    assert "PASS" in out and "visual.blocks" in out and "FAIL" not in out and f"loss {loss}," in out
+    assert ("logit_bias" in out) == (loss == "siglip")
     assert "within the tolerances of docs/accumulation.md" in out
 
 
@@ -77,14 +78,14 @@ def test_verify_audits_a_checkpoint_with_its_training_settings(tmp_path, capsys)
     from naflexclip.train.checkpoint import save_checkpoint
 
     torch.manual_seed(0)
-    model = create_model("tiny", siglip=True)
-    config = {"model": "tiny", "siglip": True, "accum_freq": 2, "batch_size": 5, "naflex_loss_scale": "sqrt"}
+    model = create_model("tiny", loss="siglip")
+    config = {"model": "tiny", "loss": "siglip", "accum_freq": 2, "batch_size": 5, "naflex_loss_scale": "sqrt"}
     path = save_checkpoint(tmp_path, "epoch_1", model.state_dict(), {"config": config})
     argv = ["verify", "--checkpoint", str(path), "--dataset-type", "synthetic", "--naflex-seq-lens", "16",
             "--naflex-max-tokens-per-batch", "96", "--workers", "0", "--splits", "1", "--accum-method", "replay"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "SigLIP" in out and "scale sqrt" in out and "B_ref 5" in out and "accum-freq 2" in out
+    assert "loss siglip" in out and "scale sqrt" in out and "B_ref 5" in out and "accum-freq 2" in out
     assert "logit_bias" in out
 
 

@@ -54,7 +54,7 @@ def test_stochastic_layers_draw_the_same_numbers_in_cached_and_grad_forward(meth
     model.image_projection.register_forward_hook(lambda mod, inp, out: image_outputs.append(out.detach().clone()))
     text_outputs = []
     model.text.register_forward_hook(lambda mod, inp, out: text_outputs.append(out.detach().clone()))
-    accumulate_gradients(model, create_loss(False), split_batch(batch, [2, 1, 3]), method=method)
+    accumulate_gradients(model, create_loss("clip"), split_batch(batch, [2, 1, 3]), method=method)
     # three no-grad forwards, then three grad forwards of the same microbatches: bit-for-bit equal
     assert len(image_outputs) == 6
     for outputs in (image_outputs, text_outputs):
@@ -73,7 +73,7 @@ def test_window_rng_stream_continues_as_after_the_cached_forwards():
     model = create_model("tiny", drop_path_rate=0.3).double().train()
     batch = naflex_window(4, seed=7)
     before_window = torch.get_rng_state()
-    accumulate_gradients(model, create_loss(False), split_batch(batch, [2, 2]))
+    accumulate_gradients(model, create_loss("clip"), split_batch(batch, [2, 2]))
     after_window = torch.rand(1)
     torch.set_rng_state(before_window)
     with torch.no_grad():
@@ -94,7 +94,7 @@ def open_clip_model():
 
 @pytest.mark.parametrize("method", ["cache", "replay"])
 def test_works_with_an_open_clip_model_on_dense_images(method):
-    model, loss_fn = open_clip_model(), create_loss(False)
+    model, loss_fn = open_clip_model(), create_loss("clip")
     gen = torch.Generator().manual_seed(0)
     batch = {"image": torch.randn(5, 3, 16, 16, generator=gen, dtype=torch.float64),
              "text": torch.randint(1, 100, (5, 8), generator=gen)}

@@ -20,7 +20,7 @@ from naflexclip.verify import (
 def tiny_model(siglip: bool, dtype: torch.dtype = torch.float64, seed: int = 0) -> torch.nn.Module:
     """One initialisation per (loss, dtype), shared by the tests that only read it."""
     torch.manual_seed(seed)
-    model = create_model("tiny", siglip=siglip).to(dtype).eval()
+    model = create_model("tiny", loss="siglip" if siglip else "clip").to(dtype).eval()
     return model
 
 
@@ -31,7 +31,7 @@ def naflex_window(num_examples: int, seed: int = 0, dtype: torch.dtype = torch.f
 
 
 def loss_for(siglip: bool) -> torch.nn.Module:
-    return create_loss(siglip)
+    return create_loss("siglip" if siglip else "clip")
 
 
 def failures(model: torch.nn.Module, reference: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -19,7 +19,9 @@ CLIP: Radford et al. 2021; SigLIP: Zhai et al. 2023.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -331,6 +333,29 @@ class SigLipLoss(_TiledLoss):
         return _TiledSigLip.apply(image_rows, text_features, logit_scale, logit_bias, row_offset, self.tile_size)
 
 
-def create_loss(siglip: bool, tile_size: int = DEFAULT_TILE_SIZE) -> nn.Module:
-    """The loss that matches the model family (tiled; `tile_size` tunes speed, not results)."""
-    return SigLipLoss(tile_size) if siglip else ClipLoss(tile_size)
+@dataclass(frozen=True)
+class LossChoice:
+    """A loss chosen by name (`--loss`): its class, and where the model's temperature and bias start."""
+
+    loss: type[_TiledLoss]
+    init_logit_scale: float  # log t
+    init_logit_bias: float | None  # None: the model has no logit_bias
+
+
+# the one table of losses: model, train, verify and checkpoints choose from it by name
+LOSSES: dict[str, LossChoice] = {
+    "clip": LossChoice(ClipLoss, math.log(1 / 0.07), None),  # t = 1/0.07 (Radford et al. 2021)
+    "siglip": LossChoice(SigLipLoss, math.log(10.0), -10.0),  # t' = log 10, b = -10 (Zhai et al. 2023, 3.2)
+}
+
+
+def loss_choice(name: str) -> LossChoice:
+    """The `LOSSES` entry `name`, or ValueError naming the value and the choices."""
+    if not isinstance(name, str) or name not in LOSSES:
+        raise ValueError(f"unknown loss {name!r}; choose one of {sorted(LOSSES)}")
+    return LOSSES[name]
+
+
+def create_loss(name: str, tile_size: int = DEFAULT_TILE_SIZE) -> nn.Module:
+    """The loss `name` of `LOSSES` (`clip`, `siglip`), tiled; `tile_size` tunes speed, not results."""
+    return loss_choice(name).loss(tile_size)

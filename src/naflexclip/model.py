@@ -22,6 +22,8 @@ from open_clip.transformer import TextTransformer
 from timm.models.naflexvit import NaFlexVit, NaFlexVitCfg
 from torch import nn
 
+from naflexclip.loss import loss_choice
+
 VOCAB_SIZE = 49408  # open_clip's SimpleTokenizer vocabulary (shipped in its wheel)
 MAX_LOGIT_SCALE = math.log(100.0)
 TEXT_POOL_TYPES = ("argmax", "first", "last", "mean")
@@ -72,7 +74,9 @@ class ModelConfig:
     embed_dim: int = 512
     image: ImageTowerConfig = field(default_factory=ImageTowerConfig)
     text: TextTowerConfig = field(default_factory=TextTowerConfig)
-    siglip: bool = False
+    # the contrastive loss it is trained with (a name of naflexclip.loss.LOSSES): it decides whether the model has
+    # a logit_bias and where the temperature starts
+    loss: str = "clip"
     # False: the image tower's pooled output is the embedding (SigLIP 2: its MAP head is width embed_dim)
     image_projection: bool = True
     # upper clamp of log(logit_scale) after each step (CLIP's ln 100); None: unclamped (SigLIP 2's learned
@@ -130,7 +134,7 @@ def siglip2_config(*, width: int, depth: int, heads: int, mlp_width: int, patch_
                              layers=text_layers or depth, pool_type="last", vocab_size=vocab_size,
                              mlp_width=text_mlp_width or mlp_width, act="gelu_tanh", norm_eps=norm_eps,
                              causal_mask=False, proj_bias=True, pad_id=pad_id),
-        siglip=True,
+        loss="siglip",
         image_projection=False,
         max_logit_scale=None,
     )
@@ -209,14 +213,9 @@ class NaFlexClip(nn.Module):
         self.image_patch_size = img.patch_size
         self.context_length = txt.context_length
         self.vocab_size = txt.vocab_size
-        self.siglip = config.siglip
-        if config.siglip:
-            # SigLIP's initialisation: t' = log 10, b = -10 (Zhai et al. 2023, section 3.2)
-            self.logit_scale = nn.Parameter(torch.tensor(math.log(10.0)))
-            self.logit_bias = nn.Parameter(torch.tensor(-10.0))
-        else:
-            self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
-            self.logit_bias = None
+        start = loss_choice(config.loss)
+        self.logit_scale = nn.Parameter(torch.tensor(start.init_logit_scale))
+        self.logit_bias = None if start.init_logit_bias is None else nn.Parameter(torch.tensor(start.init_logit_bias))
 
     def encode_image(self, image: torch.Tensor | dict[str, torch.Tensor], normalize: bool = True) -> torch.Tensor:
         """image: dense `[B, C, H, W]` or a NaFlex dict (`patches [B, L, P*P*C]`,
@@ -281,7 +280,7 @@ class NaFlexClip(nn.Module):
 
 
 def model_config(name: str, **overrides: Any) -> ModelConfig:
-    """The preset `name` with top-level or tower overrides, e.g. `siglip=True`, `drop_path_rate=0.1`."""
+    """The preset `name` with top-level or tower overrides, e.g. `loss="siglip"`, `drop_path_rate=0.1`."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
     config = PRESETS[name]
@@ -289,7 +288,7 @@ def model_config(name: str, **overrides: Any) -> ModelConfig:
     text_fields = {f.name for f in dataclasses.fields(TextTowerConfig)}
     top, image, text = {}, {}, {}
     for key, value in overrides.items():
-        if key in ("embed_dim", "siglip"):
+        if key in ("embed_dim", "loss"):
             top[key] = value
         elif key in image_fields:
             image[key] = value

@@ -26,7 +26,7 @@ from naflexclip.data import DataError, add_data_args, build_loader, data_config_
 from naflexclip.distributed import DEVICE_CHOICES, check_device
 from naflexclip.factory import create_model
 from naflexclip.legacy import per_microbatch_scale_gradients
-from naflexclip.loss import DEFAULT_TILE_SIZE, create_loss
+from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES, create_loss
 from naflexclip.model import PRESETS
 from naflexclip.train.checkpoint import load_checkpoint_model
 from naflexclip.window import METHODS, SCALE_MODES, accumulate_gradients, window_loss_scale
@@ -250,7 +250,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", default="tiny", help=f"model preset, one of {sorted(PRESETS)}")
     parser.add_argument("--checkpoint", default=None,
                         help="audit a trained model: a checkpoint directory, or a run's checkpoints/ (latest)")
-    parser.add_argument("--siglip", action="store_true", help="SigLIP loss and logit_bias (default: CLIP)")
+    parser.add_argument("--loss", default=None, choices=sorted(LOSSES),
+                        help="clip or siglip (default: the model's own; a checkpoint's is the one it was trained with)")
+    parser.add_argument("--siglip", dest="loss", action="store_const", const="siglip", default=argparse.SUPPRESS,
+                        help="OpenCLIP's name for --loss siglip")
     parser.add_argument("--accum-freq", type=int, default=None, help="microbatches per window (default 4)")
     parser.add_argument("--batch-size", type=int, default=None, help="reference batch size B_ref (default 4)")
     parser.add_argument("--naflex-loss-scale", default=None, choices=SCALE_MODES, help="default: linear")
@@ -275,7 +278,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 @dataclass
 class VerifySetup:
     model: nn.Module
-    siglip: bool
+    loss: str
     accum_freq: int
     reference_batch_size: int | None
     loss_scale: str
@@ -287,16 +290,18 @@ def _setup(args: argparse.Namespace) -> VerifySetup:
     trained: dict[str, Any] = {}
     if args.checkpoint:
         model, trained = load_checkpoint_model(args.checkpoint)
-        siglip = bool(trained.get("siglip", False))
     else:
-        model, siglip = create_model(args.model, siglip=args.siglip), args.siglip
+        model = create_model(args.model, **({} if args.loss is None else {"loss": args.loss}))
+    loss = model.config.loss
+    if args.loss is not None and args.loss != loss:
+        raise ValueError(f"--loss {args.loss}: the checkpoint's model was trained with --loss {loss}")
 
     def pick(flag_value: Any, key: str, default: Any) -> Any:
         if flag_value is not None:
             return flag_value
         return trained.get(key) if trained.get(key) is not None else default
 
-    setup = VerifySetup(model, siglip, pick(args.accum_freq, "accum_freq", 4), pick(args.batch_size, "batch_size", 4),
+    setup = VerifySetup(model, loss, pick(args.accum_freq, "accum_freq", 4), pick(args.batch_size, "batch_size", 4),
                         pick(args.naflex_loss_scale, "naflex_loss_scale", "linear"),
                         trained.get("data", {}).get("hf_processor"))
     if setup.accum_freq < 1:
@@ -331,7 +336,7 @@ def run(args: argparse.Namespace) -> int:
         check_device(args.device)
         device = torch.device(args.device)
         setup = _setup(args)
-        loss_fn = create_loss(setup.siglip, tile_size=args.loss_tile_size)
+        loss_fn = create_loss(setup.loss, tile_size=args.loss_tile_size)
         dtype = torch.float64 if args.dtype == "float64" else torch.float32
         torch.manual_seed(args.seed)
         # eval: dropout would make the full batch and the splits draw different masks
@@ -356,11 +361,10 @@ def run(args: argparse.Namespace) -> int:
         reference_batch_size=setup.reference_batch_size, loss_scale=setup.loss_scale, methods=methods,
         num_splits=args.splits, seed=args.seed, first_split=first_split, grad_checkpointing=args.grad_checkpointing,
     )
-    loss_name = "SigLIP" if setup.siglip else "CLIP"
     source = "loader" if first_split else "random"
     print(
         f"window ({source}): {batch_size(batch)} examples, accum-freq {setup.accum_freq}, "
-        f"B_ref {setup.reference_batch_size}, {loss_name}, scale {setup.loss_scale} → s(W) = {result.scale:.6g}, "
+        f"B_ref {setup.reference_batch_size}, loss {setup.loss}, scale {setup.loss_scale} → s(W) = {result.scale:.6g}, "
         f"L(W) = {result.loss:.6g}"
     )
     checkpointing = "; grad checkpointing" if args.grad_checkpointing else ""

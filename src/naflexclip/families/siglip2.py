@@ -338,9 +338,9 @@ def load(path: str | Path, **overrides: Any) -> NaFlexClip:
         text_fields = {f.name for f in dataclasses.fields(config.text)}
         image = {k: v for k, v in overrides.items() if k in image_fields}
         text = {k: v for k, v in overrides.items() if k in text_fields and k not in image_fields}
-        unknown = sorted(set(overrides) - set(image) - set(text) - {"siglip"})
-        if unknown or overrides.get("siglip", True) is not True:
-            raise Siglip2Error(f"{str(directory)!r}: override {(unknown or ['siglip'])[0]!r} does not apply to an "
+        unknown = sorted(set(overrides) - set(image) - set(text) - {"loss"})
+        if unknown or overrides.get("loss", LOSS) != LOSS:
+            raise Siglip2Error(f"{str(directory)!r}: override {(unknown or ['loss'])[0]!r} does not apply to an "
                                f"imported SigLIP 2 model")
         config = dataclasses.replace(config, image=dataclasses.replace(config.image, **image),
                                      text=dataclasses.replace(config.text, **text))

@@ -309,7 +309,7 @@ def load_checkpoint_model(path: str | Path, device: str | torch.device = "cpu") 
     if train_state.get("model_config") is not None:
         model = NaFlexClip(config_from_dict(train_state["model_config"]))
     else:
-        model = create_model(config["model"], siglip=config["siglip"])
+        model = create_model(config["model"], loss=config["loss"])
     load_weights(model, model_state, f"checkpoint {str(directory)!r}")
     return model.to(device).eval(), config
 
@@ -319,7 +319,7 @@ def load_checkpoint_model(path: str | Path, device: str | torch.device = "cpu") 
 # What a resume may not change, because the continued run would be another run: the model and its loss,
 # and what the saved data position means (the sample order and the batch plan of every epoch). Any other
 # flag is applied and listed; these are not compared at all (where a run writes, when it stops, devices).
-BREAKING_TOP = {"model": "the model", "pretrained": "the model", "siglip": "the loss"}
+BREAKING_TOP = {"model": "the model", "pretrained": "the model", "loss": "the loss"}
 BREAKING_DATA = ("train_data", "dataset_type", "csv_img_key", "csv_caption_key", "csv_separator", "seed",
                  "synthetic_seed", "synthetic_train_size", "synthetic_shape_group_size", "train_num_samples",
                  "shuffle_buffer", "naflex_seq_lens", "naflex_seq_len_probs", "naflex_max_tokens_per_batch",

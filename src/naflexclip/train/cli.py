@@ -16,6 +16,7 @@ import torch
 
 from naflexclip.data import DataConfig, DataError, add_data_args, data_config_from_args
 from naflexclip.distributed import DEVICE_CHOICES, DistributedFault, check_device, launched_world_size
+from naflexclip.loss import LOSSES
 from naflexclip.model import PRESETS
 from naflexclip.window import METHODS, SCALE_MODES
 
@@ -51,7 +52,11 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     """The training flags (data flags come from `add_data_args`)."""
     g = parser.add_argument_group("model and window")
     g.add_argument("--model", default=_default("model"), help=f"model preset: {', '.join(sorted(PRESETS))}")
-    g.add_argument("--siglip", action="store_true", help="sigmoid (SigLIP) loss and logit_bias instead of CLIP's")
+    g.add_argument("--loss", default=None, choices=sorted(LOSSES),
+                   help="contrastive loss: clip (softmax) or siglip (sigmoid, the model gets a logit_bias); default: "
+                        "the model's own (clip for tiny, small and base; siglip for siglip2-* and --pretrained)")
+    g.add_argument("--siglip", dest="loss", action="store_const", const="siglip", default=argparse.SUPPRESS,
+                   help="OpenCLIP's name for --loss siglip")
     g.add_argument("--batch-size", type=int, default=None,
                    help="reference batch size B_ref of --naflex-loss-scale (rows per microbatch come from the "
                         "token budget --naflex-max-tokens-per-batch)")
@@ -118,7 +123,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     clip = args.grad_clip_norm
     check_device(args.device)
     return TrainConfig(
-        data=data_config_from_args(args), model=args.model, siglip=args.siglip, batch_size=args.batch_size,
+        data=data_config_from_args(args), model=args.model, loss=args.loss, batch_size=args.batch_size,
         accum_freq=args.accum_freq, accum_method=args.accum_method, naflex_loss_scale=args.naflex_loss_scale,
         lr=args.lr, wd=args.wd, beta1=args.beta1, beta2=args.beta2, eps=args.eps, warmup=args.warmup,
         epochs=args.epochs, precision=args.precision, grad_clip_norm=clip if clip is not None and clip > 0 else None,

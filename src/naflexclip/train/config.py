@@ -14,7 +14,7 @@ from typing import Any
 
 from naflexclip.data import DataConfig
 from naflexclip.families import family_of
-from naflexclip.loss import DEFAULT_TILE_SIZE
+from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES
 from naflexclip.model import PRESETS
 from naflexclip.train.report import report_to_names
 from naflexclip.window import METHODS, SCALE_MODES
@@ -29,7 +29,7 @@ class TrainConfig:
 
     data: DataConfig = field(default_factory=DataConfig)
     model: str = "small"
-    siglip: bool = False
+    loss: str | None = None  # a name of LOSSES; None: the model's own (clip for tiny/small/base, siglip for SigLIP 2)
     batch_size: int | None = None
     accum_freq: int = 2
     accum_method: str = "cache"
@@ -70,6 +70,7 @@ class TrainConfig:
         self._check_counts()
         self._check_scale()
         self._check_pretrained()
+        self._check_loss()
         if self.name is None:
             # OpenCLIP-style run name: when and what
             model = family_of(self.pretrained).NAME if self.pretrained else self.model
@@ -129,15 +130,22 @@ class TrainConfig:
         if self.pretrained is None:
             return
         try:
-            family = family_of(self.pretrained)
-            family.check(self.pretrained)
+            family_of(self.pretrained).check(self.pretrained)
         except ValueError as error:
             raise ValueError(f"--pretrained: {error}") from None
         self.pretrained = str(Path(self.pretrained).resolve())
-        # SigLIP 2 is a sigmoid-loss model: its logit_bias only trains under that loss
-        self.siglip = family.LOSS == "siglip"
         if self.data.hf_processor is None:  # its own tokenizer and patching feed it
             self.data.hf_processor = self.pretrained
+
+    def _check_loss(self) -> None:
+        own = family_of(self.pretrained).LOSS if self.pretrained else PRESETS[self.model].loss
+        if self.loss is None:
+            self.loss = own
+        elif self.loss not in LOSSES:
+            raise ValueError(f"--loss: {self.loss!r} is not one of {sorted(LOSSES)}")
+        elif self.pretrained and self.loss != own:
+            # SigLIP 2 is a sigmoid-loss model: its logit_bias only trains under that loss
+            raise ValueError(f"--loss {self.loss}: the --pretrained model is trained with --loss {own}; drop --loss")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form (saved with every checkpoint and at the top of the logs)."""

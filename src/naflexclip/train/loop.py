@@ -143,7 +143,7 @@ class Trainer:
         self.cfg, self.env = cfg, env
         seed_everything(cfg.seed)  # the same initial weights on every rank (FSDP2 does not broadcast them)
         self.precision = create_precision(cfg.precision, env.device)
-        model = create_model(cfg.pretrained or cfg.model, siglip=cfg.siglip)  # --pretrained: a SigLIP 2 directory
+        model = create_model(cfg.pretrained or cfg.model, loss=cfg.loss)  # --pretrained: a SigLIP 2 directory
         model = model.to(env.device)
         if cfg.grad_checkpointing:
             model.set_grad_checkpointing()
@@ -154,7 +154,7 @@ class Trainer:
         # the data order does not depend on it (the loader seeds itself from --seed, epoch and position)
         seed_everything(cfg.seed + env.rank)
         self.module = unwrap_model(self.model)
-        self.loss_fn = create_loss(cfg.siglip, tile_size=cfg.loss_tile_size)
+        self.loss_fn = create_loss(cfg.loss, tile_size=cfg.loss_tile_size)
         # every window's size exchange also checks that the ranks agree on step, epoch and having data
         self.exchange = window_exchange(env, equal_counts=cfg.fsdp)
         self.optimizer = create_optimizer(self.model, lr=cfg.lr, weight_decay=cfg.wd, betas=(cfg.beta1, cfg.beta2),
