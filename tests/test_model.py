@@ -62,6 +62,18 @@ def test_unknown_preset_and_override_name_the_value():
         create_model("tiny", widht=3)
 
 
+def test_a_path_that_is_no_model_directory_is_named(tmp_path):
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(b"weights")
+    with pytest.raises(ValueError) as error:
+        create_model(str(file))
+    assert f"{str(file)!r} is a file" in str(error.value) and "unknown model preset" not in str(error.value)
+    missing = tmp_path / "siglip2-base-dir"
+    with pytest.raises(ValueError) as error:
+        create_model(str(missing))
+    assert f"{str(missing)!r} does not exist" in str(error.value) and "unknown model preset" not in str(error.value)
+
+
 def test_text_mean_pool_averages_the_caption_not_its_padding():
     model = create_model("tiny", pool_type="mean", ls_init_value=1e-4).double()
     text = tokenize(["a red circle.", "a photo of a large blue star and a small ring."], model.context_length)

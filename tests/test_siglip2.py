@@ -176,6 +176,23 @@ def test_directory_without_weights_is_refused(tmp_path: Path) -> None:
     assert "no model.safetensors" in _one_line(error)
 
 
+@pytest.mark.parametrize("keep", [0.5, 0.0001])  # cut in the tensors, cut in the header
+def test_truncated_weights_are_refused_naming_the_file(tmp_path: Path, keep: float) -> None:
+    directory = make_checkpoint(tmp_path / "ck")
+    weights = directory / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: int(weights.stat().st_size * keep)])
+    with pytest.raises(ValueError) as error:
+        create_model(str(directory))
+    message = _one_line(error)
+    assert str(weights) in message and "truncated or damaged" in message, message
+
+
+def test_a_file_of_a_checkpoint_directory_names_the_directory(checkpoint: Path) -> None:
+    with pytest.raises(ValueError) as error:
+        create_model(str(checkpoint / "model.safetensors"))
+    assert _one_line(error).endswith(f"pass its directory {str(checkpoint)!r}")
+
+
 def test_directory_without_tokenizer_is_refused(tmp_path: Path) -> None:
     from naflexclip.data.processing import make_processing
 

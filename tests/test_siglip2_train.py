@@ -162,6 +162,23 @@ def test_train_pretrained_broken_directory_is_one_line(tmp_path: Path, capsys: p
     assert len(err) == 1 and message in err[0], err
 
 
+def _truncate(file: Path) -> Path:
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    return file
+
+
+def test_truncated_weights_are_one_line_naming_the_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    source = make_checkpoint(tmp_path / "siglip2")
+    weights = _truncate(source / "model.safetensors")
+    capsys.readouterr()
+    for argv in (["train", "--pretrained", str(source), "--logs", str(tmp_path / "logs"), *TRAIN_FLAGS],
+                 ["eval", "--checkpoint", str(source), "--device", "cpu"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and str(weights) in err[0] and "truncated or damaged" in err[0], err
+    assert not (tmp_path / "logs").exists()  # refused before the run starts
+
+
 def test_export_of_a_preset_run_is_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from naflexclip import create_model
     from naflexclip.model import config_to_dict

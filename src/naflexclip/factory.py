@@ -7,17 +7,29 @@ import os
 from pathlib import Path
 from typing import Any
 
-from naflexclip.families import export_family, family_of
-from naflexclip.model import NaFlexClip, model_config
+from naflexclip.families import export_family, family_of, find_family
+from naflexclip.model import PRESETS, NaFlexClip, model_config
+
+
+def _looks_like_path(name: str) -> bool:
+    separators = [os.sep] + ([os.altsep] if os.altsep else [])
+    return any(sep in name for sep in separators) or name.startswith((".", "~"))
 
 
 def create_model(name: str, **overrides: Any) -> NaFlexClip:
     """Build a preset (`tiny`, `small`, `base`, `siglip2-base`, `siglip2-so400m`) with optional overrides
-    (`drop_path_rate=0.1`, ...), or load the model of a pretrained directory (a transformers SigLIP 2 directory)
-    when `name` is one."""
+    (`loss="siglip"`, `drop_path_rate=0.1`, ...), or load the model of a pretrained directory (a transformers
+    SigLIP 2 directory) when `name` is one; ValueError in one line naming the preset or the path otherwise."""
     if os.path.isdir(name):
         return family_of(name).load(name, **overrides)
-    return NaFlexClip(model_config(name, **overrides))
+    if name in PRESETS or not (os.path.exists(name) or _looks_like_path(name)):
+        return NaFlexClip(model_config(name, **overrides))  # an unknown name: "unknown model preset"
+    takes = f"create_model takes a preset name ({', '.join(sorted(PRESETS))}) or a pretrained model directory"
+    if os.path.exists(name):
+        parent = os.path.dirname(os.path.abspath(name))
+        hint = f"; pass its directory {parent!r}" if find_family(parent) else ""
+        raise ValueError(f"{name!r} is a file; {takes}{hint}")
+    raise ValueError(f"{name!r} does not exist; {takes}")
 
 
 def export_model(model: NaFlexClip, path: str | Path, format: str = "transformers",

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from naflexclip.families.siglip2_processing import patch_budget as patch_budget  # the family's data processing
@@ -280,13 +280,22 @@ def _weight_files(directory: Path) -> list[Path]:
     raise Siglip2Error(f"{str(directory)!r} has no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE}{extra}")
 
 
+def _read_file(file: Path, tensors: dict[str, torch.Tensor] | None) -> None:
+    """Every tensor of one safetensors file into `tensors` (None: only its header, which covers the whole file);
+    a truncated or damaged file is a Siglip2Error naming it."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys() if tensors is not None else ():
+                tensors[key] = f.get_tensor(key)
+    except SafetensorError as error:
+        raise Siglip2Error(f"{str(file)!r} is truncated or damaged ({str(error).strip()})") from None
+
+
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint directory's safetensors (one file or an index of shards)."""
     tensors: dict[str, torch.Tensor] = {}
     for file in _weight_files(Path(path)):
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key)
+        _read_file(file, tensors)
     return tensors
 
 
@@ -319,10 +328,12 @@ def import_state_dict(model: NaFlexClip, theirs: dict[str, torch.Tensor], source
 
 
 def check(path: str | Path) -> None:
-    """Siglip2Error unless `path` is a SigLIP 2 directory whose architecture maps and whose weight files are there."""
+    """Siglip2Error unless `path` is a SigLIP 2 directory whose architecture maps and whose weight files are whole
+    (their headers are read, not their tensors)."""
     directory = Path(path)
     config_from_transformers(read_config(directory), str(directory / CONFIG_FILE))
-    _weight_files(directory)
+    for file in _weight_files(directory):
+        _read_file(file, None)
 
 
 def load(path: str | Path, **overrides: Any) -> NaFlexClip:
