@@ -6,17 +6,21 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
+from test_train_loop import TINY_DATA_FLAGS
+
+from naflexclip.cli import main
+from naflexclip.train import checkpoint as ckpt
+from naflexclip.train.report import SinkContext
+from naflexclip.train.wandb_sink import WandbSink, history_steps
 
 wandb = pytest.importorskip("wandb")
-
-from naflexclip.train.wandb_sink import WandbSink, history_steps  # noqa: E402
 
 CONFIG = {"lr": 0.001, "epochs": 2, "data": {"workers": 0}, "wandb_project_name": "proj", "wandb_notes": "a note"}
 
@@ -38,8 +42,8 @@ def wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     wandb.teardown()
 
 
-def _context(run_dir: Path, config: dict | None = None) -> types.SimpleNamespace:
-    return types.SimpleNamespace(run_dir=run_dir, config=dict(config or CONFIG), name="my-run")
+def _context(run_dir: Path, config: dict | None = None) -> SinkContext:
+    return SinkContext(run_dir=run_dir, config=dict(config or CONFIG), name="my-run")
 
 
 def _log_steps(sink: WandbSink, steps: range) -> None:
@@ -152,11 +156,12 @@ def test_a_resume_says_when_the_run_lacks_steps_the_checkpoint_logged(tmp_path: 
 
 
 KILLED_PROCESS = """
-import json, sys, time, types
+import json, sys, time
 from pathlib import Path
+from naflexclip.train.report import SinkContext
 from naflexclip.train.wandb_sink import WandbSink
 run_dir = Path(sys.argv[1])
-sink = WandbSink(types.SimpleNamespace(run_dir=run_dir, config={"lr": 0.001}, name="killed"))
+sink = WandbSink(SinkContext(run_dir=run_dir, config={"lr": 0.001}, name="killed"))
 for step in range(1, 10):
     sink.log("train", step, step / 10, {"train/loss": 10.0 - step})
     if step == 5:
@@ -231,3 +236,31 @@ def test_a_missing_wandb_package_names_the_flag_and_the_extra(tmp_path: Path,
     monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(ValueError, match=r"^--report-to wandb: .*pip install 'naflexclip\[wandb\]'"):
         WandbSink(_context(tmp_path))
+
+
+@pytest.mark.slow
+def test_training_reports_one_wandb_run_with_each_step_once_across_a_crash_and_resume(tmp_path: Path) -> None:
+    """`naflexclip train --report-to wandb,tensorboard` offline; the process dies after logging step 5 but before
+    saving it; `--resume latest` continues the same W&B run, which has every step of metrics.jsonl once."""
+    flags = ["train", "--model", "tiny", "--epochs", "2", "--warmup", "2", "--device", "cpu", "--zero-shot-samples",
+             "16", "--val-frequency", "0", "--no-plot", *TINY_DATA_FLAGS, "--logs", str(tmp_path), "--name", "run",
+             "--report-to", "wandb,tensorboard", "--wandb-project-name", "proj", "--wandb-notes", "a LiT run"]
+    assert main([*flags, "--save-every-n-steps", "2", "--stop-after-steps", "5"]) == 0
+    run_dir = tmp_path / "run"
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000005")
+    assert main([*flags, "--resume", "latest"]) == 0
+    runs = read_back(run_dir)
+    _, state = ckpt.load_checkpoint(ckpt.find_latest(run_dir / "checkpoints"))
+    assert len(runs) == 2 and _run_ids(runs) == {state["reporter"]["wandb"]["run_id"]}
+    history = {row["_step"]: row for row in _history(runs)}
+    assert len(history) == len(_history(runs))  # each step once
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(history) == sorted({r["step"] for r in records})
+    train = [r for r in records if r["kind"] == "train"]
+    assert 5 in [r["step"] for r in train] and all(history[r["step"]]["train/loss"] == r["train/loss"] for r in train)
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert all(history[r["step"]]["val/image_to_text_R@1"] == r["val/image_to_text_R@1"] for r in evals)
+    [first, resumed] = [[r["run"] for r in records if r["type"] == "run"][0] for records in runs]
+    assert first["project"] == resumed["project"] == "proj" and first["notes"] == "a LiT run"
+    assert first["config"]["update"]["report_to"] == "wandb,tensorboard"
+    assert any((run_dir / "tensorboard").iterdir())

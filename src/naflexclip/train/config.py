@@ -53,6 +53,8 @@ class TrainConfig:
     resume: str | None = None
     resume_fresh: bool = False  # --resume latest on a run with no usable checkpoint: start over, not stop
     report_to: str = ""  # sinks besides metrics.jsonl, comma-separated ("wandb,tensorboard")
+    wandb_project_name: str | None = None  # None: $WANDB_PROJECT, else "naflexclip"
+    wandb_notes: str = ""
     log_every_n_steps: int = 1
     val_frequency: int = 1
     zero_shot_samples: int = 300

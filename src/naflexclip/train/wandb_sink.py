@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PROJECT = "naflexclip"
+DEFAULT_PROJECT = "naflexclip"  # without --wandb-project-name or WANDB_PROJECT
 # wandb-core writes an offline run's file every 15 s by default; a killed process loses what is not yet written,
 # steps up to its last checkpoint included, which no resume logs again. A short interval narrows that window.
 FLUSH_SECONDS = 1.0
@@ -71,7 +71,8 @@ class WandbSink:
             settings[FLUSH_SETTING] = FLUSH_SECONDS
         try:
             self.run = wandb.init(
-                project=config.get("wandb_project_name") or DEFAULT_PROJECT, name=self.ctx.name,
+                project=config.get("wandb_project_name") or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
+                name=self.ctx.name,
                 notes=config.get("wandb_notes") or None, config=dict(config), id=self.run_id, resume="allow",
                 dir=None if "WANDB_DIR" in os.environ else str(self.ctx.run_dir), reinit="create_new",
                 settings=wandb.Settings(**settings),
