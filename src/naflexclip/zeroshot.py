@@ -8,9 +8,12 @@ processor) at one patch budget; captions through its tokenizer. Reports top-1, t
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from naflexclip.data.processing import make_processing
-from naflexclip.data.samples import SkipSample, decode_image, read_image_file
+from naflexclip.data.readers import skip_record, walk_folder
+from naflexclip.data.samples import IMAGE_EXTENSIONS, SkipSample, decode_image, read_image_file
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+MAX_SKIP_LINES = 20  # skipped files printed; all of them are in the JSON lines file
+
 # a short ensemble from CLIP's ImageNet prompts (OpenCLIP's `SIMPLE_IMAGENET_TEMPLATES`)
 DEFAULT_TEMPLATES = (
     "itap of a {}.",
@@ -34,20 +39,63 @@ DEFAULT_TEMPLATES = (
 )
 
 
-def read_image_folder(root: str | Path) -> tuple[list[str], list[tuple[Path, int]]]:
-    """(class folder names sorted, [(image path, class index)]) of an ImageFolder."""
+@dataclass(frozen=True)
+class ImageFolder:
+    """An ImageFolder as zero-shot classification reads it.
+
+    `folders`: every class folder, sorted (what a class-names file follows line by line); `empty`: those
+    without an image file, which are reported and are not candidate classes; `samples`: (image path, index
+    into `classes`), the folders that have images."""
+
+    root: Path
+    folders: list[str]
+    empty: list[str]
+    samples: list[tuple[Path, int]]
+
+    @property
+    def classes(self) -> list[str]:
+        return [name for name in self.folders if name not in self.empty]
+
+
+def read_image_folder(root: str | Path, flag: str = "--zero-shot-data") -> ImageFolder:
+    """The class folders (one sub-folder per class; hidden ones left out) and their images, found as training
+    finds a folder's (`walk_folder`: links to folders followed, each real folder once)."""
     root = Path(root)
     if not root.is_dir():
-        raise ValueError(f"--zero-shot-data {str(root)!r} is not a directory")
-    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-    if len(classes) < 2:
-        raise ValueError(f"--zero-shot-data {str(root)!r} needs one sub-folder per class (at least 2), "
-                         f"found {len(classes)}")
-    samples = [(path, label) for label, name in enumerate(classes) for path in sorted((root / name).rglob("*"))
-               if path.suffix.lower() in IMAGE_EXTENSIONS]
-    if not samples:
-        raise ValueError(f"--zero-shot-data {str(root)!r} has no images ({', '.join(IMAGE_EXTENSIONS)})")
-    return classes, samples
+        raise ValueError(f"{flag} {str(root)!r} is not a directory")
+    folders = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if len(folders) < 2:
+        raise ValueError(f"{flag} {str(root)!r} needs one sub-folder per class (at least 2), found {len(folders)}")
+    images: dict[str, list[Path]] = {name: [] for name in folders}
+    for dirpath, files in walk_folder(str(root)):
+        top = Path(dirpath).relative_to(root).parts[:1]
+        if top and top[0] in images:
+            images[top[0]].extend(Path(dirpath) / f for f in files
+                                  if f.rpartition(".")[2].lower() in IMAGE_EXTENSIONS and "." in f)
+    empty = [name for name in folders if not images[name]]
+    if len(empty) == len(folders):
+        raise ValueError(f"{flag} {str(root)!r} has no images ({', '.join(IMAGE_EXTENSIONS)})")
+    if len(folders) - len(empty) < 2:
+        raise ValueError(f"{flag} {str(root)!r} has images in only one class folder; the others are empty: "
+                         f"{', '.join(repr(name) for name in empty)}")
+    classes = [name for name in folders if images[name]]
+    samples = [(path, label) for label, name in enumerate(classes) for path in sorted(images[name])]
+    return ImageFolder(root, folders, empty, samples)
+
+
+def check_output(path: str | Path, flag: str = "--output") -> Path:
+    """`path` as a results file that can be written (its folder made if missing), or a one-line error naming
+    `flag`; called before anything is evaluated."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{flag} {str(path)!r} is a directory; name a file")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"{flag} {str(path)!r}: cannot make its folder ({error.strerror})") from None
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"{flag} {str(path)!r} is not writable")
+    return path
 
 
 def read_lines(path: str | Path, flag: str) -> list[str]:
@@ -108,10 +156,14 @@ def zero_shot_classify(model: nn.Module, data_dir: str | Path, *, seq_len: int, 
                        device: str | torch.device = "cpu", batch_size: int = 32,
                        autocast: Callable[[], ContextManager[Any]] = nullcontext) -> dict[str, Any]:
     """Top-1/top-5 and per-class accuracy of `model` on the ImageFolder `data_dir` (images at a `seq_len`-patch
-    budget). `hf_processor`: a SigLIP 2 directory whose tokenizer and patching to use (None: ours)."""
+    budget). `classnames`: one per class folder in sorted order (None: the folder names); class folders without
+    images are no candidates (`empty_classes`). Files that do not decode are left out and listed as skip records
+    (`skipped_samples`, training's fields with split "zeroshot"). `hf_processor`: a SigLIP 2 directory whose
+    tokenizer and patching to use (None: ours)."""
     device = torch.device(device)
-    folders, samples = read_image_folder(data_dir)
-    names = classnames or folders
+    folder = read_image_folder(data_dir)
+    named = dict(zip(folder.folders, classnames or folder.folders, strict=True))
+    names = [named[name] for name in folder.classes]
     processing = make_processing(hf_processor, model.image_patch_size)
     model.eval()
     classes = class_embeddings(model, names, list(templates or DEFAULT_TEMPLATES), processing.tokenize, device,
@@ -120,14 +172,15 @@ def zero_shot_classify(model: nn.Module, data_dir: str | Path, *, seq_len: int, 
     correct1 = torch.zeros(len(names))
     correct5 = torch.zeros(len(names))
     counts = torch.zeros(len(names))
-    skipped = 0
-    for start in range(0, len(samples), batch_size):
+    skipped: list[dict[str, Any]] = []
+    for start in range(0, len(folder.samples), batch_size):
         pixels, labels = [], []
-        for path, label in samples[start:start + batch_size]:
+        for path, label in folder.samples[start:start + batch_size]:
             try:
                 image = decode_image(read_image_file(str(path)))
-            except SkipSample:
-                skipped += 1
+            except SkipSample as skip:
+                skipped.append({**skip_record(str(folder.root), str(path), None, skip.reason, str(skip)),
+                                "split": "zeroshot"})
                 continue
             pixels.append(processing.transform(image, seq_len))
             labels.append(label)
@@ -146,8 +199,9 @@ def zero_shot_classify(model: nn.Module, data_dir: str | Path, *, seq_len: int, 
     total = counts.sum().clamp(min=1)
     per_class = {name: float(correct1[i] / counts[i]) if counts[i] else None for i, name in enumerate(names)}
     return {"top1": float(correct1.sum() / total), f"top{k}": float(correct5.sum() / total),
-            "num_samples": int(counts.sum()), "num_classes": len(names), "num_skipped": skipped,
-            "chance": 1.0 / len(names), "per_class_top1": per_class}
+            "num_samples": int(counts.sum()), "num_classes": len(names), "num_skipped": len(skipped),
+            "chance": 1.0 / len(names), "per_class_top1": per_class, "empty_classes": folder.empty,
+            "skipped_samples": skipped}
 
 
 def format_results(results: dict[str, Any]) -> str:
@@ -155,7 +209,24 @@ def format_results(results: dict[str, Any]) -> str:
     k = next(key for key in results if key.startswith("top") and key != "top1")
     lines = [f"zero-shot: top-1 {results['top1']:.4f}, {k[:3]}-{k[3:]} {results[k]:.4f} over "
              f"{results['num_samples']} images, {results['num_classes']} classes (chance {results['chance']:.4f})"]
+    if results["empty_classes"]:
+        lines.append(f"empty class folders (no images; not candidate classes): {', '.join(results['empty_classes'])}")
     width = max(len(name) for name in results["per_class_top1"])
     for name, accuracy in results["per_class_top1"].items():
         lines.append(f"  {name:<{width}}  {'n/a' if accuracy is None else f'{accuracy:.4f}'}")
     return "\n".join(lines)
+
+
+def save_results(results: dict[str, Any], output: Path) -> list[str]:
+    """Write `results` as JSON to `output`, its skip records as JSON lines beside it
+    (`<name>_skipped_samples.jsonl`, named in the JSON as `skipped_samples_file`); the lines to print."""
+    skipped = results.pop("skipped_samples")
+    lines = [f"skipped ({record['reason']}): {record['key']}" for record in skipped[:MAX_SKIP_LINES]]
+    results["skipped_samples_file"] = None
+    if skipped:
+        log = output.with_name(f"{output.stem}_skipped_samples.jsonl")
+        log.write_text("".join(json.dumps(record) + "\n" for record in skipped))
+        results["skipped_samples_file"] = str(log)
+        lines.append(f"{len(skipped)} files skipped: listed in {log}")
+    output.write_text(json.dumps(results, indent=1) + "\n")
+    return [*lines, f"wrote {output}"]

@@ -232,6 +232,21 @@ class CsvSource:
         return RawSample(image, self.captions[index], None, self.keys[index])
 
 
+def walk_folder(root: str) -> Iterator[tuple[str, list[str]]]:
+    """(folder, file names) of every folder under `root`, top-down with sub-folders in sorted order. Symbolic
+    links to folders are followed, each real folder once (no loops, no doubles); file names are as listed
+    (links to files included, broken ones too)."""
+    seen: set[tuple[int, int]] = set()
+    for dirpath, dirnames, files in os.walk(root, followlinks=True):
+        st = os.stat(dirpath)
+        if (st.st_dev, st.st_ino) in seen:
+            dirnames[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        dirnames.sort()
+        yield dirpath, files
+
+
 class FolderSource:
     """A directory tree of images, each captioned by the .txt file with the same stem (`a.b.jpg` -> `a.b.txt`).
 
@@ -248,14 +263,7 @@ class FolderSource:
         self.name = root
         images: list[tuple[str, str]] = []  # (stem key, path)
         captions: dict[str, str] = {}
-        seen_dirs: set[tuple[int, int]] = set()
-        for dirpath, dirnames, files in os.walk(root, followlinks=True):
-            st = os.stat(dirpath)
-            if (st.st_dev, st.st_ino) in seen_dirs:
-                dirnames[:] = []
-                continue
-            seen_dirs.add((st.st_dev, st.st_ino))
-            dirnames.sort()
+        for dirpath, files in walk_folder(root):
             for fname in files:
                 stem, dot, ext = fname.rpartition(".")
                 if not dot:

@@ -22,6 +22,7 @@ from naflexclip.window import METHODS, SCALE_MODES
 
 from .config import PRECISIONS, TrainConfig
 
+DEFAULT_ZERO_SHOT_OUTPUT = "zeroshot_results.json"
 DEFAULTS = TrainConfig.__dataclass_fields__  # one source of truth for the defaults shown in --help
 
 # `naflexclip train` with no flags is the newcomer's first run: the `small` preset on a slice of the built-in
@@ -190,44 +191,48 @@ def _eval_model(checkpoint: str, device: torch.device) -> tuple[torch.nn.Module,
 
 
 def run_zero_shot(args: argparse.Namespace, model: torch.nn.Module, config: dict, device: torch.device,
-                  autocast: object) -> int:
+                  autocast: object, output: Path) -> int:
     """`eval --zero-shot-data DIR`: classify the ImageFolder DIR, print the results, write them as JSON."""
     from naflexclip.zeroshot import (
         format_results,
         read_classnames,
         read_image_folder,
         read_templates,
+        save_results,
         zero_shot_classify,
     )
 
     data = config["data"]
     seq_len = args.zero_shot_seq_len or max(data["naflex_seq_lens"])
-    folders, _ = read_image_folder(args.zero_shot_data)
+    folders = read_image_folder(args.zero_shot_data).folders
     classnames = read_classnames(args.zero_shot_classnames, folders) if args.zero_shot_classnames else None
     templates = read_templates(args.zero_shot_templates) if args.zero_shot_templates else None
     results = zero_shot_classify(model, args.zero_shot_data, seq_len=seq_len, hf_processor=data.get("hf_processor"),
                                  classnames=classnames, templates=templates, device=device, autocast=autocast)
     results["seq_len"] = seq_len
+    lines = save_results(results, output)
     print(format_results(results))
-    Path(args.zero_shot_output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.zero_shot_output).write_text(json.dumps(results, indent=1) + "\n")
-    print(f"wrote {args.zero_shot_output}")
+    print("\n".join(lines))
     return 0
 
 
 def run_eval(args: argparse.Namespace) -> int:
     """Handler of `naflexclip eval`: the training run's evaluation on a checkpoint, printed as JSON
     (or, with --zero-shot-data, zero-shot classification of an ImageFolder)."""
+    from naflexclip.zeroshot import check_output
+
     from .evaluate import evaluate
     from .precision import create_precision
 
     try:
         check_device(args.device)
+        output = args.output or (DEFAULT_ZERO_SHOT_OUTPUT if args.zero_shot_data is not None else None)
+        output = check_output(output) if output is not None else None
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model, config = _eval_model(args.checkpoint, device)
         if args.zero_shot_data is not None:
             precision = create_precision(args.precision or config["precision"], device)
-            return run_zero_shot(args, model, config, device, precision.autocast)
+            return run_zero_shot(args, model, config, device, precision.autocast, output)
         data = DataConfig(**config["data"])
         if args.val_data is not None:
             data = DataConfig(**{**config["data"], "val_data": args.val_data, "dataset_type": args.dataset_type})
@@ -241,6 +246,8 @@ def run_eval(args: argparse.Namespace) -> int:
     except (ValueError, DataError, FileNotFoundError) as error:
         return _error("eval", str(error).splitlines()[0])
     print(json.dumps(metrics, indent=1))
+    if output is not None:
+        output.write_text(json.dumps(metrics, indent=1) + "\n")
     return 0
 
 
@@ -268,5 +275,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="text file, one prompt template per line with {} for the class name (default: a short set)")
     z.add_argument("--zero-shot-seq-len", type=int, default=None,
                    help="patch budget per image (default: the run's largest --naflex-seq-lens)")
-    z.add_argument("--zero-shot-output", default="zeroshot_results.json", help="where the results JSON goes")
+    evaluate.add_argument("--output", "--zero-shot-output", dest="output", default=None,
+                          help="where the results JSON goes (checked before evaluating; with --zero-shot-data "
+                               f"default {DEFAULT_ZERO_SHOT_OUTPUT}, otherwise the metrics are only printed)")
     evaluate.set_defaults(func=run_eval)
