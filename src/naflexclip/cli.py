@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "naflexclip.verify",
     "naflexclip.data.cli",
     "naflexclip.export",
+    "naflexclip.benchmark",
 )
 
 
