@@ -223,6 +223,8 @@ def test_linear_probe_on_wds(clip_benchmark, siglip2: Path, data: Path, tmp_path
     (["--dataset", "cifar10", "--dataset_root", "DATA/missing"], "--dataset_root 'DATA/missing' does not exist"),
     (["--dataset", "cifar10", "--dataset_root", "DATA"], "--dataset cifar10 at --dataset_root"),
     (["--dataset", "wds/mine", "--dataset_root", "DATA/folder"], "--dataset wds/mine at --dataset_root"),
+    (["--dataset", "mscoco_captions", "--dataset_root", "DATA", "--task", "zeroshot_retrieval"],
+     "is not complete there (CLIP_benchmark would run 'wget'"),
     (["--dataset", "wds/mine", "--dataset_root", "DATA/wds", "--output", "DATA/names.txt/out.json"],
      "--output 'DATA/names.txt/out.json'"),
     (["--dataset", "wds/mine", "--dataset_root", "DATA/wds", "--output", "DATA"], "--output 'DATA' is a directory"),

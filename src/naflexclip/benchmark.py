@@ -205,10 +205,13 @@ def _numpy_compatible() -> Iterator[None]:
 
     try:
         float(np.ones(1))
+    except TypeError:
+        rejected = True
+    else:
+        rejected = False
+    if not rejected:
         yield
         return
-    except TypeError:
-        pass
     originals = zeroshot_classification.accuracy, linear_probe.accuracy
     zeroshot_classification.accuracy = linear_probe.accuracy = scalar_safe_accuracy
     try:
