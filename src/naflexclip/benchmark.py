@@ -103,9 +103,12 @@ def load_model(pretrained: str, device: torch.device) -> tuple[nn.Module, dict[s
     return _eval_model(pretrained, device)
 
 
-def model_name(config: dict[str, Any]) -> str:
-    """The JSON's `model`: the preset a naflexclip run trained, or the family of an imported directory."""
-    return config.get("model") or ("siglip2" if config["data"].get("hf_processor") else "naflexclip")
+def model_name(pretrained: str, config: dict[str, Any]) -> str:
+    """The JSON's `model`: the preset a naflexclip run trained, or the family of a pretrained directory."""
+    from naflexclip.families import find_family
+
+    family = find_family(pretrained)
+    return family.NAME if family is not None else str(config.get("model") or "naflexclip")
 
 
 def _dataset_task(dataset: str, task: str) -> str:
@@ -310,7 +313,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
         _check_file(args.custom_classname_file, "--custom_classname_file")
         _check_file(args.custom_template_file, "--custom_template_file")
         model, config = load_model(args.pretrained, torch.device(device))
-        name = model_name(config)
+        name = model_name(args.pretrained, config)
         runs = plan_runs(args, name)
         processing = make_processing(config["data"].get("hf_processor"), model.image_patch_size)
         datasets = [prepare(args, run, processing, model.image_patch_size) for run in runs]
