@@ -1,7 +1,8 @@
 """Tiny random-weight SigLIP 2 checkpoints written by transformers itself, with a tokenizer built here.
 
 Nothing is downloaded: `Siglip2Model(config).save_pretrained` writes the weights, a character-level
-`Siglip2Tokenizer` (the Gemma tokenizer with SigLIP 2's lowercasing) is built from a small vocabulary, and a
+`Siglip2Tokenizer` (the Gemma tokenizer with SigLIP 2's lowercasing) is built from a small vocabulary, padding on
+the right as the published checkpoints' tokenizer_config.json says (the class default pads on the left), and a
 `Siglip2ImageProcessor` with the tiny patch size is saved next to them.
 """
 
@@ -61,7 +62,7 @@ def make_checkpoint(path: Path, config: dict | None = None, *, seed: int = 0, to
     randomize_(model, seed)
     model.save_pretrained(path)
     if tokenizer:
-        Siglip2Tokenizer(vocab=tokenizer_vocab(), merges=[]).save_pretrained(path)
+        Siglip2Tokenizer(vocab=tokenizer_vocab(), merges=[], padding_side="right").save_pretrained(path)
     patch = config["vision_config"]["patch_size"]
     Siglip2ImageProcessor(patch_size=patch, max_num_patches=max_num_patches).save_pretrained(path)
     return Path(path)

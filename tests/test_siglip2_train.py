@@ -64,6 +64,14 @@ def test_fine_tune_verify_export_and_zero_shot(tmp_path: Path, capsys: pytest.Ca
         ours = model(image=batch["image"], text=batch["text"])
     theirs = hf_features(hf, batch["image"], batch["text"])
     assert max(float((ours[k].detach() - theirs[k]).abs().max()) for k in theirs) <= 1e-5
+    # the exported processor gives the training behaviour: no text mask (tests/test_siglip2_text_mask.py)
+    processor = transformers.AutoProcessor.from_pretrained(out, local_files_only=True)
+    text = processor(text=["a red circle", "x"], padding="max_length", truncation=True,
+                     max_length=model.context_length, return_tensors="pt")
+    assert set(text) == {"input_ids"}
+    with torch.no_grad():
+        theirs_text = F.normalize(hf.get_text_features(**text).pooler_output, dim=-1)
+        assert float((model.encode_text(text["input_ids"]) - theirs_text).abs().max()) <= 1e-5
     assert not torch.equal(siglip2.load(source).visual.embeds.proj.weight, model.visual.embeds.proj.weight)
 
     folder = _image_folder(tmp_path / "folder")
