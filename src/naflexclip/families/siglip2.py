@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 
 from naflexclip.families.siglip2_processing import patch_budget as patch_budget  # the family's data processing
 from naflexclip.families.siglip2_processing import processing as processing
+from naflexclip.families.siglip2_processing import write_training_tokenizer_config
 from naflexclip.model import ModelConfig, NaFlexClip, siglip2_config
 
 NAME = "siglip2"
@@ -402,7 +403,8 @@ def export_state_dict(model: NaFlexClip) -> dict[str, torch.Tensor]:
 
 def export(model: NaFlexClip, path: str | Path, processor_dir: str | Path | None = None) -> Path:
     """Write `model` as a transformers SigLIP 2 directory (`config.json`, `model.safetensors`, and the tokenizer
-    and image-processor files of `processor_dir`, default the directory it was imported from)."""
+    and image-processor files of `processor_dir`, default the directory it was imported from; the tokenizer
+    returns no attention mask by default, as the text tower was trained)."""
     if not isinstance(model, NaFlexClip):
         raise Siglip2Error(f"export needs a NaFlexClip model, got {type(model).__name__}")
     state = export_state_dict(model)
@@ -424,6 +426,7 @@ def export(model: NaFlexClip, path: str | Path, processor_dir: str | Path | None
         for name in PROCESSOR_FILES:
             if (Path(processor_dir) / name).is_file() and Path(processor_dir).resolve() != out.resolve():
                 shutil.copyfile(Path(processor_dir) / name, out / name)
+    write_training_tokenizer_config(out)
     return out
 
 

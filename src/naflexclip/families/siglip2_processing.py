@@ -8,7 +8,9 @@ flattened as (ph, pw, C), then `(x - 255 mean) / (255 std)` per channel (the pro
 rescale-normalise). Our token-budget schedule still chooses the budget (the microbatch's sequence length);
 patches stay uint8 until collation as in the default pipeline. Captions go through the checkpoint's own
 tokenizer, padded and truncated to the text tower's context length (`padding="max_length"`, as the published
-models expect).
+models expect); only the token ids reach the text tower, which runs unmasked as SigLIP 2 was trained, whatever
+else the tokenizer returns. An exported directory's tokenizer returns the ids alone too
+(`write_training_tokenizer_config`), so transformers' `Siglip2Model(**inputs)` gives the same embeddings.
 
 Needs the `siglip2` extra (transformers with its tokenizers).
 """
@@ -16,6 +18,7 @@ Needs the `siglip2` extra (transformers with its tokenizers).
 from __future__ import annotations
 
 import functools
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +30,7 @@ from PIL import Image
 from naflexclip.data.transform import Processing, patch_grid
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 PREPROCESSOR_FILE = "preprocessor_config.json"
 
 
@@ -57,6 +61,22 @@ def siglip2_tokenize(directory: str, texts: list[str], context_length: int) -> t
     encoded = tokenizer(list(texts), padding="max_length", truncation=True, max_length=context_length,
                         return_tensors="pt")
     return encoded["input_ids"].to(torch.long)
+
+
+def write_training_tokenizer_config(directory: Path) -> None:
+    """Make the tokenizer of `directory` (an export) return `input_ids` alone by default.
+
+    SigLIP 2's text tower was trained without an attention mask (captions padded to 64 tokens, the last position
+    pooled); `Siglip2Model` masks padding when its inputs carry an `attention_mask`, which tokenizers return by
+    default. `"model_input_names": ["input_ids"]` in `tokenizer_config.json` makes `AutoTokenizer` and
+    `AutoProcessor` leave it out, so `Siglip2Model(**processor(...))` runs as trained; `return_attention_mask=True`
+    still gives it. Nothing is written for a directory without tokenizer files."""
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        return
+    path = directory / TOKENIZER_CONFIG_FILE
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    config["model_input_names"] = ["input_ids"]
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 @dataclass(frozen=True)
