@@ -420,8 +420,8 @@ def test_tensorboard_has_each_step_once_after_a_resume(stopped_run: Path, tmp_pa
 
 def test_resume_with_another_accum_freq_schedules_the_steps_actually_left(tmp_path: Path,
                                                                           capsys: pytest.CaptureFixture) -> None:
-    """Stopped at step 5 of a 1-epoch run (33 microbatches, 2 per step), resumed with --accum-freq 3: the 23
-    microbatches left make 8 more steps, so the schedule spans 13 steps (none at lr 0) and the bar ends full."""
+    """Stopped at step 5 of a 1-epoch run (33 microbatches, 2 per step: 16 steps), resumed with --accum-freq 3: the
+    23 microbatches left make 7 more steps, so the schedule spans 12 steps (none at lr 0) and the bar ends full."""
     data = dataclasses.replace(tiny_config(Path()).data, naflex_max_tokens_per_batch=64)
     flags = dict(data=data, epochs=1, val_frequency=0, plot=False, zero_shot_samples=8)
     train(tiny_config(tmp_path, "run", stop_after_steps=5, **flags))
@@ -430,10 +430,10 @@ def test_resume_with_another_accum_freq_schedules_the_steps_actually_left(tmp_pa
     err = capsys.readouterr().err
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     lrs = {r["step"]: r["train/lr"] for r in records if r["kind"] == "train"}
-    assert sorted(lrs) == list(range(1, 14))
+    assert sorted(lrs) == list(range(1, 13))
     assert all(lr > 0 for lr in lrs.values()), lrs
     (notice,) = [line for line in err.splitlines() if "changed flags" in line]
-    assert "lr schedule 17 -> 13 steps" in notice
+    assert "lr schedule 16 -> 12 steps" in notice
     done, total = re.findall(r"(\d+)/(\d+) \[", err)[-1]  # the bar's last state: full, not past its end
     assert done == total
 

@@ -17,10 +17,12 @@ from naflexclip.train.grouping import window_sizes
 
 # the built-in data at the demo's token budget (36/64/100 patches, 1024 per microbatch): with --seed 0, epoch 0
 # plans 9 microbatches and epoch 1 plans 11, the last of them 2 examples
-RUN = ["--model", "tiny", "--synthetic-train-size", "192", "--synthetic-val-size", "16", "--zero-shot-samples", "8",
-       "--epochs", "2", "--accum-freq", "2", "--warmup", "100", "--device", "cpu", "--workers", "0", "--no-plot"]
+RUN = ["--model", "tiny", "--synthetic-train-size", "192", "--synthetic-val-size", "8", "--zero-shot-samples", "1",
+       "--epochs", "2", "--accum-freq", "2", "--warmup", "100", "--device", "cpu", "--workers", "0",
+       "--val-frequency", "0", "--no-plot"]
 
 
+@pytest.mark.slow
 def test_an_epoch_ends_with_no_degenerate_window(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """192 samples, 2 epochs: each epoch's odd microbatch joins its last window (never a step of 2 examples
     alone), every sample is trained once per epoch, and the schedule and the bars count the steps taken."""

@@ -1,11 +1,11 @@
 """The training loop: one optimizer step per accumulation window, epochs, evaluation, checkpoints, logs.
 
-Each optimizer step takes `--accum-freq` consecutive microbatches from the loader (the last window of an
-epoch may hold fewer) and hands them to `accumulate_gradients`, which leaves `s(W)·∇θ L(W)` in `.grad`:
-the loop never computes a loss coefficient. After the window the loop unscales (fp16), measures and
-clips the gradient norm once, skips the step if the loss or the gradient is not finite, steps AdamW,
-clamps `logit_scale` and advances the cosine schedule (once per window, skipped or not, so the schedule
-and the data position stay in step).
+Each optimizer step takes `--accum-freq` consecutive microbatches from the loader (an epoch's tail of fewer
+joins its last window, `grouping.window_sizes`) and hands them to `accumulate_gradients`, which leaves
+`s(W)·∇θ L(W)` in `.grad`: the loop never computes a loss coefficient. After the window the loop unscales
+(fp16), measures and clips the gradient norm once, skips the step if the loss or the gradient is not finite,
+steps AdamW, clamps `logit_scale` and advances the cosine schedule (once per window, skipped or not, so the
+schedule and the data position stay in step).
 
 Stops and resumes: SIGINT/SIGTERM let the current step finish, save it and end the run with one line (a
 second signal stops at once, naming the last complete checkpoint). A resume continues exactly or refuses in
@@ -59,6 +59,7 @@ from naflexclip.model import config_to_dict, weights_mismatch
 from naflexclip.train import checkpoint as ckpt
 from naflexclip.train.config import TrainConfig
 from naflexclip.train.evaluate import evaluate
+from naflexclip.train.grouping import window_sizes
 from naflexclip.train.optim import CosineSchedule, create_optimizer
 from naflexclip.train.precision import create_precision
 from naflexclip.train.report import Reporter, refuse_existing_run, run_exists
@@ -119,13 +120,16 @@ def _isolated(iterator: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
 
 
 def windows(loader: Any, accum_freq: int) -> Iterator[list[dict[str, Any]]]:
-    """Consecutive groups of `accum_freq` microbatches; the epoch's last group may be shorter."""
+    """The loader's microbatches from its position on, grouped by `window_sizes` of the microbatches its epoch's
+    plan has left (the same on every rank)."""
+    sizes = iter(window_sizes(loader.num_batches - loader.position, accum_freq))
     window: list[dict[str, Any]] = []
+    size = next(sizes, 0)
     for microbatch in _isolated(iter(loader)):
         window.append(microbatch)
-        if len(window) == accum_freq:
+        if len(window) == size:
             yield window
-            window = []
+            window, size = [], next(sizes, 0)
     if window:
         yield window
 
@@ -187,10 +191,10 @@ class Trainer:
         return counts
 
     def windows_left(self, epoch: int, next_batch: int) -> int:
-        """Optimizer steps from microbatch `next_batch` of `epoch` to the end of the run: ceil(microbatches left
-        / accum_freq) per epoch (the lr schedule spans them, whatever --accum-freq the earlier steps used)."""
+        """Optimizer steps from microbatch `next_batch` of `epoch` to the end of the run: the windows of the
+        microbatches left in each epoch (the lr schedule spans them, whatever --accum-freq the earlier steps used)."""
         counts = self.batches_per_epoch[epoch:]
-        return sum(math.ceil((count - (next_batch if i == 0 else 0)) / self.cfg.accum_freq)
+        return sum(len(window_sizes(count - (next_batch if i == 0 else 0), self.cfg.accum_freq))
                    for i, count in enumerate(counts))
 
     # ----------------------------------------------------------------------------------- one step
@@ -275,8 +279,8 @@ class Trainer:
     def _train_epoch(self) -> bool:
         cfg, progress = self.cfg, self.progress
         self.loader.set_epoch(progress.epoch, start_batch=progress.next_batch)
-        done = math.ceil(progress.next_batch / cfg.accum_freq)
-        left = math.ceil((self.batches_per_epoch[progress.epoch] - progress.next_batch) / cfg.accum_freq)
+        done = len(window_sizes(progress.next_batch, cfg.accum_freq))
+        left = len(window_sizes(self.loader.num_batches - progress.next_batch, cfg.accum_freq))  # as `windows`
         bar = self.reporter.progress_bar(progress.epoch, done + left, done)
         tick = time.perf_counter()
         try:
