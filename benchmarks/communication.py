@@ -170,9 +170,11 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out_
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from naflexclip.batch import split_batch
-    from naflexclip.distributed import cleanup, init_distributed, no_sync_context, window_exchange, wrap_model
+    from naflexclip.distributed import cleanup, init_distributed
+    from naflexclip.exchange import window_exchange
     from naflexclip.factory import create_model
     from naflexclip.loss import create_loss
+    from naflexclip.parallel import no_sync_context, wrap_model
     from naflexclip.verify import random_naflex_batch
     from naflexclip.window import accumulate_gradients
 

@@ -141,7 +141,9 @@ def _flops_worker(rank: int, world: int, port: int, n: int, kind: str, sharded: 
 
     from naflexclip import accumulate_gradients, create_loss, create_model
     from naflexclip.batch import split_batch
-    from naflexclip.distributed import cleanup, init_distributed, no_sync_context, window_exchange, wrap_model
+    from naflexclip.distributed import cleanup, init_distributed
+    from naflexclip.exchange import window_exchange
+    from naflexclip.parallel import no_sync_context, wrap_model
     from naflexclip.verify import random_naflex_batch
 
     env = init_distributed(device="cpu", timeout_s=600)

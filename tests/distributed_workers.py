@@ -124,7 +124,7 @@ def _gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full (unsharded) gradients by the user's parameter names; a collective under FSDP2."""
     from torch.distributed.tensor import DTensor
 
-    from naflexclip.distributed import unwrap_model
+    from naflexclip.parallel import unwrap_model
 
     grads = {}
     for name, param in unwrap_model(model).named_parameters():
@@ -254,18 +254,11 @@ def _configs(world: int, fsdp: bool) -> list[tuple[int, str, str]]:
 
 def scenario_exact(env: Any) -> dict[str, Any]:
     from naflexclip.batch import concat_microbatches, split_batch
-    from naflexclip.distributed import (
-        any_rank_true,
-        check_consistency,
-        full_state_dict,
-        load_full_state_dict,
-        no_sync_context,
-        unwrap_model,
-        window_exchange,
-        wrap_model,
-    )
+    from naflexclip.distributed import any_rank_true, check_consistency
+    from naflexclip.exchange import window_exchange
     from naflexclip.factory import create_model
     from naflexclip.loss import create_loss
+    from naflexclip.parallel import full_state_dict, load_full_state_dict, no_sync_context, unwrap_model, wrap_model
     from naflexclip.verify import full_batch_gradients, random_naflex_batch
     from naflexclip.window import accumulate_gradients, window_loss_scale
 
@@ -351,7 +344,7 @@ def _teeth(env: Any, model: Any, loss_fn: Any, batch: Any, siglip: bool, referen
            out: dict[str, Any]) -> None:
     """Wrong rules that must fail the comparison the exact window passes."""
     from naflexclip.batch import batch_size
-    from naflexclip.distributed import no_sync_context
+    from naflexclip.parallel import no_sync_context
     from naflexclip.window import accumulate_gradients, window_loss_scale
 
     split = SPLITS[env.world_size][0]
@@ -407,7 +400,7 @@ def _state_dict_round_trip(env: Any, model: Any, fresh: Any, full_state_dict: An
         for k, v in local.items()
     )
 
-    from naflexclip.distributed import full_optimizer_state_dict, load_full_optimizer_state_dict
+    from naflexclip.parallel import full_optimizer_state_dict, load_full_optimizer_state_dict
 
     # optimizer: save after one step, take another, load the saved state back
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -457,9 +450,11 @@ def _consistency(env: Any, check_consistency: Any) -> dict[str, Any]:
 
 def scenario_fault(env: Any, how: str) -> dict[str, Any]:
     """Rank 1 dies or raises inside the second microbatch's replay forward; rank 0 must name it."""
-    from naflexclip.distributed import fault_guard, no_sync_context, window_exchange, wrap_model
+    from naflexclip.distributed import fault_guard
+    from naflexclip.exchange import window_exchange
     from naflexclip.factory import create_model
     from naflexclip.loss import create_loss
+    from naflexclip.parallel import no_sync_context, wrap_model
     from naflexclip.verify import random_naflex_batch
     from naflexclip.window import accumulate_gradients
 
@@ -498,9 +493,10 @@ def _is_fsdp_model(model: Any) -> bool:
 def scenario_agree(env: Any, out_dir: Path) -> dict[str, Any]:
     """Every case meets in one size exchange; each rank records what it raised and how long it took."""
     from naflexclip.data import DataConfig
-    from naflexclip.distributed import RanksDisagree, no_sync_context, unwrap_model, window_exchange, wrap_model
+    from naflexclip.exchange import RanksDisagree, window_exchange
     from naflexclip.factory import create_model
     from naflexclip.loss import create_loss
+    from naflexclip.parallel import no_sync_context, unwrap_model, wrap_model
     from naflexclip.train.config import TrainConfig
     from naflexclip.train.loop import Trainer
     from naflexclip.verify import random_naflex_batch
@@ -626,9 +622,10 @@ class _ExchangeVariant:
 
 def scenario_shard(env: Any) -> dict[str, Any]:
     from naflexclip.batch import concat_microbatches, split_batch
-    from naflexclip.distributed import no_sync_context, window_exchange, wrap_model
+    from naflexclip.exchange import window_exchange
     from naflexclip.factory import create_model
     from naflexclip.loss import clip_loss_dense, create_loss, siglip_loss_dense
+    from naflexclip.parallel import no_sync_context, wrap_model
     from naflexclip.verify import full_batch_gradients, random_naflex_batch
     from naflexclip.window import accumulate_gradients, window_loss_scale
 

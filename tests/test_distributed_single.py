@@ -14,14 +14,16 @@ from naflexclip.distributed import (
     check_consistency,
     cleanup,
     fault_guard,
+    init_distributed,
+)
+from naflexclip.exchange import window_exchange
+from naflexclip.parallel import (
     full_optimizer_state_dict,
     full_state_dict,
-    init_distributed,
     load_full_optimizer_state_dict,
     load_full_state_dict,
     no_sync_context,
     unwrap_model,
-    window_exchange,
     wrap_model,
 )
 from naflexclip.window import LocalExchange

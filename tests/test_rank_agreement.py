@@ -19,16 +19,10 @@ from conftest_data import image_bytes
 from distributed_workers import EVAL_TIMEOUT_S, TIMEOUT_S, launch
 
 import naflexclip.distributed as distributed
+import naflexclip.exchange as exchange_module
 from naflexclip.cli import main
-from naflexclip.distributed import (
-    DistributedEnv,
-    DistributedFault,
-    ProcessGroupExchange,
-    RanksDisagree,
-    fault_guard,
-    sum_over_ranks,
-    window_exchange,
-)
+from naflexclip.distributed import DistributedEnv, DistributedFault, RankFailed, fault_guard, sum_over_ranks
+from naflexclip.exchange import ProcessGroupExchange, RanksDisagree, window_exchange
 from naflexclip.window import RngState
 
 # --------------------------------------------------------------------- the exchange, ranks simulated
@@ -38,7 +32,7 @@ def _exchange_seeing(monkeypatch: pytest.MonkeyPatch, headers: list[list[int]], 
     """Rank 0's exchange in a 3-rank job whose header all-gather returns `headers` (no processes needed)."""
     env = DistributedEnv(0, len(headers), 0, torch.device("cpu"), "gloo", 5.0)
     gathered = iter([torch.tensor(headers, dtype=torch.int64).flatten(), torch.tensor([2, 2, 2], dtype=torch.int64)])
-    monkeypatch.setattr(distributed, "_all_gather_tensor", lambda env, tensor: next(gathered))
+    monkeypatch.setattr(exchange_module, "all_gather_tensor", lambda env, tensor: next(gathered))
     exchange = ProcessGroupExchange(env, **kwargs)
     exchange.set_position(7, 1)
     return exchange
@@ -65,7 +59,7 @@ def test_uneven_counts_pass_but_not_under_fsdp(monkeypatch: pytest.MonkeyPatch) 
     headers_uneven = [[2, 1, 7, 1], [1, 1, 7, 1], [1, 1, 7, 1]]
     assert _exchange_seeing(monkeypatch, headers).gather_sizes([2]) == [[2], [2], [2]]
     gathered = iter([torch.tensor(headers_uneven).flatten(), torch.tensor([2, 3, 2, 0, 2, 0])])
-    monkeypatch.setattr(distributed, "_all_gather_tensor", lambda env, tensor: next(gathered))
+    monkeypatch.setattr(exchange_module, "all_gather_tensor", lambda env, tensor: next(gathered))
     exchange = ProcessGroupExchange(DistributedEnv(0, 3, 0, torch.device("cpu"), "gloo", 5.0))
     assert exchange.gather_sizes([2, 3]) == [[2, 3], [2], [2]]
     fsdp = _exchange_seeing(monkeypatch, headers_uneven, equal_counts=True)
@@ -76,8 +70,9 @@ def test_uneven_counts_pass_but_not_under_fsdp(monkeypatch: pytest.MonkeyPatch) 
 def test_ranks_that_failed_between_windows_are_named_with_their_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     exchange = _exchange_seeing(monkeypatch, [[-1, 1, 7, 1], [2, 1, 7, 1], [-1, 1, 7, 1]])
     reasons = ["OSError: unreadable shard (while reading data for step 7)", None, "DataError: no samples (while x)"]
-    monkeypatch.setattr(distributed.dist, "all_gather_object", lambda out, own: out.__setitem__(slice(None), reasons))
-    with pytest.raises(distributed.RankFailed) as raised:
+    monkeypatch.setattr(exchange_module.dist, "all_gather_object",
+                        lambda out, own: out.__setitem__(slice(None), reasons))
+    with pytest.raises(RankFailed) as raised:
         exchange.gather_sizes([2])
     assert str(raised.value) == ("rank 0 raised OSError: unreadable shard (while reading data for step 7); "
                                  "rank 2 raised DataError: no samples (while x)")
@@ -102,7 +97,7 @@ def test_an_error_that_is_not_a_collective_failure_says_what_it_is() -> None:
     # e.g. CUDA out of memory or a shape mismatch inside a step: no roll call, no "collective failed"
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="^shape mismatch on purpose$") as raised:
-        with distributed._translate_faults(TWO_RANKS, "gathering features"):
+        with distributed.translate_faults(TWO_RANKS, "gathering features"):
             raise RuntimeError("shape mismatch on purpose")
     assert not isinstance(raised.value, DistributedFault)
     with pytest.raises(RuntimeError, match="^CUDA out of memory") as raised:
@@ -114,7 +109,7 @@ def test_an_error_that_is_not_a_collective_failure_says_what_it_is() -> None:
 
 def test_a_gloo_timeout_is_a_collective_failure() -> None:
     with pytest.raises(DistributedFault, match="a collective failed while gathering features.*Timed out"):
-        with distributed._translate_faults(TWO_RANKS, "gathering features"):
+        with distributed.translate_faults(TWO_RANKS, "gathering features"):
             raise RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv")
 
 

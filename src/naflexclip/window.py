@@ -83,7 +83,7 @@ class WindowStats:
 
 
 class WindowExchange(Protocol):
-    """How a window sees the other ranks' microbatches (see naflexclip.distributed)."""
+    """How a window sees the other ranks' microbatches (see naflexclip.exchange)."""
 
     rank: int
     world_size: int

@@ -40,22 +40,24 @@ from naflexclip.distributed import (
     check_consistency,
     cleanup,
     fault_guard,
-    full_optimizer_state_dict,
-    full_state_dict,
     gather_to_main,
     init_distributed,
-    load_full_optimizer_state_dict,
-    load_full_state_dict,
-    no_sync_context,
     run_on_main,
     sum_over_ranks,
-    unwrap_model,
-    window_exchange,
-    wrap_model,
 )
+from naflexclip.exchange import window_exchange
 from naflexclip.factory import create_model
 from naflexclip.loss import create_loss
 from naflexclip.model import config_to_dict, weights_mismatch
+from naflexclip.parallel import (
+    full_optimizer_state_dict,
+    full_state_dict,
+    load_full_optimizer_state_dict,
+    load_full_state_dict,
+    no_sync_context,
+    unwrap_model,
+    wrap_model,
+)
 from naflexclip.train import checkpoint as ckpt
 from naflexclip.train.config import TrainConfig
 from naflexclip.train.evaluate import evaluate

@@ -1,0 +1,241 @@
+"""Data and model parallelism: DDP or FSDP2 around a model, the window's gradient-sync control, full state dicts.
+
+- `wrap_model` — DDP (default) or FSDP2 `fully_shard` over the units the model names (`sharding_units()`);
+  `no_sync_context` — the context the window enters around every backward but the window's last, so
+  gradients are synchronised once per window.
+- `full_state_dict` / `load_full_state_dict` and the optimizer's: a gathered state on rank 0 for checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager as ContextManager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from naflexclip.distributed import DistributedEnv, translate_faults
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def _shard_units(model: nn.Module) -> list[nn.Module]:
+    """Transformer blocks of both towers: each becomes one FSDP2 unit (one all-gather per block)."""
+    units: list[nn.Module] = []
+    visual_blocks = getattr(getattr(model, "visual", None), "blocks", None)
+    text_blocks = getattr(getattr(getattr(model, "text", None), "transformer", None), "resblocks", None)
+    for blocks in (visual_blocks, text_blocks):
+        if isinstance(blocks, nn.Module):
+            units.extend(blocks.children())
+    return units
+
+
+def wrap_model(model: nn.Module, env: DistributedEnv, fsdp: bool = False) -> nn.Module:
+    """DDP (default) or FSDP2 `fully_shard` around a model already on `env.device`; identity in one process.
+
+    Both average gradients over ranks; the window multiplies this rank's row gradients by
+    `world_size`, so the average is the single-process gradient of the whole window.
+    """
+    if not env.distributed:
+        return model
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        # FSDP2 cannot shard 0-d parameters (logit_scale, logit_bias): keep them whole on every rank
+        scalars = {param for param in model.parameters() if param.dim() == 0}
+        for unit in _shard_units(model):
+            fully_shard(unit)
+        # the root unit holds embeddings and projections
+        fully_shard(model, ignored_params=scalars or None)
+        _average_replicated_grads(model, scalars, env)
+        return model
+    # the model's buffers are constants (attention masks), identical after DDP's initial broadcast:
+    # re-broadcasting them before every forward would add one collective per microbatch
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
+        buffer_sync = {"forward_sync_buffers": False}  # torch ≥ 2.14's name; still syncs at init
+    else:
+        buffer_sync = {"broadcast_buffers": False}
+    return DistributedDataParallel(
+        model, device_ids=[env.device.index] if env.device.type == "cuda" else None, **buffer_sync
+    )
+
+
+def _average_replicated_grads(model: nn.Module, params: set[nn.Parameter], env: DistributedEnv) -> None:
+    """Average the gradients of parameters FSDP2 leaves alone, on the backwards that sync (as DDP would).
+
+    The window gives `logit_scale`/`logit_bias` the same gradient on every rank, so this only keeps
+    ranks bit-identical; it follows `no_sync_context` through `model._naflexclip_sync`.
+    """
+    model._naflexclip_sync = True  # type: ignore[assignment]
+
+    def average(param: torch.Tensor) -> None:
+        if param.grad is not None and getattr(model, "_naflexclip_sync", True):
+            with translate_faults(env, "averaging replicated gradients"):
+                # SUM then divide: gloo has no AVG reduction
+                dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+            param.grad.div_(env.world_size)
+
+    for param in sorted(params, key=lambda p: [n for n, q in model.named_parameters() if q is p][0]):
+        param.register_post_accumulate_grad_hook(average)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's module under DDP (FSDP2 shards in place, so it is its own module)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def no_sync_context(model: nn.Module) -> Callable[[], ContextManager[Any]]:
+    """The context factory the window enters around every backward but the window's last.
+
+    DDP: `model.no_sync`; FSDP2: `set_requires_gradient_sync(False)`, restored to True on exit;
+    anything else: a null context.
+    """
+    if isinstance(model, DistributedDataParallel):
+        return model.no_sync
+    if is_fsdp(model):
+
+        @contextlib.contextmanager
+        def fsdp_no_sync() -> Iterator[None]:
+            model.set_requires_gradient_sync(False)  # type: ignore[operator]
+            model._naflexclip_sync = False  # the replicated scalars follow the sharded parameters
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)  # type: ignore[operator]
+                model._naflexclip_sync = True
+
+        return fsdp_no_sync
+    return contextlib.nullcontext
+
+
+# -------------------------------------------------------------------------------------- checkpoints
+
+
+def full_state_dict(model: nn.Module, env: DistributedEnv) -> dict[str, torch.Tensor]:
+    """The whole model's state on CPU, on rank 0 (other ranks get `{}`); every rank must call it.
+
+    DDP: the module's state dict; FSDP2: gathered with `get_model_state_dict(full_state_dict=True,
+    cpu_offload=True)`. The tensors are copies: saving them later is safe.
+    """
+    if is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.tensor import DTensor
+
+        with translate_faults(env, "gathering the FSDP state dict"):
+            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not env.is_main:
+            return {}
+        # gathered shards are fresh tensors, but the tensors FSDP2 leaves whole (0-d logit_scale/logit_bias)
+        # come back as the live CPU parameters themselves: copy those
+        unmanaged = {key for key, value in model.state_dict().items() if not isinstance(value, DTensor)}
+        return {key: value.detach().to("cpu", copy=True) if key in unmanaged else value for key, value in state.items()}
+    if not env.is_main:
+        return {}
+    return _cpu_copy(dict(unwrap_model(model).state_dict()))
+
+
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], env: DistributedEnv) -> None:
+    """Load a full state dict read on rank 0 (other ranks may pass `{}`) into every rank's model.
+
+    DDP: rank 0 loads it, then broadcasts every parameter and buffer; FSDP2: `set_model_state_dict`
+    with `broadcast_from_rank0=True`, each rank keeping its shard. Every rank must call it.
+    """
+    if is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.tensor import DTensor
+
+        with translate_faults(env, "loading the FSDP state dict"), torch.no_grad():
+            set_model_state_dict(
+                model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            )
+            # tensors FSDP2 does not manage (the 0-d logit_scale/logit_bias it cannot shard, buffers)
+            # are not reliably loaded by it: copy them on rank 0 and broadcast
+            for key, tensor in model.state_dict().items():
+                if isinstance(tensor, DTensor):
+                    continue
+                if env.is_main:
+                    tensor.copy_(state[key])
+                dist.broadcast(tensor, src=0)
+        return
+    module = unwrap_model(model)
+    if env.is_main or not env.distributed:
+        module.load_state_dict(state)
+    if env.distributed:
+        with translate_faults(env, "broadcasting the loaded state"), torch.no_grad():
+            for tensor in module.state_dict().values():
+                dist.broadcast(tensor, src=0)
+
+
+def full_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, env: DistributedEnv
+) -> dict[str, Any]:
+    """The optimizer's whole state on rank 0 (other ranks get `{}`), keyed as `optimizer.state_dict()` is
+    for the unwrapped model; every rank must call it. FSDP2: gathered with `get_optimizer_state_dict`."""
+    if is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        from torch.distributed.tensor import DTensor
+
+        with translate_faults(env, "gathering the FSDP optimizer state"):
+            state = get_optimizer_state_dict(
+                model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+        if not env.is_main:
+            return {}
+        # gathered shards are fresh tensors; CPU tensors that needed no gather (`step`, the states of the
+        # 0-d parameters) come back as the live ones, which the next step updates in place: copy those
+        live = {
+            value.data_ptr()
+            for param_state in optimizer.state.values()
+            for value in param_state.values()
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
+        }
+        return _copy_if(state, lambda t: t.data_ptr() in live)
+    # DDP: every rank holds the same optimizer state (same averaged gradients, same steps); copy it,
+    # since optimizer.state_dict() aliases the live tensors that the next step updates in place
+    return _cpu_copy(optimizer.state_dict()) if env.is_main else {}
+
+
+def _cpu_copy(value: Any) -> Any:
+    return _copy_if(value, lambda _: True)
+
+
+def _copy_if(value: Any, should_copy: Callable[[torch.Tensor], bool]) -> Any:
+    """`value` (nested dicts/lists of tensors) with the tensors `should_copy` picks copied to CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True) if should_copy(value) else value
+    if isinstance(value, dict):
+        return {key: _copy_if(item, should_copy) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copy_if(item, should_copy) for item in value)
+    return value
+
+
+def load_full_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], env: DistributedEnv
+) -> None:
+    """Load a full optimizer state on every rank; all must call it.
+
+    DDP: every rank passes the state it read from the checkpoint itself (the optimizer state is ~2× the
+    model: reading the file is cheaper than pickling it through a broadcast). FSDP2: rank 0's state is
+    broadcast and sharded (`broadcast_from_rank0`); other ranks may pass `{}`.
+    """
+    if is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        with translate_faults(env, "loading the FSDP optimizer state"):
+            set_optimizer_state_dict(
+                model, optimizer, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            )
+        return
+    if not state:
+        raise ValueError(f"rank {env.rank}: empty optimizer state; under DDP every rank loads the checkpoint's")
+    optimizer.load_state_dict(state)
