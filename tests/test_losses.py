@@ -52,3 +52,14 @@ def test_a_loss_is_chosen_by_name_and_the_model_starts_as_it_needs():
     assert siglip.config.loss == "siglip" and float(siglip.logit_bias) == -10.0
     with pytest.raises(ValueError, match="unknown loss 'sigmoid'"):
         create_model("tiny", loss="sigmoid")
+
+
+@pytest.mark.parametrize("loss_cls", [ClipLoss, SigLipLoss])
+def test_a_loss_moves_and_casts_like_any_module(loss_cls):
+    loss = loss_cls(tile_size=2)
+    assert loss.to("cpu") is loss and loss.double() is loss and loss.float() is loss
+    owner = torch.nn.ModuleDict({"loss": loss_cls(), "head": torch.nn.Linear(2, 2)}).double()  # moving its owner
+    assert owner["head"].weight.dtype == torch.float64
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
+    scale, bias = torch.tensor(3.0, dtype=torch.float64), torch.tensor(-1.0, dtype=torch.float64)
+    assert float(owner["loss"](x, y, scale, bias)) == float(loss_cls()(x, y, scale, bias))

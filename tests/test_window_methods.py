@@ -7,7 +7,7 @@ import torch
 from window_cases import failures, full_batch_gradients, loss_for, naflex_window, tiny_model
 
 from naflexclip import accumulate_gradients, create_loss, create_model
-from naflexclip.batch import concat_microbatches, split_batch
+from naflexclip.batch import concat_microbatches, split_batch, to_device
 from naflexclip.verify import collect_gradients, relative_error
 
 
@@ -168,3 +168,22 @@ def test_concat_then_split_round_trips_rows():
     assert torch.equal(again["text"], batch["text"])
     valid = batch["image"]["patch_valid"]
     assert torch.equal(again["image"]["patches"][valid], batch["image"]["patches"][valid])
+
+
+@pytest.mark.parametrize("method", ["cache", "replay"])
+def test_an_open_clip_collated_window_with_an_integer_seq_len_gives_the_same_gradient(method):
+    # OpenCLIP's NaFlex collator adds the batch's sequence length to the image dict as a plain int
+    model, loss_fn, batch = tiny_model(False), loss_for(False), naflex_window(5, seed=8)
+    microbatches = split_batch(batch, [2, 3])
+    grads = {}
+    for collated in (False, True):
+        if collated:
+            microbatches = [{**mb, "image": {**mb["image"], "seq_len": mb["image"]["patches"].shape[1]}}
+                            for mb in microbatches]
+        model.zero_grad(set_to_none=True)
+        accumulate_gradients(model, loss_fn, microbatches, loss_scale="linear", reference_batch_size=2, method=method)
+        grads[collated] = collect_gradients(model)
+    assert grads[True].keys() == grads[False].keys()
+    for name, grad in grads[False].items():
+        assert torch.equal(grads[True][name], grad), name
+    assert to_device(microbatches[0], "cpu")["image"]["seq_len"] == microbatches[0]["image"]["patches"].shape[1]

@@ -40,9 +40,12 @@ def batch_size(microbatch: dict[str, Any]) -> int:
 def to_device(
     microbatch: dict[str, Any], device: torch.device | str, dtype: torch.dtype | None = None
 ) -> dict[str, Any]:
-    """Move `image` and `text` to `device`; floating image tensors are cast to `dtype` if given."""
+    """Move `image` and `text` to `device`; floating image tensors are cast to `dtype` if given; entries of a NaFlex
+    dict that are not tensors (OpenCLIP's collator adds an int `seq_len`) stay as they are."""
 
-    def move(t: torch.Tensor) -> torch.Tensor:
+    def move(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
         if dtype is not None and t.is_floating_point():
             return t.to(device=device, dtype=dtype, non_blocking=True)
         return t.to(device=device, non_blocking=True)

@@ -303,9 +303,9 @@ class _TiledLoss(nn.Module):
         text_features `[N, D]` all of its texts; reduce_column_lse maps this rank's `[N]` partial column
         log-sum-exps to the log-sum-exp over all ranks (identity in one process)."""
         _check_shapes(image_rows, text_features, row_offset)
-        return self._apply(image_rows, text_features, logit_scale, logit_bias, row_offset, reduce_column_lse)
+        return self._tiled(image_rows, text_features, logit_scale, logit_bias, row_offset, reduce_column_lse)
 
-    def _apply(
+    def _tiled(
         self,
         image_rows: torch.Tensor,
         text_features: torch.Tensor,
@@ -320,7 +320,7 @@ class _TiledLoss(nn.Module):
 class ClipLoss(_TiledLoss):
     """Mean of image→text and text→image cross-entropy over `N` pairs (Radford et al. 2021), tiled."""
 
-    def _apply(self, image_rows, text_features, logit_scale, logit_bias, row_offset, reduce_column_lse):
+    def _tiled(self, image_rows, text_features, logit_scale, logit_bias, row_offset, reduce_column_lse):
         return _TiledClip.apply(image_rows, text_features, logit_scale, logit_bias, row_offset, self.tile_size,
                                 reduce_column_lse)
 
@@ -328,7 +328,7 @@ class ClipLoss(_TiledLoss):
 class SigLipLoss(_TiledLoss):
     """Pairwise sigmoid loss over all `N×N` pairs, normalised by `N` (Zhai et al. 2023), tiled."""
 
-    def _apply(self, image_rows, text_features, logit_scale, logit_bias, row_offset, reduce_column_lse):
+    def _tiled(self, image_rows, text_features, logit_scale, logit_bias, row_offset, reduce_column_lse):
         # the rows are independent: no column statistic crosses ranks, reduce_column_lse is not needed
         return _TiledSigLip.apply(image_rows, text_features, logit_scale, logit_bias, row_offset, self.tile_size)
 

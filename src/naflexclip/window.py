@@ -169,9 +169,11 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 def _tensors(microbatch: dict[str, Any]) -> list[torch.Tensor]:
+    """The microbatch's input tensors; other entries of a NaFlex dict (OpenCLIP's collator adds an int
+    `seq_len`) are not inputs the RNG devices depend on."""
     image = microbatch["image"]
     images = list(image.values()) if isinstance(image, dict) else [image]
-    return [*images, microbatch["text"]]
+    return [t for t in (*images, microbatch["text"]) if isinstance(t, torch.Tensor)]
 
 
 def _loss_precision(t: torch.Tensor) -> torch.Tensor:
