@@ -191,7 +191,7 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out_
         model = wrap_model(model, env)
         counting_comm_hook(model, counter)
         loss_fn = create_loss("clip")
-        exchange = CountingExchange(window_exchange(env), counter)
+        exchange = CountingExchange(window_exchange(env, model), counter)
         for accum in args.accum:
             b = args.microbatch_size
             batch = random_naflex_batch(

@@ -156,7 +156,7 @@ def _flops_worker(rank: int, world: int, port: int, n: int, kind: str, sharded: 
     microbatches = split_batch(batch, [len(part) for part in torch.arange(rows[rank]).tensor_split(2)])
     loss = create_loss(kind) if sharded else _Whole(create_loss(kind))
     with FlopCounterMode(display=False) as counter:
-        accumulate_gradients(model, loss, microbatches, exchange=window_exchange(env),
+        accumulate_gradients(model, loss, microbatches, exchange=window_exchange(env, model),
                              no_sync=no_sync_context(model))
     if rank == 0:
         queue.put(counter.get_total_flops())

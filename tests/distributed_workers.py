@@ -8,7 +8,7 @@ to `OUT_DIR/rank{RANK}.json`. One launch loops over many configurations, because
 Scenarios:
   exact     — DDP (and FSDP2 where it runs) gradients of whole windows against the single-process
               full-batch reference, over methods × losses × scale modes × splits; teeth variants;
-              gradient syncs per window; consistency checks; any_rank_true; full state dict round trip.
+              gradient syncs per window; consistency checks; full state dict round trip.
   kill      — rank 1 dies (os._exit) mid-window; rank 0 must fail with a message naming rank 1.
   raise     — rank 1 raises mid-window; rank 0 must fail with a message naming rank 1 and its error.
   agree     — ranks meet a window's size exchange at different steps/epochs, or one with no data left:
@@ -18,13 +18,18 @@ Scenarios:
               loss; teeth (no reduce-scatter, unsummed logit_scale/bias); an FSDP2 window.
   trainer_faults — a Trainer whose loader raises on rank 1 between windows, and whose rank-0 evaluation
               outlasts the collective timeout or raises: every rank stops at once naming the rank, or waits.
+  fsdp_uneven — the README's library recipe with an FSDP2 model, ranks holding 2, 1 and 4 microbatches.
+  loop      — a Trainer's epoch under DDP and FSDP2 with torch.distributed's collectives counted (Python level):
+              the collectives between one step's start and the next's, and every step's loss and grad norm.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -254,7 +259,7 @@ def _configs(world: int, fsdp: bool) -> list[tuple[int, str, str]]:
 
 def scenario_exact(env: Any) -> dict[str, Any]:
     from naflexclip.batch import concat_microbatches, split_batch
-    from naflexclip.distributed import any_rank_true, check_consistency
+    from naflexclip.distributed import check_consistency
     from naflexclip.exchange import window_exchange
     from naflexclip.factory import create_model
     from naflexclip.loss import create_loss
@@ -288,12 +293,12 @@ def scenario_exact(env: Any) -> dict[str, Any]:
                                                    scale)
         return references[key]
 
-    exchange = window_exchange(env)
     for fsdp in (False, True) if fsdp_ok else (False,):
         wrapper = "fsdp" if fsdp else "ddp"
         for siglip in (False, True):
             _log(env, f"{wrapper} siglip={siglip}")
             model = wrap_model(build(siglip), env, fsdp=fsdp)
+            exchange = window_exchange(env, model)
             loss_fn = create_loss("siglip" if siglip else "clip")
             hook_calls = _Counter()
             if fsdp:
@@ -333,10 +338,6 @@ def scenario_exact(env: Any) -> dict[str, Any]:
 
     _log(env, "consistency")
     results["consistency"] = _consistency(env, check_consistency)
-    results["any_rank_true"] = [
-        any_rank_true(env, env.rank == world - 1),
-        any_rank_true(env, False),
-    ]
     return results
 
 
@@ -476,7 +477,7 @@ def scenario_fault(env: Any, how: str) -> dict[str, Any]:
     start = time.monotonic()
     try:
         with fault_guard(env, "window 0"):
-            accumulate_gradients(model, create_loss("clip"), microbatches, exchange=window_exchange(env),
+            accumulate_gradients(model, create_loss("clip"), microbatches, exchange=window_exchange(env, model),
                                  no_sync=no_sync_context(model))
     finally:
         # the parent checks this rank failed promptly; stderr carries the error itself
@@ -506,7 +507,7 @@ def scenario_agree(env: Any, out_dir: Path) -> dict[str, Any]:
     torch.manual_seed(0)
     model = wrap_model(create_model("tiny").double(), env)
     microbatches = _local_microbatches(batch, [[2, 2], [1, 3]], env.rank)
-    exchange = window_exchange(env)
+    exchange = window_exchange(env, model)
     results: dict[str, Any] = {}
 
     def attempt(name: str, step: int, epoch: int, has_data: bool = True, exch: Any = exchange,
@@ -533,8 +534,9 @@ def scenario_agree(env: Any, out_dir: Path) -> dict[str, Any]:
     attempt("no_data", 4, 0, has_data=env.rank == 0)  # rank 1's data ended, rank 0 still has a window
     attempt("all_ended", 4, 0, has_data=False)  # the epoch ends on every rank: agreed
     attempt("after", 5, 0)  # the ranks are still in step after the errors
-    attempt("fsdp_counts", 6, 0, exch=window_exchange(env, equal_counts=True), counts=1 + env.rank)
-    attempt("fsdp_equal_counts", 7, 0, exch=window_exchange(env, equal_counts=True), counts=2)
+    sharded = window_exchange(env, wrap_model(create_model("tiny").double(), env, fsdp=True))
+    attempt("fsdp_counts", 6, 0, exch=sharded, counts=1 + env.rank)
+    attempt("fsdp_equal_counts", 7, 0, exch=sharded, counts=2)
 
     # a Trainer: the initial weights of --seed on every rank, a different random stream for stochastic layers.
     # FSDP2, because it does not broadcast rank 0's weights as DDP does: each rank's shards are its own init
@@ -622,7 +624,7 @@ class _ExchangeVariant:
 
 def scenario_shard(env: Any) -> dict[str, Any]:
     from naflexclip.batch import concat_microbatches, split_batch
-    from naflexclip.exchange import window_exchange
+    from naflexclip.exchange import ProcessGroupExchange, window_exchange
     from naflexclip.factory import create_model
     from naflexclip.loss import clip_loss_dense, create_loss, siglip_loss_dense
     from naflexclip.parallel import no_sync_context, wrap_model
@@ -651,7 +653,6 @@ def scenario_shard(env: Any) -> dict[str, Any]:
             loss = dense(out["image_features"], out["text_features"], out["logit_scale"], out.get("logit_bias"))
         return grads, float(loss)
 
-    exchange = window_exchange(env)
     # (split, method, mode): every mode, both methods, and ranks holding different numbers of microbatches
     configs = [(0, "cache", "none"), (0, "cache", "linear"), (0, "cache", "sqrt"), (0, "replay", "sqrt"),
                (1, "cache", "linear"), (1, "replay", "none")]
@@ -662,6 +663,7 @@ def scenario_shard(env: Any) -> dict[str, Any]:
             reference_batch_size=REFERENCE_BATCH_SIZE, method=method, exchange=exch, no_sync=no_sync_context(model),
         )
 
+    exchange = ProcessGroupExchange(env)  # the exchange of every DDP model
     offset = sum(sum(rank_sizes) for rank_sizes in SHARD_SPLITS[world][0][: env.rank])
     rows = sum(SHARD_SPLITS[world][0][env.rank])
     wrong = {
@@ -698,18 +700,135 @@ def scenario_shard(env: Any) -> dict[str, Any]:
     model.zero_grad(set_to_none=True)
     accumulate_gradients(model, create_loss("clip", tile_size=SHARD_TILE_SIZE),
                          _local_microbatches(batch, SHARD_SPLITS[world][0], env.rank),
-                         exchange=window_exchange(env, equal_counts=True), no_sync=no_sync_context(model))
+                         exchange=window_exchange(env, model), no_sync=no_sync_context(model))
     results["fsdp"] = _errors(_gradients(model), reference(False, "none", SHARD_SPLITS[world][0])[0])
     return results
+
+
+# the Python-level collectives of torch.distributed that the `loop` scenario counts
+COLLECTIVES = ("all_gather_into_tensor", "all_gather_single", "all_gather", "all_gather_object", "all_reduce",
+               "reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter", "broadcast", "broadcast_object_list",
+               "barrier", "gather_object", "gather", "scatter", "all_to_all", "all_to_all_single", "reduce")
+
+
+def count_collectives() -> dict[str, int]:
+    """Wrap torch.distributed's collectives (before naflexclip binds any) with a counter by name; a collective
+    that calls another through torch's own aliases counts once."""
+    import torch.distributed as dist
+
+    counts: dict[str, int] = {}
+    depth = [0]
+
+    def counting(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if depth[0] == 0:
+                counts[name] = counts.get(name, 0) + 1
+            depth[0] += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return call
+
+    for name in COLLECTIVES:
+        if hasattr(dist, name):
+            setattr(dist, name, counting(name, getattr(dist, name)))
+    return counts
+
+
+def scenario_loop(env: Any, out_dir: Path, counts: dict[str, int]) -> dict[str, Any]:
+    from naflexclip.data import DataConfig
+    from naflexclip.distributed import barrier
+    from naflexclip.train import loop
+    from naflexclip.train.config import TrainConfig
+
+    results: dict[str, Any] = {}
+    for fsdp in (False, True):
+        wrapper = "fsdp" if fsdp else "ddp"
+        _log(env, f"loop {wrapper}")
+        # 16 pairs per rank, 2 per microbatch, --accum-freq 2: 4 steps of 2 microbatches per rank
+        cfg = TrainConfig(data=DataConfig(synthetic_train_size=32, synthetic_val_size=8, naflex_seq_lens=(16,),
+                                          naflex_max_tokens_per_batch=32, workers=0),
+                          model="tiny", epochs=1, accum_freq=2, logs=str(out_dir), name=f"loop_{wrapper}",
+                          device="cpu", zero_shot_samples=8, plot=False, fsdp=fsdp)
+        trainer = loop.Trainer(cfg, env)
+        marks: list[dict[str, int]] = []
+        steps: list[dict[str, Any]] = []
+        real_step = trainer.train_step
+
+        def train_step(microbatches: list[dict[str, Any]], real_step: Any = real_step, marks: Any = marks,
+                       steps: Any = steps) -> Any:
+            marks.append(dict(counts))
+            result = real_step(microbatches)
+            steps.append({"loss": result.stats.loss, "grad_norm": result.grad_norm, "skipped": result.skipped})
+            return result
+
+        trainer.train_step = train_step  # type: ignore[method-assign]
+        trainer.train_epoch()
+        per_step = [{name: after[name] - before.get(name, 0) for name in after if after[name] != before.get(name, 0)}
+                    for before, after in zip(marks, marks[1:], strict=False)]
+        results[wrapper] = {"per_step": per_step, "steps": steps}
+
+    # a stop signal on rank 1 only, before or after step 2's size exchange: every rank stops after the same step
+    for when in ("before", "after"):
+        _log(env, f"loop stop {when}")
+        trainer = loop.Trainer(dataclasses.replace(cfg, fsdp=False, name=f"stop_{when}"), env)
+        real_step = trainer.train_step
+
+        def signalled_step(microbatches: list[dict[str, Any]], real_step: Any = real_step, trainer: Any = trainer,
+                           when: str = when) -> Any:
+            signalled = env.rank == 1 and trainer.progress.step == 1
+            if signalled and when == "before":
+                trainer.stop_signal = signal.SIGTERM
+            result = real_step(microbatches)
+            if signalled and when == "after":
+                trainer.stop_signal = signal.SIGTERM
+            return result
+
+        trainer.train_step = signalled_step  # type: ignore[method-assign]
+        try:
+            trainer.train_epoch()
+            error = None
+        except loop.TrainingInterrupted as raised:
+            error = str(raised)
+        results[f"stop_{when}"] = {"error": error, "step": trainer.progress.step, "saved": trainer.last_step_saved}
+        barrier(env)  # rank 1 may still be waiting, on the store rank 0 hosts here, for the checkpoint write to end
+    return results
+
+
+def scenario_fsdp_uneven(env: Any) -> dict[str, Any]:
+    """Every rank records what the window raised (or None) and how long it took."""
+    from naflexclip.batch import split_batch
+    from naflexclip.exchange import window_exchange
+    from naflexclip.factory import create_model
+    from naflexclip.loss import create_loss
+    from naflexclip.parallel import no_sync_context, wrap_model
+    from naflexclip.verify import random_naflex_batch
+    from naflexclip.window import accumulate_gradients
+
+    count = (2, 1, 4)[env.rank]
+    batch = random_naflex_batch(4, patch_size=4, context_length=16, generator=torch.Generator().manual_seed(env.rank))
+    torch.manual_seed(0)
+    model = wrap_model(create_model("tiny").double(), env, fsdp=True)
+    start = time.monotonic()
+    try:
+        accumulate_gradients(model, create_loss("clip"), split_batch(batch, [1] * 4)[:count],
+                             exchange=window_exchange(env, model), no_sync=no_sync_context(model))
+        error = None
+    except Exception as raised:  # noqa: BLE001 - recorded for the parent to check
+        error = f"{type(raised).__name__}: {raised}"
+    return {"error": error, "seconds": time.monotonic() - start}
 
 
 def main() -> None:
     scenario, out_dir = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
+    counts = count_collectives() if scenario == "loop" else {}
     from naflexclip.distributed import cleanup, init_distributed
 
     fault = scenario in ("kill", "raise")
-    timeout_s = EVAL_TIMEOUT_S if scenario == "trainer_faults" else TIMEOUT_S if fault or scenario == "agree" else 120.0
+    short = fault or scenario in ("agree", "fsdp_uneven")
+    timeout_s = EVAL_TIMEOUT_S if scenario == "trainer_faults" else TIMEOUT_S if short else 120.0
     env = init_distributed(device="cpu", timeout_s=timeout_s)
     if scenario == "agree":
         result = scenario_agree(env, out_dir)
@@ -717,6 +836,10 @@ def main() -> None:
         result = scenario_shard(env)
     elif scenario == "trainer_faults":
         result = scenario_trainer_faults(env, out_dir)
+    elif scenario == "fsdp_uneven":
+        result = scenario_fsdp_uneven(env)
+    elif scenario == "loop":
+        result = scenario_loop(env, out_dir, counts)
     else:
         result = scenario_fault(env, scenario) if fault else scenario_exact(env)
     (out_dir / f"rank{env.rank}.json").write_text(json.dumps(result, indent=1, default=repr))

@@ -21,17 +21,23 @@ from distributed_workers import EVAL_TIMEOUT_S, TIMEOUT_S, launch
 import naflexclip.distributed as distributed
 import naflexclip.exchange as exchange_module
 from naflexclip.cli import main
-from naflexclip.distributed import DistributedEnv, DistributedFault, RankFailed, fault_guard, sum_over_ranks
+from naflexclip.distributed import DistributedEnv, DistributedFault, RankFailed, fault_guard
 from naflexclip.exchange import ProcessGroupExchange, RanksDisagree, window_exchange
 from naflexclip.window import RngState
 
 # --------------------------------------------------------------------- the exchange, ranks simulated
 
 
+def _gathered_headers(headers: list[list[int]]) -> torch.Tensor:
+    """Every rank's header [microbatches, position set, step, epoch, stop, valid tokens, token slots], flattened as
+    the all-gather returns it; rows given shorter end in zeros."""
+    return torch.tensor([row + [0] * (7 - len(row)) for row in headers], dtype=torch.int64).flatten()
+
+
 def _exchange_seeing(monkeypatch: pytest.MonkeyPatch, headers: list[list[int]], **kwargs: Any) -> ProcessGroupExchange:
     """Rank 0's exchange in a 3-rank job whose header all-gather returns `headers` (no processes needed)."""
     env = DistributedEnv(0, len(headers), 0, torch.device("cpu"), "gloo", 5.0)
-    gathered = iter([torch.tensor(headers, dtype=torch.int64).flatten(), torch.tensor([2, 2, 2], dtype=torch.int64)])
+    gathered = iter([_gathered_headers(headers), torch.tensor([2, 2, 2], dtype=torch.int64)])
     monkeypatch.setattr(exchange_module, "all_gather_tensor", lambda env, tensor: next(gathered))
     exchange = ProcessGroupExchange(env, **kwargs)
     exchange.set_position(7, 1)
@@ -58,13 +64,32 @@ def test_uneven_counts_pass_but_not_under_fsdp(monkeypatch: pytest.MonkeyPatch) 
     headers = [[1, 1, 7, 1], [1, 1, 7, 1], [1, 1, 7, 1]]
     headers_uneven = [[2, 1, 7, 1], [1, 1, 7, 1], [1, 1, 7, 1]]
     assert _exchange_seeing(monkeypatch, headers).gather_sizes([2]) == [[2], [2], [2]]
-    gathered = iter([torch.tensor(headers_uneven).flatten(), torch.tensor([2, 3, 2, 0, 2, 0])])
+    gathered = iter([_gathered_headers(headers_uneven), torch.tensor([2, 3, 2, 0, 2, 0])])
     monkeypatch.setattr(exchange_module, "all_gather_tensor", lambda env, tensor: next(gathered))
     exchange = ProcessGroupExchange(DistributedEnv(0, 3, 0, torch.device("cpu"), "gloo", 5.0))
     assert exchange.gather_sizes([2, 3]) == [[2, 3], [2], [2]]
     fsdp = _exchange_seeing(monkeypatch, headers_uneven, equal_counts=True)
     with pytest.raises(RanksDisagree, match=r"rank 0: 2 microbatches; ranks 1, 2: 1 microbatch \(FSDP needs"):
         fsdp.gather_sizes([2, 3])
+
+
+def test_the_stop_request_and_token_counts_of_every_rank_come_with_the_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # rank 2 was asked to stop; the token counts are summed over ranks; the header this rank sends carries its own
+    headers = [[1, 1, 7, 1, 0, 30, 40], [1, 1, 7, 1, 0, 10, 16], [1, 1, 7, 1, 1, 5, 8]]
+    sent: list[list[int]] = []
+    gathered = iter([_gathered_headers(headers), torch.tensor([2, 2, 2], dtype=torch.int64)])
+    monkeypatch.setattr(exchange_module, "all_gather_tensor",
+                        lambda env, tensor: sent.append(tensor.tolist()) or next(gathered))
+    exchange = ProcessGroupExchange(DistributedEnv(0, 3, 0, torch.device("cpu"), "gloo", 5.0))
+    exchange.set_position(7, 1, stop=False, tokens=(30, 40))
+    assert exchange.gather_sizes([2]) == [[2], [2], [2]]
+    assert sent[0] == [1, 1, 7, 1, 0, 30, 40]
+    assert exchange.agreed.stop and exchange.agreed.tokens == (45, 64)
+    assert exchange.should_stop(requested=False)  # this rank's own request (none) is not what decides
+    # the stop request is not a disagreement: every rank learns it and stops after the same window
+    single = window_exchange(DistributedEnv(0, 1, 0, torch.device("cpu"), None), torch.nn.Linear(1, 1))
+    single.set_position(3, 0, stop=False, tokens=(5, 6))
+    assert single.agreed.tokens == (5, 6) and single.should_stop(requested=True)  # one process: as it stands
 
 
 def test_ranks_that_failed_between_windows_are_named_with_their_errors(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -79,13 +104,12 @@ def test_ranks_that_failed_between_windows_are_named_with_their_errors(monkeypat
 
 
 def test_single_process_exchange_accepts_the_agreement_calls() -> None:
-    exchange = window_exchange(DistributedEnv(0, 1, 0, torch.device("cpu"), None))
+    exchange = window_exchange(DistributedEnv(0, 1, 0, torch.device("cpu"), None), torch.nn.Linear(1, 1))
     exchange.set_position(1, 0)
     exchange.end_of_data()
     exchange.fail(ValueError("nothing to tell"), "reading data")
     assert distributed.run_on_main(DistributedEnv(0, 1, 0, torch.device("cpu"), None), "evaluating", lambda: 5) == 5
     assert exchange.gather_sizes([3, 1]) == [[3, 1]]
-    assert sum_over_ranks(DistributedEnv(0, 1, 0, torch.device("cpu"), None), [3, 4]) == [3, 4]
 
 
 # ------------------------------------------------------------------- collective failures vs own errors
@@ -304,3 +328,58 @@ def test_a_rank_whose_loader_raises_stops_every_rank_in_seconds_naming_it(tmp_pa
     assert "fewer usable samples" in cause
     others = [line for line in ours if line not in own]
     assert others == [f"naflexclip train: rank {failed} raised DataError: {cause} (while reading data for step 2)"]
+
+
+# ------------------------------------------------- what the loop needs from every rank rides the size exchange
+
+
+@pytest.fixture(scope="module")
+def loop_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out_dir = tmp_path_factory.mktemp("loop")
+    reports = launch("loop", 2, Path(out_dir), timeout_s=300)
+    for rank, report in enumerate(reports):
+        assert report["returncode"] == 0, f"rank {rank} exited {report['returncode']}:\n{report['stderr'][-4000:]}"
+    return [report["result"] for report in reports]
+
+
+@pytest.mark.slow
+def test_a_ddp_training_step_makes_at_most_6_collectives(loop_run: list[dict[str, Any]]) -> None:
+    # the window's: header, sizes, text features, column log-sum-exps (all-gathers), the loss sum (all-reduce), the
+    # text-row gradients (reduce-scatter); the loop's stop request, non-finite check and token counts add none
+    for rank, result in enumerate(loop_run):
+        per_step = result["ddp"]["per_step"]
+        assert len(per_step) == 3, (rank, per_step)
+        for counts in per_step:
+            assert sum(counts.values()) <= 6, (rank, per_step)
+
+
+@pytest.mark.slow
+def test_the_logged_loss_and_grad_norm_are_the_same_on_every_rank(loop_run: list[dict[str, Any]]) -> None:
+    # every rank decides alike whether a step is skipped, without a collective of its own
+    for wrapper in ("ddp", "fsdp"):
+        first, second = (result[wrapper]["steps"] for result in loop_run)
+        assert len(first) == 4 and first == second, (wrapper, first, second)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("when", "step"), [("before", 2), ("after", 3)])
+def test_a_stop_signal_on_one_rank_stops_every_rank_after_the_same_step(loop_run: list[dict[str, Any]], when: str,
+                                                                        step: int) -> None:
+    # SIGTERM reaches rank 1 only, during step 2: before its size exchange it stops both ranks after step 2, after
+    # it (the request travels with the next window's exchange) after step 3; each rank saves that step and ends
+    for rank, result in enumerate(loop_run):
+        stopped = result[f"stop_{when}"]
+        assert stopped["step"] == step and stopped["saved"] == step, (rank, stopped)
+        assert stopped["error"].startswith(f"stopped by SIGTERM after step {step}; saved "), (rank, stopped)
+
+
+@pytest.mark.slow
+def test_fsdp_through_the_library_recipe_refuses_unequal_microbatch_counts_in_one_line(tmp_path: Path) -> None:
+    # window_exchange(env, model) knows the model is sharded: no flag for the caller to remember
+    reports = launch("fsdp_uneven", 3, tmp_path, timeout_s=TIMEOUT_S + 90)
+    for rank, report in enumerate(reports):
+        assert report["returncode"] == 0, f"rank {rank} exited {report['returncode']}:\n{report['stderr'][-4000:]}"
+        assert report["result"]["error"] == (
+            "RanksDisagree: ranks disagree at the window's size exchange: rank 0: 2 microbatches; "
+            "rank 1: 1 microbatch; rank 2: 4 microbatches (FSDP needs the same number of microbatches on every rank)")
+        assert report["result"]["seconds"] < TIMEOUT_S / 4

@@ -21,7 +21,7 @@ import hashlib
 import itertools
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -196,27 +196,6 @@ def check_consistency(env: DistributedEnv, **values: int | float | str) -> None:
             elif repr(rank_values[key]) != repr(reference[key]) or type(rank_values[key]) is not type(reference[key]):
                 problems.append(f"rank {rank} has {key}={rank_values[key]!r} but rank 0 has {reference[key]!r}")
     raise RuntimeError("ranks disagree: " + "; ".join(problems))
-
-
-def sum_over_ranks(env: DistributedEnv, values: Sequence[int]) -> list[int]:
-    """Every rank's `values` summed elementwise; a collective: every rank must call it (never only the rank
-    that logs), with the same number of values."""
-    if not env.distributed:
-        return [int(value) for value in values]
-    with translate_faults(env, "summing counters over ranks"):
-        total = torch.tensor(list(values), dtype=torch.int64, device=env.device)
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    return [int(value) for value in total.tolist()]
-
-
-def any_rank_true(env: DistributedEnv, flag: bool) -> bool:
-    """True on every rank if `flag` is True on any rank (e.g. a non-finite loss → all skip the step)."""
-    if not env.distributed:
-        return bool(flag)
-    with translate_faults(env, "agreeing on a flag"):
-        value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=env.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
 
 
 # ------------------------------------------------------------------------------------------- faults

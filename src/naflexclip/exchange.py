@@ -11,9 +11,11 @@ back to their owners with `reduce_scatter_rows`, its per-rank values with `sum_o
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from naflexclip.distributed import (
     DistributedEnv,
@@ -23,6 +25,7 @@ from naflexclip.distributed import (
     one_line,
     translate_faults,
 )
+from naflexclip.parallel import is_fsdp
 from naflexclip.window import LocalExchange
 
 
@@ -31,10 +34,23 @@ class RanksDisagree(DistributedFault):
     every rank raises the same one-line message at once (no rank is left waiting in a collective)."""
 
 
-# the fixed-size header every rank contributes to a window's first all-gather:
-# [microbatches, position set?, step, epoch]; microbatches is FAILED for a rank that raised (`fail`)
-_HEADER_FIELDS = 4
+# the fixed-size header every rank contributes to a window's first all-gather: [microbatches, position set?,
+# step, epoch, stop?, valid tokens, token slots]; microbatches is FAILED for a rank that raised (`fail`)
+_HEADER_FIELDS = 7
+_POSITION = slice(1, 4)
 FAILED = -1
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What the last size exchange told every rank, besides the sizes (the same on every rank).
+
+    stop: some rank was asked to stop (`set_position(stop=True)` before that exchange).
+    tokens: (valid image tokens, padded token slots) of the window, summed over ranks.
+    """
+
+    stop: bool = False
+    tokens: tuple[int, int] = (0, 0)
 
 
 class ProcessGroupExchange:
@@ -43,10 +59,13 @@ class ProcessGroupExchange:
     The size exchange is where every rank meets every window, so it also carries what the ranks must
     agree on — the training loop's step and epoch (`set_position`, the window knows nothing of steps) and
     whether a rank has data at all (`end_of_data`) — in the same all-gather as the microbatch counts: a
-    disagreement is a `RanksDisagree` on every rank at once, at no extra collective per window.
+    disagreement is a `RanksDisagree` on every rank at once, at no extra collective per window. What the
+    loop needs from every rank each step rides along too (`set_position`'s `stop` and `tokens`, read back
+    from `agreed`), so the loop makes no collective of its own.
 
     equal_counts: every rank must hold the same number of microbatches (FSDP gathers parameters in every
-        forward, so a rank with one forward more would wait for the others forever).
+        forward, so a rank with one forward more would wait for the others forever); `window_exchange` sets
+        it from the model.
     """
 
     def __init__(self, env: DistributedEnv, equal_counts: bool = False) -> None:
@@ -55,10 +74,20 @@ class ProcessGroupExchange:
         self.world_size = env.world_size
         self.equal_counts = equal_counts
         self._position: tuple[int, int] | None = None
+        self._note: tuple[bool, tuple[int, int]] = (False, (0, 0))
+        self.agreed = Agreement()
 
-    def set_position(self, step: int, epoch: int) -> None:
-        """The caller's step and epoch for the next exchanges; every rank must pass the same."""
+    def set_position(self, step: int, epoch: int, *, stop: bool = False, tokens: tuple[int, int] = (0, 0)) -> None:
+        """The caller's step and epoch for the next exchanges (every rank must pass the same), with this rank's
+        part of what every rank learns there (`agreed`): `stop`, it was asked to stop; `tokens`, its window's
+        (valid image tokens, padded token slots)."""
         self._position = (int(step), int(epoch))
+        self._note = (bool(stop), (int(tokens[0]), int(tokens[1])))
+
+    def should_stop(self, requested: bool) -> bool:
+        """Whether every rank stops after the last window: when some rank's stop request came with its size
+        exchange (the same answer on every rank); a request made since (`requested`) travels with the next."""
+        return self.agreed.stop
 
     def end_of_data(self) -> None:
         """This rank has no microbatch left for the next window: meet the other ranks' next size exchange.
@@ -95,7 +124,8 @@ class ProcessGroupExchange:
         `RankFailed` when a rank came with an error (`failure`, its one-line reason)."""
         env = self.env
         step, epoch = self._position if self._position is not None else (0, 0)
-        header = torch.tensor([count, self._position is not None, step, epoch], dtype=torch.int64)
+        stop, (valid, slots) = self._note
+        header = torch.tensor([count, self._position is not None, step, epoch, stop, valid, slots], dtype=torch.int64)
         with translate_faults(env, "exchanging microbatch sizes"):
             gathered = all_gather_tensor(env, header.to(env.device)).view(self.world_size, _HEADER_FIELDS)
         rows = [tuple(int(v) for v in row) for row in gathered.tolist()]
@@ -109,6 +139,8 @@ class ProcessGroupExchange:
         problem = _disagreement(rows, self.equal_counts)
         if problem:
             raise RanksDisagree(f"ranks disagree at the window's size exchange: {problem}")
+        self.agreed = Agreement(stop=any(row[4] for row in rows),
+                                tokens=(sum(row[5] for row in rows), sum(row[6] for row in rows)))
         return [row[0] for row in rows]
 
     def gather_rows(self, local_rows: torch.Tensor, rows_per_rank: Sequence[int]) -> torch.Tensor:
@@ -166,8 +198,15 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 class SingleProcessExchange(LocalExchange):
     """`LocalExchange` with the agreement calls of `ProcessGroupExchange`, which one process always meets."""
 
-    def set_position(self, step: int, epoch: int) -> None:
-        pass
+    def __init__(self) -> None:
+        self.agreed = Agreement()
+
+    def set_position(self, step: int, epoch: int, *, stop: bool = False, tokens: tuple[int, int] = (0, 0)) -> None:
+        self.agreed = Agreement(stop=bool(stop), tokens=(int(tokens[0]), int(tokens[1])))
+
+    def should_stop(self, requested: bool) -> bool:
+        """One process has no one to agree with: its request as it stands now."""
+        return requested
 
     def end_of_data(self) -> None:
         pass
@@ -176,9 +215,11 @@ class SingleProcessExchange(LocalExchange):
         pass
 
 
-def window_exchange(env: DistributedEnv, equal_counts: bool = False) -> ProcessGroupExchange | SingleProcessExchange:
-    """`SingleProcessExchange` in one process, else the process-group exchange (see `ProcessGroupExchange`)."""
-    return ProcessGroupExchange(env, equal_counts) if env.distributed else SingleProcessExchange()
+def window_exchange(env: DistributedEnv, model: nn.Module) -> ProcessGroupExchange | SingleProcessExchange:
+    """The exchange of the windows `model` (as wrapped by `parallel.wrap_model`) runs in: `SingleProcessExchange`
+    in one process, else the process-group exchange, which requires equal microbatch counts on every rank
+    when the model is FSDP-sharded (see `ProcessGroupExchange`)."""
+    return ProcessGroupExchange(env, equal_counts=is_fsdp(model)) if env.distributed else SingleProcessExchange()
 
 
 def _rank_list(ranks: Sequence[int]) -> str:
@@ -194,7 +235,7 @@ def _rank_list(ranks: Sequence[int]) -> str:
 
 
 def _disagreement(rows: Sequence[tuple[int, ...]], equal_counts: bool) -> str | None:
-    """What the ranks' exchange headers (count, position set, step, epoch) disagree on, or None."""
+    """What the ranks' exchange headers (count, position set, step, epoch, ...) disagree on, or None."""
 
     def where(row: tuple[int, ...]) -> str:
         return f"step {row[2]}, epoch {row[3]}" if row[1] else "no step given"
@@ -208,7 +249,7 @@ def _disagreement(rows: Sequence[tuple[int, ...]], equal_counts: bool) -> str | 
             groups.setdefault(describe(row), []).append(rank)
         return "; ".join(f"{_rank_list(ranks)}: {text}" for text, ranks in groups.items())
 
-    if len({row[1:] for row in rows}) > 1:
+    if len({row[_POSITION] for row in rows}) > 1:
         return grouped(lambda row: f"{where(row)}, {holds(row[0])}")
     counts = [row[0] for row in rows]
     if 0 in counts and any(counts):

@@ -247,6 +247,10 @@ class NaFlexClip(nn.Module):
             out["logit_bias"] = self.logit_bias
         return out
 
+    def sharding_units(self) -> list[nn.Module]:
+        """The modules a sharded wrapper (FSDP2) gathers one at a time: every transformer block of both towers."""
+        return [*self.visual.blocks, *self.text.transformer.resblocks]
+
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute each transformer block's activations in backward instead of keeping them (both towers).
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager as ContextManager
 from typing import Any
@@ -23,27 +24,19 @@ from naflexclip.distributed import DistributedEnv, translate_faults
 
 
 def is_fsdp(model: nn.Module) -> bool:
+    """True for a model FSDP2 sharded (`wrap_model(fsdp=True)`): every rank must run its forwards alike."""
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
-
-
-def _shard_units(model: nn.Module) -> list[nn.Module]:
-    """Transformer blocks of both towers: each becomes one FSDP2 unit (one all-gather per block)."""
-    units: list[nn.Module] = []
-    visual_blocks = getattr(getattr(model, "visual", None), "blocks", None)
-    text_blocks = getattr(getattr(getattr(model, "text", None), "transformer", None), "resblocks", None)
-    for blocks in (visual_blocks, text_blocks):
-        if isinstance(blocks, nn.Module):
-            units.extend(blocks.children())
-    return units
 
 
 def wrap_model(model: nn.Module, env: DistributedEnv, fsdp: bool = False) -> nn.Module:
     """DDP (default) or FSDP2 `fully_shard` around a model already on `env.device`; identity in one process.
 
     Both average gradients over ranks; the window multiplies this rank's row gradients by
-    `world_size`, so the average is the single-process gradient of the whole window.
+    `world_size`, so the average is the single-process gradient of the whole window. FSDP2 makes one unit
+    (one all-gather) of each module the model's `sharding_units()` names (NaFlexClip: every transformer
+    block of both towers), and one of the rest; a model without that method is one unit.
     """
     if not env.distributed:
         return model
@@ -52,11 +45,12 @@ def wrap_model(model: nn.Module, env: DistributedEnv, fsdp: bool = False) -> nn.
 
         # FSDP2 cannot shard 0-d parameters (logit_scale, logit_bias): keep them whole on every rank
         scalars = {param for param in model.parameters() if param.dim() == 0}
-        for unit in _shard_units(model):
+        units = model.sharding_units() if callable(getattr(model, "sharding_units", None)) else []
+        for unit in units:
             fully_shard(unit)
-        # the root unit holds embeddings and projections
+        # the root unit holds the rest (embeddings, projections)
         fully_shard(model, ignored_params=scalars or None)
-        _average_replicated_grads(model, scalars, env)
+        _REPLICATED[model] = _ReplicatedGrads(model, scalars, env)
         return model
     # the model's buffers are constants (attention masks), identical after DDP's initial broadcast:
     # re-broadcasting them before every forward would add one collective per microbatch
@@ -69,23 +63,28 @@ def wrap_model(model: nn.Module, env: DistributedEnv, fsdp: bool = False) -> nn.
     )
 
 
-def _average_replicated_grads(model: nn.Module, params: set[nn.Parameter], env: DistributedEnv) -> None:
-    """Average the gradients of parameters FSDP2 leaves alone, on the backwards that sync (as DDP would).
+class _ReplicatedGrads:
+    """Averages the gradients of the parameters FSDP2 leaves whole over ranks, on the backwards that sync
+    (as DDP would). The window gives `logit_scale`/`logit_bias` the same gradient on every rank, so this only
+    keeps ranks bit-identical; `no_sync_context` turns it off with the sharded parameters' sync."""
 
-    The window gives `logit_scale`/`logit_bias` the same gradient on every rank, so this only keeps
-    ranks bit-identical; it follows `no_sync_context` through `model._naflexclip_sync`.
-    """
-    model._naflexclip_sync = True  # type: ignore[assignment]
+    def __init__(self, model: nn.Module, params: set[nn.Parameter], env: DistributedEnv) -> None:
+        self.env = env
+        self.sync = True
+        names = {param: name for name, param in model.named_parameters()}
+        for param in sorted(params, key=names.__getitem__):  # the same order on every rank
+            param.register_post_accumulate_grad_hook(self.average)
 
-    def average(param: torch.Tensor) -> None:
-        if param.grad is not None and getattr(model, "_naflexclip_sync", True):
-            with translate_faults(env, "averaging replicated gradients"):
+    def average(self, param: torch.Tensor) -> None:
+        if param.grad is not None and self.sync:
+            with translate_faults(self.env, "averaging replicated gradients"):
                 # SUM then divide: gloo has no AVG reduction
                 dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
-            param.grad.div_(env.world_size)
+            param.grad.div_(self.env.world_size)
 
-    for param in sorted(params, key=lambda p: [n for n, q in model.named_parameters() if q is p][0]):
-        param.register_post_accumulate_grad_hook(average)
+
+# the FSDP2 models `wrap_model` sharded, and the averaging of the parameters it left whole
+_REPLICATED: weakref.WeakKeyDictionary[nn.Module, _ReplicatedGrads] = weakref.WeakKeyDictionary()
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -103,15 +102,19 @@ def no_sync_context(model: nn.Module) -> Callable[[], ContextManager[Any]]:
         return model.no_sync
     if is_fsdp(model):
 
+        replicated = _REPLICATED.get(model)
+
         @contextlib.contextmanager
         def fsdp_no_sync() -> Iterator[None]:
             model.set_requires_gradient_sync(False)  # type: ignore[operator]
-            model._naflexclip_sync = False  # the replicated scalars follow the sharded parameters
+            if replicated is not None:  # the parameters left whole follow the sharded ones
+                replicated.sync = False
             try:
                 yield
             finally:
                 model.set_requires_gradient_sync(True)  # type: ignore[operator]
-                model._naflexclip_sync = True
+                if replicated is not None:
+                    replicated.sync = True
 
         return fsdp_no_sync
     return contextlib.nullcontext

@@ -35,7 +35,6 @@ from naflexclip.batch import is_naflex, to_device
 from naflexclip.data import build_loader
 from naflexclip.distributed import (
     DistributedEnv,
-    any_rank_true,
     barrier,
     check_consistency,
     cleanup,
@@ -43,7 +42,6 @@ from naflexclip.distributed import (
     gather_to_main,
     init_distributed,
     run_on_main,
-    sum_over_ranks,
 )
 from naflexclip.exchange import window_exchange
 from naflexclip.factory import create_model
@@ -137,7 +135,7 @@ def windows(loader: Any, accum_freq: int) -> Iterator[list[dict[str, Any]]]:
 
 
 def _token_counts(microbatches: list[dict[str, Any]]) -> tuple[int, int]:
-    """(valid image patches, padded patch slots) of a rank's window."""
+    """(valid image patches, padded patch slots) of a rank's window (on the loader's side: no device sync)."""
     masks = [mb["image"]["patch_valid"] for mb in microbatches if is_naflex(mb["image"])]
     return sum(int(mask.sum()) for mask in masks), sum(mask.numel() for mask in masks)
 
@@ -162,7 +160,7 @@ class Trainer:
         self.module = unwrap_model(self.model)
         self.loss_fn = create_loss(cfg.loss, tile_size=cfg.loss_tile_size)
         # every window's size exchange also checks that the ranks agree on step, epoch and having data
-        self.exchange = window_exchange(env, equal_counts=cfg.fsdp)
+        self.exchange = window_exchange(env, self.model)
         self.optimizer = create_optimizer(self.model, lr=cfg.lr, weight_decay=cfg.wd, betas=(cfg.beta1, cfg.beta2),
                                           eps=cfg.eps)
         self.loader = build_loader(cfg.data, split="train", patch_size=self.module.image_patch_size,
@@ -206,10 +204,12 @@ class Trainer:
         optimizer state and grad-scaler growth untouched (the fp16 scaler still backs off)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        # the step this window makes (as the logs count it), checked against every rank in its size exchange,
+        # which also brings every rank's stop request and token counts (`exchange.agreed`)
+        self.exchange.set_position(self.progress.step + 1, self.progress.epoch, stop=self.stop_signal is not None,
+                                   tokens=_token_counts(microbatches))
         batches = [to_device(mb, self.env.device) for mb in microbatches]
         lr = self.schedule.lr
-        # the step this window makes (as the logs count it), checked against every rank in its size exchange
-        self.exchange.set_position(self.progress.step + 1, self.progress.epoch)
         with fault_guard(self.env, f"step {self.progress.step}"):
             stats = accumulate_gradients(
                 self.model, self.loss_fn, batches, loss_scale=self.cfg.naflex_loss_scale,
@@ -218,7 +218,9 @@ class Trainer:
                 grad_scaler=self.precision.scaler,
             )
             grad_norm = self._unscale_and_clip()
-            bad = any_rank_true(self.env, not (math.isfinite(stats.loss) and math.isfinite(grad_norm)))
+        # the same on every rank, so every rank skips alike: the loss is L(W) of the whole window, the norm that of
+        # the synchronised gradients
+        bad = not (math.isfinite(stats.loss) and math.isfinite(grad_norm))
         if bad:
             self._skip_step()
         else:
@@ -293,8 +295,7 @@ class Trainer:
                 progress.next_batch = self.loader.position
                 progress.num_samples_seen += result.stats.num_examples
                 now = time.perf_counter()
-                tokens = self.window_token_counts(microbatches)  # a collective: every rank, every step
-                self.log_step(result, tokens, now - tick, bar)
+                self.log_step(result, self.exchange.agreed.tokens, now - tick, bar)
                 tick = now
                 self.check_skips(result)
                 if cfg.save_every_n_steps and progress.step % cfg.save_every_n_steps == 0:
@@ -305,8 +306,9 @@ class Trainer:
                 self.check_stop_signal()
             # this rank's data for the epoch ended: meet the other ranks' next size exchange, so a rank
             # that still has microbatches fails at once, naming the ranks, instead of waiting for the timeout
-            self.exchange.set_position(progress.step + 1, progress.epoch)
+            self.exchange.set_position(progress.step + 1, progress.epoch, stop=self.stop_signal is not None)
             self.exchange.end_of_data()
+            self.check_stop_signal()
         finally:
             self.log_skipped_samples()
             bar.close()
@@ -357,7 +359,8 @@ class Trainer:
 
     def log_step(self, result: StepResult, tokens: tuple[int, int], seconds: float, bar: Any) -> None:
         """Progress bar every step; metrics.jsonl / TensorBoard every --log-every-n-steps.
-        tokens: `window_token_counts` of this step. No collective in here: logging may be main-rank only."""
+        tokens: (valid image patches, padded slots) of this step's window, all ranks. No collective in here: logging
+        may be main-rank only."""
         stats = result.stats
         valid, slots = tokens
         metrics = {
@@ -390,22 +393,16 @@ class Trainer:
         return False
 
     def check_stop_signal(self) -> None:
-        """After a step: when SIGINT/SIGTERM reached any rank, every rank saves this step and the run ends."""
-        requested = self.stop_signal is not None
-        if self.env.distributed:  # a signal may reach one rank only (or a step apart): all stop at the same step
-            requested = any_rank_true(self.env, requested)
-        if not requested:
+        """After a step (or the epoch's end): when SIGINT/SIGTERM reached any rank before this window's size
+        exchange, every rank saves this step and the run ends. The request came to every rank with that exchange
+        (a signal may reach one rank only, or a step apart): all stop at the same step. One process stops after
+        the step in progress."""
+        if not self.exchange.should_stop(self.stop_signal is not None):
             return
         number = self.stop_signal or signal.SIGTERM
         path = self.save_step()
         raise TrainingInterrupted(f"stopped by {signal.Signals(number).name} after step {self.progress.step}; saved "
                                   f"{path} (continue with --resume latest)", number, show=self.env.is_main)
-
-    def window_token_counts(self, microbatches: list[dict[str, Any]]) -> tuple[int, int]:
-        """(valid image patches, padded patch slots) of the whole window, all ranks. A collective: every rank
-        calls it every step, whether or not it logs (calling it only where rank 0 logs would deadlock)."""
-        valid, slots = sum_over_ranks(self.env, _token_counts(microbatches))
-        return valid, slots
 
     def _fractional_epoch(self) -> float:
         return self.progress.epoch + self.progress.next_batch / max(1, self.loader.num_batches)
