@@ -22,6 +22,7 @@ from open_clip.transformer import TextTransformer
 from timm.models.naflexvit import NaFlexVit, NaFlexVitCfg
 from torch import nn
 
+from naflexclip import lock
 from naflexclip.loss import loss_choice
 
 VOCAB_SIZE = 49408  # open_clip's SimpleTokenizer vocabulary (shipped in its wheel)
@@ -279,8 +280,35 @@ class NaFlexClip(nn.Module):
 
     @torch.no_grad()
     def clamp_logit_scale_(self) -> None:
-        """Clamp the temperature to [0, ln 100] (CLIP's rule; no upper bound for SigLIP 2), after each step."""
-        self.logit_scale.clamp_(0, self.config.max_logit_scale)
+        """Clamp the temperature to [0, ln 100] (CLIP's rule; no upper bound for SigLIP 2), after each step; a
+        locked (`requires_grad` False) temperature is left as it is."""
+        if self.logit_scale.requires_grad:
+            self.logit_scale.clamp_(0, self.config.max_logit_scale)
+
+    def lock_image_tower(self, unlocked_groups: int = 0) -> None:
+        """LiT: lock the image tower but its last `unlocked_groups` layer groups (OpenCLIP's method; `naflexclip.lock`).
+        Call it before DDP/FSDP wrap the model and before the optimizer is built."""
+        lock.lock_image_tower(self, unlocked_groups)
+
+    def lock_text_tower(self, unlocked_layers: int = 0, freeze_layer_norm: bool = True) -> None:
+        """Lock the text tower but its last `unlocked_layers` layer groups; `freeze_layer_norm=False` leaves the locked
+        groups' LayerNorms trainable (OpenCLIP's method; `naflexclip.lock`)."""
+        lock.lock_text_tower(self, unlocked_layers, freeze_layer_norm)
+
+    def locked_towers(self) -> frozenset[str]:
+        """The towers (`image`, `text`) none of whose parameters trains: the window computes their features once
+        per microbatch without gradient, never replayed."""
+        return lock.locked_towers(self)
+
+    def train(self, mode: bool = True) -> NaFlexClip:
+        """As `nn.Module.train`, except that a fully locked tower stays in eval mode: a fixed function, whose
+        features are those evaluation sees (no dropout, drop-path or patch dropout)."""
+        super().train(mode)
+        if mode:
+            for name in self.locked_towers():
+                for module in lock.tower_modules(self)[name]:
+                    module.eval()
+        return self
 
 
 def model_config(name: str, **overrides: Any) -> ModelConfig:

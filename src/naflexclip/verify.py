@@ -26,6 +26,7 @@ from naflexclip.data import DataError, add_data_args, build_loader, data_config_
 from naflexclip.distributed import DEVICE_CHOICES, check_device
 from naflexclip.factory import create_model
 from naflexclip.legacy import per_microbatch_scale_gradients
+from naflexclip.lock import Locks, add_lock_args, lock_summary
 from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES, create_loss
 from naflexclip.model import PRESETS
 from naflexclip.train.checkpoint import load_checkpoint_model
@@ -269,6 +270,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help=f"where the model and the window run: {', '.join(DEVICE_CHOICES)}")
     parser.add_argument("--grad-checkpointing", action="store_true",
                         help="accumulate with activation checkpointing in both towers (the reference without)")
+    add_lock_args(parser)
+    # unset lock flags take a --checkpoint's own (see _setup)
+    parser.set_defaults(**dict.fromkeys(Locks().as_dict()))
     # a real window: the first --accum-freq batches the loader yields (with --train-data, --checkpoint,
     # or --dataset-type synthetic); its own split is checked first, then random re-splits
     add_data_args(parser)
@@ -301,6 +305,7 @@ def _setup(args: argparse.Namespace) -> VerifySetup:
             return flag_value
         return trained.get(key) if trained.get(key) is not None else default
 
+    Locks(**{key: pick(getattr(args, key), key, default) for key, default in Locks().as_dict().items()}).apply(model)
     setup = VerifySetup(model, loss, pick(args.accum_freq, "accum_freq", 4), pick(args.batch_size, "batch_size", 4),
                         pick(args.naflex_loss_scale, "naflex_loss_scale", "linear"),
                         trained.get("data", {}).get("hf_processor"))
@@ -369,6 +374,9 @@ def run(args: argparse.Namespace) -> int:
     )
     checkpointing = "; grad checkpointing" if args.grad_checkpointing else ""
     print(f"splits: {result.splits}; methods: {', '.join(methods)}; {args.dtype} on {device}{checkpointing}")
+    locked = lock_summary(model)
+    if locked:
+        print(f"{locked}; the table lists the trainable parameters")
     print(format_table(result))
     verdict = "PASS" if result.passed else "FAIL"
     print(f"{verdict}: accumulated gradient {'equals' if result.passed else 'differs from'} "

@@ -19,6 +19,10 @@ Phases (GradCache, Gao et al. 2021, https://arxiv.org/abs/2101.06983):
 The `replay` method (OpenCLIP's scheme) instead differentiates `s · L(W)` once per microbatch with
 that microbatch's rows live and the others cached; `logit_scale`/`logit_bias` are live in one replay.
 
+A tower the model reports fully locked (`model.locked_towers()`, LiT) is a feature source: its features are
+constants of the window, computed in the cache phase (before the RNG state is recorded) and never replayed,
+so a locked image tower costs one forward per microbatch instead of a forward, a replay and its backward.
+
 This module knows nothing of loaders, optimizers, logging or process groups: distributed feature
 exchange comes in as a `WindowExchange`, gradient-sync suppression as a `no_sync` context factory.
 """
@@ -41,6 +45,7 @@ from naflexclip.loss import ShardedLoss
 SCALE_MODES = ("none", "linear", "sqrt")
 METHODS = ("cache", "replay")
 FEATURE_KEYS = ("image_features", "text_features")
+TOWER_FEATURES = {"image": "image_features", "text": "text_features"}  # the input each tower encodes → its output
 SCALAR_KEYS = ("logit_scale", "logit_bias")
 
 
@@ -168,6 +173,14 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
+def feature_sources(model: nn.Module) -> tuple[str, ...]:
+    """The inputs (`image`, `text`) whose tower has no trainable parameter, as the model reports them through
+    `locked_towers()` (a DDP wrapper's through its `.module`); a model without that method has none."""
+    locked = getattr(getattr(model, "module", model), "locked_towers", None)
+    names = locked() if locked is not None else ()
+    return tuple(name for name in TOWER_FEATURES if name in names)
+
+
 def _tensors(microbatch: dict[str, Any]) -> list[torch.Tensor]:
     """The microbatch's input tensors; other entries of a NaFlex dict (OpenCLIP's collator adds an int
     `seq_len`) are not inputs the RNG devices depend on."""
@@ -211,11 +224,22 @@ class _Window:
     grad_scaler: Any
     rows_per_rank: list[int]
     sharded: bool  # each rank computes only its own rows' block of the loss
+    sources: tuple[str, ...]  # inputs whose tower is fully locked: features computed once, never replayed
 
-    def forward(self, microbatch: dict[str, Any]) -> dict[str, torch.Tensor]:
+    @property
+    def live(self) -> tuple[str, ...]:
+        """The inputs whose tower trains (forwarded again with grad)."""
+        return tuple(name for name in TOWER_FEATURES if name not in self.sources)
+
+    @property
+    def live_keys(self) -> tuple[str, ...]:
+        return tuple(TOWER_FEATURES[name] for name in self.live)
+
+    def forward(self, microbatch: dict[str, Any], inputs: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The model on `inputs` of the microbatch (`image`, `text`, both, or neither for the scalars alone)."""
         with self.autocast():
-            out = self.model(image=microbatch["image"], text=microbatch["text"])
-        for key in FEATURE_KEYS + ("logit_scale",):
+            out = self.model(**{name: microbatch[name] for name in inputs})
+        for key in (*(TOWER_FEATURES[name] for name in inputs), "logit_scale"):
             if key not in out:
                 raise ValueError(f"model output has no {key!r}; it returned keys {sorted(out)}")
         return out
@@ -239,14 +263,18 @@ class _Window:
         return contextlib.nullcontext() if last else self.no_sync()
 
     def cache(self) -> tuple[list[RngState], dict[str, torch.Tensor]]:
-        """Phase 1: no-grad forwards; returns RNG states and the local features/scalars."""
+        """Phase 1: no-grad forwards; returns the RNG states of the trainable towers' forwards and the local
+        features/scalars. A fully locked tower runs here only, before the state its replay needs is recorded."""
         states, outputs = [], []
         # where any of the window's forwards may draw: looked up once per window, not per microbatch
         devices = RngState.devices_of(self.model, [t for mb in self.microbatches for t in _tensors(mb)])
         with torch.no_grad():
             for mb in self.microbatches:
+                out = self.forward(mb, self.sources) if self.sources else {}
                 states.append(RngState(devices))
-                outputs.append(self.forward(mb))
+                if self.live:
+                    out.update(self.forward(mb, self.live))
+                outputs.append(out)
         cached = {key: torch.cat([out[key] for out in outputs]) for key in FEATURE_KEYS}
         for key in SCALAR_KEYS:
             if outputs[0].get(key) is not None:
@@ -279,7 +307,8 @@ def _scalar_leaves(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def _whole_loss(window: _Window, local: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict, dict]:
     """Phase 2 with every rank computing all of L(W) (one process, or a loss that cannot be sharded):
     returns L(W), this rank's row gradients and the scalar gradients."""
-    leaves = {key: window.gather(local[key]).detach().requires_grad_() for key in FEATURE_KEYS}
+    # a locked tower's rows are constants: no gradient is taken for them
+    leaves = {key: window.gather(local[key]).detach().requires_grad_(key in window.live_keys) for key in FEATURE_KEYS}
     leaves.update(_scalar_leaves(local))
     loss = window.window_loss(leaves)
     # the leaves are detached from the towers: this backward touches no parameter
@@ -288,7 +317,7 @@ def _whole_loss(window: _Window, local: dict[str, torch.Tensor]) -> tuple[torch.
     # so multiply by R here and the average becomes the sum over ranks.
     offset, rows = window.local_offset, window.rows_per_rank[window.exchange.rank]
     row_grads = {
-        key: leaves[key].grad[offset : offset + rows] * window.exchange.world_size for key in FEATURE_KEYS
+        key: leaves[key].grad[offset : offset + rows] * window.exchange.world_size for key in window.live_keys
     }
     # every rank computed the same scalar gradients: the average over ranks is that value, once
     scalar_grads = {key: leaves[key].grad for key in SCALAR_KEYS if key in leaves}
@@ -306,19 +335,23 @@ def _sharded_loss(window: _Window, local: dict[str, torch.Tensor]) -> tuple[torc
     exchange, world = window.exchange, window.exchange.world_size
     leaves = {
         # only the texts are gathered: this rank's rows of the logit matrix need only its own images
-        "image_features": local["image_features"].detach().requires_grad_(),
-        "text_features": window.gather(local["text_features"]).detach().requires_grad_(),
+        "image_features": local["image_features"].detach(),
+        "text_features": window.gather(local["text_features"]).detach(),
     }
+    for key in window.live_keys:  # a locked tower's rows are constants: no gradient is taken for them
+        leaves[key].requires_grad_()
     leaves.update(_scalar_leaves(local))
     assert isinstance(window.loss_fn, ShardedLoss)
     part = window.loss_fn.sharded(*_loss_inputs(leaves), row_offset=window.local_offset,
                                   reduce_column_lse=window.reduce_column_lse)
     window.scaled_for_backward(part).backward()
     # × R: DDP/FSDP average the tower gradients over ranks (as in the unsharded phase)
-    row_grads = {
-        "image_features": leaves["image_features"].grad * world,
-        "text_features": exchange.reduce_scatter_rows(leaves["text_features"].grad, window.rows_per_rank) * world,
-    }
+    row_grads = {}
+    if "image_features" in window.live_keys:
+        row_grads["image_features"] = leaves["image_features"].grad * world
+    if "text_features" in window.live_keys:
+        row_grads["text_features"] = exchange.reduce_scatter_rows(leaves["text_features"].grad,
+                                                                  window.rows_per_rank) * world
     scalar_keys = [key for key in SCALAR_KEYS if key in leaves]
     parts = torch.stack([part.detach().double(), *(leaves[key].grad.double().reshape(()) for key in scalar_keys)])
     summed = exchange.sum_over_ranks(parts)  # Σ_r: L(W), ∂(s·L)/∂t, ∂(s·L)/∂b — counted once
@@ -341,17 +374,24 @@ def _run_cache(window: _Window) -> torch.Tensor:
         size = batch_size(mb)
         with window.sync(last=index == last_index):
             with state.replayed():
-                out = window.forward(mb)
+                out = window.forward(mb, window.live)
             # d(surrogate)/d(features) is exactly the cached row gradient (already carrying s and R)
             surrogate = sum(
-                (_loss_precision(out[key]) * row_grads[key][start : start + size]).sum() for key in FEATURE_KEYS
+                (_loss_precision(out[key]) * row_grads[key][start : start + size]).sum() for key in window.live_keys
             )
             if index == last_index:
                 # logit_scale / logit_bias: their gradient was taken once in phase 2
                 surrogate = surrogate + sum((out[key] * grad).sum() for key, grad in scalar_grads.items())
-            surrogate.backward()
+            _backward(surrogate)
         start += size
     return loss
+
+
+def _backward(value: torch.Tensor | int) -> None:
+    """Backward a surrogate or loss; one that reaches no trainable parameter (both towers locked, a microbatch
+    before the last) has nothing to add."""
+    if isinstance(value, torch.Tensor) and value.requires_grad:
+        value.backward()
 
 
 def _run_replay(window: _Window) -> torch.Tensor:
@@ -365,9 +405,10 @@ def _run_replay(window: _Window) -> torch.Tensor:
         size = batch_size(mb)
         with window.sync(last=index == last_index):
             with state.replayed():
-                out = window.forward(mb)
-            features: dict[str, torch.Tensor] = {}
-            for key in FEATURE_KEYS:
+                out = window.forward(mb, window.live)
+            # a locked tower's rows are the cached constants
+            features = {key: cached[key] for key in FEATURE_KEYS if key not in window.live_keys}
+            for key in window.live_keys:
                 # live rows for this microbatch, cached rows elsewhere; × R undoes the DDP average
                 live = _ScaleGrad.apply(out[key], float(window.exchange.world_size))
                 features[key] = torch.cat(
@@ -378,7 +419,7 @@ def _run_replay(window: _Window) -> torch.Tensor:
                     # live in exactly one replay (the last), a constant in the others
                     features[key] = out[key] if index == last_index else out[key].detach()
             loss = window.window_loss(features)
-            window.scaled_for_backward(loss).backward()
+            _backward(window.scaled_for_backward(loss))
         start += size
     assert loss is not None
     return loss.detach()
@@ -399,7 +440,8 @@ def accumulate_gradients(
 ) -> WindowStats:
     """Add `s(W)·∇θ L(W)` for this window to the parameters' `.grad` (no optimizer step).
 
-    model: any module whose `forward(image=, text=)` returns OpenCLIP's output dict.
+    model: any module whose `forward(image=, text=)` returns OpenCLIP's output dict (for either input alone, that
+        tower's features); one with `locked_towers()` (NaFlexClip) has its fully locked towers forwarded once.
     loss_fn: `loss(image_features, text_features, logit_scale, logit_bias=None)` over `[N, D]` rows; one
         that also has the per-rank form (`naflexclip.loss.ShardedLoss`: `ClipLoss`, `SigLipLoss`) is split
         over ranks in the `cache` method; any other is computed whole on every rank.
@@ -432,6 +474,7 @@ def accumulate_gradients(
         grad_scaler=grad_scaler,
         rows_per_rank=[sum(rank_sizes) for rank_sizes in sizes_per_rank],
         sharded=exchange.world_size > 1 and isinstance(loss_fn, ShardedLoss),
+        sources=feature_sources(model),
     )
     loss = _run_cache(window) if method == "cache" else _run_replay(window)
     return WindowStats(

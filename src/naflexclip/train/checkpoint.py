@@ -42,6 +42,7 @@ from torch import nn
 
 from naflexclip.data.loader import NaFlexLoader
 from naflexclip.factory import create_model
+from naflexclip.lock import Locks
 from naflexclip.model import NaFlexClip, config_from_dict, load_weights
 
 MODEL_FILE = "model.safetensors"
@@ -319,7 +320,9 @@ def load_checkpoint_model(path: str | Path, device: str | torch.device = "cpu") 
 # What a resume may not change, because the continued run would be another run: the model and its loss,
 # and what the saved data position means (the sample order and the batch plan of every epoch). Any other
 # flag is applied and listed; these are not compared at all (where a run writes, when it stops, devices).
-BREAKING_TOP = {"model": "the model", "pretrained": "the model", "loss": "the loss"}
+BREAKING_TOP = {"model": "the model", "pretrained": "the model", "loss": "the loss",
+                # the optimizer state holds the trainable parameters only (a run unlocking more is a new run)
+                **dict.fromkeys(Locks().as_dict(), "which parameters train")}
 BREAKING_DATA = ("train_data", "dataset_type", "csv_img_key", "csv_caption_key", "csv_separator", "seed",
                  "synthetic_seed", "synthetic_train_size", "synthetic_shape_group_size", "train_num_samples",
                  "shuffle_buffer", "naflex_seq_lens", "naflex_seq_len_probs", "naflex_max_tokens_per_batch",

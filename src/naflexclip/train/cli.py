@@ -16,6 +16,7 @@ import torch
 
 from naflexclip.data import DataConfig, DataError, add_data_args, data_config_from_args
 from naflexclip.distributed import DEVICE_CHOICES, DistributedFault, check_device, launched_world_size
+from naflexclip.lock import Locks, add_lock_args
 from naflexclip.loss import LOSSES
 from naflexclip.model import PRESETS
 from naflexclip.window import METHODS, SCALE_MODES
@@ -84,6 +85,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pretrained", default=None,
                    help="start from a transformers SigLIP 2 checkpoint directory (config.json, model.safetensors, "
                         "tokenizer); its architecture replaces --model, its tokenizer and patching the data's")
+    add_lock_args(parser)
     r = parser.add_argument_group("run, logs and checkpoints")
     # --logs-dir: torchrun (torch >= 2.9) rejects `--logs` after the script as ambiguous with its --logs-specs
     r.add_argument("--logs", "--logs-dir", dest="logs", default=_default("logs"),
@@ -138,7 +140,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         device=args.device, max_skipped_steps=args.max_skipped_steps, fsdp=args.fsdp,
         dist_timeout=args.dist_timeout, plot=not args.no_plot, loss_tile_size=args.loss_tile_size,
         zero_shot_samples=args.zero_shot_samples, pretrained=args.pretrained,
-        grad_checkpointing=args.grad_checkpointing, torchcompile=args.torchcompile,
+        grad_checkpointing=args.grad_checkpointing, torchcompile=args.torchcompile, **Locks.pick(args).as_dict(),
     )
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from naflexclip.data import DataConfig
 from naflexclip.families import family_of
+from naflexclip.lock import Locks
 from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES
 from naflexclip.model import PRESETS
 from naflexclip.train.report import report_to_names
@@ -66,6 +67,12 @@ class TrainConfig:
     dist_timeout: float = 1800.0
     plot: bool = True
     pretrained: str | None = None  # a transformers SigLIP 2 directory: architecture, weights, tokenizer, patching
+    # locked towers (OpenCLIP's flags; `naflexclip.lock.Locks`)
+    lock_image: bool = False
+    lock_image_unlocked_groups: int = 0
+    lock_text: bool = False
+    lock_text_unlocked_layers: int = 0
+    lock_text_freeze_layer_norm: bool = False
 
     def __post_init__(self) -> None:
         self._check_choices()
@@ -73,6 +80,7 @@ class TrainConfig:
         self._check_scale()
         self._check_pretrained()
         self._check_loss()
+        Locks.pick(self)  # one-line errors for lock flags that cannot go together
         if self.name is None:
             # OpenCLIP-style run name: when and what
             model = family_of(self.pretrained).NAME if self.pretrained else self.model

@@ -45,6 +45,7 @@ from naflexclip.distributed import (
 )
 from naflexclip.exchange import window_exchange
 from naflexclip.factory import create_model
+from naflexclip.lock import Locks, lock_summary
 from naflexclip.loss import create_loss
 from naflexclip.model import config_to_dict, weights_mismatch
 from naflexclip.parallel import (
@@ -148,6 +149,7 @@ class Trainer:
         seed_everything(cfg.seed)  # the same initial weights on every rank (FSDP2 does not broadcast them)
         self.precision = create_precision(cfg.precision, env.device)
         model = create_model(cfg.pretrained or cfg.model, loss=cfg.loss)  # --pretrained: a SigLIP 2 directory
+        Locks.pick(cfg).apply(model)  # before wrapping (DDP registers the trainable parameters) and the optimizer
         model = model.to(env.device)
         if cfg.grad_checkpointing:
             model.set_grad_checkpointing()
@@ -176,6 +178,9 @@ class Trainer:
         self.evals: list[dict[str, float]] = []  # [0]: the evaluation before the run's first step
         self.stop_signal: int | None = None  # set by SIGINT/SIGTERM (see `stop_signals`)
         self.last_step_saved: int | None = None
+        locked = lock_summary(self.module)
+        if locked:
+            self.reporter.message(locked)
         total = self.schedule.total_steps
         if cfg.warmup > total:
             self.reporter.message(f"warning: --warmup {cfg.warmup} is longer than the run ({total} optimizer steps): "
