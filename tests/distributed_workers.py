@@ -16,6 +16,9 @@ Scenarios:
   shard     — the loss split over ranks with small tiles (4 ranks): cache and replay windows, CLIP and SigLIP,
               every scale mode, uneven sizes and counts, against the single-process full batch with the dense
               loss; teeth (no reduce-scatter, unsummed logit_scale/bias); an FSDP2 window.
+  locked    — LiT windows (2 ranks): a locked image tower, a locked text tower, a partly locked image tower, under
+              DDP and FSDP2, cache and replay, the sharded loss; against the single-process full batch for the
+              trainable parameters; image-tower forwards per rank.
   trainer_faults — a Trainer whose loader raises on rank 1 between windows, and whose rank-0 evaluation
               outlasts the collective timeout or raises: every rank stops at once naming the rank, or waits.
   fsdp_uneven — the README's library recipe with an FSDP2 model, ranks holding 2, 1 and 4 microbatches.
@@ -820,6 +823,57 @@ def scenario_fsdp_uneven(env: Any) -> dict[str, Any]:
     return {"error": error, "seconds": time.monotonic() - start}
 
 
+
+# the `locked` scenario: (lock flags, siglip)
+LOCKS = {"image": ({"lock_image": True}, False),
+         "text": ({"lock_text": True, "lock_text_freeze_layer_norm": True}, True),
+         "image+2": ({"lock_image": True, "lock_image_unlocked_groups": 2}, True)}
+
+
+def scenario_locked(env: Any) -> dict[str, Any]:
+    from naflexclip.batch import concat_microbatches, split_batch
+    from naflexclip.distributed import no_sync_context, unwrap_model, window_exchange, wrap_model
+    from naflexclip.lock import Locks
+    from naflexclip.loss import create_loss
+    from naflexclip.model import create_model
+    from naflexclip.verify import full_batch_gradients, random_naflex_batch
+    from naflexclip.window import accumulate_gradients, window_loss_scale
+
+    split = SPLITS[env.world_size][0]
+    sizes = [size for rank_sizes in split for size in rank_sizes]
+    batch = random_naflex_batch(NUM_EXAMPLES, patch_size=4, context_length=16,
+                                generator=torch.Generator().manual_seed(7))
+    scale = window_loss_scale(sizes, REFERENCE_BATCH_SIZE, "linear")
+    microbatches = _local_microbatches(batch, split, env.rank)
+    results: dict[str, Any] = {"exact": {}, "forwards": {}}
+    calls: list[int] = []  # image-tower forwards of the current window
+
+    def build(lock: str) -> torch.nn.Module:
+        flags, siglip = LOCKS[lock]
+        torch.manual_seed(0)
+        model = create_model("tiny", siglip=siglip).double()
+        Locks(**flags).apply(model)
+        return model
+
+    for fsdp in (False, True):
+        for lock, (_, siglip) in LOCKS.items():
+            _log(env, f"locked {lock} fsdp={fsdp}")
+            reference = full_batch_gradients(build(lock), create_loss(siglip),
+                                             concat_microbatches(split_batch(batch, sizes)), scale)
+            model = wrap_model(build(lock), env, fsdp=fsdp)
+            unwrap_model(model).visual.register_forward_hook(lambda *_: calls.append(1))
+            for method in ("cache", "replay"):
+                model.zero_grad(set_to_none=True)
+                calls.clear()
+                accumulate_gradients(model, create_loss(siglip, tile_size=SHARD_TILE_SIZE), microbatches,
+                                     loss_scale="linear", reference_batch_size=REFERENCE_BATCH_SIZE, method=method,
+                                     exchange=window_exchange(env, equal_counts=fsdp), no_sync=no_sync_context(model))
+                name = f"{'fsdp' if fsdp else 'ddp'}/{lock}/{method}"
+                results["exact"][name] = _errors(_gradients(model), reference)
+                results["forwards"][name] = [len(calls), len(microbatches)]
+    return results
+
+
 def main() -> None:
     scenario, out_dir = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
@@ -834,6 +888,8 @@ def main() -> None:
         result = scenario_agree(env, out_dir)
     elif scenario == "shard":
         result = scenario_shard(env)
+    elif scenario == "locked":
+        result = scenario_locked(env)
     elif scenario == "trainer_faults":
         result = scenario_trainer_faults(env, out_dir)
     elif scenario == "fsdp_uneven":

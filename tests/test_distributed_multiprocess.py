@@ -163,3 +163,19 @@ def test_fsdp2_window_with_the_sharded_loss_is_exact(shard: list[dict[str, Any]]
     for rank, result in enumerate(shard):
         assert result["fsdp"]["missing"] == 0 and result["fsdp"]["params"] <= FLOAT64_TOLERANCE, (rank, result["fsdp"])
         assert result["fsdp"]["pos_embed"] <= POS_EMBED_TOLERANCE, (rank, result["fsdp"])
+
+
+# ------------------------------------------------------------------------- locked towers (LiT), 2 ranks
+
+
+def test_locked_towers_across_ranks_are_exact_and_a_locked_tower_runs_once(tmp_path_factory) -> None:
+    """DDP and FSDP2, cache and replay, the sharded loss: the trainable parameters' gradients equal the single-process
+    full batch's, locked ones have none, and a fully locked image tower runs once per local microbatch."""
+    for rank, result in enumerate(_run("locked", 2, tmp_path_factory)):
+        assert {name.split("/")[0] for name in result["exact"]} == {"ddp", "fsdp"}
+        for name, errors in result["exact"].items():
+            assert errors["missing"] == 0, f"rank {rank} {name}: gradients missing or unexpected"
+            assert errors["params"] <= FLOAT64_TOLERANCE, f"rank {rank} {name}: {errors}"
+            assert errors["pos_embed"] <= POS_EMBED_TOLERANCE, f"rank {rank} {name}: {errors}"
+        for name, (forwards, microbatches) in result["forwards"].items():
+            assert forwards == (microbatches if "/image/" in name else 2 * microbatches), (rank, name)
