@@ -824,18 +824,19 @@ def scenario_fsdp_uneven(env: Any) -> dict[str, Any]:
 
 
 
-# the `locked` scenario: (lock flags, siglip)
-LOCKS = {"image": ({"lock_image": True}, False),
-         "text": ({"lock_text": True, "lock_text_freeze_layer_norm": True}, True),
-         "image+2": ({"lock_image": True, "lock_image_unlocked_groups": 2}, True)}
+# the `locked` scenario: (lock flags, loss)
+LOCKS = {"image": ({"lock_image": True}, "clip"),
+         "text": ({"lock_text": True, "lock_text_freeze_layer_norm": True}, "siglip"),
+         "image+2": ({"lock_image": True, "lock_image_unlocked_groups": 2}, "siglip")}
 
 
 def scenario_locked(env: Any) -> dict[str, Any]:
     from naflexclip.batch import concat_microbatches, split_batch
-    from naflexclip.distributed import no_sync_context, unwrap_model, window_exchange, wrap_model
+    from naflexclip.exchange import window_exchange
+    from naflexclip.factory import create_model
     from naflexclip.lock import Locks
     from naflexclip.loss import create_loss
-    from naflexclip.model import create_model
+    from naflexclip.parallel import no_sync_context, unwrap_model, wrap_model
     from naflexclip.verify import full_batch_gradients, random_naflex_batch
     from naflexclip.window import accumulate_gradients, window_loss_scale
 
@@ -849,25 +850,25 @@ def scenario_locked(env: Any) -> dict[str, Any]:
     calls: list[int] = []  # image-tower forwards of the current window
 
     def build(lock: str) -> torch.nn.Module:
-        flags, siglip = LOCKS[lock]
+        flags, loss = LOCKS[lock]
         torch.manual_seed(0)
-        model = create_model("tiny", siglip=siglip).double()
+        model = create_model("tiny", loss=loss).double()
         Locks(**flags).apply(model)
         return model
 
     for fsdp in (False, True):
-        for lock, (_, siglip) in LOCKS.items():
+        for lock, (_, loss) in LOCKS.items():
             _log(env, f"locked {lock} fsdp={fsdp}")
-            reference = full_batch_gradients(build(lock), create_loss(siglip),
+            reference = full_batch_gradients(build(lock), create_loss(loss),
                                              concat_microbatches(split_batch(batch, sizes)), scale)
             model = wrap_model(build(lock), env, fsdp=fsdp)
             unwrap_model(model).visual.register_forward_hook(lambda *_: calls.append(1))
             for method in ("cache", "replay"):
                 model.zero_grad(set_to_none=True)
                 calls.clear()
-                accumulate_gradients(model, create_loss(siglip, tile_size=SHARD_TILE_SIZE), microbatches,
+                accumulate_gradients(model, create_loss(loss, tile_size=SHARD_TILE_SIZE), microbatches,
                                      loss_scale="linear", reference_batch_size=REFERENCE_BATCH_SIZE, method=method,
-                                     exchange=window_exchange(env, equal_counts=fsdp), no_sync=no_sync_context(model))
+                                     exchange=window_exchange(env, model), no_sync=no_sync_context(model))
                 name = f"{'fsdp' if fsdp else 'ddp'}/{lock}/{method}"
                 results["exact"][name] = _errors(_gradients(model), reference)
                 results["forwards"][name] = [len(calls), len(microbatches)]
