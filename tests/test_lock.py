@@ -182,6 +182,10 @@ def test_lock_flags_reach_the_run_and_are_refused_on_resume_when_changed(tmp_pat
         train(tiny_config(tmp_path, "lit", stop_after_steps=2, val_frequency=0, resume="latest"))
     assert len(str(raised.value).splitlines()) == 1
     train(tiny_config(tmp_path, "lit", lock_image=True, stop_after_steps=2, val_frequency=0, resume="latest"))
+    capsys.readouterr()
+    # verify takes the run's own locks from its checkpoint
+    assert main(["verify", "--checkpoint", str(tmp_path / "lit" / "checkpoints"), "--splits", "1"]) == 0
+    assert "locked: the image tower" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("flags", "message"), [

@@ -224,12 +224,7 @@ class _Window:
     grad_scaler: Any
     rows_per_rank: list[int]
     sharded: bool  # each rank computes only its own rows' block of the loss
-    sources: tuple[str, ...]  # inputs whose tower is fully locked: features computed once, never replayed
-
-    @property
-    def live(self) -> tuple[str, ...]:
-        """The inputs whose tower trains (forwarded again with grad)."""
-        return tuple(name for name in TOWER_FEATURES if name not in self.sources)
+    live: tuple[str, ...]  # inputs whose tower trains; a fully locked one's features are computed once, never replayed
 
     @property
     def live_keys(self) -> tuple[str, ...]:
@@ -264,13 +259,14 @@ class _Window:
 
     def cache(self) -> tuple[list[RngState], dict[str, torch.Tensor]]:
         """Phase 1: no-grad forwards; returns the RNG states of the trainable towers' forwards and the local
-        features/scalars. A fully locked tower runs here only, before the state its replay needs is recorded."""
+        features/scalars. A fully locked tower runs here only, before the RNG state is recorded."""
         states, outputs = [], []
         # where any of the window's forwards may draw: looked up once per window, not per microbatch
         devices = RngState.devices_of(self.model, [t for mb in self.microbatches for t in _tensors(mb)])
+        sources = [name for name in TOWER_FEATURES if name not in self.live]
         with torch.no_grad():
             for mb in self.microbatches:
-                out = self.forward(mb, self.sources) if self.sources else {}
+                out = self.forward(mb, sources) if sources else {}
                 states.append(RngState(devices))
                 if self.live:
                     out.update(self.forward(mb, self.live))
@@ -388,8 +384,7 @@ def _run_cache(window: _Window) -> torch.Tensor:
 
 
 def _backward(value: torch.Tensor | int) -> None:
-    """Backward a surrogate or loss; one that reaches no trainable parameter (both towers locked, a microbatch
-    before the last) has nothing to add."""
+    """Backward, unless nothing trainable is reached (both towers locked, a microbatch before the last)."""
     if isinstance(value, torch.Tensor) and value.requires_grad:
         value.backward()
 
@@ -474,7 +469,7 @@ def accumulate_gradients(
         grad_scaler=grad_scaler,
         rows_per_rank=[sum(rank_sizes) for rank_sizes in sizes_per_rank],
         sharded=exchange.world_size > 1 and isinstance(loss_fn, ShardedLoss),
-        sources=feature_sources(model),
+        live=tuple(name for name in TOWER_FEATURES if name not in feature_sources(model)),
     )
     loss = _run_cache(window) if method == "cache" else _run_replay(window)
     return WindowStats(
