@@ -23,7 +23,7 @@ import naflexclip.exchange as exchange_module
 from naflexclip.cli import main
 from naflexclip.distributed import DistributedEnv, DistributedFault, RankFailed, fault_guard
 from naflexclip.exchange import ProcessGroupExchange, RanksDisagree, window_exchange
-from naflexclip.window import RngState
+from naflexclip.rng import RngState
 
 # --------------------------------------------------------------------- the exchange, ranks simulated
 
