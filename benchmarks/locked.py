@@ -3,12 +3,12 @@
 Both variants take the same N examples split into the same n microbatches, on one model initialisation, in
 train mode, through `accumulate_gradients` (the `cache` method by default). The locked window forwards the image
 tower once per microbatch without gradient (a feature source); the unlocked one forwards it, replays it and
-backpropagates through it. Printed per variant: seconds per window (median), peak memory of one window over the
-state before it (.grad buffers included; CPU: peak RSS growth, CUDA: max allocated) and image-tower forwards per
-window (a forward hook); then the locked ÷ unlocked ratios. Each variant runs in a fresh process (a process's
-peak RSS cannot be reset).
+backpropagates through it. Printed per variant: seconds per window (median; the variants alternate round by
+round in one process), peak memory of one window over the state before it (.grad buffers included; CPU: peak RSS
+growth in a fresh process per variant, since a process's peak RSS cannot be reset; CUDA: max allocated) and
+image-tower forwards per window (a forward hook); then the locked ÷ unlocked ratios.
 
-    python benchmarks/locked.py                                   # base, N=4 in n=2, CPU-sized
+    python benchmarks/locked.py                                   # base, N=8 in n=2, 144 patches: CPU-sized
     python benchmarks/locked.py --model base --num-examples 256 --splits 4 --seq-lens 256 --device cuda
 """
 
@@ -62,26 +62,34 @@ def _setup(config: dict, variant: str) -> tuple[Callable[[], int], torch.device]
     return step, device
 
 
-def _measure(config: dict, variant: str, queue: mp.Queue) -> None:
-    """In a fresh process: peak memory of one window over the state before it (CPU: the first window's RSS
-    growth, its .grad buffers included; CUDA: max allocated in the second), image forwards, median seconds."""
+def _time_all(config: dict, queue: mp.Queue) -> None:
+    """Median seconds per window of both variants, alternating round by round in one process (a change in the
+    machine's load hits both alike), and the image-tower forwards of each."""
+    steps = {variant: _setup(config, variant)[0] for variant in VARIANTS}
+    forwards = {variant: step() for variant, step in steps.items()}  # warm-up: allocates the .grad buffers
+    times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+    for _ in range(config["repeats"]):
+        for variant, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[variant].append(time.perf_counter() - start)
+    queue.put(({v: statistics.median(t) for v, t in times.items()}, forwards))
+
+
+def _peak_memory(config: dict, variant: str, queue: mp.Queue) -> None:
+    """Peak memory of one window over the state before it, in a fresh process (CPU: the first window's RSS
+    growth, its .grad buffers included; CUDA: max allocated in the second window, on top of them)."""
     step, device = _setup(config, variant)
     if device.type == "cuda":
         step()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        forwards = step()
-        memory = torch.cuda.max_memory_allocated() - base
+        step()
+        queue.put(torch.cuda.max_memory_allocated() - base)
     else:
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-        forwards = step()
-        memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    times = []
-    for _ in range(config["repeats"]):
-        start = time.perf_counter()
         step()
-        times.append(time.perf_counter() - start)
-    queue.put((statistics.median(times), memory, forwards))
+        queue.put(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base)
 
 
 def _in_subprocess(target: Callable[..., None], *args: object) -> object:
@@ -97,11 +105,11 @@ def _in_subprocess(target: Callable[..., None], *args: object) -> object:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="base")
-    parser.add_argument("--num-examples", type=int, default=4)
+    parser.add_argument("--num-examples", type=int, default=8)
     parser.add_argument("--splits", type=int, default=2, help="microbatches per window")
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[64], help="patch budgets of the images")
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[144], help="patch budgets of the images")
     parser.add_argument("--method", default="cache", choices=("cache", "replay"))
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--precision", default="fp32", choices=("fp32", "amp_bf16", "amp"))
@@ -109,9 +117,8 @@ def main() -> None:
     config = vars(args)
     print(f"### {args.model}, N = {args.num_examples} in n = {args.splits}, seq lens {args.seq_lens}, {args.method}, "
           f"{args.device}, {args.precision}, median of {args.repeats}", flush=True)
-    seconds, memory, forwards = {}, {}, {}
-    for variant in VARIANTS:
-        seconds[variant], memory[variant], forwards[variant] = _in_subprocess(_measure, config, variant)
+    seconds, forwards = _in_subprocess(_time_all, config)
+    memory = {variant: _in_subprocess(_peak_memory, config, variant) for variant in VARIANTS}
     print("| window | s / window | peak memory (MiB) | image-tower forwards |\n| --- | --- | --- | --- |")
     for variant in VARIANTS:
         label = "--lock-image" if variant == "locked" else "unlocked"
