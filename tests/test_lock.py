@@ -81,6 +81,18 @@ def test_siglip2_import_locks_its_map_head_as_the_last_image_group(tmp_path: Pat
     assert {n for n, p in model.named_parameters() if p.requires_grad} == {"logit_scale", "logit_bias"}
 
 
+def test_the_logit_scale_clamp_leaves_a_locked_temperature_alone() -> None:
+    model = _tiny()
+    with torch.no_grad():
+        model.logit_scale.fill_(6.0)  # above ln 100
+    model.logit_scale.requires_grad_(False)
+    model.clamp_logit_scale_()
+    assert model.logit_scale.item() == 6.0
+    model.logit_scale.requires_grad_(True)
+    model.clamp_logit_scale_()
+    assert model.logit_scale.item() < 4.7
+
+
 def test_a_fully_locked_tower_stays_in_eval_mode_when_the_model_trains() -> None:
     model = _tiny()
     model.lock_image_tower()
