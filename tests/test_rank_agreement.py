@@ -315,7 +315,8 @@ def _tsv_with_one_corrupt_image(folder: Path) -> Path:
 def test_a_rank_whose_loader_raises_stops_every_rank_in_seconds_naming_it(tmp_path: Path) -> None:
     """2 ranks, one pair per microbatch, one image that does not decode: one rank's loader raises a DataError
     (it has fewer usable samples than microbatches) while the other waits at the next window's size exchange.
-    The failing rank prints its own error; the other names it, in one line, long before --dist-timeout."""
+    The failing rank prints its own error; the other names it, in one line, long before --dist-timeout. Its 4
+    microbatches at --accum-freq 3 are one window (the epoch's tail joins the last window), so it is step 1."""
     timeout = 60
     train_data = _tsv_with_one_corrupt_image(tmp_path)
     result, elapsed = _train_two_ranks_one_pair_per_microbatch(tmp_path, train_data, timeout)
@@ -327,7 +328,7 @@ def test_a_rank_whose_loader_raises_stops_every_rank_in_seconds_naming_it(tmp_pa
     cause = own[0].removeprefix("naflexclip train: error: ")
     assert "fewer usable samples" in cause
     others = [line for line in ours if line not in own]
-    assert others == [f"naflexclip train: rank {failed} raised DataError: {cause} (while reading data for step 2)"]
+    assert others == [f"naflexclip train: rank {failed} raised DataError: {cause} (while reading data for step 1)"]
 
 
 # ------------------------------------------------- what the loop needs from every rank rides the size exchange
