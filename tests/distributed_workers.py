@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -569,7 +570,7 @@ def scenario_trainer_faults(env: Any, out_dir: Path) -> dict[str, Any]:
                       zero_shot_samples=8, plot=False, dist_timeout=EVAL_TIMEOUT_S)
     trainer = loop.Trainer(cfg, env)
     results: dict[str, Any] = {}
-    real_windows, real_evaluate = loop.windows, loop.evaluate
+    real_windows, real_tasks = loop.windows, trainer.evaluator.tasks
 
     def windows_failing_on_rank_1(loader: Any, accum_freq: int) -> Iterator[list[dict[str, Any]]]:
         for index, window in enumerate(real_windows(loader, accum_freq)):
@@ -577,14 +578,18 @@ def scenario_trainer_faults(env: Any, out_dir: Path) -> dict[str, Any]:
                 raise OSError("unreadable shard on purpose")
             yield window
 
-    def evaluate_on_rank_0(how: str) -> Callable[..., dict[str, float]]:
-        def evaluate(*args: Any, **kwargs: Any) -> dict[str, float]:
+    def evaluate_on_rank_0(how: str) -> list[Any]:
+        def run(task: Any, model: Any, skips: list[dict[str, Any]]) -> dict[str, float]:
             assert env.rank == 0, "only rank 0 evaluates"
             if how == "raise":
                 raise ValueError("evaluation failed on purpose")
             time.sleep(EVAL_TIMEOUT_S + 3)  # longer than any collective may wait
-            return real_evaluate(*args, **kwargs)
-        return evaluate
+            return task.run(model, skips)
+        first, *others = real_tasks  # the first task waits or fails, on rank 0
+        return [dataclasses.replace(first, run=functools.partial(run, first)), *others]
+
+    def evaluation() -> dict[str, float]:
+        return trainer.evaluator(trainer.model, step=0, epoch=0.0, epochs_done=0)
 
     def attempt(name: str, run: Callable[[], Any]) -> None:
         start = time.monotonic()
@@ -599,11 +604,11 @@ def scenario_trainer_faults(env: Any, out_dir: Path) -> dict[str, Any]:
     loop.windows = windows_failing_on_rank_1
     attempt("loader", trainer.train_epoch)
     loop.windows = real_windows
-    loop.evaluate = evaluate_on_rank_0("sleep")
-    attempt("eval_slow", trainer.run_evaluation)
-    results["eval_slow"]["evals"] = len(trainer.evals)
-    loop.evaluate = evaluate_on_rank_0("raise")
-    attempt("eval_raise", trainer.run_evaluation)
+    trainer.evaluator.tasks = evaluate_on_rank_0("sleep")
+    attempt("eval_slow", evaluation)
+    results["eval_slow"]["evals"] = len(trainer.evaluator.history)
+    trainer.evaluator.tasks = evaluate_on_rank_0("raise")
+    attempt("eval_raise", evaluation)
     return results
 
 
@@ -744,6 +749,7 @@ def scenario_loop(env: Any, out_dir: Path, counts: dict[str, int]) -> dict[str, 
     from naflexclip.distributed import barrier
     from naflexclip.train import loop
     from naflexclip.train.config import TrainConfig
+    from naflexclip.train.stop import TrainingInterrupted
 
     results: dict[str, Any] = {}
     for fsdp in (False, True):
@@ -782,19 +788,20 @@ def scenario_loop(env: Any, out_dir: Path, counts: dict[str, int]) -> dict[str, 
                            when: str = when) -> Any:
             signalled = env.rank == 1 and trainer.progress.step == 1
             if signalled and when == "before":
-                trainer.stop_signal = signal.SIGTERM
+                trainer.stop.number = signal.SIGTERM
             result = real_step(microbatches)
             if signalled and when == "after":
-                trainer.stop_signal = signal.SIGTERM
+                trainer.stop.number = signal.SIGTERM
             return result
 
         trainer.train_step = signalled_step  # type: ignore[method-assign]
         try:
             trainer.train_epoch()
             error = None
-        except loop.TrainingInterrupted as raised:
+        except TrainingInterrupted as raised:
             error = str(raised)
-        results[f"stop_{when}"] = {"error": error, "step": trainer.progress.step, "saved": trainer.last_step_saved}
+        results[f"stop_{when}"] = {"error": error, "step": trainer.progress.step,
+                                   "saved": trainer.checkpointer.last_step_saved}
         barrier(env)  # rank 1 may still be waiting, on the store rank 0 hosts here, for the checkpoint write to end
     return results
 

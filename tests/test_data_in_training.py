@@ -111,11 +111,12 @@ def test_resume_with_other_workers_trains_the_same_weights(tmp_path):
 
     train(config("straight", 0))
     train(config("split", 0, stop_after_steps=3))
-    _, halfway = load_checkpoint(find_latest(tmp_path / "split" / "checkpoints"))
+    halfway = load_checkpoint(find_latest(tmp_path / "split" / "checkpoints")).states
     assert halfway["progress"]["next_batch"] == 3
     train(config("split", 2, resume="latest"))
-    straight, state_a = load_checkpoint(find_latest(tmp_path / "straight" / "checkpoints"))
-    split, state_b = load_checkpoint(find_latest(tmp_path / "split" / "checkpoints"))
+    state_a = load_checkpoint(find_latest(tmp_path / "straight" / "checkpoints")).states
+    state_b = load_checkpoint(find_latest(tmp_path / "split" / "checkpoints")).states
+    straight, split = state_a["model"], state_b["model"]
     assert state_a["progress"] == state_b["progress"]
     assert all(torch.equal(straight[k], split[k]) for k in straight)
     from naflexclip.train.report import read_skip_log

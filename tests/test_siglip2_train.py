@@ -16,7 +16,7 @@ from naflexclip.cli import main
 from naflexclip.data.processing import make_processing
 from naflexclip.data.synthetic import SHAPES, zero_shot_sample
 from naflexclip.families import siglip2
-from naflexclip.train.checkpoint import load_checkpoint_model
+from naflexclip.train.components import load_checkpoint_model
 from naflexclip.verify import random_naflex_batch
 from naflexclip.zeroshot import zero_shot_classify
 
@@ -195,8 +195,8 @@ def test_export_of_a_preset_run_is_refused_in_one_line(tmp_path: Path, capsys: p
 
     model = create_model("small", loss="siglip")
     config = TrainConfig(model="small", loss="siglip", logs=str(tmp_path), name="run")
-    save_checkpoint(tmp_path / "checkpoints", "epoch_1", model.state_dict(),
-                    {"config": config.to_dict(), "model_config": config_to_dict(model.config)})
+    run = {"config": config.to_dict(), "model_config": config_to_dict(model.config), "world_size": 1}
+    save_checkpoint(tmp_path / "checkpoints", "epoch_1", {"model": model.state_dict(), "run": run}, step=1, epoch=1)
     capsys.readouterr()
     assert main(["export", "--checkpoint", str(tmp_path / "checkpoints"), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

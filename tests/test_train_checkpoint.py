@@ -19,6 +19,7 @@ from test_train_loop import tiny_config
 
 from naflexclip.model import PRESETS
 from naflexclip.train import checkpoint as ckpt
+from naflexclip.train.components import load_checkpoint_model, rng_state, set_rng_state
 from naflexclip.train.loop import train
 
 # The child trains 2 steps saving each one; during the second save it writes the weights file, says so, and
@@ -47,16 +48,19 @@ CHILD = textwrap.dedent(
 )
 
 
-def test_model_state_roundtrip_and_rng(tmp_path: Path) -> None:
-    state = {"w": torch.randn(3, 2), "b": torch.zeros(2)}
-    train_state = {"config": {"model": "tiny", "siglip": False}, "rng": ckpt.rng_state()}
-    path = ckpt.save_checkpoint(tmp_path, "step_1", state, train_state)
+def test_named_states_roundtrip_and_rng(tmp_path: Path) -> None:
+    weights = {"w": torch.randn(3, 2), "b": torch.zeros(2)}
+    states = {"model": weights, "run": {"config": {"model": "tiny"}}, "rng": rng_state(), "empty": {}}
+    path = ckpt.save_checkpoint(tmp_path, "step_1", states, step=1, epoch=0)
     expected = torch.rand(4)
-    model_state, loaded = ckpt.load_checkpoint(path)  # weights_only=True inside
-    assert all(torch.equal(model_state[k], state[k]) for k in state)
-    ckpt.set_rng_state(loaded["rng"])
+    loaded = ckpt.load_checkpoint(path)  # weights_only=True inside
+    assert (loaded.path, loaded.step, loaded.epoch) == (path, 1, 0)
+    assert set(loaded.states) == set(states) and loaded.states["run"] == states["run"]
+    assert all(torch.equal(loaded.states["model"][k], weights[k]) for k in weights)
+    set_rng_state(loaded.states["rng"])
     assert torch.equal(torch.rand(4), expected)
-    assert ckpt.find_latest(tmp_path) == path and ckpt.resolve(tmp_path) == path
+    assert ckpt.find_latest(tmp_path) == path and ckpt.load_checkpoint(tmp_path).path == path
+    assert ckpt.load_checkpoint(path / ckpt.MODEL_FILE).path == path  # a file inside names its checkpoint
 
 
 @pytest.mark.slow
@@ -74,8 +78,7 @@ def test_sigkill_during_save_leaves_previous_checkpoint_resumable(tmp_path: Path
     assert any(p.name.startswith(".tmp-step_00000002") for p in checkpoints.iterdir())  # the torn write
     latest = ckpt.find_latest(checkpoints)
     assert latest is not None and latest.name == "step_00000001"
-    _, state = ckpt.load_checkpoint(latest)
-    assert state["progress"]["step"] == 1
+    assert ckpt.load_checkpoint(latest).states["progress"]["step"] == 1
     # and the run resumes from it
     from test_train_loop import tiny_config
 
@@ -83,7 +86,7 @@ def test_sigkill_during_save_leaves_previous_checkpoint_resumable(tmp_path: Path
     resumed = ckpt.find_latest(checkpoints)
     assert resumed.name == "step_00000002"
     assert not [p for p in checkpoints.iterdir() if p.name.startswith(".")]  # the torn write is cleaned
-    assert ckpt.load_checkpoint(resumed)[1]["progress"]["step"] == 2
+    assert ckpt.load_checkpoint(resumed).states["progress"]["step"] == 2
 
 
 def test_checkpoint_keeps_its_architecture_when_the_preset_changes(tmp_path: Path, monkeypatch) -> None:
@@ -92,23 +95,23 @@ def test_checkpoint_keeps_its_architecture_when_the_preset_changes(tmp_path: Pat
     tiny = PRESETS["tiny"]
     monkeypatch.setitem(PRESETS, "tiny", dataclasses.replace(
         tiny, text=dataclasses.replace(tiny.text, pool_type="mean", ls_init_value=1e-4)))
-    model, _ = ckpt.load_checkpoint_model(checkpoints)  # rebuilt from the architecture stored in it
+    model, _ = load_checkpoint_model(checkpoints)  # rebuilt from the architecture stored in it
     assert model.text_pool_type == "argmax"
     # resuming under the changed preset stops with one line that names the checkpoint and what changed
     with pytest.raises(ValueError, match=r"--resume .*step_00000001.*--model tiny: the preset's architecture "
                                          r"is not the checkpoint's .*pool_type: 'argmax' -> 'mean'"):
         train(tiny_config(tmp_path, "run", epochs=1, val_frequency=0, resume="latest"))
-    # a checkpoint without a stored architecture (older runs, which had no checkpoint.json either) is rebuilt
-    # from the preset: one line naming the checkpoint and a tensor
-    state_file = ckpt.resolve(checkpoints) / ckpt.STATE_FILE
-    state = torch.load(state_file, weights_only=True)
-    del state["model_config"]
-    torch.save(state, state_file)
-    (state_file.parent / ckpt.META_FILE).unlink()
-    with pytest.raises(ValueError, match=r"--resume .*step_00000001.*weights do not fit.*ls_1"):
+    # weights that do not fit the stored architecture (a model whose tensors were renamed since): one line
+    # naming the checkpoint and a tensor
+    monkeypatch.setitem(PRESETS, "tiny", tiny)
+    directory = ckpt.find_latest(checkpoints)
+    states = ckpt.load_checkpoint(directory).states
+    states["model"]["text.ln_final.scale"] = states["model"].pop("text.ln_final.weight")
+    ckpt.save_checkpoint(checkpoints, directory.name, states, step=1, epoch=0)
+    with pytest.raises(ValueError, match=r"--resume .*step_00000001.*weights do not fit.*text.ln_final"):
         train(tiny_config(tmp_path, "run", epochs=1, val_frequency=0, resume="latest"))
     with pytest.raises(ValueError, match=r"checkpoint .*step_00000001.*weights do not fit"):
-        ckpt.load_checkpoint_model(checkpoints)
+        load_checkpoint_model(checkpoints)
 
 
 # --------------------------------------------------------------------------------------- crash at step k
@@ -118,12 +121,12 @@ class Crash(OSError):
     """The process dies here: this filesystem step and every later one fail."""
 
 
-def _state(step: int) -> dict:
-    return {"progress": {"step": step, "epoch": 0}, "config": {"model": "tiny"}}
+def _states(value: float, step: int) -> dict:
+    return {"model": {"w": torch.full((4,), value)}, "progress": {"step": step}}
 
 
-def _weights(value: float) -> dict[str, torch.Tensor]:
-    return {"w": torch.full((4,), value)}
+def _save(directory: Path, step: int, value: float) -> Path:
+    return ckpt.save_checkpoint(directory, f"step_{step:08d}", _states(value, step), step=step, epoch=0)
 
 
 def _crashing_at(monkeypatch: pytest.MonkeyPatch, k: int) -> list[str]:
@@ -145,9 +148,9 @@ def _crashing_at(monkeypatch: pytest.MonkeyPatch, k: int) -> list[str]:
 
 
 def _before_the_save(directory: Path, resave: bool) -> None:
-    ckpt.save_checkpoint(directory, "step_00000001", _weights(1.0), _state(1))
+    _save(directory, 1, 1.0)
     if resave:
-        ckpt.save_checkpoint(directory, "step_00000002", _weights(2.0), _state(2))
+        _save(directory, 2, 2.0)
 
 
 @pytest.mark.parametrize("resave", [False, True], ids=["new name", "same name again"])
@@ -159,27 +162,27 @@ def test_crash_at_any_step_of_a_save_leaves_latest_on_a_complete_checkpoint(
     _before_the_save(tmp_path / "count", resave)
     with monkeypatch.context() as patch:
         steps = _crashing_at(patch, 0)
-        ckpt.save_checkpoint(tmp_path / "count", "step_00000002", _weights(3.0), _state(2))
+        _save(tmp_path / "count", 2, 3.0)
     for k in range(1, len(steps) + 2):  # the last k: no crash
         directory = tmp_path / f"crash_{k}"
         _before_the_save(directory, resave)
         with monkeypatch.context() as patch:
             _crashing_at(patch, k)
             try:
-                ckpt.save_checkpoint(directory, "step_00000002", _weights(3.0), _state(2))
+                _save(directory, 2, 3.0)
             except Crash:
                 pass
         path = ckpt.find_latest(directory)
         assert path is not None, f"crash at step {k} of {steps}: no checkpoint left"
-        weights, state = ckpt.load_checkpoint(path)  # complete and undamaged
-        value = float(weights["w"][0])
+        found = ckpt.load_checkpoint(path)  # complete and undamaged
+        value = float(found.states["model"]["w"][0])
         assert value in ({2.0, 3.0} if resave else {1.0, 3.0}), (k, path)
-        assert state["progress"]["step"] == (1 if value == 1.0 else 2), (k, path)
+        assert found.step == found.states["progress"]["step"] == (1 if value == 1.0 else 2), (k, path)
         if k == len(steps) + 1:
             assert value == 3.0 and path.name == "step_00000002"
     for k in range(1, len(steps) + 2):  # the next save succeeds and leaves nothing of the crashed one behind
         directory = tmp_path / f"crash_{k}"
-        ckpt.save_checkpoint(directory, "step_00000003", _weights(4.0), _state(3))
+        _save(directory, 3, 4.0)
         leftovers = [p.name for p in directory.iterdir() if p.name.startswith(".") or p.name.endswith(".new")]
         assert leftovers == [], (k, leftovers)
         assert ckpt.find_latest(directory).name == "step_00000003"
@@ -187,7 +190,7 @@ def test_crash_at_any_step_of_a_save_leaves_latest_on_a_complete_checkpoint(
 
 def test_latest_falls_back_by_step_not_file_time(tmp_path: Path) -> None:
     for step in (3, 1):  # step 1 written last: its files are the newest
-        ckpt.save_checkpoint(tmp_path, f"step_{step:08d}", _weights(step), _state(step))
+        _save(tmp_path, step, step)
     (tmp_path / ckpt.LATEST_FILE).write_text("step_00000009\n")  # a copied run, a hand edit: the pointer is broken
     assert ckpt.find_latest(tmp_path).name == "step_00000003"
     notes: list[str] = []
@@ -202,17 +205,18 @@ def test_latest_falls_back_by_step_not_file_time(tmp_path: Path) -> None:
         (ckpt.STATE_FILE, lambda data: data[:-200] + bytes(200), "RuntimeError: PytorchStreamReader failed"),
         (ckpt.MODEL_FILE, lambda data: data[:8] + b"garbage!" + data[16:], "SafetensorError: Error while deserial"),
         (ckpt.STATE_FILE, lambda data: data[: len(data) // 2], "bytes, written"),
+        (ckpt.META_FILE, lambda data: data[:10], "cannot be read"),
     ],
-    ids=["torch archive", "safetensors header", "truncated"],
+    ids=["torch archive", "safetensors header", "truncated", "completion marker"],
 )
 def test_damaged_checkpoint_is_one_line_and_the_previous_one_is_used(tmp_path: Path, file: str, damage,
                                                                       message: str, caplog) -> None:
     for step in (1, 2):
-        ckpt.save_checkpoint(tmp_path, f"step_{step:08d}", _weights(step), _state(step))
+        _save(tmp_path, step, step)
     target = tmp_path / "step_00000002" / file
     target.write_bytes(damage(target.read_bytes()))
-    weights, state = ckpt.load_checkpoint(tmp_path)  # a run's checkpoints/: its newest usable checkpoint
-    assert state["progress"]["step"] == 1 and float(weights["w"][0]) == 1.0
+    found = ckpt.load_checkpoint(tmp_path)  # a run's checkpoints/: its newest usable checkpoint
+    assert found.step == 1 and float(found.states["model"]["w"][0]) == 1.0
     assert [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()] != []
     notes: list[str] = []
     ckpt.load_checkpoint(tmp_path, notify=notes.append)
@@ -228,6 +232,6 @@ def test_stale_temp_folders_are_cleaned_by_the_next_save(tmp_path: Path) -> None
     for stale in (".tmp-step_00000007-4242", ".old-step_00000005-4242"):
         (tmp_path / stale).mkdir(parents=True)
         (tmp_path / stale / ckpt.MODEL_FILE).write_bytes(b"partial")
-    ckpt.save_checkpoint(tmp_path, "step_00000008", _weights(8.0), _state(8))
+    _save(tmp_path, 8, 8.0)
     assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt.LATEST_FILE, "step_00000008"]
     assert json.loads((tmp_path / "step_00000008" / ckpt.META_FILE).read_text())["step"] == 8

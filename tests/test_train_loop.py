@@ -13,9 +13,12 @@ from safetensors.torch import load_file
 from naflexclip.cli import main
 from naflexclip.data import DataConfig
 from naflexclip.distributed import init_distributed
-from naflexclip.train.checkpoint import find_latest, load_checkpoint, load_checkpoint_model
+from naflexclip.train.checkpoint import find_latest, load_checkpoint
+from naflexclip.train.components import load_checkpoint_model
 from naflexclip.train.config import TrainConfig
-from naflexclip.train.loop import Trainer, TrainingStopped, train, windows
+from naflexclip.train.loop import Trainer, train
+from naflexclip.train.step import windows
+from naflexclip.train.stop import TrainingStopped
 
 TINY_DATA_FLAGS = [
     "--synthetic-train-size", "96", "--synthetic-val-size", "24", "--naflex-seq-lens", "16", "32",
@@ -74,8 +77,7 @@ def test_default_run_writes_well_formed_outputs(tmp_path: Path, capsys: pytest.C
 
 
 def _weights(tmp_path: Path, name: str) -> dict[str, torch.Tensor]:
-    model_state, _ = load_checkpoint(find_latest(tmp_path / name / "checkpoints"))
-    return model_state
+    return load_checkpoint(find_latest(tmp_path / name / "checkpoints")).states["model"]
 
 
 @pytest.mark.slow
@@ -83,16 +85,16 @@ def test_resume_is_bit_exact(tmp_path: Path) -> None:
     """2 steps, stop, resume, 2 more == 4 steps straight (fp32, CPU): weights and optimizer state."""
     train(tiny_config(tmp_path, "straight", stop_after_steps=4, val_frequency=0))
     train(tiny_config(tmp_path, "split", stop_after_steps=2, val_frequency=0))
-    _, halfway = load_checkpoint(find_latest(tmp_path / "split" / "checkpoints"))
+    halfway = load_checkpoint(find_latest(tmp_path / "split" / "checkpoints")).states
     assert halfway["progress"]["step"] == 2 and halfway["progress"]["next_batch"] > 0  # stopped mid-epoch
     train(tiny_config(tmp_path, "split", stop_after_steps=4, val_frequency=0, resume="latest"))
     straight, split = _weights(tmp_path, "straight"), _weights(tmp_path, "split")
     assert straight.keys() == split.keys()
     for key in straight:
         assert torch.equal(straight[key], split[key]), key
-    _, state_a = load_checkpoint(find_latest(tmp_path / "straight" / "checkpoints"))
-    _, state_b = load_checkpoint(find_latest(tmp_path / "split" / "checkpoints"))
-    assert state_a["progress"] == state_b["progress"]
+    state_a = load_checkpoint(find_latest(tmp_path / "straight" / "checkpoints")).states
+    state_b = load_checkpoint(find_latest(tmp_path / "split" / "checkpoints")).states
+    assert state_a["progress"] == state_b["progress"] and state_a["progress"]["num_tokens_seen"] > 0
     for a, b in zip(state_a["optimizer"]["state"].values(), state_b["optimizer"]["state"].values(), strict=True):
         assert all(torch.equal(a[k], b[k]) for k in a)
 

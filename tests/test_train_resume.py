@@ -23,8 +23,10 @@ from naflexclip.distributed import init_distributed
 from naflexclip.factory import create_model
 from naflexclip.model import PRESETS, config_to_dict
 from naflexclip.train import checkpoint as ckpt
+from naflexclip.train import components
 from naflexclip.train.config import TrainConfig
 from naflexclip.train.loop import Trainer, train
+from naflexclip.train.resume import changed_flags
 
 CLI_FLAGS = ["--model", "tiny", "--epochs", "2", "--warmup", "2", "--device", "cpu", "--zero-shot-samples", "16",
              "--val-frequency", "0", "--no-plot", *TINY_DATA_FLAGS]
@@ -90,7 +92,7 @@ def _as_two_ranks(state: dict, *, inside_a_split: bool) -> None:
     (the one data position that cannot be re-mapped to another world size)."""
     mine = state["data"]["ranks"][0]
     other = {**mine, "rank": 1, "piece": 1, "sample_position": None} if inside_a_split else {**mine, "rank": 1}
-    state.update(world_size=2)
+    state["run"]["world_size"] = 2
     state["data"]["ranks"] = [{**mine, "world_size": 2}, {**other, "world_size": 2}]
 
 
@@ -111,8 +113,8 @@ def test_resume_at_another_world_size_re_plans_from_the_global_position(stopped_
                                                                                              inside_a_split=False))
     train(tiny_config(logs, "base", val_frequency=0, resume="latest", stop_after_steps=4))
     train(tiny_config(logs, "straight", val_frequency=0, stop_after_steps=4))
-    resumed, _ = ckpt.load_checkpoint(ckpt.find_latest(logs / "base" / "checkpoints"))
-    straight, _ = ckpt.load_checkpoint(ckpt.find_latest(logs / "straight" / "checkpoints"))
+    resumed = ckpt.load_checkpoint(logs / "base" / "checkpoints").states["model"]
+    straight = ckpt.load_checkpoint(logs / "straight" / "checkpoints").states["model"]
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
 
 
@@ -122,7 +124,7 @@ def test_harmless_changes_are_applied_and_listed_in_one_notice(stopped_run: Path
     cfg = tiny_config(logs, "base", val_frequency=0, resume="latest", lr=2e-3, epochs=3, accum_freq=3,
                       precision="amp_bf16", wd=0.05)
     trainer = Trainer(cfg, init_distributed("cpu"))
-    assert trainer.maybe_resume()
+    assert trainer.resume()
     notices = [line for line in capsys.readouterr().err.splitlines() if "changed flags" in line]
     assert len(notices) == 1
     for change in ("--accum-freq 2 -> 3", "--epochs 2 -> 3", "--lr 0.001 -> 0.002", "--precision fp32 -> amp_bf16",
@@ -140,25 +142,33 @@ def test_changed_flags_notice_reads_like_the_command_line(stopped_run: Path, tmp
     logs = _copy_run(stopped_run, tmp_path)
     data = dataclasses.replace(tiny_config(Path()).data, shard_index_dir="my index, 2")
     cfg = tiny_config(logs, "base", val_frequency=0, resume="latest", save_every_n_steps=1, data=data)
-    assert Trainer(cfg, init_distributed("cpu")).maybe_resume()
+    assert Trainer(cfg, init_distributed("cpu")).resume()
     (notice,) = [line for line in capsys.readouterr().err.splitlines() if "changed flags" in line]
     assert notice == ("resume applies changed flags: --save-every-n-steps unset -> 1, "
                       "--shard-index-dir unset -> 'my index, 2'")
     saved = {"grad_clip_norm": 1.0, "data": {"val_data": None, "val_num_samples": [16, 32]}}
     current = {"grad_clip_norm": None, "data": {"val_data": "v.tsv", "val_num_samples": (16, 64)}}
-    assert ckpt.resume_changes(saved, current) == [
+    assert changed_flags(saved, current) == [
         "--grad-clip-norm 1.0 -> unset", "--val-data unset -> v.tsv", "--val-num-samples 16 32 -> 16 64"]
+
+
+def test_the_resume_policy_names_only_fields_the_config_has() -> None:
+    """A renamed or removed flag must not leave the policy checking a field no run has (never refusing)."""
+    from naflexclip.train.resume import POLICY
+
+    fields = set(TrainConfig.__dataclass_fields__) | {f"data.{key}" for key in DataConfig.__dataclass_fields__}
+    assert set(POLICY) <= fields, sorted(set(POLICY) - fields)
 
 
 def test_lr_schedule_continues_as_saved(stopped_run: Path, tmp_path: Path) -> None:
     """The same flags continue the saved schedule even where this run would plan another length."""
     logs = _copy_run(stopped_run, tmp_path)
     directory = ckpt.find_latest(logs / "base" / "checkpoints")
-    saved = torch.load(directory / ckpt.STATE_FILE, weights_only=True)["schedule"]
-    _edit_state(directory, lambda state: state["schedule"].update(total_steps=saved["total_steps"] + 7))
+    saved = torch.load(directory / ckpt.STATE_FILE, weights_only=True)["lr_schedule"]
+    _edit_state(directory, lambda state: state["lr_schedule"].update(total_steps=saved["total_steps"] + 7))
     trainer = Trainer(tiny_config(logs, "base", val_frequency=0, resume="latest"), init_distributed("cpu"))
     assert trainer.schedule.total_steps == saved["total_steps"]
-    trainer.maybe_resume()
+    trainer.resume()
     assert trainer.schedule.total_steps == saved["total_steps"] + 7 and trainer.schedule.last_step == 2
 
 
@@ -222,7 +232,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path: Path
     assert "resumed from " in err and "step_00000001 at epoch 0, step 1" in err
     assert "Traceback" not in err
     # the damaged step 2 was trained again and re-saved; metrics.jsonl has each step once
-    assert ckpt.load_checkpoint(checkpoints)[1]["progress"]["step"] == 3
+    assert ckpt.load_checkpoint(checkpoints).step == 3
     assert _train_steps(tmp_path / "run") == [1, 2, 3]
 
 
@@ -244,7 +254,7 @@ def test_summary_before_column_is_the_evaluation_before_the_first_step(tmp_path:
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     first = next(r for r in records if r["kind"] == "eval")
     assert first["step"] == 0
-    assert trainer.evals[0] == {k: v for k, v in first.items() if k not in ("kind", "step", "epoch")}
+    assert trainer.evaluator.history[0] == {k: v for k, v in first.items() if k not in ("kind", "step", "epoch")}
     eval_steps = [r["step"] for r in records if r["kind"] == "eval"]
     assert len(eval_steps) == len(set(eval_steps)) == 3  # before, after epoch 1, after epoch 2: once each
 
@@ -256,9 +266,9 @@ def test_save_and_stop_at_the_same_step_write_it_once(tmp_path: Path, monkeypatc
     names = []
     real = ckpt.save_checkpoint
 
-    def counting(checkpoint_dir, name, *args):
+    def counting(checkpoint_dir, name, *args, **kwargs):
         names.append(name)
-        return real(checkpoint_dir, name, *args)
+        return real(checkpoint_dir, name, *args, **kwargs)
 
     monkeypatch.setattr(ckpt, "save_checkpoint", counting)
     train(tiny_config(tmp_path, "run", save_every_n_steps=2, stop_after_steps=2, val_frequency=0))
@@ -301,15 +311,15 @@ def test_sigint_saves_the_step_and_the_resume_is_bit_exact_with_dropout(
     assert not [p for p in checkpoints.iterdir() if p.name.startswith(".")]
     monkeypatch.setattr(Trainer, "train_step", real_step)
     assert _cli(tmp_path, "split", "--stop-after-steps", "4", "--resume", "latest") == 0
-    straight, _ = ckpt.load_checkpoint(tmp_path / "straight" / "checkpoints")
-    split, _ = ckpt.load_checkpoint(checkpoints)
+    straight = ckpt.load_checkpoint(tmp_path / "straight" / "checkpoints").states["model"]
+    split = ckpt.load_checkpoint(checkpoints).states["model"]
     assert all(torch.equal(straight[k], split[k]) for k in straight)
     assert _train_steps(tmp_path / "split") == [1, 2, 3, 4]
     # teeth: the same resume without restoring the random state draws other masks and ends elsewhere
-    monkeypatch.setattr(ckpt, "set_rng_state", lambda *args: None)
+    monkeypatch.setattr(components, "set_rng_state", lambda *args: None)
     assert _cli(tmp_path, "norng", "--stop-after-steps", "2") == 0
     assert _cli(tmp_path, "norng", "--stop-after-steps", "4", "--resume", "latest") == 0
-    norng, _ = ckpt.load_checkpoint(tmp_path / "norng" / "checkpoints")
+    norng = ckpt.load_checkpoint(tmp_path / "norng" / "checkpoints").states["model"]
     assert not all(torch.equal(straight[k], norng[k]) for k in straight)
 
 
@@ -390,8 +400,8 @@ def test_eval_of_a_run_without_validation_data_says_so(tmp_path: Path, capsys: p
     (tmp_path / "train.tsv").write_text("filepath\ttitle\n")
     cfg = TrainConfig(model="tiny", name="x", data=DataConfig(train_data=str(tmp_path / "train.tsv")))
     model = create_model("tiny")
-    ckpt.save_checkpoint(tmp_path, "step_00000001", model.state_dict(),
-                         {"config": cfg.to_dict(), "model_config": config_to_dict(model.config)})
+    run = {"config": cfg.to_dict(), "model_config": config_to_dict(model.config), "world_size": 1}
+    ckpt.save_checkpoint(tmp_path, "step_00000001", {"model": model.state_dict(), "run": run}, step=1, epoch=0)
     assert main(["eval", "--checkpoint", str(tmp_path)]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""

@@ -62,14 +62,15 @@ def test_two_process_run_resumes_to_the_same_weights(tmp_path: Path) -> None:
     torchrun(tmp_path, "resumed", "--stop-after-steps", "2")
     stopped = find_latest(tmp_path / "resumed" / "checkpoints")
     assert stopped is not None and stopped.name == "step_00000002"
-    _, stopped_state = load_checkpoint(stopped)
-    rank_states = [state["torch"] for state in stopped_state["rng_per_rank"]]
+    stopped_state = load_checkpoint(stopped).states
+    rank_states = [state["torch"] for state in stopped_state["rng"]["ranks"]]
     assert len(rank_states) == 2 and not torch.equal(*rank_states)  # each rank's own stream is saved
     torchrun(tmp_path, "resumed", "--resume", "latest")
 
-    straight, straight_state = load_checkpoint(find_latest(tmp_path / "straight" / "checkpoints"))
-    resumed, resumed_state = load_checkpoint(find_latest(tmp_path / "resumed" / "checkpoints"))
-    assert straight_state["world_size"] == resumed_state["world_size"] == 2
+    straight_state = load_checkpoint(find_latest(tmp_path / "straight" / "checkpoints")).states
+    resumed_state = load_checkpoint(find_latest(tmp_path / "resumed" / "checkpoints")).states
+    straight, resumed = straight_state["model"], resumed_state["model"]
+    assert straight_state["run"]["world_size"] == resumed_state["run"]["world_size"] == 2
     assert straight_state["progress"]["step"] == resumed_state["progress"]["step"] > 2
     for key, value in straight.items():
         assert torch.equal(value, resumed[key]), key

@@ -250,7 +250,7 @@ def test_training_reports_one_wandb_run_with_each_step_once_across_a_crash_and_r
     shutil.rmtree(run_dir / "checkpoints" / "step_00000005")
     assert main([*flags, "--resume", "latest"]) == 0
     runs = read_back(run_dir)
-    _, state = ckpt.load_checkpoint(ckpt.find_latest(run_dir / "checkpoints"))
+    state = ckpt.load_checkpoint(ckpt.find_latest(run_dir / "checkpoints")).states
     assert len(runs) == 2 and _run_ids(runs) == {state["reporter"]["wandb"]["run_id"]}
     history = {row["_step"]: row for row in _history(runs)}
     assert len(history) == len(_history(runs))  # each step once

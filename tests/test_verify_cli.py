@@ -75,12 +75,14 @@ def test_verify_audits_a_checkpoint_with_its_training_settings(tmp_path, capsys)
     import torch
 
     from naflexclip import create_model
+    from naflexclip.model import config_to_dict
     from naflexclip.train.checkpoint import save_checkpoint
 
     torch.manual_seed(0)
     model = create_model("tiny", loss="siglip")
     config = {"model": "tiny", "loss": "siglip", "accum_freq": 2, "batch_size": 5, "naflex_loss_scale": "sqrt"}
-    path = save_checkpoint(tmp_path, "epoch_1", model.state_dict(), {"config": config})
+    run = {"config": config, "model_config": config_to_dict(model.config), "world_size": 1}
+    path = save_checkpoint(tmp_path, "epoch_1", {"model": model.state_dict(), "run": run}, step=1, epoch=1)
     argv = ["verify", "--checkpoint", str(path), "--dataset-type", "synthetic", "--naflex-seq-lens", "16",
             "--naflex-max-tokens-per-batch", "96", "--workers", "0", "--splits", "1", "--accum-method", "replay"]
     assert main(argv) == 0

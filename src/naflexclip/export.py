@@ -15,7 +15,7 @@ from naflexclip.families import EXPORT_FORMATS, export_family
 
 
 def run(args: argparse.Namespace) -> int:
-    from naflexclip.train.checkpoint import load_checkpoint_model
+    from naflexclip.train.components import load_checkpoint_model
 
     try:
         family = export_family(args.format)

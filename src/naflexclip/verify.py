@@ -29,7 +29,7 @@ from naflexclip.legacy import per_microbatch_scale_gradients
 from naflexclip.lock import Locks, add_lock_args, lock_summary
 from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES, create_loss
 from naflexclip.model import PRESETS
-from naflexclip.train.checkpoint import load_checkpoint_model
+from naflexclip.train.components import load_checkpoint_model
 from naflexclip.window import METHODS, SCALE_MODES, accumulate_gradients, window_loss_scale
 
 FLOAT64_TOLERANCE = 1e-10

@@ -151,7 +151,8 @@ def _error(command: str, message: str) -> int:
 
 def run_train(args: argparse.Namespace) -> int:
     """Handler of `naflexclip train`."""
-    from .loop import TrainingInterrupted, TrainingStopped, train  # torch-heavy imports only when the command runs
+    from .loop import train  # torch-heavy imports only when the command runs
+    from .stop import TrainingInterrupted, TrainingStopped
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
@@ -181,7 +182,7 @@ def _eval_model(checkpoint: str, device: torch.device) -> tuple[torch.nn.Module,
     its processor, its own patch budget and fp32)."""
     from naflexclip.families import find_family
 
-    from .checkpoint import load_checkpoint_model
+    from .components import load_checkpoint_model
 
     family = find_family(checkpoint)
     if family is not None:
@@ -223,7 +224,7 @@ def run_eval(args: argparse.Namespace) -> int:
     (or, with --zero-shot-data, zero-shot classification of an ImageFolder)."""
     from naflexclip.zeroshot import check_output
 
-    from .evaluate import evaluate
+    from .evaluate import evaluate, has_builtin_tasks
     from .precision import create_precision
 
     try:
@@ -239,7 +240,7 @@ def run_eval(args: argparse.Namespace) -> int:
         if args.val_data is not None:
             data = DataConfig(**{**config["data"], "val_data": args.val_data, "dataset_type": args.dataset_type})
         precision = create_precision(args.precision or config["precision"], device)
-        on_builtin = data.source("train") == ("synthetic", None) or args.zero_shot
+        on_builtin = has_builtin_tasks(data) or args.zero_shot
         if data.source("val") is None and not on_builtin:
             return _error("eval", f"nothing to evaluate: the run of {args.checkpoint!r} has no validation data; pass "
                                   "--val-data (or --zero-shot for the built-in zero-shot tasks)")

@@ -1,5 +1,6 @@
 """Evaluation: image↔text retrieval on the validation split and zero-shot classification of the built-in
-dataset's attributes (shape, colour) from text prompts.
+dataset's attributes (shape, colour) from text prompts; during training an `Evaluator` built from the config
+runs them (each an `EvalTask` with its own frequency) and keeps their history.
 
 Retrieval: every validation image against every validation caption (its own caption is the one match);
 Recall@K is the fraction whose match ranks in the top K, median rank is 1-based. Zero-shot: each class
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager as ContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,10 +23,17 @@ from naflexclip.batch import to_device
 from naflexclip.data import DataConfig, build_loader, build_zero_shot_loader
 from naflexclip.data.processing import make_processing
 from naflexclip.data.synthetic import ATTRIBUTES, zero_shot_prompt_ensemble
+from naflexclip.distributed import DistributedEnv, barrier, run_on_main
+from naflexclip.parallel import unwrap_model
+from naflexclip.train.config import TrainConfig
+from naflexclip.train.report import Reporter
 from naflexclip.zeroshot import ensemble_embeddings
 
 RECALL_AT = (1, 5, 10)
 ZERO_SHOT_ATTRIBUTES = ("shape", "colour")
+# the metrics of the one-line message after each evaluation
+BRIEF_KEYS = ("val/image_to_text_R@1", "val/text_to_image_R@1", "val/image_to_text_R@10", "zeroshot/shape_top1",
+              "zeroshot/colour_top1")
 
 
 def _features(model: nn.Module, loader: Iterable[dict[str, Any]], device: torch.device,
@@ -61,30 +70,129 @@ def retrieval_metrics(image_features: torch.Tensor, text_features: torch.Tensor)
     return metrics
 
 
+def has_builtin_tasks(data: DataConfig) -> bool:
+    """The zero-shot shape/colour tasks are the built-in dataset's attributes: only a model trained on it knows
+    them."""
+    return data.source("train") == ("synthetic", None)
+
+
+@dataclass(frozen=True)
+class EvalTask:
+    """One evaluation: `run(model, skip_records)` -> metrics (`group/name`), every `frequency` epochs (0: only
+    before training and at the end). `skip_records` receives the samples it left out."""
+
+    name: str
+    frequency: int
+    run: Callable[[nn.Module, list[dict[str, Any]]], dict[str, float]]
+
+
+def evaluation_tasks(data: DataConfig, device: torch.device, autocast: Callable[[], ContextManager[Any]], *,
+                     zero_shot_samples: int = 0, frequency: int = 1) -> list[EvalTask]:
+    """Retrieval on the validation split (`val/...`) when there is one and, with `zero_shot_samples` > 0,
+    zero-shot accuracy on that many built-in single-object images (`zeroshot/{attribute}_top1`)."""
+    tasks = []
+    if data.source("val") is not None:
+        tasks.append(EvalTask("retrieval", frequency,
+                              lambda model, skips: validation_retrieval(model, data, device, autocast, skips)))
+    if zero_shot_samples:
+        tasks.append(EvalTask("builtin_zero_shot", frequency, lambda model, skips: zero_shot_metrics(
+            model, data, device, autocast, zero_shot_samples)))
+    return tasks
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, data: DataConfig, device: torch.device,
-             autocast: Callable[[], ContextManager[Any]], *, zero_shot_samples: int = 0,
-             skip_records: list[dict[str, Any]] | None = None) -> dict[str, float]:
-    """Retrieval on the validation split (`val/...`) and, with `zero_shot_samples` > 0, zero-shot accuracy on
-    that many built-in single-object images (`zeroshot/{attribute}_top1`). `model`: the plain module,
-    or the FSDP-sharded one (then every rank must call this); it is left in train mode. `skip_records`, when
-    given, receives the validation samples left out (the loader's skip records, `"split": "val"`)."""
-    patch_size, context_length = model.image_patch_size, model.context_length
+def run_tasks(model: nn.Module, tasks: list[EvalTask], skip_records: list[dict[str, Any]] | None = None
+              ) -> dict[str, float]:
+    """Every task's metrics. `model`: the plain module, or the FSDP-sharded one (then every rank must call
+    this); it is left in train mode."""
+    skips: list[dict[str, Any]] = [] if skip_records is None else skip_records
     model.eval()
     try:
         metrics: dict[str, float] = {}
-        if data.source("val") is not None:
-            val = build_loader(data, split="val", patch_size=patch_size, context_length=context_length)
-            features = _features(model, val, device, autocast)
-            if skip_records is not None:
-                skip_records.extend(val.skip_records)
-            metrics.update({f"val/{k}": v for k, v in retrieval_metrics(features["image"], features["text"]).items()})
-            metrics["val/num_samples"] = float(features["image"].shape[0])
-        if zero_shot_samples:
-            metrics.update(zero_shot_metrics(model, data, device, autocast, zero_shot_samples))
+        for task in tasks:
+            metrics.update(task.run(model, skips))
     finally:
         model.train()
     return metrics
+
+
+def evaluate(model: nn.Module, data: DataConfig, device: torch.device,
+             autocast: Callable[[], ContextManager[Any]], *, zero_shot_samples: int = 0,
+             skip_records: list[dict[str, Any]] | None = None) -> dict[str, float]:
+    """Retrieval on the validation split and, with `zero_shot_samples` > 0, the built-in zero-shot tasks
+    (`evaluation_tasks`), once."""
+    return run_tasks(model, evaluation_tasks(data, device, autocast, zero_shot_samples=zero_shot_samples),
+                     skip_records)
+
+
+def validation_retrieval(model: nn.Module, data: DataConfig, device: torch.device,
+                         autocast: Callable[[], ContextManager[Any]], skip_records: list[dict[str, Any]]
+                         ) -> dict[str, float]:
+    """`val/...` retrieval metrics of the validation split; its skipped samples go to `skip_records`."""
+    val = build_loader(data, split="val", patch_size=model.image_patch_size, context_length=model.context_length)
+    features = _features(model, val, device, autocast)
+    skip_records.extend(val.skip_records)
+    metrics = {f"val/{k}": v for k, v in retrieval_metrics(features["image"], features["text"]).items()}
+    metrics["val/num_samples"] = float(features["image"].shape[0])
+    return metrics
+
+
+def brief(metrics: dict[str, float]) -> str:
+    """The headline metrics of an evaluation, in one line."""
+    return ", ".join(f"{k.split('/', 1)[1]}={metrics[k]:.3f}" for k in BRIEF_KEYS if k in metrics)
+
+
+class Evaluator:
+    """Evaluation during training, built from the config: retrieval on the validation data and, for a model
+    trained on the built-in dataset, its zero-shot tasks, every --val-frequency epochs (0: before training and
+    at the end only). Logs each evaluation and keeps the history (`state_dict`: the summary's "before" column
+    survives a resume).
+
+    The main rank evaluates while the others wait without a collective timeout, learning of an error at once
+    (`run_on_main`); a sharded (FSDP) model is evaluated by every rank, since its forwards need every shard."""
+
+    def __init__(self, cfg: TrainConfig, env: DistributedEnv, autocast: Callable[[], ContextManager[Any]],
+                 reporter: Reporter) -> None:
+        self.env, self.reporter, self.sharded = env, reporter, cfg.fsdp
+        zero_shot = cfg.zero_shot_samples if has_builtin_tasks(cfg.data) else 0
+        self.tasks = evaluation_tasks(cfg.data, env.device, autocast, zero_shot_samples=zero_shot,
+                                      frequency=cfg.val_frequency)
+        self.history: list[dict[str, float]] = []  # [0]: the evaluation before the run's first step
+
+    def due(self, epochs_done: int, last: bool) -> list[EvalTask]:
+        """The tasks to run after `epochs_done` epochs (0: before training); `last`: the run's end."""
+        return [task for task in self.tasks if epochs_done == 0 or last
+                or (task.frequency and epochs_done % task.frequency == 0)]
+
+    def __call__(self, model: nn.Module, step: int, epoch: float, epochs_done: int, last: bool = False
+                 ) -> dict[str, float]:
+        """Run the due tasks on `model` (as wrapped for training) at `step`; every rank calls this."""
+        tasks = self.due(epochs_done, last)
+        if not tasks:
+            return {}
+
+        def work() -> dict[str, float]:
+            skips: list[dict[str, Any]] = []
+            metrics = run_tasks(model if self.sharded else unwrap_model(model), tasks, skips)
+            if self.env.is_main:  # (sharded: every rank evaluated the same validation data)
+                self.reporter.write_skips(skips, step=step)
+                if metrics:
+                    self.history.append(metrics)
+                    self.reporter.log("eval", step, epoch, metrics)
+                    self.reporter.message(f"eval after step {step}: " + brief(metrics))
+            return metrics
+
+        if self.sharded:
+            metrics = work()
+            barrier(self.env)
+            return metrics
+        return run_on_main(self.env, "evaluating", work) or {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": list(self.history)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history = list(state["history"])
 
 
 def zero_shot_metrics(model: nn.Module, data: DataConfig, device: torch.device,

@@ -58,11 +58,18 @@ def create_optimizer(
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **adamw_implementation(params))
 
 
-class CosineSchedule:
-    """Linear warmup from 0 to `base_lr` over `warmup_steps`, then cosine decay to 0 at `total_steps`.
+def cosine_lr(step: int, base_lr: float, warmup_steps: int, total_steps: int) -> float:
+    """The lr of optimizer step `step` (0-based): linear warmup from 0 to `base_lr` over `warmup_steps`, then
+    cosine decay to 0 at `total_steps`."""
+    if step < warmup_steps:
+        return base_lr * (step + 1) / warmup_steps
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    return 0.5 * (1 + math.cos(math.pi * progress)) * base_lr
 
-    `step()` is called after each optimizer step; the lr for step k (0-based) is `lr_at(k)`.
-    """
+
+class CosineSchedule:
+    """`cosine_lr` over the optimizer's steps; `step()` is called after each optimizer step."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, base_lr: float, warmup_steps: int, total_steps: int) -> None:
         self.optimizer = optimizer
@@ -73,11 +80,7 @@ class CosineSchedule:
         self._apply()
 
     def lr_at(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return self.base_lr * (step + 1) / self.warmup_steps
-        decay_steps = max(1, self.total_steps - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / decay_steps)
-        return 0.5 * (1 + math.cos(math.pi * progress)) * self.base_lr
+        return cosine_lr(step, self.base_lr, self.warmup_steps, self.total_steps)
 
     @property
     def lr(self) -> float:
@@ -96,5 +99,8 @@ class CosineSchedule:
                 "total_steps": self.total_steps}
 
     def load_state_dict(self, state: dict[str, int | float]) -> None:
+        self.base_lr = float(state["base_lr"])
+        self.warmup_steps = int(state["warmup_steps"])
+        self.total_steps = max(1, int(state["total_steps"]))
         self.last_step = int(state["last_step"])
         self._apply()

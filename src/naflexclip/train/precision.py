@@ -18,9 +18,19 @@ import torch
 
 @dataclass
 class Precision:
+    """`autocast()` for the forwards and the fp16 `scaler` (None without one); its state is the scaler's."""
+
     name: str
     autocast: Callable[[], ContextManager[Any]]
     scaler: torch.amp.GradScaler | None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The saved scaler's state; nothing where either run has no scaler (--precision may change)."""
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)
 
 
 def create_precision(name: str, device: torch.device) -> Precision:

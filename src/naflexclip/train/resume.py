@@ -1,0 +1,222 @@
+"""The resume policy, in one place: what a resumed run may change, what it refuses, what is re-mapped; and the
+resume itself (find the checkpoint, check it, restore every component, continue the logs).
+
+A resume continues the checkpoint exactly or refuses in one line naming the flag and both values. `POLICY` says
+what each flag means to it; a flag it does not list is applied and named in one notice ("resume applies changed
+flags: --wd 0.1 -> 0.05, ..."). Besides the flags:
+
+- the architecture (the checkpoint's own, `run.model_config`) and the weights must fit the model this run builds;
+- the world size may change only where the saved data position is a place in the epoch's global sample order
+  (`DataPosition.remaps`): the epoch is then re-planned from it; rank r continues rank r's random stream;
+- the lr schedule continues as saved unless a flag that defines it changed (`RESCHEDULE`): then this run's
+  schedule, spanning the steps actually left from the resumed microbatch, replaces it;
+- the optimizer keeps this run's hyperparameters (`OptimizerState`);
+- the logs continue after the resumed step (each sink cut back or told) only for this run's own checkpoints.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Callable
+from typing import Any
+
+from naflexclip.distributed import barrier, check_consistency
+from naflexclip.lock import Locks
+from naflexclip.model import weights_mismatch
+from naflexclip.train import checkpoint as storage
+from naflexclip.train.components import Checkpointer, Progress
+from naflexclip.train.config import TrainConfig
+from naflexclip.train.optim import cosine_lr
+from naflexclip.train.report import Reporter, run_exists
+
+APPLY = "apply"  # applied and named in the resume notice (every flag `POLICY` does not list)
+REFUSE = "refuse"  # another value would be another run: the resume stops (the detail says what it would change)
+RESCHEDULE = "reschedule"  # applied; defines the lr schedule, which is then re-planned over the steps left
+IGNORE = "ignore"  # not compared: where a run writes, when it stops, on which devices, how it logs
+
+_DATA_ORDER = "the training data or its order"
+# config fields (`TrainConfig.to_dict()`, data fields as `data.<name>`) -> (rule, detail); others: applied, listed
+POLICY: dict[str, tuple[str, str]] = {
+    "model": (REFUSE, "the model"),
+    "pretrained": (REFUSE, "the model"),
+    "loss": (REFUSE, "the loss"),
+    # the optimizer state holds the trainable parameters only (a run unlocking more is a new run)
+    **{key: (REFUSE, "which parameters train") for key in Locks().as_dict()},
+    # what the saved data position means: the sample order and the batch plan of every epoch
+    **{f"data.{key}": (REFUSE, _DATA_ORDER) for key in (
+        "train_data", "dataset_type", "csv_img_key", "csv_caption_key", "csv_separator", "seed", "synthetic_seed",
+        "synthetic_train_size", "synthetic_shape_group_size", "train_num_samples", "shuffle_buffer",
+        "naflex_seq_lens", "naflex_seq_len_probs", "naflex_max_tokens_per_batch", "naflex_batch_divisor")},
+    **{key: (RESCHEDULE, "") for key in ("lr", "warmup", "epochs", "accum_freq")},
+    **{key: (IGNORE, "") for key in ("name", "logs", "resume", "resume_fresh", "stop_after_steps", "device",
+                                     "dist_timeout", "plot", "report_to", "wandb_project_name", "wandb_notes")},
+}
+
+
+def _flat(config: dict[str, Any]) -> dict[str, Any]:
+    """A config with its data fields as `data.<name>`."""
+    flat = {key: value for key, value in config.items() if key != "data"}
+    flat.update({f"data.{key}": value for key, value in config.get("data", {}).items()})
+    return flat
+
+
+def _flag(key: str) -> str:
+    return "--" + key.rsplit(".", 1)[-1].replace("_", "-")
+
+
+def _plain(value: Any) -> Any:
+    """Lists and tuples compare alike (a config may come back from a checkpoint with either)."""
+    return tuple(_plain(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _shown(value: Any) -> str:
+    """A flag's value as typed on the command line (`unset` for None, a list space-separated, a string quoted
+    where it holds a space or comma), so the one-line notice of changed flags reads unambiguously."""
+    if value is None:
+        return "unset"
+    if isinstance(value, (list, tuple)):
+        return " ".join(_shown(v) for v in value)
+    text = str(value)
+    return shlex.quote(text) if isinstance(value, str) and (not text or re.search(r"[\s,']", text)) else text
+
+
+def _changed(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The fields both configs have that differ (top-level ones first, each part by name)."""
+    old, new = _flat(saved), _flat(current)
+    return sorted((key for key in set(old) & set(new) if _plain(old[key]) != _plain(new[key])),
+                  key=lambda key: (key.startswith("data."), key))
+
+
+def _rule(key: str) -> str:
+    return POLICY.get(key, (APPLY, ""))[0]
+
+
+def refusal(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
+    """Why a run with config `current` cannot continue one saved with `saved` (one line naming the flag and
+    both values; the first such flag in `POLICY`), or None."""
+    changed = set(_changed(saved, current))
+    for key, (rule, what) in POLICY.items():
+        if rule == REFUSE and key in changed:
+            old, new = _flat(saved)[key], _flat(current)[key]
+            return (f"{_flag(key)}: the checkpoint has {old!r}, this run {new!r}; a resume cannot change {what} "
+                    f"(keep {_flag(key)} as it was, or start a new --name)")
+    return None
+
+
+def changed_flags(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The flags a resume applies although the checkpoint was saved with other values, as `--flag old -> new`."""
+    old, new = _flat(saved), _flat(current)
+    return [f"{_flag(key)} {_shown(old[key])} -> {_shown(new[key])}" for key in _changed(saved, current)
+            if _rule(key) in (APPLY, RESCHEDULE)]
+
+
+def architecture_changes(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:
+    """The fields of two `config_to_dict` architectures that differ, as `name: old -> new`."""
+    changes = []
+    for key in sorted(set(saved) | set(current)):
+        old, new = saved.get(key), current.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            changes += architecture_changes(old, new, f"{prefix}{key}.")
+        elif _plain(old) != _plain(new):
+            changes.append(f"{prefix}{key}: {old!r} -> {new!r}")
+    return changes
+
+
+def resume_error(states: dict[str, Any], checkpointer: Checkpointer, model: Any) -> str | None:
+    """Why this run cannot continue a checkpoint's `states` exactly (flags, architecture, weights, world size),
+    or None. `model`: the plain (unwrapped) model this run built."""
+    saved, current = states["run"], checkpointer.run
+    error = refusal(saved["config"], current["config"])
+    if error is None:
+        changed = architecture_changes(saved["model_config"], current["model_config"])
+        if changed:
+            error = (f"--model {current['config']['model']}: the preset's architecture is not the checkpoint's "
+                     f"(checkpoint -> preset: " + ", ".join(changed[:3]) + (", ..." if len(changed) > 3 else "") + ")")
+    if error is None:
+        error = weights_mismatch(model, states[storage.MODEL])
+    world_size, saved_world_size = current["world_size"], saved["world_size"]
+    if error is None and saved_world_size != world_size and not checkpointer.components["data"].remaps(states["data"]):
+        error = (f"world size: the checkpoint was saved by {saved_world_size} process(es), this run has {world_size}; "
+                 f"its per-rank data position cannot be re-mapped exactly (resume with {saved_world_size})")
+    return error
+
+
+def reschedule(states: dict[str, Any], cfg: TrainConfig, steps_left: Callable[[int, int], int]) -> list[str]:
+    """Where a flag that defines the lr schedule changed, replace the saved schedule by this run's, spanning the
+    steps done plus the steps actually left from the resumed microbatch (`steps_left`: the windows the rest of
+    each epoch makes, so none runs past its end at lr 0); the notice names both lengths and the lr at the resumed
+    step."""
+    saved = states["lr_schedule"]
+    if not any(_rule(key) == RESCHEDULE for key in _changed(states["run"]["config"], cfg.to_dict())):
+        return []
+    step, progress = int(saved["last_step"]), states["progress"]
+    new = {"last_step": step, "base_lr": cfg.lr, "warmup_steps": cfg.warmup,
+           "total_steps": step + steps_left(int(progress["epoch"]), int(progress["next_batch"]))}
+    states["lr_schedule"] = new
+    old_lr, new_lr = (cosine_lr(step, s["base_lr"], s["warmup_steps"], s["total_steps"]) for s in (saved, new))
+    return [f"lr schedule {saved['total_steps']} -> {new['total_steps']} steps "
+            f"(lr at step {step}: {old_lr:.3g} -> {new_lr:.3g})"]
+
+
+def _start_fresh(cfg: TrainConfig, checkpointer: Checkpointer, reporter: Reporter) -> bool:
+    """--resume latest without a usable checkpoint: a new run starts; an existing one stops unless
+    --resume-fresh says to start it over."""
+    checkpoint_dir = checkpointer.checkpoint_dir
+    run_dir = checkpoint_dir.parent
+    existing = run_exists(run_dir) or (checkpoint_dir.is_dir() and any(checkpoint_dir.iterdir()))
+    if existing and not cfg.resume_fresh:
+        raise ValueError(f"--resume latest: run {str(run_dir)!r} exists but has no usable checkpoint; pass "
+                         f"--resume-fresh to start it over from scratch")
+    if existing:
+        reporter.message(f"--resume latest: no usable checkpoint in {checkpoint_dir}; starting the run over "
+                         f"(--resume-fresh)")
+        reporter.start_over()
+    else:
+        reporter.message(f"--resume latest: no checkpoint in {checkpoint_dir}; starting fresh")
+    barrier(checkpointer.env)
+    return False
+
+
+def resume(cfg: TrainConfig, checkpointer: Checkpointer, reporter: Reporter, model: Any,
+           steps_left: Callable[[int, int], int]) -> bool:
+    """Load --resume (a path, or `latest` of this run when there is one) into every component; True if a
+    checkpoint was loaded. Every rank reads the checkpoint, so every rank raises the same one-line error.
+    `model`: the plain model (its weights are checked against the checkpoint's); `steps_left(epoch, next_batch)`:
+    optimizer steps from that microbatch to the end of the run."""
+    if cfg.resume is None:
+        return False
+    if cfg.resume == "latest":
+        found = storage.load_latest(checkpointer.checkpoint_dir, notify=reporter.message)
+        if found is None:
+            return _start_fresh(cfg, checkpointer, reporter)
+    else:
+        found = storage.load_checkpoint(cfg.resume, notify=reporter.message)
+    states = dict(found.states)
+    error = resume_error(states, checkpointer, model)
+    if error is not None:
+        raise ValueError(f"--resume {str(found.path)!r}: {error}")
+    changes = changed_flags(states["run"]["config"], cfg.to_dict()) + reschedule(states, cfg, steps_left)
+    checkpointer.load(states, skip=("reporter",))
+    progress = checkpointer.progress
+    if found.path.resolve().parent == checkpointer.checkpoint_dir.resolve():  # this run's own checkpoint
+        reporter.load_state_dict(states["reporter"], progress.step)
+    barrier(checkpointer.env)
+    check_consistency(checkpointer.env, step=progress.step, epoch=progress.epoch, next_batch=progress.next_batch)
+    reporter.message(f"resumed from {found.path} at epoch {progress.epoch}, step {progress.step}")
+    if changes:
+        reporter.message("resume applies changed flags: " + ", ".join(changes))
+    return True
+
+
+def nothing_left(cfg: TrainConfig, progress: Progress, notify: Callable[[str], None]) -> bool:
+    """After a resume: True (and one line) when the checkpoint already is where this run would stop."""
+    if progress.epoch >= cfg.epochs:
+        notify(f"nothing to train: the run finished (epoch {progress.epoch} of --epochs {cfg.epochs}, step "
+               f"{progress.step}); raise --epochs to train longer")
+        return True
+    if cfg.stop_after_steps is not None and progress.step >= cfg.stop_after_steps:
+        notify(f"nothing to train: the checkpoint is at step {progress.step}, --stop-after-steps is "
+               f"{cfg.stop_after_steps}")
+        return True
+    return False
