@@ -107,24 +107,23 @@ def read_lines(path: str | Path, flag: str) -> list[str]:
     return [line for line in lines if line]
 
 
-def read_classnames(path: str | Path, folders: list[str]) -> list[str]:
+def read_classnames(path: str | Path, folders: list[str], flag: str = "--zero-shot-classnames") -> list[str]:
     """One display name per class folder, in sorted-folder order."""
-    names = read_lines(path, "--zero-shot-classnames")
+    names = read_lines(path, flag)
     if len(names) != len(folders):
-        raise ValueError(f"--zero-shot-classnames {str(path)!r} has {len(names)} names for {len(folders)} "
+        raise ValueError(f"{flag} {str(path)!r} has {len(names)} names for {len(folders)} "
                          f"class folders (one line per folder, in sorted folder order)")
     return names
 
 
-def read_templates(path: str | Path) -> list[str]:
+def read_templates(path: str | Path, flag: str = "--zero-shot-templates") -> list[str]:
     """Prompt templates, one per line, each with `{}` (or `{c}`) where the class name goes."""
-    templates = [t.replace("{c}", "{}") for t in read_lines(path, "--zero-shot-templates")]
+    templates = [t.replace("{c}", "{}") for t in read_lines(path, flag)]
     for template in templates:
         if template.count("{}") != 1:
-            raise ValueError(f"--zero-shot-templates: template {template!r} needs exactly one '{{}}' "
-                             f"for the class name")
+            raise ValueError(f"{flag}: template {template!r} needs exactly one '{{}}' for the class name")
     if not templates:
-        raise ValueError(f"--zero-shot-templates {str(path)!r} has no templates")
+        raise ValueError(f"{flag} {str(path)!r} has no templates")
     return templates
 
 

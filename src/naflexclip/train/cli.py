@@ -109,6 +109,16 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                    help="evaluate every N epochs (and at the end); 0: only before training and at the end")
     r.add_argument("--zero-shot-samples", type=int, default=_default("zero_shot_samples"),
                    help="built-in single-object images for the zero-shot shape/colour evaluation")
+    z = parser.add_argument_group("zero-shot classification of your own ImageFolder during training")
+    z.add_argument("--zeroshot-data", default=None,
+                   help="an ImageFolder (one sub-folder of images per class), logged as zeroshot/<folder name>/top1 "
+                        "and top5")
+    z.add_argument("--zeroshot-classnames", default=None,
+                   help="text file, one class name per line in sorted folder order (default: the folder names)")
+    z.add_argument("--zeroshot-templates", default=None,
+                   help="text file, one prompt template per line with {} for the class name (default: a short set)")
+    z.add_argument("--zeroshot-frequency", type=int, default=_default("zeroshot_frequency"),
+                   help="classify --zeroshot-data every N epochs (also before training and at the end); 0: never")
     r.add_argument("--no-plot", action="store_true", help="do not write curves.png")
     d = parser.add_argument_group("devices")
     d.add_argument("--device", default=None,
@@ -139,7 +149,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         log_every_n_steps=args.log_every_n_steps, val_frequency=args.val_frequency,
         device=args.device, max_skipped_steps=args.max_skipped_steps, fsdp=args.fsdp,
         dist_timeout=args.dist_timeout, plot=not args.no_plot, loss_tile_size=args.loss_tile_size,
-        zero_shot_samples=args.zero_shot_samples, pretrained=args.pretrained,
+        zero_shot_samples=args.zero_shot_samples, zeroshot_data=args.zeroshot_data,
+        zeroshot_classnames=args.zeroshot_classnames, zeroshot_templates=args.zeroshot_templates,
+        zeroshot_frequency=args.zeroshot_frequency, pretrained=args.pretrained,
         grad_checkpointing=args.grad_checkpointing, torchcompile=args.torchcompile, **Locks.pick(args).as_dict(),
     )
 

@@ -7,6 +7,7 @@ finish in a few minutes on a 2-core CPU. Every validation error is one line and 
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES
 from naflexclip.model import PRESETS
 from naflexclip.train.report import report_to_names
 from naflexclip.window import METHODS, SCALE_MODES
+from naflexclip.zeroshot import read_classnames, read_image_folder, read_templates
 
 PRECISIONS = ("fp32", "amp_bf16", "amp")
 
@@ -59,6 +61,10 @@ class TrainConfig:
     log_every_n_steps: int = 1
     val_frequency: int = 1
     zero_shot_samples: int = 300
+    zeroshot_data: str | None = None  # an ImageFolder classified zero-shot during training (`zeroshot/<name>/...`)
+    zeroshot_classnames: str | None = None  # its class names file (one line per class folder)
+    zeroshot_templates: str | None = None  # its prompt templates file
+    zeroshot_frequency: int = 2  # OpenCLIP's: every N epochs (before training and at the end too); 0: never
     device: str | None = None
     max_skipped_steps: int = 10
     fsdp: bool = False
@@ -81,6 +87,7 @@ class TrainConfig:
         self._check_pretrained()
         self._check_loss()
         Locks.pick(self)  # one-line errors for lock flags that cannot go together
+        self._check_zeroshot()
         if self.name is None:
             # OpenCLIP-style run name: when and what
             model = family_of(self.pretrained).NAME if self.pretrained else self.model
@@ -108,6 +115,7 @@ class TrainConfig:
             ("--log-every-n-steps", self.log_every_n_steps, 1),
             ("--val-frequency", self.val_frequency, 0),
             ("--zero-shot-samples", self.zero_shot_samples, 1),
+            ("--zeroshot-frequency", self.zeroshot_frequency, 0),
             ("--max-skipped-steps", self.max_skipped_steps, 1),
         ):
             if value < minimum:
@@ -156,6 +164,24 @@ class TrainConfig:
         elif self.pretrained and self.loss != own:
             # SigLIP 2 is a sigmoid-loss model: its logit_bias only trains under that loss
             raise ValueError(f"--loss {self.loss}: the --pretrained model is trained with --loss {own}; drop --loss")
+
+    def _check_zeroshot(self) -> None:
+        """The ImageFolder, class names and templates of --zeroshot-data, read before the run starts."""
+        if self.zeroshot_data is None:
+            for flag, value in (("--zeroshot-classnames", self.zeroshot_classnames),
+                                ("--zeroshot-templates", self.zeroshot_templates)):
+                if value is not None:
+                    raise ValueError(f"{flag} goes with --zeroshot-data (the ImageFolder to classify)")
+            return
+        folder = read_image_folder(self.zeroshot_data, flag="--zeroshot-data")
+        if self.zeroshot_classnames is not None:
+            read_classnames(self.zeroshot_classnames, folder.folders, flag="--zeroshot-classnames")
+        if self.zeroshot_templates is not None:
+            read_templates(self.zeroshot_templates, flag="--zeroshot-templates")
+        # absolute, so that a resume from another folder finds them; the metric names keep the folder's name
+        for key in ("zeroshot_data", "zeroshot_classnames", "zeroshot_templates"):
+            if getattr(self, key) is not None:
+                setattr(self, key, os.path.abspath(getattr(self, key)))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form (saved with every checkpoint and at the top of the logs)."""

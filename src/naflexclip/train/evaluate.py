@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,8 +27,14 @@ from naflexclip.data.synthetic import ATTRIBUTES, zero_shot_prompt_ensemble
 from naflexclip.distributed import DistributedEnv, barrier, run_on_main
 from naflexclip.parallel import unwrap_model
 from naflexclip.train.config import TrainConfig
-from naflexclip.train.report import Reporter
-from naflexclip.zeroshot import ensemble_embeddings
+from naflexclip.train.report import Reporter, folder_zeroshot_keys
+from naflexclip.zeroshot import (
+    ensemble_embeddings,
+    read_classnames,
+    read_image_folder,
+    read_templates,
+    zero_shot_classify,
+)
 
 RECALL_AT = (1, 5, 10)
 ZERO_SHOT_ATTRIBUTES = ("shape", "colour")
@@ -100,6 +107,28 @@ def evaluation_tasks(data: DataConfig, device: torch.device, autocast: Callable[
     return tasks
 
 
+def folder_zero_shot_task(cfg: TrainConfig, device: torch.device, autocast: Callable[[], ContextManager[Any]]
+                          ) -> EvalTask | None:
+    """Zero-shot classification of the ImageFolder --zeroshot-data (`folder_zero_shot_metrics`) at the largest
+    --naflex-seq-lens, every --zeroshot-frequency epochs (0: never, as OpenCLIP's; None then)."""
+    if cfg.zeroshot_data is None or not cfg.zeroshot_frequency:
+        return None
+    folder = cfg.zeroshot_data
+    folders = read_image_folder(folder, flag="--zeroshot-data").folders
+    classnames = (read_classnames(cfg.zeroshot_classnames, folders, flag="--zeroshot-classnames")
+                  if cfg.zeroshot_classnames is not None else None)
+    templates = (read_templates(cfg.zeroshot_templates, flag="--zeroshot-templates")
+                 if cfg.zeroshot_templates is not None else None)
+    seq_len, hf_processor = max(cfg.data.naflex_seq_lens), cfg.data.hf_processor
+
+    def run(model: nn.Module, skips: list[dict[str, Any]]) -> dict[str, float]:
+        return folder_zero_shot_metrics(model, folder, seq_len=seq_len, hf_processor=hf_processor,
+                                        classnames=classnames, templates=templates, device=device, autocast=autocast,
+                                        skip_records=skips)
+
+    return EvalTask(f"zeroshot/{Path(folder).name}", cfg.zeroshot_frequency, run)
+
+
 @torch.no_grad()
 def run_tasks(model: nn.Module, tasks: list[EvalTask], skip_records: list[dict[str, Any]] | None = None
               ) -> dict[str, float]:
@@ -139,14 +168,15 @@ def validation_retrieval(model: nn.Module, data: DataConfig, device: torch.devic
 
 def brief(metrics: dict[str, float]) -> str:
     """The headline metrics of an evaluation, in one line."""
-    return ", ".join(f"{k.split('/', 1)[1]}={metrics[k]:.3f}" for k in BRIEF_KEYS if k in metrics)
+    keys = [*BRIEF_KEYS, *(k for k in folder_zeroshot_keys(metrics) if k.endswith("/top1"))]
+    return ", ".join(f"{k.split('/', 1)[1]}={metrics[k]:.3f}" for k in keys if k in metrics)
 
 
 class Evaluator:
     """Evaluation during training, built from the config: retrieval on the validation data and, for a model
     trained on the built-in dataset, its zero-shot tasks, every --val-frequency epochs (0: before training and
-    at the end only). Logs each evaluation and keeps the history (`state_dict`: the summary's "before" column
-    survives a resume).
+    at the end only); zero-shot classification of --zeroshot-data every --zeroshot-frequency epochs. Logs each
+    evaluation and keeps the history (`state_dict`: the summary's "before" column survives a resume).
 
     The main rank evaluates while the others wait without a collective timeout, learning of an error at once
     (`run_on_main`); a sharded (FSDP) model is evaluated by every rank, since its forwards need every shard."""
@@ -157,6 +187,9 @@ class Evaluator:
         zero_shot = cfg.zero_shot_samples if has_builtin_tasks(cfg.data) else 0
         self.tasks = evaluation_tasks(cfg.data, env.device, autocast, zero_shot_samples=zero_shot,
                                       frequency=cfg.val_frequency)
+        folder = folder_zero_shot_task(cfg, env.device, autocast)
+        if folder is not None:
+            self.tasks.append(folder)
         self.history: list[dict[str, float]] = []  # [0]: the evaluation before the run's first step
 
     def due(self, epochs_done: int, last: bool) -> list[EvalTask]:
@@ -210,3 +243,19 @@ def zero_shot_metrics(model: nn.Module, data: DataConfig, device: torch.device,
         metrics[f"zeroshot/{attribute}_top1"] = float((predicted == features["labels"][attribute]).float().mean())
         metrics[f"zeroshot/{attribute}_chance"] = 1.0 / len(ATTRIBUTES[attribute])
     return metrics
+
+
+def folder_zero_shot_metrics(model: nn.Module, folder: str, *, seq_len: int, hf_processor: str | None,
+                             classnames: list[str] | None, templates: list[str] | None, device: torch.device,
+                             autocast: Callable[[], ContextManager[Any]], skip_records: list[dict[str, Any]]
+                             ) -> dict[str, float]:
+    """`zeroshot/<folder name>/top1`, `top5` (top-k of fewer classes: all of them) and `chance` (top-1's) of
+    `eval --zero-shot-data`'s classification of the ImageFolder `folder`; files that do not decode go to
+    `skip_records`."""
+    results = zero_shot_classify(model, folder, seq_len=seq_len, hf_processor=hf_processor, classnames=classnames,
+                                 templates=templates, device=device, autocast=autocast)
+    skip_records.extend(results["skipped_samples"])
+    name = Path(folder).name
+    return {f"zeroshot/{name}/top1": results["top1"],
+            f"zeroshot/{name}/top5": results[f"top{min(5, results['num_classes'])}"],
+            f"zeroshot/{name}/chance": results["chance"]}

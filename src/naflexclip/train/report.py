@@ -35,6 +35,8 @@ SUMMARY_KEYS = (
     "val/text_to_image_R@1", "val/text_to_image_R@5", "val/text_to_image_R@10", "val/text_to_image_median_rank",
     "zeroshot/shape_top1", "zeroshot/colour_top1",
 )
+# zero-shot classification of a user's ImageFolder during training: zeroshot/<folder name>/<metric>
+FOLDER_ZEROSHOT_METRICS = ("top1", "top5")
 
 
 class Sink(Protocol):
@@ -205,7 +207,7 @@ class Reporter:
             os.close(fd)
         for record in records:
             split = record.get("split", "train")
-            key = (split, record["epoch"])
+            key = (split, record.get("epoch"))
             self.skips_printed[key] = shown = self.skips_printed.get(key, 0) + 1
             where = ", ".join(f"{k} {record[k]}" for k in ("key", "line") if record.get(k) is not None)
             reason = record["reason"] if split == "train" else f"{record['reason']}, {split}"
@@ -249,6 +251,12 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+def folder_zeroshot_keys(record: Mapping[str, Any]) -> list[str]:
+    """The `zeroshot/<folder name>/top1` and `top5` keys of an evaluation record, by folder name."""
+    return sorted(key for key in record if key.startswith("zeroshot/") and key.count("/") == 2
+                  and key.rsplit("/", 1)[1] in FOLDER_ZEROSHOT_METRICS)
+
+
 def plot_curves(records: list[dict[str, Any]], out_path: Path) -> None:
     """Loss per step and retrieval / zero-shot per evaluation, in one PNG (matplotlib, Agg backend)."""
     import matplotlib
@@ -270,6 +278,11 @@ def plot_curves(records: list[dict[str, Any]], out_path: Path) -> None:
         points = [(r["step"], r[key]) for r in evals if key in r]
         if points:
             ax_eval.plot(*zip(*points, strict=True), marker="o", label=label)
+    for key in sorted({key for r in evals for key in folder_zeroshot_keys(r)}):
+        _, name, metric = key.split("/")
+        points = [(r["step"], r[key]) for r in evals if key in r]
+        ax_eval.plot(*zip(*points, strict=True), marker="o", ls="-" if metric == "top1" else "--",
+                     label=f"zero-shot {name} top-{metric[3:]}")
     ax_eval.set(xlabel="optimizer step", ylabel="accuracy / recall", ylim=(0, 1), title="evaluation")
     ax_eval.grid(alpha=0.3)
     if ax_eval.get_lines():
@@ -285,12 +298,15 @@ def summary_table(first: dict[str, float], last: dict[str, float], counts: dict[
     """Before/after table of the evaluation metrics, and the run's skip counts."""
     rows = [("metric", "before", "after", "chance")]
     num_val = last.get("val/num_samples", first.get("val/num_samples"))
-    for key in SUMMARY_KEYS:
+    for key in (*SUMMARY_KEYS, *folder_zeroshot_keys(last)):
         if key not in last:
             continue
         chance = ""
-        if key.startswith("zeroshot/"):
+        if key in SUMMARY_KEYS and key.startswith("zeroshot/"):
             chance = f"{last.get(key.replace('_top1', '_chance'), math.nan):.3f}"
+        elif key.startswith("zeroshot/"):  # a folder's: top-k of its classes by chance
+            top1 = last.get(f"{key.rsplit('/', 1)[0]}/chance", math.nan)
+            chance = f"{min(1.0, int(key.rsplit('/top', 1)[1]) * top1):.3f}"
         elif "R@" in key and num_val:
             chance = f"{min(1.0, int(key.rsplit('@', 1)[1]) / num_val):.3f}"
         elif "median_rank" in key and num_val:
