@@ -17,7 +17,7 @@ from test_train_loop import TINY_DATA_FLAGS
 
 from naflexclip.cli import main
 from naflexclip.train import checkpoint as ckpt
-from naflexclip.train.report import SinkContext
+from naflexclip.train.sinks import SinkContext
 from naflexclip.train.wandb_sink import WandbSink, history_steps
 
 wandb = pytest.importorskip("wandb")
@@ -158,7 +158,7 @@ def test_a_resume_says_when_the_run_lacks_steps_the_checkpoint_logged(tmp_path: 
 KILLED_PROCESS = """
 import json, sys, time
 from pathlib import Path
-from naflexclip.train.report import SinkContext
+from naflexclip.train.sinks import SinkContext
 from naflexclip.train.wandb_sink import WandbSink
 run_dir = Path(sys.argv[1])
 sink = WandbSink(SinkContext(run_dir=run_dir, config={"lr": 0.001}, name="killed"))

@@ -22,10 +22,9 @@ import struct
 import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from naflexclip.train.report import SinkContext
+from naflexclip.train.sinks import SinkContext
 
 logger = logging.getLogger(__name__)
 
