@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from measure import in_subprocess
 
 from naflexclip import accumulate_gradients, create_loss, create_model
 from naflexclip.batch import split_batch, to_device
@@ -92,16 +93,6 @@ def _peak_memory(config: dict, variant: str, queue: mp.Queue) -> None:
         queue.put(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base)
 
 
-def _in_subprocess(target: Callable[..., None], *args: object) -> object:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=target, args=(*args, queue))
-    proc.start()
-    result = queue.get()
-    proc.join()
-    return result
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="base")
@@ -117,8 +108,8 @@ def main() -> None:
     config = vars(args)
     print(f"### {args.model}, N = {args.num_examples} in n = {args.splits}, seq lens {args.seq_lens}, {args.method}, "
           f"{args.device}, {args.precision}, median of {args.repeats}", flush=True)
-    seconds, forwards = _in_subprocess(_time_all, config)
-    memory = {variant: _in_subprocess(_peak_memory, config, variant) for variant in VARIANTS}
+    seconds, forwards = in_subprocess(_time_all, config)
+    memory = {variant: in_subprocess(_peak_memory, config, variant) for variant in VARIANTS}
     print("| window | s / window | peak memory (MiB) | image-tower forwards |\n| --- | --- | --- | --- |")
     for variant in VARIANTS:
         label = "--lock-image" if variant == "locked" else "unlocked"

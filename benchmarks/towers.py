@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from measure import in_subprocess
 from torch._dynamo.utils import counters
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -138,16 +139,6 @@ def _peak_memory(config: dict, checkpointing: bool, queue: mp.Queue) -> None:
     queue.put(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)  # Linux reports KiB
 
 
-def _in_subprocess(target: Callable[..., None], *args: object) -> object:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=target, args=(*args, queue))
-    proc.start()
-    result = queue.get()
-    proc.join()
-    return result
-
-
 def _timed_ratios(config: dict) -> list[str]:
     """Checkpointed vs plain and compiled vs eager, alternating round by round; compile recompile counts."""
     model, microbatches, autocast = _ratios_setup(config)
@@ -214,11 +205,11 @@ def run_ratios(args: argparse.Namespace) -> None:
     emit(args.out, f"\n### {config['model']}, cache window N = {args.num_examples} in n = {args.splits}, "
                    f"seq lens {args.seq_lens}, {args.device}, {args.threads} thread(s), {args.precision}, "
                    f"median of {args.repeats}")
-    memory = {ckpt: _in_subprocess(_peak_memory, config, ckpt) for ckpt in (False, True)}
+    memory = {ckpt: in_subprocess(_peak_memory, config, ckpt) for ckpt in (False, True)}
     emit(args.out, f"peak memory of the window over model + grads + batch (fresh processes): "
                    f"{memory[False] / 2**20:.0f} MiB plain, {memory[True] / 2**20:.0f} MiB checkpointed "
                    f"({memory[True] / max(memory[False], 1):.2f}×)")
-    for row in _in_subprocess(_timed_ratios_to_queue, config):
+    for row in in_subprocess(_timed_ratios_to_queue, config):
         emit(args.out, row)
 
 

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from measure import in_subprocess
 
 from naflexclip import accumulate_gradients, create_loss, create_model
 from naflexclip.batch import split_batch, to_device
@@ -107,29 +108,19 @@ def _peak_memory(config: dict, variant: tuple[str, int], queue: mp.Queue) -> Non
         queue.put(_peak_rss_bytes() - base)
 
 
-def _in_subprocess(target: Callable[..., None], *args: object) -> object:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=target, args=(*args, queue))
-    proc.start()
-    result = queue.get()
-    proc.join()
-    return result
-
-
 def run_configuration(args: argparse.Namespace, model: str, num_examples: int, seq_lens: list[int]) -> None:
     """Print the configuration's table, row by row as each is measured."""
     config = dict(model=model, num_examples=num_examples, seq_lens=seq_lens, device=args.device,
                   repeats=args.repeats, threads=args.threads, splits=args.splits, precision=args.precision)
     print(f"\n### {model}, N = {num_examples}, seq lens {seq_lens}, {args.device}, {args.precision}, "
           f"median of {args.repeats}", flush=True)
-    seconds, memory = _in_subprocess(_time_all, config)
+    seconds, memory = in_subprocess(_time_all, config)
     print("| step | s / window | × full batch | peak memory (MiB) | × full batch | cache ÷ replay time |\n"
           "| --- | --- | --- | --- | --- | --- |", flush=True)
     full_time, full_mem = seconds[("full", 1)], None
     for method, n in _variants(config):
         # CPU: a fresh process per variant (peak RSS cannot be reset)
-        mem = memory[(method, n)] if memory else _in_subprocess(_peak_memory, config, (method, n))
+        mem = memory[(method, n)] if memory else in_subprocess(_peak_memory, config, (method, n))
         full_mem = full_mem or mem
         t = seconds[(method, n)]
         label = f"full batch N={num_examples}" if method == "full" else f"{method} n={n}"
