@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -82,3 +83,31 @@ def test_two_process_run_resumes_to_the_same_weights(tmp_path: Path) -> None:
     resumed_steps = [json.loads(line)["step"] for line in (tmp_path / "resumed" / "metrics.jsonl").read_text()
                      .splitlines() if json.loads(line)["kind"] == "train"]
     assert resumed_steps == list(range(1, len(resumed_steps) + 1))
+
+
+@pytest.mark.slow
+def test_a_two_process_run_resumed_on_one_re_plans_the_lr_schedule_over_the_steps_left(tmp_path: Path) -> None:
+    """Stopped at step 2 by 2 processes, resumed by 1: each step now covers half the samples, so the rest of the
+    epoch takes more steps than the saved schedule has left. The schedule is re-planned over the steps actually
+    left (none at lr 0), and the epoch's samples are trained once over both parts."""
+    torchrun(tmp_path, "run", "--stop-after-steps", "2")
+    launcher = tmp_path / "launch.py"
+    cmd = [sys.executable, str(launcher), "train", *RUN_FLAGS, "--logs-dir", str(tmp_path), "--name", "run",
+           "--resume", "latest"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    final = load_checkpoint(find_latest(tmp_path / "run" / "checkpoints")).states
+    assert final["run"]["world_size"] == 1 and final["progress"]["epoch"] == 1
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train_records = [r for r in records if r["kind"] == "train"]
+    steps = [r["step"] for r in train_records]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) > 4  # more steps than the 2-process epoch's 4
+    assert all(r["train/lr"] > 0 for r in train_records), [(r["step"], r["train/lr"]) for r in train_records]
+    assert final["lr_schedule"]["total_steps"] == len(steps)
+    assert sum(r["train/window_examples"] for r in train_records) == 128  # every sample once, none twice
+    (notice,) = [line for line in result.stderr.splitlines() if "changed flags" in line]
+    assert "world size 2 -> 1" in notice and f"lr schedule 4 -> {len(steps)} steps" in notice
+    done, total = re.findall(r"(\d+)/(\d+) \[", result.stderr)[-1]  # the bar's last state: full, not past its end
+    assert done == total

@@ -112,8 +112,11 @@ class Trainer:
 
     def windows_left(self, epoch: int, next_batch: int) -> int:
         """Optimizer steps from microbatch `next_batch` of `epoch` to the end of the run: the windows of the
-        microbatches left in each epoch (the lr schedule spans them, whatever --accum-freq earlier steps used)."""
+        microbatches left in each epoch (the lr schedule spans them, whatever --accum-freq earlier steps used).
+        `epoch` counts as the loader plans it now: a resume at another world size re-planned its rest."""
         counts = self.batches_per_epoch[epoch:]
+        if counts and self.loader.epoch == epoch:
+            counts[0] = self.loader.num_batches
         return sum(len(window_sizes(count - (next_batch if i == 0 else 0), self.cfg.accum_freq))
                    for i, count in enumerate(counts))
 

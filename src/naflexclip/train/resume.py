@@ -8,8 +8,8 @@ flags: --wd 0.1 -> 0.05, ..."). Besides the flags:
 - the architecture (the checkpoint's own, `run.model_config`) and the weights must fit the model this run builds;
 - the world size may change only where the saved data position is a place in the epoch's global sample order
   (`DataPosition.remaps`): the epoch is then re-planned from it; rank r continues rank r's random stream;
-- the lr schedule continues as saved unless a flag that defines it changed (`RESCHEDULE`): then this run's
-  schedule, spanning the steps actually left from the resumed microbatch, replaces it;
+- the lr schedule continues as saved unless a flag that defines it (`RESCHEDULE`) or the world size changed:
+  then this run's schedule, spanning the steps actually left from the resumed (re-planned) position, replaces it;
 - the optimizer keeps this run's hyperparameters (`OptimizerState`);
 - the logs continue after the resumed step (each sink cut back or told) only for this run's own checkpoints.
 """
@@ -142,21 +142,25 @@ def resume_error(states: dict[str, Any], checkpointer: Checkpointer, model: Any)
     return error
 
 
-def reschedule(states: dict[str, Any], cfg: TrainConfig, steps_left: Callable[[int, int], int]) -> list[str]:
-    """Where a flag that defines the lr schedule changed, replace the saved schedule by this run's, spanning the
-    steps done plus the steps actually left from the resumed microbatch (`steps_left`: the windows the rest of
-    each epoch makes, so none runs past its end at lr 0); the notice names both lengths and the lr at the resumed
-    step."""
-    saved = states["lr_schedule"]
-    if not any(_rule(key) == RESCHEDULE for key in _changed(states["run"]["config"], cfg.to_dict())):
+def reschedule(states: dict[str, Any], cfg: TrainConfig, world_size: int, progress: Progress,
+               steps_left: Callable[[int, int], int]) -> list[str]:
+    """Where a flag that defines the lr schedule changed, or the world size (each step then covers another
+    number of samples), replace the saved schedule in `states` by this run's, spanning the steps done plus the
+    steps actually left from the resumed position (`progress`, loaded; `steps_left`: the windows the rest of
+    each epoch makes, as re-planned, so none runs past its end at lr 0); the notice names the world sizes, both
+    lengths and the lr at the resumed step."""
+    saved, saved_world_size = states["lr_schedule"], states["run"]["world_size"]
+    flags = any(_rule(key) == RESCHEDULE for key in _changed(states["run"]["config"], cfg.to_dict()))
+    if not flags and saved_world_size == world_size:
         return []
-    step, progress = int(saved["last_step"]), states["progress"]
+    step = int(saved["last_step"])
     new = {"last_step": step, "base_lr": cfg.lr, "warmup_steps": cfg.warmup,
-           "total_steps": step + steps_left(int(progress["epoch"]), int(progress["next_batch"]))}
+           "total_steps": step + steps_left(progress.epoch, progress.next_batch)}
     states["lr_schedule"] = new
     old_lr, new_lr = (cosine_lr(step, s["base_lr"], s["warmup_steps"], s["total_steps"]) for s in (saved, new))
-    return [f"lr schedule {saved['total_steps']} -> {new['total_steps']} steps "
-            f"(lr at step {step}: {old_lr:.3g} -> {new_lr:.3g})"]
+    world = [f"world size {saved_world_size} -> {world_size}"] if saved_world_size != world_size else []
+    return world + [f"lr schedule {saved['total_steps']} -> {new['total_steps']} steps "
+                    f"(lr at step {step}: {old_lr:.3g} -> {new_lr:.3g})"]
 
 
 def _start_fresh(cfg: TrainConfig, checkpointer: Checkpointer, reporter: Reporter) -> bool:
@@ -183,7 +187,7 @@ def resume(cfg: TrainConfig, checkpointer: Checkpointer, reporter: Reporter, mod
     """Load --resume (a path, or `latest` of this run when there is one) into every component; True if a
     checkpoint was loaded. Every rank reads the checkpoint, so every rank raises the same one-line error.
     `model`: the plain model (its weights are checked against the checkpoint's); `steps_left(epoch, next_batch)`:
-    optimizer steps from that microbatch to the end of the run."""
+    optimizer steps from that microbatch to the end of the run, as the loaded data position plans the epoch."""
     if cfg.resume is None:
         return False
     if cfg.resume == "latest":
@@ -196,9 +200,11 @@ def resume(cfg: TrainConfig, checkpointer: Checkpointer, reporter: Reporter, mod
     error = resume_error(states, checkpointer, model)
     if error is not None:
         raise ValueError(f"--resume {str(found.path)!r}: {error}")
-    changes = changed_flags(states["run"]["config"], cfg.to_dict()) + reschedule(states, cfg, steps_left)
-    checkpointer.load(states, skip=("reporter",))
-    progress = checkpointer.progress
+    checkpointer.load(states, skip=("reporter", "lr_schedule"))
+    progress = checkpointer.progress  # the data position re-mapped to this world size, where it changed
+    changes = changed_flags(states["run"]["config"], cfg.to_dict()) + reschedule(
+        states, cfg, checkpointer.run["world_size"], progress, steps_left)
+    checkpointer.components["lr_schedule"].load_state_dict(states["lr_schedule"])
     if found.path.resolve().parent == checkpointer.checkpoint_dir.resolve():  # this run's own checkpoint
         reporter.load_state_dict(states["reporter"], progress.step)
     barrier(checkpointer.env)
