@@ -238,7 +238,7 @@ class Trainer:
     def log_step(self, result: StepResult, tokens: tuple[int, int], seconds: float, bar: Any) -> None:
         """Progress bar every step; the sinks every --log-every-n-steps. tokens: (valid image patches, padded
         slots) of this step's window, all ranks. No collective in here: logging may be main-rank only."""
-        metrics = step_metrics(result, tokens, seconds, self.module)
+        metrics = step_metrics(result, tokens, seconds)
         metrics.update({"train/skipped_steps": self.progress.num_skipped_steps,
                         "data/skipped_samples": sum(self.loader.skip_counts.values())})
         bar.update(1)
@@ -248,6 +248,8 @@ class Trainer:
                         pad=f"{metrics['train/padding_fraction']:.2f}", refresh=False)
         if self.progress.step % self.cfg.log_every_n_steps == 0 or result.skipped:
             epoch = self.progress.epoch + self.progress.next_batch / max(1, self.loader.num_batches)
+            # read from the device only at the logging interval (a host sync)
+            metrics["train/logit_scale"] = float(self.module.logit_scale.detach().exp())
             self.reporter.log("train", self.progress.step, epoch, metrics)
 
     def check_stop_signal(self) -> None:

@@ -69,14 +69,14 @@ def token_counts(microbatches: list[dict[str, Any]]) -> tuple[int, int]:
     return sum(int(mask.sum()) for mask in masks), sum(mask.numel() for mask in masks)
 
 
-def step_metrics(result: StepResult, tokens: tuple[int, int], seconds: float, model: nn.Module) -> dict[str, float]:
-    """What a step logs; `tokens`: (valid image patches, padded patch slots) of the window on all ranks,
-    `seconds`: since the previous step, `model`: the plain model (its temperature)."""
+def step_metrics(result: StepResult, tokens: tuple[int, int], seconds: float) -> dict[str, float]:
+    """What a step shows on every step (no device read); `tokens`: (valid image patches, padded patch slots) of
+    the window on all ranks, `seconds`: since the previous step."""
     stats, (valid, slots) = result.stats, tokens
     return {
         "train/loss": stats.loss, "train/lr": result.lr, "train/scale": stats.scale,
         "train/window_examples": stats.num_examples, "train/num_microbatches": stats.num_microbatches,
-        "train/grad_norm": result.grad_norm, "train/logit_scale": float(model.logit_scale.detach().exp()),
+        "train/grad_norm": result.grad_norm,
         "train/samples_per_s": stats.num_examples / seconds, "train/image_tokens_per_s": valid / seconds,
         "train/padding_fraction": 1 - valid / max(1, slots), "train/skipped": float(result.skipped),
     }
