@@ -16,7 +16,7 @@ from PIL import Image
 from naflexclip.data.processing import make_processing
 from naflexclip.data.readers import RawSample, skip_record
 from naflexclip.data.samples import SkipSample, decode_caption, decode_image
-from naflexclip.data.schedule import ScheduledBatch
+from naflexclip.data.schedule import ScheduledBatch, even_sizes
 
 # where a sample is, for the skip log: (source, key, line)
 Where = tuple[str, str | None, int | None]
@@ -77,10 +77,7 @@ class MicrobatchBuilder:
 
 def split_rows(item: dict[str, Any], parts: int) -> list[dict[str, Any]]:
     """A collated microbatch cut into `parts` consecutive microbatches of nearly equal rows (larger first)."""
-    rows = item["text"].shape[0]
-    bounds = [0]
-    for r in range(parts):
-        bounds.append(bounds[-1] + rows // parts + (1 if r < rows % parts else 0))
+    bounds = [0, *itertools.accumulate(even_sizes(item["text"].shape[0], parts))]
     pieces = []
     for lo, hi in itertools.pairwise(bounds):
         image = {k: v[lo:hi] for k, v in item["image"].items()}

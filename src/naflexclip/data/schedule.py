@@ -169,7 +169,7 @@ class GlobalPlan:
         return self.num_samples - self.dropped
 
 
-def _even(total: int, parts: int) -> tuple[int, ...]:
+def even_sizes(total: int, parts: int) -> tuple[int, ...]:
     """`total` split into `parts` sizes that differ by at most one, larger first."""
     return tuple(total // parts + (1 if r < total % parts else 0) for r in range(parts))
 
@@ -210,21 +210,21 @@ def build_global_plan(
         if left >= world_size * rows:
             sizes = (rows,) * world_size
         elif left >= world_size:
-            sizes = _even(left, world_size)
+            sizes = even_sizes(left, world_size)
         elif steps:  # fewer samples than ranks: fold them into the previous step
             prev = steps.pop()
             total = sum(prev.sizes) + left
             fit = next((s for s in sorted(budget.seq_lens, reverse=True) if world_size * budget.batch_size(s) >= total),
                        None)
             if fit is not None:
-                steps.append(PlannedStep(prev.index, fit, _even(total, world_size), prev.offset))
+                steps.append(PlannedStep(prev.index, fit, even_sizes(total, world_size), prev.offset))
             elif total >= 2 * world_size:
-                parts = _even(total, 2 * world_size)
+                parts = even_sizes(total, 2 * world_size)
                 first = tuple(parts[0::2])
                 steps.append(PlannedStep(prev.index, prev.seq_len, first, prev.offset))
                 steps.append(PlannedStep(prev.index + 1, prev.seq_len, tuple(parts[1::2]), prev.offset + sum(first)))
             else:  # every length allows one row only: the last step's first ranks take a second row
-                steps.append(PlannedStep(prev.index, prev.seq_len, _even(total, world_size), prev.offset))
+                steps.append(PlannedStep(prev.index, prev.seq_len, even_sizes(total, world_size), prev.offset))
             break
         else:
             dropped = left
