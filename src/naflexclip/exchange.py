@@ -162,7 +162,6 @@ class ProcessGroupExchange:
             gathered = gathered.view(self.world_size, num_max, *local_rows.shape[1:])
             return torch.cat([gathered[r, :rows] for r, rows in enumerate(rows_per_rank)])
 
-
     def reduce_scatter_rows(self, rows: torch.Tensor, rows_per_rank: Sequence[int]) -> torch.Tensor:
         """Sum every rank's `[N, ...]` tensor, `N = Σ rows_per_rank`, and return this rank's rows of the sum
         (no autograd): each rank's block is padded to the largest, one reduce-scatter, then trimmed."""
@@ -192,7 +191,6 @@ class ProcessGroupExchange:
 # window's feature-gradient exchange, apart from the parameter-gradient reduce-scatters FSDP2 makes
 # through `dist.reduce_scatter_single` (which tools wrap to count gradient syncs).
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
 
 
 class SingleProcessExchange(LocalExchange):

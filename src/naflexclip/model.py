@@ -305,8 +305,9 @@ class NaFlexClip(nn.Module):
         features are those evaluation sees (no dropout, drop-path or patch dropout)."""
         super().train(mode)
         if mode:
+            towers = lock.tower_modules(self)
             for name in self.locked_towers():
-                for module in lock.tower_modules(self)[name]:
+                for module in towers[name]:
                     module.eval()
         return self
 
