@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -111,3 +113,28 @@ def test_a_two_process_run_resumed_on_one_re_plans_the_lr_schedule_over_the_step
     assert "world size 2 -> 1" in notice and f"lr schedule 4 -> {len(steps)} steps" in notice
     done, total = re.findall(r"(\d+)/(\d+) \[", result.stderr)[-1]  # the bar's last state: full, not past its end
     assert done == total
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_with_loader_workers_stops_cleanly(tmp_path: Path) -> None:
+    """SIGTERM to the torchrun agent reaches the whole process group, DataLoader workers included: the run
+    still finishes its step, saves it and ends with one line (a killed worker used to end it in a traceback)."""
+    launcher = tmp_path / "launch.py"
+    launcher.write_text(LAUNCHER)
+    flags = list(RUN_FLAGS)
+    flags[flags.index("--workers") + 1] = "2"
+    flags[flags.index("--epochs") + 1] = "50"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(launcher),
+           "train", *flags, "--logs-dir", str(tmp_path), "--name", "run"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (metrics.exists() and '"kind": "train"' in metrics.read_text()):
+        time.sleep(0.5)
+    agent.send_signal(signal.SIGTERM)
+    _, stderr = agent.communicate(timeout=120)
+    assert "stopped by SIGTERM after step" in stderr, stderr[-3000:]
+    assert "DataLoader worker" not in stderr, stderr[-3000:]
+    saved = [p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.startswith("step_")]
+    assert saved, stderr[-3000:]

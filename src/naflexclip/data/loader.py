@@ -19,6 +19,7 @@ import abc
 import collections
 import dataclasses
 import logging
+import signal
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any, ClassVar, NamedTuple
@@ -139,6 +140,10 @@ class WorkerEpoch(IterableDataset, abc.ABC):
 
 def _worker_init(_: int) -> None:
     torch.set_num_threads(1)  # workers parallelise across processes, not inside one
+    # a SIGTERM to the process group (torchrun's agent, a scheduler) is the training process's to handle: it
+    # finishes the step and saves; a worker that died of it first would end the run in a traceback instead.
+    # The DataLoader still shuts its workers down itself (and they exit when the training process is gone)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 @dataclasses.dataclass(frozen=True)
