@@ -1,12 +1,13 @@
 """naflexclip: CLIP/SigLIP training with NaFlex ViT image towers and exact gradient accumulation."""
 
 from naflexclip.factory import create_model, export_model
-from naflexclip.loss import ClipLoss, SigLipLoss, create_loss
+from naflexclip.loss import ClipLoss, DistillLoss, SigLipLoss, create_loss
 from naflexclip.model import NaFlexClip, model_config
 from naflexclip.window import WindowStats, accumulate_gradients, window_loss_scale
 
 __all__ = [
     "ClipLoss",
+    "DistillLoss",
     "NaFlexClip",
     "SigLipLoss",
     "WindowStats",
