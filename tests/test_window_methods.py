@@ -82,22 +82,26 @@ def test_window_rng_stream_continues_as_after_the_cached_forwards():
     assert torch.equal(after_window, torch.rand(1))
 
 
-def open_clip_model():
+def open_clip_model(output_dict: bool = True, init_logit_bias: float | None = None):
     torch.manual_seed(0)
     return open_clip.model.CLIP(
         embed_dim=16,
         vision_cfg=open_clip.model.CLIPVisionCfg(layers=1, width=32, head_width=16, patch_size=8, image_size=16),
         text_cfg=open_clip.model.CLIPTextCfg(context_length=8, vocab_size=100, width=32, heads=2, layers=1),
-        output_dict=True,
+        output_dict=output_dict, init_logit_bias=init_logit_bias,
     ).double().eval()
+
+
+def dense_window(num_examples: int) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    return {"image": torch.randn(num_examples, 3, 16, 16, generator=gen, dtype=torch.float64),
+            "text": torch.randint(1, 100, (num_examples, 8), generator=gen)}
 
 
 @pytest.mark.parametrize("method", ["cache", "replay"])
 def test_works_with_an_open_clip_model_on_dense_images(method):
     model, loss_fn = open_clip_model(), create_loss("clip")
-    gen = torch.Generator().manual_seed(0)
-    batch = {"image": torch.randn(5, 3, 16, 16, generator=gen, dtype=torch.float64),
-             "text": torch.randint(1, 100, (5, 8), generator=gen)}
+    batch = dense_window(5)
     reference = full_batch_gradients(model, loss_fn, batch, scale=1.0)
     model.zero_grad(set_to_none=True)
     # a dense window scales by 1 whatever the mode
@@ -105,6 +109,33 @@ def test_works_with_an_open_clip_model_on_dense_images(method):
                                  reference_batch_size=64, method=method)
     assert stats.scale == 1.0
     assert failures(model, reference) == {}
+
+
+@pytest.mark.parametrize("method", ["cache", "replay"])
+@pytest.mark.parametrize("siglip", [False, True], ids=["clip", "siglip"])
+def test_open_clip_model_with_its_default_tuple_output_gives_the_dict_output_gradient(method, siglip):
+    # open_clip's CLIP returns (image_features, text_features, logit_scale[, logit_bias]) unless output_dict=True;
+    # the window used to fail on it inside its own error message (sorted() over a tuple of tensors)
+    model = open_clip_model(output_dict=False, init_logit_bias=-10.0 if siglip else None)
+    loss_fn, batch = create_loss("siglip" if siglip else "clip"), dense_window(5)
+    model.output_dict = True
+    reference = full_batch_gradients(model, loss_fn, batch, scale=1.0)
+    model.output_dict = False
+    model.zero_grad(set_to_none=True)
+    accumulate_gradients(model, loss_fn, split_batch(batch, [2, 3]), method=method)
+    assert failures(model, reference) == {}
+    if siglip:
+        assert model.logit_bias.grad is not None
+
+
+def test_a_model_output_that_is_neither_dict_nor_open_clip_tuple_is_one_line_naming_output_dict():
+    class Features(torch.nn.Module):
+        def forward(self, image=None, text=None):
+            return torch.zeros(1)
+
+    with pytest.raises(ValueError, match="output_dict=True") as info:
+        accumulate_gradients(Features(), loss_for(False), [dense_window(2)])
+    assert "\n" not in str(info.value) and "Tensor" in str(info.value)
 
 
 def test_dense_input_through_the_naflex_model():

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from naflexclip.batch import batch_size
-from naflexclip.window import window_loss_scale
+from naflexclip.window import output_dict, window_loss_scale
 
 
 def per_microbatch_scale_gradients(
@@ -28,11 +28,11 @@ def per_microbatch_scale_gradients(
 ) -> None:
     """Accumulate gradients with OpenCLIP's rule: replay j backpropagates `s([b_j]) · L(W)`."""
     with torch.no_grad():
-        outputs = [model(image=mb["image"], text=mb["text"]) for mb in microbatches]
+        outputs = [output_dict(model(image=mb["image"], text=mb["text"])) for mb in microbatches]
     cached_image = [out["image_features"] for out in outputs]
     cached_text = [out["text_features"] for out in outputs]
     for index, mb in enumerate(microbatches):
-        out = model(image=mb["image"], text=mb["text"])
+        out = output_dict(model(image=mb["image"], text=mb["text"]))
         image = torch.cat(cached_image[:index] + [out["image_features"]] + cached_image[index + 1 :])
         text = torch.cat(cached_text[:index] + [out["text_features"]] + cached_text[index + 1 :])
         loss = loss_fn(image, text, out["logit_scale"], out.get("logit_bias"))

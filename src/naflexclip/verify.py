@@ -30,7 +30,7 @@ from naflexclip.lock import Locks, add_lock_args, lock_summary
 from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES, create_loss
 from naflexclip.model import PRESETS
 from naflexclip.train.components import load_checkpoint_model
-from naflexclip.window import METHODS, SCALE_MODES, accumulate_gradients, window_loss_scale
+from naflexclip.window import METHODS, SCALE_MODES, accumulate_gradients, output_dict, window_loss_scale
 
 FLOAT64_TOLERANCE = 1e-10
 FLOAT32_TOLERANCE = 1e-4
@@ -117,7 +117,7 @@ def full_batch_gradients(
 ) -> dict[str, torch.Tensor]:
     """The reference: `scale · ∇θ L` of all rows as one batch, by one explicit backward."""
     model.zero_grad(set_to_none=True)
-    out = model(image=batch["image"], text=batch["text"])
+    out = output_dict(model(image=batch["image"], text=batch["text"]))
     loss = loss_fn(out["image_features"], out["text_features"], out["logit_scale"], out.get("logit_bias"))
     (scale * loss).backward()
     return collect_gradients(model)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -48,6 +48,20 @@ METHODS = ("cache", "replay")
 FEATURE_KEYS = ("image_features", "text_features")
 TOWER_FEATURES = {"image": "image_features", "text": "text_features"}  # the input each tower encodes → its output
 SCALAR_KEYS = ("logit_scale", "logit_bias")
+# open_clip's `CLIP` / `CustomTextCLIP` with `output_dict=False` (their default) return a tuple in this order
+TUPLE_OUTPUT_KEYS = ("image_features", "text_features", "logit_scale", "logit_bias")
+
+
+def output_dict(out: Any) -> dict[str, Any]:
+    """A model's output as OpenCLIP's output dict: a mapping as it is; open_clip's tuple
+    `(image_features, text_features, logit_scale[, logit_bias])` by position; anything else a one-line error."""
+    if isinstance(out, Mapping):
+        return dict(out)
+    if isinstance(out, (tuple, list)) and 3 <= len(out) <= len(TUPLE_OUTPUT_KEYS):
+        return {key: value for key, value in zip(TUPLE_OUTPUT_KEYS, out, strict=False) if value is not None}
+    kind = f"a {type(out).__name__} of {len(out)}" if isinstance(out, (tuple, list)) else f"a {type(out).__name__}"
+    raise ValueError(f"model output is {kind}; expected OpenCLIP's output dict (image_features, text_features, "
+                     f"logit_scale[, logit_bias]) or open_clip's tuple of those (build it with output_dict=True)")
 
 
 def window_loss_scale(
@@ -203,7 +217,7 @@ class _Window:
     def forward(self, microbatch: dict[str, Any], inputs: Sequence[str]) -> dict[str, torch.Tensor]:
         """The model on `inputs` of the microbatch (`image`, `text`, both, or neither for the scalars alone)."""
         with self.autocast():
-            out = self.model(**{name: microbatch[name] for name in inputs})
+            out = output_dict(self.model(**{name: microbatch[name] for name in inputs}))
         for key in (*(TOWER_FEATURES[name] for name in inputs), "logit_scale"):
             if key not in out:
                 raise ValueError(f"model output has no {key!r}; it returned keys {sorted(out)}")
@@ -405,8 +419,10 @@ def accumulate_gradients(
 ) -> WindowStats:
     """Add `s(W)·∇θ L(W)` for this window to the parameters' `.grad` (no optimizer step).
 
-    model: any module whose `forward(image=, text=)` returns OpenCLIP's output dict (for either input alone, that
-        tower's features); one with `locked_towers()` (NaFlexClip) has its fully locked towers forwarded once.
+    model: any module whose `forward(image=, text=)` returns OpenCLIP's output dict, or open_clip's tuple
+        (`output_dict=False`: image_features, text_features, logit_scale[, logit_bias], read by position); for
+        either input alone, that tower's features. One with `locked_towers()` (NaFlexClip) has its fully locked
+        towers forwarded once.
     loss_fn: `loss(image_features, text_features, logit_scale, logit_bias=None)` over `[N, D]` rows; one
         that also has the per-rank form (`naflexclip.loss.ShardedLoss`: `ClipLoss`, `SigLipLoss`) is split
         over ranks in the `cache` method; any other is computed whole on every rank.
