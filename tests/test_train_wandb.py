@@ -17,6 +17,7 @@ from test_train_loop import TINY_DATA_FLAGS
 
 from naflexclip.cli import main
 from naflexclip.train import checkpoint as ckpt
+from naflexclip.train.report import Reporter
 from naflexclip.train.sinks import SinkContext
 from naflexclip.train.wandb_sink import WandbSink, history_steps
 
@@ -53,7 +54,11 @@ def _log_steps(sink: WandbSink, steps: range) -> None:
 
 def read_back(run_dir: Path) -> list[list[dict]]:
     """Every offline run file under run_dir/wandb, in start order, as wandb's own reader prints its records."""
-    files = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    return read_back_files(sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")))
+
+
+def read_back_files(files: list[Path]) -> list[list[dict]]:
+    """These offline run files' records, as wandb's own reader prints them."""
     runs = []
     for path in files:
         out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(path)],
@@ -155,9 +160,42 @@ def test_a_resume_says_when_the_run_lacks_steps_the_checkpoint_logged(tmp_path: 
     assert f"run {first.state_dict()['run_id']} lacks the steps 0..3" in caplog.text
 
 
+def test_a_resume_logs_the_steps_wandb_had_not_written_from_metrics_jsonl(tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """The stopped process logged steps 1-10 and saved at step 10, but its wandb file holds only 1-8 (wandb had
+    not written 9-10 when it was killed); metrics.jsonl, the run's record, has all ten. The resume logs 9-10
+    from it, then its own steps: the run holds each step once, with metrics.jsonl's values."""
+    reporter = Reporter(tmp_path, report_to="wandb", config=CONFIG, name="my-run")
+    wandb_sink = reporter.sinks.pop("wandb")  # the steps wandb wrote before the kill
+    for step in range(1, 11):
+        if step <= 8:
+            _log_steps(wandb_sink, range(step, step + 1))
+        reporter.log("train", step, step / 10, {"train/loss": 10.0 - step, "lr": 0.5})
+    reporter.log("eval", 10, 1.0, {"val/image_to_text_R@1": 0.25})
+    checkpoint = {**reporter.state_dict(), "wandb": {"run_id": wandb_sink.run_id, "last_step": 10}}
+    reporter.log("train", 11, 1.1, {"train/loss": -1.0, "lr": 0.5})  # after the checkpoint: trained again
+    wandb_sink.close()
+    resumed = Reporter(tmp_path, report_to="wandb", config=CONFIG, name="my-run")
+    with caplog.at_level(logging.WARNING):
+        resumed.load_state_dict(checkpoint, step=10)
+    assert "lacked the steps 9..10" in caplog.text and "metrics.jsonl" in caplog.text
+    for step in range(11, 13):
+        resumed.log("train", step, step / 10, {"train/loss": 10.0 - step, "lr": 0.5})
+    for sink in resumed.sinks.values():
+        sink.close()
+    runs = read_back(tmp_path)
+    assert len(runs) == 2 and _run_ids(runs) == {wandb_sink.run_id}
+    history = _history(runs)
+    assert [row["_step"] for row in history] == list(range(1, 13))
+    assert [row["train/loss"] for row in history] == [10.0 - s for s in range(1, 13)]
+    assert history[9]["val/image_to_text_R@1"] == 0.25 and history[9]["epoch"] == 1.0
+    assert history[8]["train/lr"] == 0.5
+
+
 KILLED_PROCESS = """
 import json, sys, time
 from pathlib import Path
+from naflexclip.train.report import Reporter
 from naflexclip.train.sinks import SinkContext
 from naflexclip.train.wandb_sink import WandbSink
 run_dir = Path(sys.argv[1])
@@ -195,6 +233,48 @@ def test_a_killed_process_is_continued_with_each_step_once(tmp_path: Path, wandb
     assert [row["_step"] for row in _history(runs)] == list(range(1, 13))
 
 
+KILLED_BEFORE_WANDB_WROTE = """
+import json, sys, time
+from pathlib import Path
+from naflexclip.train.report import Reporter
+run_dir = Path(sys.argv[1])
+reporter = Reporter(run_dir, report_to="wandb", config={"lr": 0.001}, name="killed")
+for step in range(1, 10):
+    reporter.log("train", step, step / 10, {"train/loss": 10.0 - step})
+    if step == 5:
+        (run_dir / "checkpoint.json").write_text(json.dumps(reporter.state_dict()))
+print("logged", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.slow
+def test_steps_wandb_had_not_written_at_a_kill_are_logged_by_the_resume(tmp_path: Path, wandb_offline: dict) -> None:
+    """SIGKILL before wandb wrote any step (a flush interval of 60 s): the steps up to the step-5 checkpoint come
+    from metrics.jsonl, the later ones are logged again as the resumed run trains them."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, **wandb_offline, "PYTHONPATH": src, "WANDB__TRANSACTION_LOG_FLUSH_INTERVAL": "60"}
+    process = subprocess.Popen([sys.executable, "-c", KILLED_BEFORE_WANDB_WROTE, str(tmp_path)], env=env,
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "logged"
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    [killed] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    assert history_steps(killed) == []  # what the kill lost
+    checkpoint = json.loads((tmp_path / "checkpoint.json").read_text())
+    resumed = Reporter(tmp_path, report_to="wandb", config={"lr": 0.001}, name="killed")
+    resumed.load_state_dict(checkpoint, step=5)
+    for step in range(6, 13):
+        resumed.log("train", step, step / 10, {"train/loss": 10.0 - step})
+    resumed.sinks["wandb"].close()
+    [own] = set((tmp_path / "wandb").glob("offline-run-*/run-*.wandb")) - {killed}
+    assert history_steps(own) == list(range(1, 13))
+    [records] = read_back_files([own])
+    assert [row["train/loss"] for row in _history([records])] == [10.0 - s for s in range(1, 13)]
+
+
 def test_disabled_mode_logs_nothing_and_resumes_quietly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                         caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("WANDB_MODE", "disabled")
@@ -217,6 +297,15 @@ def test_online_without_an_api_key_is_a_one_line_error_not_a_prompt(tmp_path: Pa
     with pytest.raises(ValueError, match=r"^--report-to wandb: no W&B API key.*WANDB_MODE=offline") as error:
         WandbSink(_context(tmp_path))
     assert "\n" not in str(error.value)
+
+
+def test_a_bad_wandb_setting_is_one_line_naming_the_variable_its_value_and_the_choices(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "bogus")
+    with pytest.raises(ValueError, match=r"^--report-to wandb: WANDB_MODE='bogus' is not valid: .*'online', "
+                                         r"'offline'.*'disabled'") as error:
+        WandbSink(_context(tmp_path))
+    assert "\n" not in str(error.value) and "validation error" not in str(error.value)
 
 
 @pytest.mark.slow

@@ -20,7 +20,15 @@ from typing import Any
 from tqdm import tqdm
 
 from naflexclip.data.samples import NOT_SAMPLE_REASONS
-from naflexclip.train.sinks import METRICS_FILE, JsonlSink, Sink, SinkContext, SinkFactory, TensorBoardSink
+from naflexclip.train.sinks import (
+    METRICS_FILE,
+    JsonlSink,
+    Sink,
+    SinkContext,
+    SinkFactory,
+    TensorBoardSink,
+    read_metrics,
+)
 from naflexclip.train.wandb_sink import WandbSink
 
 PLOT_FILE = "curves.png"
@@ -157,17 +165,6 @@ class Reporter:
     def close(self) -> None:
         for sink in self.sinks.values():
             sink.close()
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """Every record of a metrics.jsonl file (a torn last line from a crash is ignored)."""
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
 
 
 def folder_zeroshot_keys(record: Mapping[str, Any]) -> list[str]:

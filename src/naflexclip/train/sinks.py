@@ -66,6 +66,17 @@ class JsonlSink:
         pass
 
 
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Every record of a metrics.jsonl file (a torn last line from a crash is ignored)."""
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
 class TensorBoardSink:
     """TensorBoard scalars under `{run_dir}/tensorboard` (tag `group/name`, or `kind/name` for a bare name)."""
 

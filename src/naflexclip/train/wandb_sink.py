@@ -4,7 +4,8 @@ The run id is saved in the checkpoint (`state_dict`); a resume reopens that run 
 the steps the run does not have yet, so each step is in the run once. Which steps it has: online, the server says
 (`run.starting_step`); offline, the run's earlier offline files under the same wandb directory do (what `wandb sync`
 uploads, in order). Steps a killed process logged after its last checkpoint are therefore not logged again: the run
-keeps their first values, which an exact resume reproduces anyway.
+keeps their first values, which an exact resume reproduces anyway. Steps it logged up to its checkpoint that wandb
+had not yet written when it was killed are logged by the resume from the run's record, `metrics.jsonl`.
 
 wandb's own settings are honoured: `WANDB_MODE=offline` (or `wandb offline`) logs to local files for a later
 `wandb sync`, `WANDB_MODE=disabled` logs nothing, WANDB_DIR, WANDB_ENTITY and the rest as usual. Online without
@@ -24,13 +25,14 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from naflexclip.train.sinks import SinkContext
+from naflexclip.train.sinks import METRICS_FILE, SinkContext, read_metrics
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PROJECT = "naflexclip"  # without --wandb-project-name or WANDB_PROJECT
-# wandb-core writes an offline run's file every 15 s by default; a killed process loses what is not yet written,
-# steps up to its last checkpoint included, which no resume logs again. A short interval narrows that window.
+# wandb-core writes an offline run's file every 15 s by default; a killed process loses what is not yet written
+# (steps up to its last checkpoint the resume logs again from metrics.jsonl; later ones it trains again). A short
+# interval keeps the offline file close to the run.
 FLUSH_SECONDS = 1.0
 FLUSH_SETTING, FLUSH_ENV = "x_transaction_log_flush_interval", "WANDB__TRANSACTION_LOG_FLUSH_INTERVAL"
 
@@ -89,21 +91,38 @@ class WandbSink:
                 if path.parent != own:
                     held = max([held, *history_steps(path)])
         if held < self.last_step:
-            logger.warning(f"wandb: run {self.run_id} lacks the steps {held + 1}..{self.last_step} the stopped process "
-                           "logged: it had not written them yet (or its files are elsewhere)")
+            self._fill(held)
         elif held > self.last_step:
             logger.warning(f"wandb: run {self.run_id} already has steps up to {held} (logged before the stop); "
                            f"this resume logs from step {held + 1}")
         self.first_step = max(self.first_step, held + 1)
         self.last_step = max(self.last_step, held)
 
+    def _fill(self, held: int) -> None:
+        """Log the steps `held + 1 .. last_step`, which the stopped process logged before its checkpoint but wandb
+        had not written when it stopped, from the run's record (`metrics.jsonl`, cut back to the checkpoint)."""
+        path = self.ctx.run_dir / METRICS_FILE
+        records = [r for r in (read_metrics(path) if path.exists() else []) if held < r["step"] <= self.last_step]
+        for record in records:
+            metrics = {k: v for k, v in record.items() if k not in ("kind", "step", "epoch")}
+            self._log_row(record["kind"], record["step"], record["epoch"], metrics)
+        if records:
+            logger.warning(f"wandb: run {self.run_id} lacked the steps {held + 1}..{self.last_step} the stopped "
+                           f"process logged (not yet written when it stopped): logged them from {path}")
+        else:
+            logger.warning(f"wandb: run {self.run_id} lacks the steps {held + 1}..{self.last_step} the stopped process "
+                           f"logged: it had not written them yet (or its files are elsewhere), and {path} has none")
+
+    def _log_row(self, kind: str, step: int, epoch: float, metrics: Mapping[str, Any]) -> None:
+        row = {key if "/" in key else f"{kind}/{key}": value for key, value in metrics.items()}
+        self.run.log({"epoch": epoch, **row}, step=step)
+
     def log(self, kind: str, step: int, epoch: float, metrics: Mapping[str, float]) -> None:
         if self.run is None:
             self._start(resuming=False)
         if step < self.first_step:
             return
-        row = {key if "/" in key else f"{kind}/{key}": value for key, value in metrics.items()}
-        self.run.log({"epoch": epoch, **row}, step=step)
+        self._log_row(kind, step, epoch, metrics)
         self.last_step = max(self.last_step, step)
 
     def state_dict(self) -> dict[str, Any]:
