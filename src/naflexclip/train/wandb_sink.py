@@ -46,6 +46,23 @@ def _import_wandb() -> Any:
     return wandb
 
 
+def _settings_error(error: ValueError) -> str:
+    """A wandb setting wandb refused, in one line: the variable that set it (WANDB_MODE for `mode`, WANDB__X for
+    `x_x`, as wandb maps them), its value and what wandb takes instead."""
+    errors = getattr(error, "errors", None)
+    if not callable(errors) or not errors():
+        return str(error).splitlines()[0]
+    first = errors()[0]
+    field = str(first["loc"][0]) if first.get("loc") else ""
+    named = f"WANDB__{field[2:].upper()}" if field.startswith("x_") else f"WANDB_{field.upper()}"
+    if os.environ.get(named) == first.get("input"):
+        where = f"{named}={first['input']!r}"
+    else:  # set another way: `wandb offline`'s settings file, another variable
+        where = f"the wandb setting {field}={first.get('input')!r}"
+    message = str(first.get("msg", ""))
+    return f"{where} is not valid: {message[:1].lower()}{message[1:]}"
+
+
 class WandbSink:
     """One W&B run: `log` sends each record's metrics at its optimizer step (names as in TensorBoard: `train/loss`,
     a bare `name` of kind `k` as `k/name`, plus `epoch`). The run starts at the first record, or at
@@ -59,7 +76,10 @@ class WandbSink:
         self.run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
         self.last_step = -1  # the last step this run holds (as far as this process knows)
         self.first_step = 0  # records below this step are in the run already
-        settings = self.wandb.setup().settings
+        try:
+            settings = self.wandb.setup().settings
+        except ValueError as error:  # pydantic's ValidationError of wandb's Settings, from WANDB_* or its files
+            raise ValueError(f"--report-to wandb: {_settings_error(error)}") from None
         if settings.mode not in ("offline", "dryrun", "disabled") and not self.wandb.login(prompt=False,
                                                                                             verify=False):
             raise ValueError("--report-to wandb: no W&B API key; run `wandb login` (or set WANDB_API_KEY), or set "
