@@ -158,3 +158,38 @@ def test_a_streamed_shard_cut_inside_its_last_sample_loses_that_sample_only(tmp_
     assert sorted(keys_of(loader)) == usable  # one pass over the shards is the epoch: nothing repeated
     assert sorted(((r["key"], r["reason"]) for r in loader.skip_records), key=repr) == [
         ("s1-06", "truncated_sample"), (None, "truncated_shard")]
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_repeated_key_trains_each_of_its_samples_and_is_named_adjacent_or_not(tmp_path, streamed):
+    from conftest_data import image_bytes
+
+    keys = [f"k{i}" for i in range(16)]
+    keys.insert(6, "k5")  # k5.jpg k5.txt k5.jpg k5.txt: adjacent
+    keys.append("k2")  # and k2 again at the end of the shard
+    members = []
+    for i, key in enumerate(keys):
+        members += [(f"{key}.jpg", image_bytes(16, 16, "JPEG", seed=i)), (f"{key}.txt", f"caption {i}".encode())]
+    write_tar(str(tmp_path / "d.tar"), members)
+    spec = f"pipe:cat {tmp_path}/d.tar" if streamed else str(tmp_path / "d.tar")
+    loader = build_loader(cfg_for(spec, dataset_type="webdataset", train_num_samples=len(keys) if streamed else None),
+                          split="train", patch_size=PATCH, context_length=CONTEXT)
+    got = keys_of(loader)
+    assert len(keys) == 18 and sorted(got) == sorted(keys)  # every pair trains, both copies of k5 and of k2
+    named = sorted(r["key"] for r in loader.skip_records if r["reason"] == "duplicate_key")
+    assert named == ["k2", "k5"] and dict(loader.skip_counts) == {"duplicate_key": 2}
+
+
+def test_a_one_patch_wide_image_makes_no_numpy_warning(tmp_path):
+    from conftest_data import image_bytes
+
+    members = [("tall.png", image_bytes(2, 4000, "PNG")), ("tall.txt", b"a very tall image"),
+               ("thin.png", image_bytes(1, 4000, "PNG")), ("thin.txt", b"one pixel wide")]
+    write_tar(str(tmp_path / "w.tar"), members)
+    loader = build_loader(cfg_for(str(tmp_path / "w.tar")), split="train", patch_size=PATCH, context_length=CONTEXT)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # PyTorch's "The given NumPy array is not writable" fails the test
+        assert keys_of(loader) == ["tall"]
+    assert dict(loader.skip_counts) == {"degenerate_image": 1}

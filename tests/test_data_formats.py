@@ -52,6 +52,9 @@ def test_cli_export_writes_shards(tmp_path, capsys):
     assert cli_main(["data", "export", "--out", str(out), "--count", "6", "--shard-size", "3",
                      "--split", "val", "--image-format", "png"]) == 0
     assert sorted(os.listdir(out)) == ["sizes.json", "val-00000.tar", "val-00001.tar"]
+    printed = capsys.readouterr().out  # a validation split is read back as --val-data
+    assert f"--val-data '{out}/val-{{00000..00001}}.tar'" in printed and "--train-data" not in printed
+    assert cli_main(["data", "export", "--out", str(tmp_path / "t"), "--count", "2"]) == 0
     assert "--train-data" in capsys.readouterr().out
 
 

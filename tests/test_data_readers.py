@@ -118,7 +118,7 @@ def test_shard_index_is_cached_and_rebuilt_when_the_shard_changes(tmp_path, monk
     write_tar(shard, [("a.png", image_bytes(16, 16)), ("a.txt", b"a")])
     scans = []
     real_scan = shard_index.scan_shard
-    monkeypatch.setattr(shard_index, "scan_shard", lambda url: scans.append(url) or real_scan(url))
+    monkeypatch.setattr(shard_index, "scan_shard", lambda url, *keys: scans.append(url) or real_scan(url, *keys))
     cfg = DataConfig(train_data=shard, naflex_seq_lens=(16,), naflex_max_tokens_per_batch=64, workers=0)
 
     def keys() -> list[str]:

@@ -39,7 +39,7 @@ def _map_source(cfg: DataConfig, split: str, kind: str, path: str | None, urls: 
     elif kind == "folder":
         source = FolderSource(path)
     else:
-        source = IndexedShardSource(path, urls, cfg.shard_index_dir)
+        source = IndexedShardSource(path, urls, cfg.shard_index_dir, cfg.member_keys())
     if len(source) == 0:
         reasons = Counter(r["reason"] for r in source.index_skips)
         raise DataError(f"data source {path!r} has no usable samples ({reasons_line(reasons) or 'empty'})")
@@ -75,7 +75,8 @@ def build_loader(
     common: dict[str, Any] = dict(
         split=split, budget=cfg.token_budget() if train else cfg.token_budget().at_longest(),
         builder=MicrobatchBuilder(patch_size=patch_size, context_length=context_length, augment=cfg.augment and train,
-                                  hf_processor=cfg.hf_processor),
+                                  hf_processor=cfg.hf_processor, json_caption=cfg.json_caption(),
+                                  max_image_pixels=cfg.max_image_pixels),
         seed=cfg.seed, shuffle=train, workers=cfg.workers, rank=rank, world_size=world_size, pin_memory=device_pin,
     )
     urls = expand_shards(path) if kind == "webdataset" and path is not None else []
@@ -90,7 +91,8 @@ def build_loader(
             logger.warning("data %s (%s): shards that cannot be indexed (pipe:, URLs, compressed) are streamed; an "
                            "epoch is %d samples split by (rank, worker) slot, so a sample can repeat or be missed in "
                            "it", split, path, num)
-        loader = StreamLoader(urls, name=path, samples_per_epoch=num, shuffle_buffer=cfg.shuffle_buffer, **common)
+        loader = StreamLoader(urls, name=path, samples_per_epoch=num, shuffle_buffer=cfg.shuffle_buffer,
+                              member_keys=cfg.member_keys(), **common)
     else:
         source = _map_source(cfg, split, kind, path, urls)
         if requested is not None and requested > len(source):

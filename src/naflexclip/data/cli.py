@@ -35,7 +35,7 @@ def run_export(args: argparse.Namespace) -> int:
         csv_separator=args.csv_separator,
     )
     target = shard_spec(paths) if args.format == "webdataset" else paths[0]
-    flags = f"--train-data {shlex.quote(target)} --dataset-type {args.format}"
+    flags = f"--{args.split}-data {shlex.quote(target)} --dataset-type {args.format}"
     if args.format == "csv" and args.csv_separator != "\t":  # the reader's default is a tab: say the one written
         flags += f" --csv-separator {shlex.quote(args.csv_separator)}"
     print(f"wrote {args.count} {args.split} samples; use {flags}")

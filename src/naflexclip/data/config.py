@@ -8,13 +8,23 @@ Defaults are sized for a CPU demo: sequence lengths (64, 128, 256) at a token bu
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 
+from naflexclip.data.readers import MemberKeys
+from naflexclip.data.samples import JsonCaption
 from naflexclip.data.schedule import TokenBudget
 from naflexclip.data.synthetic import SHAPES
 
 DATASET_TYPES = ("synthetic", "webdataset", "csv", "folder", "auto")
 DEFAULT_SEQ_LENS = (64, 128, 256)
+DEFAULT_IMAGE_KEY = "jpg;png;jpeg;webp"  # OpenCLIP's defaults
+DEFAULT_MAX_IMAGE_PIXELS = 25_000_000
+
+
+def split_keys(text: str) -> tuple[str, ...]:
+    """OpenCLIP's `;`-separated alternatives (`"jpg;png"`), in priority order, blanks dropped."""
+    return tuple(part.strip() for part in text.split(";") if part.strip())
 
 
 @dataclass
@@ -49,6 +59,14 @@ class DataConfig:
     # (set by `train --pretrained`); None: timm's NaFlex transform and open_clip's tokenizer
     hf_processor: str | None = None
     shard_index_dir: str | None = None
+    # OpenCLIP's WebDataset recipe flags (docs/data.md, "Data recipes")
+    dataset_resampled: bool = False
+    train_data_upsampling_factors: str | None = None  # "1::2::0.5", one weight per `::` source of --train-data
+    image_key: str = DEFAULT_IMAGE_KEY
+    text_key: str = "txt"
+    json_text_key: str | None = None
+    json_text_key_probs: tuple[float, ...] | None = None
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
     def __post_init__(self) -> None:
         self.naflex_seq_lens = tuple(int(s) for s in self.naflex_seq_lens)
@@ -75,6 +93,65 @@ class DataConfig:
             raise ValueError("--csv-separator must not be empty")
         if self.shuffle_buffer < 0:
             raise ValueError(f"--shuffle-buffer must be >= 0, got {self.shuffle_buffer}")
+        self._check_recipe()
+
+    def _check_recipe(self) -> None:
+        """The WebDataset recipe flags: member keys, caption probabilities, mixtures and resampling."""
+        if self.json_text_key_probs is not None:
+            self.json_text_key_probs = tuple(float(p) for p in self.json_text_key_probs)
+        for flag, value in (("--image-key", self.image_key), ("--text-key", self.text_key),
+                            ("--json-text-key", self.json_text_key)):
+            if value is not None and not split_keys(value):
+                raise ValueError(f"{flag} needs at least one name (';'-separated alternatives), got {value!r}")
+        if self.json_text_key_probs is not None:
+            if self.json_text_key is None:
+                raise ValueError("--json-text-key-probs goes with --json-text-key (the caption fields it weights)")
+            keys = split_keys(self.json_text_key)
+            probs = self.json_text_key_probs
+            if len(probs) > len(keys):
+                raise ValueError(f"--json-text-key-probs has {len(probs)} weights for the {len(keys)} keys of "
+                                 f"--json-text-key {self.json_text_key!r}")
+            if any(p < 0 or not math.isfinite(p) for p in probs):
+                raise ValueError(f"--json-text-key-probs must be finite and >= 0, got {list(probs)}")
+        if self.max_image_pixels < 0:
+            raise ValueError(f"--max-image-pixels must be >= 0 (0: no limit), got {self.max_image_pixels}")
+        recipe = [flag for flag, on in (("--dataset-resampled", self.dataset_resampled),
+                                        ("--train-data-upsampling-factors",
+                                         self.train_data_upsampling_factors is not None)) if on]
+        if recipe and (self.train_data is None or self.source("train")[0] != "webdataset"):
+            raise ValueError(f"{recipe[0]} applies to WebDataset --train-data shards, got "
+                             f"{self.train_data or 'the built-in dataset'!r}")
+        if self.train_data_upsampling_factors is not None:
+            self.upsampling_factors()
+
+    def upsampling_factors(self) -> tuple[float, ...] | None:
+        """One weight per `::`-joined source of --train-data (--train-data-upsampling-factors), or None."""
+        if self.train_data_upsampling_factors is None:
+            return None
+        text = str(self.train_data_upsampling_factors)
+        sources = (self.train_data or "").split("::")
+        try:
+            factors = tuple(float(f) for f in text.split("::"))
+        except ValueError:
+            raise ValueError(f"--train-data-upsampling-factors {text!r}: each `::`-separated factor must be a "
+                             "number") from None
+        if len(factors) != len(sources):
+            raise ValueError(f"--train-data-upsampling-factors {text!r} has {len(factors)} factors for the "
+                             f"{len(sources)} `::`-joined sources of --train-data")
+        if any(f < 0 or not math.isfinite(f) for f in factors) or not sum(factors) > 0:
+            raise ValueError(f"--train-data-upsampling-factors {text!r}: factors must be finite, >= 0, "
+                             "and not all 0")
+        return factors
+
+    def member_keys(self) -> MemberKeys:
+        """Which tar members are a sample's image and caption (--image-key, --text-key, --json-text-key)."""
+        return MemberKeys(split_keys(self.image_key), split_keys(self.text_key), self.json_text_key is not None)
+
+    def json_caption(self) -> JsonCaption | None:
+        """The caption rule of --json-text-key / --json-text-key-probs, or None (captions are text members)."""
+        if self.json_text_key is None:
+            return None
+        return JsonCaption(split_keys(self.json_text_key), self.json_text_key_probs)
 
     def token_budget(self) -> TokenBudget:
         """How microbatches are sized: the `--naflex-*` flags as one `TokenBudget`."""
@@ -134,6 +211,27 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
                        help="shuffle buffer (samples) of streamed shards; local .tar shards are indexed instead")
     group.add_argument("--shard-index-dir", default=None,
                        help="where shard indexes are cached (default: beside each shard, else ~/.cache/naflexclip)")
+    recipe = parser.add_argument_group("WebDataset recipes (OpenCLIP's flags)")
+    recipe.add_argument("--dataset-resampled", action="store_true",
+                        help="draw shards with replacement (weighted by --train-data-upsampling-factors); an epoch "
+                             "is --train-num-samples samples (default: the shards' total)")
+    recipe.add_argument("--train-data-upsampling-factors", default=None,
+                        help="one weight per `::`-joined --train-data source, e.g. 1::2: with --dataset-resampled "
+                             "the shard weights; without it, each source's exact share of every epoch")
+    recipe.add_argument("--image-key", default=DEFAULT_IMAGE_KEY,
+                        help="tar member suffix of the image; ';'-separated alternatives in priority order")
+    recipe.add_argument("--text-key", default="txt",
+                        help="tar member suffix of the caption; ';'-separated alternatives (ignored with "
+                             "--json-text-key)")
+    recipe.add_argument("--json-text-key", default=None,
+                        help="read the caption from this field of each sample's .json member; ';'-separated "
+                             "alternatives: the first non-empty one, or one drawn per sample and epoch by "
+                             "--json-text-key-probs")
+    recipe.add_argument("--json-text-key-probs", type=float, nargs="+", default=None,
+                        help="weights of the --json-text-key fields (missing ones 0: fallback only)")
+    recipe.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
+                        help="skip images with more pixels than this, read from the header before decoding "
+                             "(0: PIL's own limit only)")
     group.add_argument("--synthetic-train-size", type=int, default=4096)
     group.add_argument("--synthetic-val-size", type=int, default=512)
     group.add_argument("--synthetic-shape-group-size", type=int, default=1,
@@ -170,4 +268,11 @@ def data_config_from_args(args: argparse.Namespace) -> DataConfig:
         shuffle_buffer=args.shuffle_buffer,
         augment=args.augment,
         shard_index_dir=args.shard_index_dir,
+        dataset_resampled=args.dataset_resampled,
+        train_data_upsampling_factors=args.train_data_upsampling_factors,
+        image_key=args.image_key,
+        text_key=args.text_key,
+        json_text_key=args.json_text_key,
+        json_text_key_probs=tuple(args.json_text_key_probs) if args.json_text_key_probs is not None else None,
+        max_image_pixels=args.max_image_pixels,
     )

@@ -15,7 +15,7 @@ from PIL import Image
 
 from naflexclip.data.processing import make_processing
 from naflexclip.data.readers import RawSample, skip_record
-from naflexclip.data.samples import SkipSample, decode_caption, decode_image
+from naflexclip.data.samples import JsonCaption, SkipSample, decode_caption, decode_image
 from naflexclip.data.schedule import ScheduledBatch, even_sizes
 
 # where a sample is, for the skip log: (source, key, line)
@@ -30,12 +30,16 @@ class MicrobatchBuilder:
     `hf_processor`: a SigLIP 2 checkpoint directory whose own processing is used (see `make_processing`); a bad
     one fails here, in the main process, not in a worker. `augment` draws each microbatch's crops from a
     generator seeded by the microbatch's `seed_key`, so a resume replays them and no global RNG is touched.
+    `json_caption`: captions are fields of a JSON member (`--json-text-key`), chosen per (seed, epoch, sample) from
+    the first two entries of `seed_key`; `max_image_pixels` > 0: larger images are skipped before decoding.
     """
 
     def __init__(self, *, patch_size: int, context_length: int, augment: bool = False,
-                 hf_processor: str | None = None) -> None:
+                 hf_processor: str | None = None, json_caption: JsonCaption | None = None,
+                 max_image_pixels: int = 0) -> None:
         self.patch_size, self.context_length, self.augment = patch_size, context_length, augment
         self.processing = make_processing(hf_processor, patch_size, augment)
+        self.json_caption, self.max_image_pixels = json_caption, max_image_pixels
 
     def build(self, planned: ScheduledBatch, samples: list[tuple[RawSample | SkipSample, Where]],
               records: list[dict[str, Any]], seed_key: tuple[int, ...]) -> dict[str, Any]:
@@ -50,8 +54,10 @@ class MicrobatchBuilder:
             try:
                 if isinstance(raw, SkipSample):
                     raise raw
-                image = raw.image if isinstance(raw.image, Image.Image) else decode_image(raw.image, draft)
-                caption = decode_caption(raw.caption)
+                image = (raw.image if isinstance(raw.image, Image.Image)
+                         else decode_image(raw.image, draft, self.max_image_pixels))
+                caption = (decode_caption(raw.caption) if self.json_caption is None
+                           else self.json_caption(raw.caption, seed_key[0], seed_key[1], raw.key))
                 pixels.append(transform(image, planned.seq_len) if rng is None
                               else transform(image, planned.seq_len, rng))
             except SkipSample as skip:

@@ -11,7 +11,7 @@ import json
 import os
 import re
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -24,11 +24,40 @@ from naflexclip.data.samples import IMAGE_EXTENSIONS, read_image_file
 from naflexclip.data.synthetic import synthetic_sample, zero_shot_sample
 
 CAPTION_EXTENSIONS = ("txt", "text", "caption")
+# suffixes that end a member's key (see `member_key`): images, captions and the json metadata
+KEY_SUFFIXES = (*IMAGE_EXTENSIONS, *CAPTION_EXTENSIONS, "json")
 _META = re.compile(r"__[^/]*__($|/)")  # WebDataset's metadata members (`__key__`, ...), not sample data
+
+
+DUPLICATE_DETAIL = "several samples of this shard have this key; each trains (OpenCLIP's grouping)"
 
 
 class DataError(RuntimeError):
     """The data source cannot feed the run (nothing usable, missing files); the message names the source."""
+
+
+@dataclass(frozen=True)
+class MemberKeys:
+    """Which tar members of a sample are its image and its caption: OpenCLIP's `--image-key` and `--text-key`
+    (suffixes, the first present in this order), or the `.json` member with `--json-text-key`."""
+
+    image: tuple[str, ...] = ("jpg", "png", "jpeg", "webp")
+    text: tuple[str, ...] = ("txt",)
+    json: bool = False
+
+    @property
+    def caption(self) -> tuple[str, ...]:
+        """The suffixes a caption is read from, in priority order."""
+        return ("json",) if self.json else self.text
+
+    def pick(self, members: dict[str, Any]) -> tuple[Any, Any]:
+        """(image, caption) of a sample's members by suffix: the first present of each list, else None."""
+        image = next((members[e] for e in self.image if e in members), None)
+        caption = next((members[e] for e in self.caption if e in members), None)
+        return image, caption
+
+
+DEFAULT_MEMBER_KEYS = MemberKeys()
 
 
 @dataclass
@@ -354,7 +383,7 @@ class ShardReadLog:
             self.records.append(skip_record(url, key, None, reason, detail))
 
 
-def shard_samples(url: str, log: ShardReadLog) -> Iterator[RawSample]:
+def shard_samples(url: str, log: ShardReadLog, keys: MemberKeys = DEFAULT_MEMBER_KEYS) -> Iterator[RawSample]:
     """Samples of one tar shard, in order. A truncated or corrupt shard ends early and is logged once; a
     sample whose member data the damage cut is left out and logged, the samples before it are kept."""
     try:
@@ -363,6 +392,7 @@ def shard_samples(url: str, log: ShardReadLog) -> Iterator[RawSample]:
         log.record("missing_shard", url)
         return
     sample: dict | None = None  # the sample being grouped: consecutive members with the same key
+    seen: set[str] = set()  # the shard's keys so far
     reading = None  # the member whose data is being read
     try:
         with tarfile.open(fileobj=stream, mode="r|*") as tar:
@@ -374,11 +404,14 @@ def shard_samples(url: str, log: ShardReadLog) -> Iterator[RawSample]:
                 data = tar.extractfile(info).read()
                 reading = None
                 key, ext = member_key(info.name)
-                if sample is None or not same_sample(key, sample["__key__"]):
+                if sample is None or new_sample(key, ext, sample["__key__"], sample.keys()):
                     if sample is not None:
-                        yield _raw_sample(url, sample)
+                        yield _raw_sample(url, sample, keys)
+                    if key in seen:
+                        log.record("duplicate_key", url, key, DUPLICATE_DETAIL)
+                    seen.add(key)
                     sample = {"__key__": key}
-                if key == sample["__key__"] and ext not in sample:
+                if key == sample["__key__"]:
                     sample[ext] = data
     except (tarfile.TarError, OSError, EOFError, ValueError):
         log.record("truncated_shard", url)
@@ -390,7 +423,7 @@ def shard_samples(url: str, log: ShardReadLog) -> Iterator[RawSample]:
     finally:
         stream.close()
     if sample is not None:
-        yield _raw_sample(url, sample)
+        yield _raw_sample(url, sample, keys)
 
 
 def member_key(name: str) -> tuple[str, str]:
@@ -399,10 +432,17 @@ def member_key(name: str) -> tuple[str, str]:
     `img.v2.3.jpg` is sample `img.v2.3` with extension `jpg`."""
     directory, _, fname = name.rpartition("/")
     stem, dot, ext = fname.rpartition(".")
-    if dot and stem and ext.lower() in IMAGE_EXTENSIONS + CAPTION_EXTENSIONS:
+    if dot and stem and ext.lower() in KEY_SUFFIXES:
         return (f"{directory}/{stem}" if directory else stem), ext.lower()
     key, suffix = base_plus_ext(name)
     return key or name, (suffix or "").lower()
+
+
+def new_sample(key: str, ext: str, current: str, exts: Container[str]) -> bool:
+    """A member (`key`, `ext`) starts a new sample after the sample `current` whose suffixes are `exts`: another
+    key, or the same key with a suffix it already has (`k5.jpg k5.txt k5.jpg k5.txt` is two samples, as
+    OpenCLIP's grouping makes it)."""
+    return not same_sample(key, current) or (key == current and ext in exts)
 
 
 def same_sample(key: str, current: str | None) -> bool:
@@ -410,7 +450,6 @@ def same_sample(key: str, current: str | None) -> bool:
     return current is not None and (key == current or key.startswith(current + "."))
 
 
-def _raw_sample(url: str, sample: dict) -> RawSample:
-    image = next((sample[e] for e in IMAGE_EXTENSIONS if e in sample), None)
-    caption = next((sample[e] for e in CAPTION_EXTENSIONS if e in sample), None)
+def _raw_sample(url: str, sample: dict, keys: MemberKeys) -> RawSample:
+    image, caption = keys.pick(sample)
     return RawSample(image, caption, None, f"{url}:{sample['__key__']}")

@@ -8,8 +8,11 @@ to 8-bit RGB (alpha composited over white; 16-bit divided by 257, whatever the c
 from __future__ import annotations
 
 import io
+import json
+import random
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -22,6 +25,7 @@ SKIP_REASONS = (
     "corrupt_image",  # truncated or corrupt image data
     "degenerate_image",  # zero-size or 1xN / Nx1 image
     "decompression_bomb",  # more pixels than PIL.Image.MAX_IMAGE_PIXELS
+    "over_max_image_pixels",  # more pixels than --max-image-pixels (read from the header, before decoding)
     "missing_caption",  # no caption member / cell
     "empty_caption",  # caption is empty or whitespace
     "caption_not_utf8",  # caption bytes are not valid UTF-8
@@ -30,9 +34,10 @@ SKIP_REASONS = (
     "truncated_shard",  # a tar shard that ends early or is not a tar (counted once per shard)
     "missing_shard",  # a shard URL that cannot be opened (a shard problem, not a bad sample)
     "epoch_remainder",  # an epoch with fewer samples than ranks: no rank can be given one without the others
+    "duplicate_key",  # a key that names several samples of one shard: noted, each of them trains
 )
-# reasons about whole shards or the plan, reported apart from bad samples
-NOT_SAMPLE_REASONS = ("truncated_shard", "missing_shard", "epoch_remainder")
+# reasons about whole shards, the plan or the packing, reported apart from bad samples
+NOT_SAMPLE_REASONS = ("truncated_shard", "missing_shard", "epoch_remainder", "duplicate_key")
 
 
 def reasons_line(counts: Mapping[str, int]) -> str:
@@ -75,12 +80,13 @@ def to_rgb(img: Image.Image) -> Image.Image:
 DraftFn = Callable[[tuple[int, int]], tuple[int, int]]
 
 
-def decode_image(data: bytes | None, draft: DraftFn | None = None) -> Image.Image:
+def decode_image(data: bytes | None, draft: DraftFn | None = None, max_pixels: int = 0) -> Image.Image:
     """Decode image bytes to an RGB PIL image, raising SkipSample with the reason when unusable.
 
     `draft`: maps the stored (height, width) to the smallest (height, width) the transform needs;
     a JPEG is then decoded at a reduced scale still at least that big (libjpeg DCT scaling), which
-    makes big JPEGs much cheaper to decode.
+    makes big JPEGs much cheaper to decode. `max_pixels` > 0 (`--max-image-pixels`): an image with more
+    pixels is skipped from its header, before any pixel is decoded.
     """
     if data is None:
         raise SkipSample("missing_image")
@@ -96,6 +102,9 @@ def decode_image(data: bytes | None, draft: DraftFn | None = None) -> Image.Imag
             raise SkipSample("not_an_image", "no image format recognised") from None
         except Exception as exc:  # noqa: BLE001 - any header parse failure is a corrupt image
             raise SkipSample("corrupt_image", f"{type(exc).__name__}: {exc}") from None
+        if max_pixels and img.width * img.height > max_pixels:
+            raise SkipSample("over_max_image_pixels",
+                             f"{img.width}x{img.height} > --max-image-pixels {max_pixels}")
         return _load_checked(img, draft)
 
 
@@ -125,6 +134,47 @@ def _load_checked(img: Image.Image, draft: DraftFn | None) -> Image.Image:
         return to_rgb(img)
     except Exception as exc:  # noqa: BLE001
         raise SkipSample("corrupt_image", f"{img.mode}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class JsonCaption:
+    """OpenCLIP's `--json-text-key` / `--json-text-key-probs`: a caption read from a field of the sample's JSON.
+
+    Without weights the first field with a non-empty string wins. With weights (missing ones 0), the fields
+    with a positive weight are drawn into a priority order without replacement (probability proportional to
+    weight), the 0-weight ones follow as fallbacks, and the first non-empty wins; the draw comes from (seed,
+    epoch, sample key) alone, so a sample's caption is the same wherever and whenever that epoch reads it.
+    """
+
+    keys: tuple[str, ...]
+    probs: tuple[float, ...] | None = None
+
+    def order(self, seed: int, epoch: int, sample_key: str) -> list[str]:
+        """The fields in the order they are tried for this sample in this epoch."""
+        if self.probs is None:
+            return list(self.keys)
+        weights = [*self.probs, *[0.0] * (len(self.keys) - len(self.probs))]
+        rng = random.Random(f"{seed}:{epoch}:{sample_key}")  # str seeds hash with SHA-512: stable across processes
+        drawn = [[k, w] for k, w in zip(self.keys, weights, strict=True) if w > 0]
+        order = []
+        while drawn:
+            i = rng.choices(range(len(drawn)), weights=[w for _, w in drawn])[0]
+            order.append(drawn.pop(i)[0])
+        return order + [k for k, w in zip(self.keys, weights, strict=True) if w <= 0]
+
+    def __call__(self, data: bytes | str | None, seed: int, epoch: int, sample_key: str) -> str:
+        if data is None:
+            raise SkipSample("missing_caption", "no .json member (--json-text-key)")
+        try:
+            meta = json.loads(data)
+        except (ValueError, TypeError):
+            raise SkipSample("missing_caption", "the .json member is not JSON (--json-text-key)") from None
+        if isinstance(meta, dict):
+            for key in self.order(seed, epoch, sample_key):
+                value = meta.get(key)
+                if isinstance(value, str) and value.strip():
+                    return value.strip()
+        raise SkipSample("missing_caption", f"no non-empty --json-text-key field of {list(self.keys)}")
 
 
 def decode_caption(data: bytes | str | None) -> str:

@@ -18,19 +18,24 @@ import hashlib
 import json
 import os
 import tarfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from naflexclip.data.readers import CAPTION_EXTENSIONS, RawSample, member_key, same_sample, skip_record
-from naflexclip.data.samples import IMAGE_EXTENSIONS
+from naflexclip.data.readers import (
+    DEFAULT_MEMBER_KEYS,
+    DUPLICATE_DETAIL,
+    MemberKeys,
+    RawSample,
+    member_key,
+    new_sample,
+    same_sample,
+    skip_record,
+)
 
-INDEX_VERSION = 2
+INDEX_VERSION = 3
 INDEX_SUFFIX = ".naflexclip-index.json"
-# one image and one caption per sample, first match in this order (as the streaming reader picks them)
-_IMAGE_RANK = {e: i for i, e in enumerate(IMAGE_EXTENSIONS)}
-_CAPTION_RANK = {e: i for i, e in enumerate(CAPTION_EXTENSIONS)}
 
 
 def is_indexable(url: str) -> bool:
@@ -51,13 +56,14 @@ class ShardIndex:
     keys: list[str]
     offsets: np.ndarray  # int64 [num_samples, 4]: image offset, image size, caption offset, caption size
     cut: str | None = None
+    duplicates: list[str] = field(default_factory=list)  # keys that name several samples (each trains)
 
     def __len__(self) -> int:
         return len(self.keys)
 
 
-def scan_shard(url: str) -> ShardIndex:
-    """Index a local tar shard by reading its member headers."""
+def scan_shard(url: str, keys: MemberKeys = DEFAULT_MEMBER_KEYS) -> ShardIndex:
+    """Index a local tar shard by reading its member headers; `keys` picks each sample's image and caption."""
     try:
         file_size = os.path.getsize(url)
     except OSError:
@@ -82,28 +88,45 @@ def scan_shard(url: str) -> ShardIndex:
                 members.append((info.name, info.offset_data, info.size))
     except (tarfile.TarError, EOFError, OSError):
         truncated = True
-    keys: list[str] = []
+    image_rank = {e: i for i, e in enumerate(keys.image)}
+    caption_rank = {e: i for i, e in enumerate(keys.caption)}
+    sample_keys: list[str] = []
     rows: list[list[int]] = []
     ranks: list[list[int]] = []
+    exts: set[str] = set()  # the current sample's suffixes
     for name, offset, size in members:
         key, ext = member_key(name)
-        if not keys or not same_sample(key, keys[-1]):
-            keys.append(key)
+        if not sample_keys or new_sample(key, ext, sample_keys[-1], exts):
+            sample_keys.append(key)
             rows.append([-1, -1, -1, -1])
-            ranks.append([len(_IMAGE_RANK), len(_CAPTION_RANK)])
-        exact = key == keys[-1]
-        if exact and ext in _IMAGE_RANK and _IMAGE_RANK[ext] < ranks[-1][0]:
-            rows[-1][0:2], ranks[-1][0] = [offset, size], _IMAGE_RANK[ext]
-        elif exact and ext in _CAPTION_RANK and _CAPTION_RANK[ext] < ranks[-1][1]:
-            rows[-1][2:4], ranks[-1][1] = [offset, size], _CAPTION_RANK[ext]
+            ranks.append([len(image_rank), len(caption_rank)])
+            exts = set()
+        exact = key == sample_keys[-1]
+        if exact:
+            exts.add(ext)
+        if exact and ext in image_rank and image_rank[ext] < ranks[-1][0]:
+            rows[-1][0:2], ranks[-1][0] = [offset, size], image_rank[ext]
+        elif exact and ext in caption_rank and caption_rank[ext] < ranks[-1][1]:
+            rows[-1][2:4], ranks[-1][1] = [offset, size], caption_rank[ext]
     cut = None
     if cut_member is not None:  # only the sample the cut member belongs to is lost
         cut = member_key(cut_member)[0]
-        if keys and same_sample(cut, keys[-1]):
-            cut = keys.pop()
+        if sample_keys and same_sample(cut, sample_keys[-1]):
+            cut = sample_keys.pop()
             rows.pop()
-    return ShardIndex(url, "truncated" if truncated else "ok", keys,
-                      np.asarray(rows, dtype=np.int64).reshape(-1, 4), cut)
+    return ShardIndex(url, "truncated" if truncated else "ok", sample_keys,
+                      np.asarray(rows, dtype=np.int64).reshape(-1, 4), cut, repeated_keys(sample_keys))
+
+
+def repeated_keys(sample_keys: list[str]) -> list[str]:
+    """The keys that name more than one sample of a shard, each once, in order of their second use."""
+    seen: set[str] = set()
+    repeated: list[str] = []
+    for key in sample_keys:
+        if key in seen and key not in repeated:
+            repeated.append(key)
+        seen.add(key)
+    return repeated
 
 
 def _cache_path(url: str, cache_dir: str | None) -> str:
@@ -114,29 +137,32 @@ def _cache_path(url: str, cache_dir: str | None) -> str:
     return os.path.join(directory, f"{os.path.basename(url)}-{digest}.json")
 
 
-def load_shard_index(url: str, cache_dir: str | None = None) -> ShardIndex:
-    """The shard's index: from its cache while the shard's size and mtime match, else scanned and cached."""
+def load_shard_index(url: str, cache_dir: str | None = None, keys: MemberKeys = DEFAULT_MEMBER_KEYS) -> ShardIndex:
+    """The shard's index: from its cache while the shard's size and mtime (and the member keys) match, else
+    scanned and cached."""
     try:
         st = os.stat(url)
     except OSError:
-        return scan_shard(url)
-    stamp = {"version": INDEX_VERSION, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        return scan_shard(url, keys)
+    stamp = {"version": INDEX_VERSION, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+             "image_key": list(keys.image), "caption_key": list(keys.caption)}
     path = _cache_path(url, cache_dir)
     try:
         with open(path) as f:
             cached = json.load(f)
         if all(cached.get(k) == v for k, v in stamp.items()):
             return ShardIndex(url, cached["status"], cached["keys"],
-                              np.asarray(cached["offsets"], dtype=np.int64).reshape(-1, 4), cached["cut"])
+                              np.asarray(cached["offsets"], dtype=np.int64).reshape(-1, 4), cached["cut"],
+                              cached["duplicates"])
     except (OSError, ValueError, KeyError):
         pass
-    index = scan_shard(url)
+    index = scan_shard(url, keys)
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         tmp = f"{path}.tmp-{os.getpid()}"
         with open(tmp, "w") as f:
             json.dump({**stamp, "status": index.status, "keys": index.keys, "offsets": index.offsets.tolist(),
-                       "cut": index.cut}, f)
+                       "cut": index.cut, "duplicates": index.duplicates}, f)
         os.replace(tmp, path)  # atomic: ranks indexing the same shard at once each write a whole file
     except OSError:
         pass  # an unwritable cache only costs a re-scan next time
@@ -152,15 +178,18 @@ class IndexedShardSource:
 
     group_size = 1
 
-    def __init__(self, spec: str, urls: list[str], cache_dir: str | None = None) -> None:
+    def __init__(self, spec: str, urls: list[str], cache_dir: str | None = None,
+                 member_keys: MemberKeys = DEFAULT_MEMBER_KEYS) -> None:
         self.name = spec
         self.urls = urls
         self.index_skips: list[dict[str, Any]] = []
         shard_ids, keys, offsets = [], [], []
         for shard_id, url in enumerate(urls):
-            index = load_shard_index(url, cache_dir)
+            index = load_shard_index(url, cache_dir, member_keys)
             if index.status != "ok":
                 self.index_skips.append(skip_record(url, None, None, f"{index.status}_shard"))
+            for key in index.duplicates:
+                self.index_skips.append(skip_record(url, key, None, "duplicate_key", DUPLICATE_DETAIL))
             if index.cut is not None:
                 self.index_skips.append(skip_record(url, index.cut, None, "truncated_sample",
                                                     "the shard ends inside this sample's data"))

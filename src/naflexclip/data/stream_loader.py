@@ -15,7 +15,7 @@ from typing import Any
 import webdataset as wds
 
 from naflexclip.data.loader import NaFlexLoader, WorkerEpoch
-from naflexclip.data.readers import DataError, RawSample, ShardReadLog, shard_samples
+from naflexclip.data.readers import DEFAULT_MEMBER_KEYS, DataError, MemberKeys, RawSample, ShardReadLog, shard_samples
 from naflexclip.data.schedule import build_schedule, samples_per_rank
 
 
@@ -27,6 +27,7 @@ class StreamEpoch(WorkerEpoch):
         self.urls, self.name, self.shuffle = loader.urls, loader.name, loader.shuffle
         self.buffer = loader.shuffle_buffer if loader.shuffle else 0
         self.rank, self.world_size = loader.rank, loader.world_size
+        self.member_keys = loader.member_keys
 
     def _slot_stream(self, slot: int, num_slots: int, log: ShardReadLog) -> Iterator[RawSample]:
         seed, epoch, _ = self.seed_key
@@ -40,7 +41,7 @@ class StreamEpoch(WorkerEpoch):
             mine = urls[slot::num_slots] if by_shard else list(urls)
             if self.shuffle and pass_index > 0:
                 random.Random(pass_seed).shuffle(mine)
-            samples = (raw for url in mine for raw in shard_samples(url, log))
+            samples = (raw for url in mine for raw in shard_samples(url, log, self.member_keys))
             if not by_shard:  # fewer shards than slots: every slot reads all, keeps every num_slots-th
                 samples = (raw for k, raw in enumerate(samples) if k % num_slots == slot)
             if self.buffer > 1:  # the buffer drains at the end of each pass, so a pass never leaks into the next
@@ -88,12 +89,14 @@ def _read_ahead(items: Iterator[RawSample]) -> Iterator[RawSample]:
 
 class StreamLoader(NaFlexLoader):
     """One rank's epochs of `samples_per_epoch` samples streamed from the shards `urls` (`name`: the shard spec);
-    `shuffle_buffer`: samples in each slot's shuffle buffer. The other arguments are `NaFlexLoader`'s."""
+    `shuffle_buffer`: samples in each slot's shuffle buffer; `member_keys`: a sample's image and caption members.
+    The other arguments are `NaFlexLoader`'s."""
 
     indexed = False
 
-    def __init__(self, urls: list[str], *, shuffle_buffer: int, **kwargs: Any) -> None:
-        self.urls, self.shuffle_buffer = urls, shuffle_buffer
+    def __init__(self, urls: list[str], *, shuffle_buffer: int, member_keys: MemberKeys = DEFAULT_MEMBER_KEYS,
+                 **kwargs: Any) -> None:
+        self.urls, self.shuffle_buffer, self.member_keys = urls, shuffle_buffer, member_keys
         super().__init__(**kwargs)
 
     def _plan(self, epoch: int, sample_position: int | None, start_batch: int) -> None:

@@ -106,7 +106,9 @@ class NaFlexTransform:
         # the same (ph, pw, C) flattening as timm's patchify_image(channels_last=True), done on the
         # HWC array directly instead of through a CHW copy (tested equal to timm's Patchify)
         patches = pixels.reshape(nh, p, nw, p, 3).transpose(0, 2, 1, 3, 4).reshape(nh * nw, p * p * 3)
-        return torch.from_numpy(np.ascontiguousarray(patches)), patch_grid(nh, nw)
+        # a PIL image's array is read-only; with a one-patch-high or -wide grid the reshapes are views of it, which
+        # torch.from_numpy would share with a warning: copy only then
+        return torch.from_numpy(np.require(patches, requirements=["C", "W"])), patch_grid(nh, nw)
 
 
 @functools.lru_cache(maxsize=1024)
