@@ -70,6 +70,8 @@ def build_loader(
         raise ValueError(f"split {split!r} has no data: {flag} is not set")
     kind, path = resolved
     train = split == "train"
+    if train and (cfg.dataset_resampled or cfg.train_data_upsampling_factors is not None):
+        raise DataError("--dataset-resampled and --train-data-upsampling-factors are not supported yet")
     requested = cfg.train_num_samples if train else cfg.val_num_samples
     flag = f"--{split}-num-samples"
     common: dict[str, Any] = dict(
