@@ -392,8 +392,26 @@ def test_sigterm_to_a_training_process_saves_and_exits_with_one_line(tmp_path: P
 
 def test_warmup_longer_than_the_run_is_warned(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     trainer = Trainer(tiny_config(tmp_path, warmup=1000), init_distributed("cpu"))
+    trainer.warn_long_warmup()
     total = trainer.schedule.total_steps
     assert f"warning: --warmup 1000 is longer than the run ({total} optimizer steps)" in capsys.readouterr().err
+
+
+def test_warmup_warning_after_a_resume_counts_the_resumed_schedule(stopped_run: Path, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    """Resumed at --accum-freq 1 (saved at 2): the warning counts the steps of the schedule the run follows, as the
+    resume notice does, and comes after it (it counted a fresh plan at 1 before the resume: 14 vs 12)."""
+    logs = _copy_run(stopped_run, tmp_path)
+    trainer = Trainer(tiny_config(logs, "base", accum_freq=1, warmup=1000, resume="latest", stop_after_steps=3),
+                      init_distributed("cpu"))
+    with trainer.stop.installed():
+        trainer.fit()
+    err = capsys.readouterr().err
+    total = re.search(r"lr schedule \d+ -> (\d+) steps", err).group(1)
+    assert total == str(trainer.schedule.total_steps)
+    warning = f"warning: --warmup 1000 is longer than the run ({total} optimizer steps)"
+    assert warning in err and err.index("resumed from") < err.index(warning), err
+    assert err.count("warning: --warmup") == 1
 
 
 def test_eval_of_a_run_without_validation_data_says_so(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -39,6 +39,7 @@ from naflexclip.train.components import (
 from naflexclip.train.config import TrainConfig
 from naflexclip.train.evaluate import Evaluator
 from naflexclip.train.grouping import window_sizes
+from naflexclip.train.openclip_flags import first_lines
 from naflexclip.train.optim import CosineSchedule, create_optimizer
 from naflexclip.train.precision import create_precision
 from naflexclip.train.report import Reporter, refuse_existing_run
@@ -82,6 +83,8 @@ class Trainer:
         self.run_dir = Path(cfg.logs) / str(cfg.name)
         self.reporter = Reporter(self.run_dir, rank=env.rank, report_to=cfg.report_to, config=cfg.to_dict(),
                                  name=str(cfg.name))
+        for line in first_lines(cfg.to_dict()):  # what differs from OpenCLIP's defaults, built-in flags
+            self.reporter.message(line)
         self.evaluator = Evaluator(cfg, env, self.precision.autocast, self.reporter)
         optimizer_state = OptimizerState(self.model, self.optimizer, env)
         components = {"model": ModelState(self.model, env), "optimizer": optimizer_state,
@@ -96,10 +99,6 @@ class Trainer:
         locked = lock_summary(self.module)
         if locked:
             self.reporter.message(locked)
-        total = self.schedule.total_steps
-        if cfg.warmup > total:
-            self.reporter.message(f"warning: --warmup {cfg.warmup} is longer than the run ({total} optimizer steps): "
-                                  f"the learning rate never reaches --lr {cfg.lr:g}")
 
     def _plan_batches(self) -> list[int]:
         """Planned microbatches of each epoch (the same on every rank)."""
@@ -140,6 +139,7 @@ class Trainer:
         resumed = self.resume()
         if resumed and nothing_left(self.cfg, self.progress, self.reporter.message):
             return {}
+        self.warn_long_warmup()
         if not resumed:
             self.evaluator(self.model, step=0, epoch=0.0, epochs_done=0)
         while self.progress.epoch < self.cfg.epochs:
@@ -151,6 +151,13 @@ class Trainer:
             counts = {"skipped steps (non-finite)": self.progress.num_skipped_steps}
             self.reporter.finish(self.evaluator.history, counts, plot=self.cfg.plot)
         return self.evaluator.history[-1] if self.evaluator.history else {}
+
+    def warn_long_warmup(self) -> None:
+        """After any resume: the schedule the run follows (a resume may have re-planned it) is the one counted."""
+        total, warmup = self.schedule.total_steps, self.schedule.warmup_steps
+        if warmup > total:
+            self.reporter.message(f"warning: --warmup {warmup} is longer than the run ({total} optimizer steps): "
+                                  f"the learning rate never reaches --lr {self.schedule.base_lr:g}")
 
     def train_epoch(self) -> bool:
         """Train the rest of the current epoch; True when --stop-after-steps stopped the run."""
