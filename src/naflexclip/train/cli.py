@@ -21,7 +21,8 @@ from naflexclip.loss import LOSSES
 from naflexclip.model import PRESETS
 from naflexclip.window import METHODS, SCALE_MODES
 
-from .config import PRECISIONS, TrainConfig
+from .config import DEMO_DEFAULTS, OPENCLIP_DEFAULTS, PRECISIONS, TrainConfig, shown_value
+from .openclip_flags import HelpFormatter, add_openclip_flags, group_by_origin, refused_message
 
 DEFAULT_ZERO_SHOT_OUTPUT = "zeroshot_results.json"
 DEFAULTS = TrainConfig.__dataclass_fields__  # one source of truth for the defaults shown in --help
@@ -31,10 +32,8 @@ DEFAULTS = TrainConfig.__dataclass_fields__  # one source of truth for the defau
 # 36-100 patches of 16 px keep their shapes legible; a 1024-token budget (windows of ~20-110 examples at
 # --accum-freq 2) gives ~260 optimizer steps. Scenes come in pairs that differ only in their shapes: without
 # these hard negatives colour alone matches nearly every pair in a window and zero-shot shape stays at
-# chance (docs/demo.md). Real data wants OpenCLIP's 128-1024 and a larger budget.
+# chance (docs/demo.md). The demo's values of OpenCLIP's flags are config.DEMO_DEFAULTS (--train-data: OpenCLIP's).
 DEMO_DATA_DEFAULTS = {
-    "naflex_seq_lens": [36, 64, 100],
-    "naflex_max_tokens_per_batch": 1024,
     "synthetic_train_size": 3072,
     "synthetic_val_size": 256,
     "synthetic_shape_group_size": 2,
@@ -133,8 +132,38 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds before a collective that another rank never joins fails")
 
 
+# ---- OpenCLIP's defaults with --train-data (issue 22) ----
+def _dest(key: str) -> str:
+    return key.rsplit(".", 1)[-1]
+
+
+def apply_openclip_defaults(parser: argparse.ArgumentParser) -> None:
+    """The flags whose built-in-data default differs from OpenCLIP's get no parser default (`with_defaults` fills
+    them from the data source) and say both in --help."""
+    by_dest = {action.dest: action for action in parser._actions}
+    for key, demo in DEMO_DEFAULTS.items():
+        action = by_dest[_dest(key)]
+        action.default = argparse.SUPPRESS
+        action.help = ((action.help + " ") if action.help else "") + (
+            f"(default: {shown_value(OPENCLIP_DEFAULTS[key])}, OpenCLIP's; "
+            f"on the built-in dataset: {shown_value(demo)})")
+
+
+def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with every flag not given at its default: OpenCLIP's with --train-data, else the demo's."""
+    source = OPENCLIP_DEFAULTS if getattr(args, "train_data", None) else DEMO_DEFAULTS
+    defaults = {_dest(key): source[key] for key in DEMO_DEFAULTS}
+    defaults["naflex_seq_lens"] = list(defaults["naflex_seq_lens"])
+    return argparse.Namespace(**{**defaults, **vars(args)})
+# ---- end of OpenCLIP's defaults ----
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The one place flags become a TrainConfig (ValueError with a one-line, flag-naming message)."""
+    refused = refused_message(args)
+    if refused is not None:
+        raise ValueError(refused)
+    args = with_defaults(args)
     clip = args.grad_clip_norm
     check_device(args.device)
     return TrainConfig(
@@ -153,6 +182,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         zeroshot_classnames=args.zeroshot_classnames, zeroshot_templates=args.zeroshot_templates,
         zeroshot_frequency=args.zeroshot_frequency, pretrained=args.pretrained,
         grad_checkpointing=args.grad_checkpointing, torchcompile=args.torchcompile, **Locks.pick(args).as_dict(),
+        openclip_built_in=tuple(getattr(args, "openclip_built_in", ())),
     )
 
 
@@ -268,11 +298,18 @@ def run_eval(args: argparse.Namespace) -> int:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `train` and `eval`."""
-    train = subparsers.add_parser("train", help="train a NaFlex CLIP/SigLIP model (built-in data by default)",
-                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    train = subparsers.add_parser(
+        "train", help="train a NaFlex CLIP/SigLIP model (built-in data by default)",
+        description="OpenCLIP's flags mean what they mean in open_clip_train; with --train-data every one defaults "
+                    "to OpenCLIP's value, on the built-in dataset to the demo's (both are shown). The run's first "
+                    "lines list the settings that differ from OpenCLIP's defaults.",
+        formatter_class=HelpFormatter)
     add_data_args(train)
     train.set_defaults(**DEMO_DATA_DEFAULTS)
     add_train_args(train)
+    apply_openclip_defaults(train)
+    add_openclip_flags(train)  # last: OpenCLIP's flags no block above has added are built in or refused
+    group_by_origin(train)
     train.set_defaults(func=run_train)
     evaluate = subparsers.add_parser("eval", help="retrieval and zero-shot evaluation of a checkpoint")
     evaluate.add_argument("--checkpoint", required=True,

@@ -1,13 +1,16 @@
 """TrainConfig: the typed, validated configuration of one training run (the CLI maps its flags onto it).
 
 Defaults are the newcomer's first run: the `small` preset on the built-in synthetic dataset, sized to
-finish in a few minutes on a 2-core CPU. Every validation error is one line and names the flag.
+finish in a few minutes on a 2-core CPU (`DEMO_DEFAULTS`). With `--train-data` the CLI uses OpenCLIP's defaults
+instead (`OPENCLIP_DEFAULTS`). Every validation error is one line and names the flag.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +26,64 @@ from naflexclip.window import METHODS, SCALE_MODES
 from naflexclip.zeroshot import read_classnames, read_image_folder, read_templates
 
 PRECISIONS = ("fp32", "amp_bf16", "amp")
+
+# ---- OpenCLIP's defaults (issue 22) -------------------------------------------------------------------------
+# open_clip_train/params.py (and get_default_params for a ViT) for every flag naflexclip shares with it, as config
+# keys (data fields as `data.<name>`). The CLI defaults to them with --train-data; the run's first lines name the
+# settings that differ from them. --model (RN50 there) and where logs go are not compared.
+OPENCLIP_DEFAULTS: dict[str, Any] = {
+    "precision": "amp_bf16", "warmup": 10000, "epochs": 32, "accum_freq": 1, "grad_clip_norm": None,
+    "lr": 5e-4, "wd": 0.2, "beta1": 0.9, "beta2": 0.98, "eps": 1e-6, "batch_size": 64, "seed": 0,
+    "log_every_n_steps": 100, "save_frequency": 1, "val_frequency": 1, "zeroshot_frequency": 2,
+    "naflex_loss_scale": "none", "fsdp": False, "grad_checkpointing": False, "torchcompile": False,
+    "lock_image": False, "lock_image_unlocked_groups": 0, "lock_text": False, "lock_text_unlocked_layers": 0,
+    "lock_text_freeze_layer_norm": False,
+    "data.naflex_seq_lens": (128, 256, 576, 784, 1024), "data.naflex_seq_len_probs": None,
+    "data.naflex_max_tokens_per_batch": 16384, "data.naflex_batch_divisor": 8, "data.workers": 4,
+    "data.train_num_samples": None, "data.dataset_type": "auto", "data.csv_img_key": "filepath",
+    "data.csv_caption_key": "title", "data.csv_separator": "\t",
+}
+# the built-in dataset's own values where they differ from OpenCLIP's (the demo: docs/demo.md); TrainConfig's
+# field defaults are these, the data ones are the CLI's defaults without --train-data
+DEMO_DEFAULTS: dict[str, Any] = {
+    "precision": "fp32", "warmup": 20, "epochs": 3, "accum_freq": 2, "grad_clip_norm": 1.0, "lr": 1e-3, "wd": 0.1,
+    "batch_size": None, "log_every_n_steps": 1,
+    "data.naflex_seq_lens": (36, 64, 100), "data.naflex_max_tokens_per_batch": 1024, "data.naflex_batch_divisor": 1,
+    "data.workers": 2,
+}
+
+
+def shown_value(value: Any) -> str:
+    """A flag's value as typed on the command line (`unset` for None, a list space-separated, a string quoted
+    where it holds a space or comma)."""
+    if value is None:
+        return "unset"
+    if isinstance(value, (list, tuple)):
+        return " ".join(shown_value(v) for v in value)
+    text = str(value)
+    return shlex.quote(text) if isinstance(value, str) and (not text or re.search(r"[\s,']", text)) else text
+
+
+def flat_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A config dict with its data fields as `data.<name>`."""
+    flat = {key: value for key, value in config.items() if key != "data"}
+    flat.update({f"data.{key}": value for key, value in config.get("data", {}).items()})
+    return flat
+
+
+def flag_name(key: str) -> str:
+    """The flag of a config key (`data.naflex_seq_lens` -> `--naflex-seq-lens`)."""
+    return "--" + key.rsplit(".", 1)[-1].replace("_", "-")
+
+
+def openclip_differences(config: dict[str, Any]) -> list[str]:
+    """The settings of `config` (`TrainConfig.to_dict()`) that differ from OpenCLIP's defaults, as
+    `--flag value (OpenCLIP: value)`."""
+    flat = flat_config(config)
+    plain = {key: tuple(v) if isinstance(v, list) else v for key, v in flat.items()}
+    return [f"{flag_name(key)} {shown_value(flat[key])} (OpenCLIP: {shown_value(default)})"
+            for key, default in OPENCLIP_DEFAULTS.items() if key in plain and plain[key] != default]
+# ---- end of OpenCLIP's defaults ----------------------------------------------------------------------------
 
 
 @dataclass
@@ -79,6 +140,8 @@ class TrainConfig:
     lock_text: bool = False
     lock_text_unlocked_layers: int = 0
     lock_text_freeze_layer_norm: bool = False
+    # OpenCLIP's flags given that naflexclip has built in (`--flag [value]`; `openclip_flags.BUILT_IN`)
+    openclip_built_in: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self._check_choices()

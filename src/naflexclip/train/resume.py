@@ -16,8 +16,6 @@ flags: --wd 0.1 -> 0.05, ..."). Besides the flags:
 
 from __future__ import annotations
 
-import re
-import shlex
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +24,7 @@ from naflexclip.lock import Locks
 from naflexclip.model import weights_mismatch
 from naflexclip.train import checkpoint as storage
 from naflexclip.train.components import Checkpointer, Progress
-from naflexclip.train.config import TrainConfig
+from naflexclip.train.config import TrainConfig, flag_name, flat_config, shown_value
 from naflexclip.train.optim import cosine_lr
 from naflexclip.train.report import Reporter, run_exists
 
@@ -51,18 +49,9 @@ POLICY: dict[str, tuple[str, str]] = {
     **{key: (RESCHEDULE, "") for key in ("lr", "warmup", "epochs", "accum_freq")},
     **{key: (IGNORE, "") for key in ("name", "logs", "resume", "resume_fresh", "stop_after_steps", "device",
                                      "dist_timeout", "plot", "report_to", "wandb_project_name", "wandb_notes")},
+    # ---- OpenCLIP's flags (issue 22) ----
+    "openclip_built_in": (IGNORE, ""),  # OpenCLIP's flags that change nothing here
 }
-
-
-def _flat(config: dict[str, Any]) -> dict[str, Any]:
-    """A config with its data fields as `data.<name>`."""
-    flat = {key: value for key, value in config.items() if key != "data"}
-    flat.update({f"data.{key}": value for key, value in config.get("data", {}).items()})
-    return flat
-
-
-def _flag(key: str) -> str:
-    return "--" + key.rsplit(".", 1)[-1].replace("_", "-")
 
 
 def _plain(value: Any) -> Any:
@@ -70,20 +59,9 @@ def _plain(value: Any) -> Any:
     return tuple(_plain(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
-def _shown(value: Any) -> str:
-    """A flag's value as typed on the command line (`unset` for None, a list space-separated, a string quoted
-    where it holds a space or comma), so the one-line notice of changed flags reads unambiguously."""
-    if value is None:
-        return "unset"
-    if isinstance(value, (list, tuple)):
-        return " ".join(_shown(v) for v in value)
-    text = str(value)
-    return shlex.quote(text) if isinstance(value, str) and (not text or re.search(r"[\s,']", text)) else text
-
-
 def _changed(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """The fields both configs have that differ (top-level ones first, each part by name)."""
-    old, new = _flat(saved), _flat(current)
+    old, new = flat_config(saved), flat_config(current)
     return sorted((key for key in set(old) & set(new) if _plain(old[key]) != _plain(new[key])),
                   key=lambda key: (key.startswith("data."), key))
 
@@ -98,16 +76,16 @@ def refusal(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
     changed = set(_changed(saved, current))
     for key, (rule, what) in POLICY.items():
         if rule == REFUSE and key in changed:
-            old, new = _flat(saved)[key], _flat(current)[key]
-            return (f"{_flag(key)}: the checkpoint has {old!r}, this run {new!r}; a resume cannot change {what} "
-                    f"(keep {_flag(key)} as it was, or start a new --name)")
+            old, new = flat_config(saved)[key], flat_config(current)[key]
+            return (f"{flag_name(key)}: the checkpoint has {old!r}, this run {new!r}; a resume cannot change {what} "
+                    f"(keep {flag_name(key)} as it was, or start a new --name)")
     return None
 
 
 def changed_flags(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """The flags a resume applies although the checkpoint was saved with other values, as `--flag old -> new`."""
-    old, new = _flat(saved), _flat(current)
-    return [f"{_flag(key)} {_shown(old[key])} -> {_shown(new[key])}" for key in _changed(saved, current)
+    old, new = flat_config(saved), flat_config(current)
+    return [f"{flag_name(key)} {shown_value(old[key])} -> {shown_value(new[key])}" for key in _changed(saved, current)
             if _rule(key) in (APPLY, RESCHEDULE)]
 
 

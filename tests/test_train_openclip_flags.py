@@ -1,0 +1,115 @@
+"""OpenCLIP's flags in `naflexclip train`: each accepted, built in or refused in one line; OpenCLIP's defaults with
+--train-data, the demo's on the built-in dataset; --help grouped by origin; the run's first lines."""
+
+from __future__ import annotations
+
+import argparse
+from unittest import mock
+
+import pytest
+
+from naflexclip.cli import build_parser, main
+from naflexclip.train.cli import config_from_args
+from naflexclip.train.config import DEMO_DEFAULTS, OPENCLIP_DEFAULTS, TrainConfig, flat_config
+from naflexclip.train.openclip_flags import BUILT_IN, OPENCLIP_FLAGS, first_lines, status
+from naflexclip.train.resume import POLICY
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    return build_parser()._subparsers._group_actions[0].choices["train"]
+
+
+def _openclip_train_flags() -> set[str]:
+    """Every long flag of the installed open_clip_train's parser (empty when it is not installed)."""
+    try:
+        import open_clip_train.params as params
+    except ImportError:
+        return set()
+    captured = {}
+
+    def grab(self: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        captured["parser"] = self
+        raise SystemExit
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", grab), pytest.raises(SystemExit):
+        params.parse_args([])
+    return {flag for action in captured["parser"]._actions for flag in action.option_strings
+            if flag.startswith("--") and flag != "--help"}
+
+
+def _config(*flags: str) -> TrainConfig:
+    return config_from_args(build_parser().parse_args(["train", *flags]))
+
+
+def test_every_openclip_flag_is_accepted_built_in_or_refused_in_one_line(capsys: pytest.CaptureFixture) -> None:
+    parser = _train_parser()
+    flags = sorted(set(OPENCLIP_FLAGS) | _openclip_train_flags())
+    assert len(flags) >= 142
+    statuses = {flag: status(flag, parser) for flag in flags}
+    assert "missing" not in statuses.values(), [f for f, s in statuses.items() if s == "missing"]
+    for flag in (f for f, s in statuses.items() if s == "refused"):
+        assert main(["train", flag, "1"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith(f"naflexclip train: error: {flag}: "), err
+    for flag in ("--coca-caption-loss-weight", "--coca-contrastive-loss-weight", "--audio-fusion"):
+        assert statuses[flag] == "refused"
+    for flag in ("--local-loss", "--gather-with-grad", "--loss-dist-impl", "--use-naflex", "--force-naflex-vision"):
+        assert statuses[flag] == "built in"
+    for flag in ("--train-data", "--precision", "--warmup", "--naflex-max-tokens-per-batch", "--siglip"):
+        assert statuses[flag] == "accepted"
+
+
+def test_built_in_flags_are_accepted_saved_and_explained() -> None:
+    cfg = _config("--local-loss", "--loss-dist-impl", "bidir", "--use-naflex", "--force-naflex-vision",
+                  "--gather-with-grad")
+    assert cfg.openclip_built_in == ("--local-loss", "--loss-dist-impl bidir", "--use-naflex",
+                                     "--force-naflex-vision", "--gather-with-grad")
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg and POLICY["openclip_built_in"][0] == "ignore"
+    notes = first_lines(cfg.to_dict())[1:]
+    assert notes[0] == f"--local-loss: OpenCLIP's flag is accepted; {BUILT_IN['--local-loss'][1]}"
+    assert notes[1].startswith("--loss-dist-impl bidir: OpenCLIP's flag is accepted; ") and len(notes) == 5
+
+
+def test_train_data_defaults_to_openclips_values_the_builtin_data_to_the_demos() -> None:
+    ported = flat_config(_config("--train-data", "shards/{00000..00003}.tar").to_dict())
+    demo = flat_config(_config().to_dict())
+    for key, value in OPENCLIP_DEFAULTS.items():
+        plain = tuple(ported[key]) if isinstance(ported[key], list) else ported[key]
+        assert plain == value, key
+    for key, value in DEMO_DEFAULTS.items():
+        plain = tuple(demo[key]) if isinstance(demo[key], list) else demo[key]
+        assert plain == value, key
+        if "." not in key:  # TrainConfig's own defaults are the demo's
+            assert TrainConfig.__dataclass_fields__[key].default == value, key
+    # the issue's list, spelled out: amp_bf16, warmup 10000, 16384 tokens, divisor 8, no clip, 32 epochs, accum 1
+    assert (ported["precision"], ported["warmup"], ported["data.naflex_max_tokens_per_batch"],
+            ported["data.naflex_batch_divisor"], ported["grad_clip_norm"], ported["epochs"],
+            ported["accum_freq"]) == ("amp_bf16", 10000, 16384, 8, None, 32, 1)
+    given = _config("--train-data", "x.csv", "--precision", "fp32", "--warmup", "5", "--grad-clip-norm", "2")
+    assert (given.precision, given.warmup, given.grad_clip_norm, given.epochs) == ("fp32", 5, 2.0, 32)
+
+
+def test_first_line_lists_the_settings_that_differ_from_openclips_defaults() -> None:
+    assert first_lines(_config("--train-data", "x.csv").to_dict()) == []
+    lines = first_lines(_config("--train-data", "x.csv", "--precision", "fp32", "--naflex-seq-lens", "256").to_dict())
+    assert lines == ["settings that differ from OpenCLIP's defaults: --precision fp32 (OpenCLIP: amp_bf16), "
+                     "--naflex-seq-lens 256 (OpenCLIP: 128 256 576 784 1024)"]
+    demo = first_lines(_config().to_dict())[0]
+    assert demo.startswith("built-in dataset: the demo's settings, which differ from OpenCLIP's defaults: "
+                           "--precision fp32 (OpenCLIP: amp_bf16), --warmup 20 (OpenCLIP: 10000)")
+
+
+def test_help_groups_the_flags_as_openclips_and_naflexclips() -> None:
+    parser = _train_parser()
+    groups = {g.title: g._group_actions for g in parser._action_groups if g.title and g._group_actions}
+    openclip = set(OPENCLIP_FLAGS)
+    theirs = [t for t in groups if t.startswith("OpenCLIP's flags: ")]
+    ours = [t for t in groups if t.startswith("naflexclip's flags: ")]
+    assert theirs and ours and list(groups).index(theirs[-1]) < list(groups).index(ours[0])
+    for title in theirs:
+        assert all(set(a.option_strings) & openclip for a in groups[title]), title
+    for title in ours:
+        assert not any(set(a.option_strings) & openclip for a in groups[title]), title
+    text = " ".join(parser.format_help().split())
+    assert "--warmup WARMUP" in text and "(default: 10000, OpenCLIP's; on the built-in dataset: 20)" in text
+    assert "--coca-caption-loss-weight" in text.split("OpenCLIP's flags refused here")[1]
