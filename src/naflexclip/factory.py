@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from naflexclip.families import export_family, family_of, find_family
+from naflexclip.families import export_family, family_of, find_family, named_family
 from naflexclip.model import PRESETS, NaFlexClip, model_config
 
 
@@ -16,15 +16,26 @@ def _looks_like_path(name: str) -> bool:
     return any(sep in name for sep in separators) or name.startswith((".", "~"))
 
 
-def create_model(name: str, **overrides: Any) -> NaFlexClip:
+def create_model(name: str, pretrained: str | None = None, cache_dir: str | None = None, **overrides: Any
+                 ) -> NaFlexClip:
     """Build a preset (`tiny`, `small`, `base`, `siglip2-base`, `siglip2-so400m`) with optional overrides
-    (`loss="siglip"`, `drop_path_rate=0.1`, ...), or load the model of a pretrained directory (a transformers
-    SigLIP 2 directory) when `name` is one; ValueError in one line naming the preset or the path otherwise."""
+    (`loss="siglip"`, `drop_path_rate=0.1`, ...), an OpenCLIP model name (`ViT-B-16`, `ViT-B-16-SigLIP2`, ...;
+    `pretrained`: an open_clip checkpoint file, a pretrained tag or `hf-hub:org/name` in a local cache, e.g. under
+    `cache_dir`), or load the model of a pretrained directory (a transformers SigLIP 2 directory) when `name` is
+    one; ValueError in one line naming the preset, the name or the path otherwise."""
+    family = named_family(name)
+    if family is not None:
+        return family.build(name, pretrained=pretrained, cache_dir=cache_dir, **overrides)
+    if pretrained is not None:
+        if name in PRESETS or os.path.isdir(pretrained):  # `train --pretrained DIR`: the directory's architecture
+            return create_model(pretrained, **overrides)
+        raise ValueError(f"pretrained={pretrained!r} goes with an OpenCLIP model name, not {name!r}")
     if os.path.isdir(name):
         return family_of(name).load(name, **overrides)
     if name in PRESETS or not (os.path.exists(name) or _looks_like_path(name)):
         return NaFlexClip(model_config(name, **overrides))  # an unknown name: "unknown model preset"
-    takes = f"create_model takes a preset name ({', '.join(sorted(PRESETS))}) or a pretrained model directory"
+    takes = (f"create_model takes a preset name ({', '.join(sorted(PRESETS))}), an OpenCLIP model name or a "
+             "pretrained model directory")
     if os.path.exists(name):
         parent = os.path.dirname(os.path.abspath(name))
         hint = f"; pass its directory {parent!r}" if find_family(parent) else ""

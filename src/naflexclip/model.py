@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from open_clip.transformer import LayerNorm as OpenClipLayerNorm
-from open_clip.transformer import TextTransformer
+from open_clip.transformer import QuickGELU, TextTransformer
 from timm.models.naflexvit import NaFlexVit, NaFlexVitCfg
 from torch import nn
 
@@ -28,7 +28,8 @@ from naflexclip.loss import loss_choice
 VOCAB_SIZE = 49408  # open_clip's SimpleTokenizer vocabulary (shipped in its wheel)
 MAX_LOGIT_SCALE = math.log(100.0)
 TEXT_POOL_TYPES = ("argmax", "first", "last", "mean")
-ACTIVATIONS = ("gelu", "gelu_tanh")  # "gelu_tanh": GELU with the tanh approximation (SigLIP's)
+# "gelu_tanh": GELU with the tanh approximation (SigLIP 2's); "quick_gelu": x * sigmoid(1.702 x) (OpenAI CLIP's)
+ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,14 @@ class ImageTowerConfig:
     act: str = "gelu"
     norm_eps: float = 1e-6
     pos_embed_interp_mode: str = "bicubic"
+    # OpenCLIP's ViTs need the fields below (defaults keep the other models): a class token (pooled by
+    # global_pool "token"), a LayerNorm before the blocks (`ln_pre`; then the patch embedding has no bias), the
+    # final LayerNorm after pooling instead of before it (`final_ln_after_pool`), LayerScale on the blocks
+    class_token: bool = False
+    pre_norm: bool = False
+    norm_after_pool: bool = False
+    ls_init_value: float | None = None
+    patch_bias: bool | None = None  # None: timm's rule, a bias unless pre_norm (OpenCLIP's conv1 never has one)
 
 
 @dataclass(frozen=True)
@@ -83,6 +92,18 @@ class ModelConfig:
     # upper clamp of log(logit_scale) after each step (CLIP's ln 100); None: unclamped (SigLIP 2's learned
     # temperature exceeds 100, a clamp would change an imported model at its first step)
     max_logit_scale: float | None = MAX_LOGIT_SCALE
+    # where the temperature (log) and bias start; None: the loss's own start (`naflexclip.loss.LOSSES`)
+    init_logit_scale: float | None = None
+    init_logit_bias: float | None = None
+    # the OpenCLIP model name this architecture is (`naflexclip.families.openclip`; export --format openclip)
+    openclip_name: str | None = None
+
+
+def _text_activation(act: str) -> Any:
+    """open_clip's activation class for the text tower's MLPs."""
+    if act == "gelu_tanh":
+        return partial(nn.GELU, approximate="tanh")
+    return QuickGELU if act == "quick_gelu" else nn.GELU
 
 
 def _mlp_ratio(width: int, mlp_width: int | None) -> float:
@@ -171,12 +192,19 @@ class NaFlexClip(nn.Module):
                 mlp_ratio=_mlp_ratio(img.width, img.mlp_width),
                 act_layer=img.act,
                 pos_embed_interp_mode=img.pos_embed_interp_mode,
-                fc_norm=False,
+                class_token=img.class_token,
+                pre_norm=img.pre_norm,
+                final_norm=True,
+                fc_norm=img.norm_after_pool,
+                init_values=img.ls_init_value,
                 # dense [B, C, H, W] inputs whose sides are not multiples of the patch size are padded
                 dynamic_img_pad=True,
             ),
             num_classes=0,
         )
+        proj = self.visual.embeds.proj
+        if img.patch_bias is not None and (proj.bias is not None) != img.patch_bias:
+            self.visual.embeds.proj = nn.Linear(proj.in_features, proj.out_features, bias=img.patch_bias)
         for module in self.visual.modules():  # timm builds its LayerNorms with eps 1e-6; a config may differ
             if isinstance(module, nn.LayerNorm):
                 module.eps = img.norm_eps
@@ -207,7 +235,7 @@ class NaFlexClip(nn.Module):
             # "none" returns every token's projection; encode_text averages the caption's own tokens
             pool_type="none" if txt.pool_type == "mean" else txt.pool_type,
             proj_bias=txt.proj_bias,
-            act_layer=partial(nn.GELU, approximate="tanh") if txt.act == "gelu_tanh" else nn.GELU,
+            act_layer=_text_activation(txt.act),
             norm_layer=partial(OpenClipLayerNorm, eps=txt.norm_eps),
         )
         self.text_pool_type = txt.pool_type
@@ -215,8 +243,12 @@ class NaFlexClip(nn.Module):
         self.context_length = txt.context_length
         self.vocab_size = txt.vocab_size
         start = loss_choice(config.loss)
-        self.logit_scale = nn.Parameter(torch.tensor(start.init_logit_scale))
-        self.logit_bias = None if start.init_logit_bias is None else nn.Parameter(torch.tensor(start.init_logit_bias))
+        init_scale = start.init_logit_scale if config.init_logit_scale is None else config.init_logit_scale
+        self.logit_scale = nn.Parameter(torch.tensor(float(init_scale)))
+        init_bias = start.init_logit_bias
+        if init_bias is not None and config.init_logit_bias is not None:
+            init_bias = config.init_logit_bias
+        self.logit_bias = None if init_bias is None else nn.Parameter(torch.tensor(float(init_bias)))
 
     def encode_image(self, image: torch.Tensor | dict[str, torch.Tensor], normalize: bool = True) -> torch.Tensor:
         """image: dense `[B, C, H, W]` or a NaFlex dict (`patches [B, L, P*P*C]`,

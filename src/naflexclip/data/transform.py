@@ -25,7 +25,6 @@ from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as F
 
 INTERPOLATION = "bicubic"
-_BICUBIC = InterpolationMode.BICUBIC
 
 
 @dataclass(frozen=True)
@@ -62,14 +61,15 @@ class NaFlexTransform:
     scale = (0.5, 1.0)
     ratio = (3 / 4, 4 / 3)
 
-    def __init__(self, patch_size: int, augment: bool = False) -> None:
+    def __init__(self, patch_size: int, augment: bool = False, interpolation: str = INTERPOLATION) -> None:
         self.patch_size = patch_size
         self.augment = augment
+        self.interpolation = interpolation  # "bicubic" or "bilinear" (a model's own, e.g. an OpenCLIP name's)
         self._resizers: dict[int, torch.nn.Module] = {}
 
     def _resize(self, img: Image.Image, seq_len: int) -> Image.Image:
         if seq_len not in self._resizers:
-            self._resizers[seq_len] = ResizeToSequence(self.patch_size, seq_len, interpolation=INTERPOLATION)
+            self._resizers[seq_len] = ResizeToSequence(self.patch_size, seq_len, interpolation=self.interpolation)
         return self._resizers[seq_len](img)
 
     def _random_resized_crop(self, img: Image.Image, seq_len: int, rng: random.Random) -> Image.Image:
@@ -86,7 +86,8 @@ class NaFlexTransform:
         else:  # timm's fallback: the ratio range holds the image's own aspect, so the whole image
             top, left, crop_h, crop_w = 0, 0, height, width
         size = get_image_size_for_seq((crop_h, crop_w), (self.patch_size, self.patch_size), seq_len)[1]
-        return F.resized_crop(img, top, left, crop_h, crop_w, list(size), interpolation=_BICUBIC, antialias=True)
+        mode = InterpolationMode(self.interpolation)
+        return F.resized_crop(img, top, left, crop_h, crop_w, list(size), interpolation=mode, antialias=True)
 
     def target_hw(self, image_hw: tuple[int, int], seq_len: int) -> tuple[int, int]:
         """(height, width) the eval resize gives an image of `image_hw` at `seq_len`."""
@@ -118,20 +119,27 @@ def patch_grid(nh: int, nw: int) -> torch.Tensor:
     return coord
 
 
-_SCALE = torch.tensor([1.0 / (255.0 * s) for s in OPENAI_DATASET_STD])
-_SHIFT = torch.tensor([m / s for m, s in zip(OPENAI_DATASET_MEAN, OPENAI_DATASET_STD, strict=True)])
+@functools.lru_cache(maxsize=8)
+def _normalisation(mean: tuple[float, ...], std: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x / 255 - mean) / std as x * scale - shift, per channel."""
+    scale = torch.tensor([1.0 / (255.0 * s) for s in std])
+    shift = torch.tensor([m / s for m, s in zip(mean, std, strict=True)])
+    return scale, shift
 
 
 def collate(
-    samples: list[tuple[torch.Tensor, torch.Tensor]], seq_len: int, patch_size: int
+    samples: list[tuple[torch.Tensor, torch.Tensor]], seq_len: int, patch_size: int,
+    mean: tuple[float, ...] = tuple(OPENAI_DATASET_MEAN), std: tuple[float, ...] = tuple(OPENAI_DATASET_STD),
 ) -> dict[str, torch.Tensor]:
-    """Pad uint8 (patches, patch_coord) samples to `seq_len` and normalise: the NaFlex image dict.
+    """Pad uint8 (patches, patch_coord) samples to `seq_len` and normalise with `mean`/`std` (OpenAI CLIP's by
+    default): the NaFlex image dict.
 
     Returns patches float32 [B, seq_len, P*P*3], patch_coord long [B, seq_len, 2] (row, col),
     patch_valid bool [B, seq_len] (True for real patches; padding rows are all-zero).
     """
     batch = len(samples)
     dim = patch_size * patch_size * 3
+    scale, shift = _normalisation(tuple(mean), tuple(std))
     patches = torch.zeros(batch, seq_len, dim, dtype=torch.float32)
     patch_coord = torch.zeros(batch, seq_len, 2, dtype=torch.long)
     patch_valid = torch.zeros(batch, seq_len, dtype=torch.bool)
@@ -140,7 +148,7 @@ def collate(
         # (x / 255 - mean) / std per channel; channel is the fastest axis of a (ph, pw, C) patch.
         # Only real rows are written: padding rows stay exactly zero.
         rows = patches[i, :n].view(n, dim // 3, 3)
-        rows.copy_(raw.view(n, dim // 3, 3)).mul_(_SCALE).sub_(_SHIFT)
+        rows.copy_(raw.view(n, dim // 3, 3)).mul_(scale).sub_(shift)
         patch_coord[i, :n] = coord
         patch_valid[i, :n] = True
     return {"patches": patches, "patch_coord": patch_coord, "patch_valid": patch_valid}

@@ -1,9 +1,11 @@
 """Pretrained families: model directories of other libraries that naflexclip loads, fine-tunes and exports.
 
-A family is one module (today `siglip2`: SigLIP 2 NaFlex from transformers) with the members of
-`PretrainedFamily`: how to recognise its directory, build and load our model from it, export our model as one,
-and the data processing (tokenizer, patching) its models expect. It is registered in `FAMILIES`; everything else
-(`create_model`, `train --pretrained`, `eval --checkpoint`, `export`, the data pipeline) asks this table.
+A family is one module with the members of `PretrainedFamily`: how to recognise its directory (or the processor
+spec it gives its models), build and load our model from it, export our model as one, and the data processing
+(tokenizer, patching) its models expect. `siglip2`: SigLIP 2 NaFlex directories of transformers. `openclip`: a
+family of model names (`NamedFamily`: OpenCLIP's `ViT-B-16`, `ViT-B-16-SigLIP2`, ...) whose weights are checkpoint
+files or pretrained tags. They are registered in `FAMILIES`; everything else (`create_model`, `train --model`
+and `--pretrained`, `eval --checkpoint`, `export`, the data pipeline) asks this table.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from naflexclip.families import siglip2
+from naflexclip.families import openclip, siglip2
 
 if TYPE_CHECKING:
     import torch
@@ -49,8 +51,24 @@ class PretrainedFamily(Protocol):
         """The patches per image the directory's own processor uses (its evaluation default)."""
 
 
-FAMILIES: tuple[PretrainedFamily, ...] = (siglip2,)
+class NamedFamily(PretrainedFamily, Protocol):
+    """A family of model names (`--model NAME`), whose weights come from `--pretrained` files or tags."""
+
+    def claims_name(self, name: str) -> bool:
+        """True when `name` is one of the family's model names."""
+
+    def build(self, name: str, pretrained: str | None = None, cache_dir: str | None = None,
+              **overrides: Any) -> NaFlexClip:
+        """The model of the name, random init or with the weights of `pretrained` (found locally, under `cache_dir`)."""
+
+
+FAMILIES: tuple[PretrainedFamily, ...] = (siglip2, openclip)
 EXPORT_FORMATS = tuple(family.EXPORT_FORMAT for family in FAMILIES)
+
+
+def named_family(name: str) -> NamedFamily | None:
+    """The family whose model name `name` is, or None (a preset, a directory, a typo)."""
+    return next((family for family in FAMILIES if hasattr(family, "claims_name") and family.claims_name(name)), None)
 
 
 def find_family(path: str | Path) -> PretrainedFamily | None:
