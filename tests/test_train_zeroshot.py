@@ -156,6 +156,24 @@ def test_resume_keeps_the_zeroshot_history(tmp_path: Path, capsys: pytest.Captur
     assert table[key] == [f"{evals[0][key]:.3f}", f"{evals[-1][key]:.3f}"]
 
 
+def test_an_empty_class_folder_is_reported_before_training(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """As `eval --zero-shot-data` reports it: one line naming the flag and the folder, before the first step."""
+    folder = colour_folder(tmp_path / "colours", per_class=1)
+    (folder / "black").mkdir()
+    (folder / "grey").mkdir()
+    assert main(["train", *FLAGS, "--epochs", "1", "--logs", str(tmp_path / "logs"), "--name", "run", "--no-plot",
+                 "--zeroshot-data", str(folder), "--zeroshot-frequency", "1", "--synthetic-train-size", "32",
+                 "--stop-after-steps", "1"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    lines = [i for i, line in enumerate(err) if "empty class folders" in line]
+    assert len(lines) == 1, err
+    assert err[lines[0]] == (f"--zeroshot-data {str(folder)!r}: empty class folders (no images; not candidate "
+                             "classes): black, grey")
+    assert lines[0] < min(i for i, line in enumerate(err) if line.startswith("eval after step"))
+    [first] = _zeroshot_evals(tmp_path / "logs" / "run", "colours")[:1]
+    assert first["zeroshot/colours/chance"] == 1 / len(COLOURS)  # the empty ones are no candidates
+
+
 @pytest.mark.parametrize(("setup", "flags", "message"), [
     (None, ["--zeroshot-data", "MISSING"], "--zeroshot-data"),
     ("no_classes", ["--zeroshot-data", "FOLDER"], "--zeroshot-data"),
@@ -164,6 +182,8 @@ def test_resume_keeps_the_zeroshot_history(tmp_path: Path, capsys: pytest.Captur
     ("folder", ["--zeroshot-data", "FOLDER", "--zeroshot-templates", "TEMPLATES"], "--zeroshot-templates"),
     (None, ["--zeroshot-classnames", "NAMES"], "--zeroshot-classnames goes with --zeroshot-data"),
     ("folder", ["--zeroshot-data", "FOLDER", "--zeroshot-frequency", "-1"], "--zeroshot-frequency"),
+    (None, ["--zeroshot-frequency", "1"], "--zeroshot-frequency 1 goes with --zeroshot-data"),
+    (None, ["--zeroshot-frequency", "2"], "--zeroshot-frequency 2 goes with --zeroshot-data"),  # the default, given
 ])
 def test_bad_zeroshot_input_is_one_line_before_training(tmp_path: Path, capsys: pytest.CaptureFixture,
                                                         setup: str | None, flags: list[str], message: str) -> None:

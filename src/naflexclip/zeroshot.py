@@ -203,13 +203,18 @@ def zero_shot_classify(model: nn.Module, data_dir: str | Path, *, seq_len: int, 
             "skipped_samples": skipped}
 
 
+def empty_classes_line(empty: list[str]) -> str:
+    """What is said of an ImageFolder's class folders without images (`ImageFolder.empty`)."""
+    return f"empty class folders (no images; not candidate classes): {', '.join(empty)}"
+
+
 def format_results(results: dict[str, Any]) -> str:
     """Human-readable summary: overall accuracies, then one line per class."""
     k = next(key for key in results if key.startswith("top") and key != "top1")
     lines = [f"zero-shot: top-1 {results['top1']:.4f}, {k[:3]}-{k[3:]} {results[k]:.4f} over "
              f"{results['num_samples']} images, {results['num_classes']} classes (chance {results['chance']:.4f})"]
     if results["empty_classes"]:
-        lines.append(f"empty class folders (no images; not candidate classes): {', '.join(results['empty_classes'])}")
+        lines.append(empty_classes_line(results["empty_classes"]))
     width = max(len(name) for name in results["per_class_top1"])
     for name, accuracy in results["per_class_top1"].items():
         lines.append(f"  {name:<{width}}  {'n/a' if accuracy is None else f'{accuracy:.4f}'}")

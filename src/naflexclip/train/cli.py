@@ -116,8 +116,10 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                    help="text file, one class name per line in sorted folder order (default: the folder names)")
     z.add_argument("--zeroshot-templates", default=None,
                    help="text file, one prompt template per line with {} for the class name (default: a short set)")
-    z.add_argument("--zeroshot-frequency", type=int, default=_default("zeroshot_frequency"),
-                   help="classify --zeroshot-data every N epochs (also before training and at the end); 0: never")
+    # not given: absent from the namespace (config_from_args tells a given one without zero-shot data)
+    z.add_argument("--zeroshot-frequency", type=int, default=argparse.SUPPRESS,
+                   help="classify --zeroshot-data every N epochs (also before training and at the end); 0: never "
+                        f"(default: {_default('zeroshot_frequency')})")
     r.add_argument("--no-plot", action="store_true", help="do not write curves.png")
     d = parser.add_argument_group("devices")
     d.add_argument("--device", default=None,
@@ -166,6 +168,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     args = with_defaults(args)
     clip = args.grad_clip_norm
     check_device(args.device)
+    if "zeroshot_frequency" in args and args.zeroshot_data is None:
+        raise ValueError(f"--zeroshot-frequency {args.zeroshot_frequency} goes with --zeroshot-data (the ImageFolder "
+                         "to classify zero-shot during training)")
     return TrainConfig(
         data=data_config_from_args(args), model=args.model, loss=args.loss, batch_size=args.batch_size,
         accum_freq=args.accum_freq, accum_method=args.accum_method, naflex_loss_scale=args.naflex_loss_scale,
@@ -180,7 +185,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         dist_timeout=args.dist_timeout, plot=not args.no_plot, loss_tile_size=args.loss_tile_size,
         zero_shot_samples=args.zero_shot_samples, zeroshot_data=args.zeroshot_data,
         zeroshot_classnames=args.zeroshot_classnames, zeroshot_templates=args.zeroshot_templates,
-        zeroshot_frequency=args.zeroshot_frequency, pretrained=args.pretrained,
+        zeroshot_frequency=getattr(args, "zeroshot_frequency", _default("zeroshot_frequency")),
+        pretrained=args.pretrained,
         grad_checkpointing=args.grad_checkpointing, torchcompile=args.torchcompile, **Locks.pick(args).as_dict(),
         openclip_built_in=tuple(getattr(args, "openclip_built_in", ())),
     )

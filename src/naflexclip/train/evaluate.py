@@ -29,6 +29,7 @@ from naflexclip.parallel import unwrap_model
 from naflexclip.train.config import TrainConfig
 from naflexclip.train.report import Reporter, folder_zeroshot_keys
 from naflexclip.zeroshot import (
+    empty_classes_line,
     ensemble_embeddings,
     read_classnames,
     read_image_folder,
@@ -107,14 +108,18 @@ def evaluation_tasks(data: DataConfig, device: torch.device, autocast: Callable[
     return tasks
 
 
-def folder_zero_shot_task(cfg: TrainConfig, device: torch.device, autocast: Callable[[], ContextManager[Any]]
-                          ) -> EvalTask | None:
+def folder_zero_shot_task(cfg: TrainConfig, device: torch.device, autocast: Callable[[], ContextManager[Any]],
+                          notify: Callable[[str], None]) -> EvalTask | None:
     """Zero-shot classification of the ImageFolder --zeroshot-data (`folder_zero_shot_metrics`) at the largest
-    --naflex-seq-lens, every --zeroshot-frequency epochs (0: never, as OpenCLIP's; None then)."""
+    --naflex-seq-lens, every --zeroshot-frequency epochs (0: never, as OpenCLIP's; None then). Class folders
+    without images are said through `notify` now, as `eval --zero-shot-data` says them."""
     if cfg.zeroshot_data is None or not cfg.zeroshot_frequency:
         return None
     folder = cfg.zeroshot_data
-    folders = read_image_folder(folder, flag="--zeroshot-data").folders
+    image_folder = read_image_folder(folder, flag="--zeroshot-data")
+    if image_folder.empty:
+        notify(f"--zeroshot-data {folder!r}: {empty_classes_line(image_folder.empty)}")
+    folders = image_folder.folders
     classnames = (read_classnames(cfg.zeroshot_classnames, folders, flag="--zeroshot-classnames")
                   if cfg.zeroshot_classnames is not None else None)
     templates = (read_templates(cfg.zeroshot_templates, flag="--zeroshot-templates")
@@ -187,7 +192,7 @@ class Evaluator:
         zero_shot = cfg.zero_shot_samples if has_builtin_tasks(cfg.data) else 0
         self.tasks = evaluation_tasks(cfg.data, env.device, autocast, zero_shot_samples=zero_shot,
                                       frequency=cfg.val_frequency)
-        folder = folder_zero_shot_task(cfg, env.device, autocast)
+        folder = folder_zero_shot_task(cfg, env.device, autocast, reporter.message)
         if folder is not None:
             self.tasks.append(folder)
         self.history: list[dict[str, float]] = []  # [0]: the evaluation before the run's first step
