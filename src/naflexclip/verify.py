@@ -113,13 +113,20 @@ def random_split_sizes(num_examples: int, num_microbatches: int, rng: random.Ran
 
 
 def full_batch_gradients(
-    model: nn.Module, loss_fn: nn.Module, batch: dict[str, Any], scale: float
+    model: nn.Module, loss_fn: nn.Module, batch: dict[str, Any], scale: float, teacher: nn.Module | None = None
 ) -> dict[str, torch.Tensor]:
-    """The reference: `scale · ∇θ L` of all rows as one batch, by one explicit backward."""
+    """The reference: `scale · ∇θ L` of all rows as one batch, by one explicit backward (with a teacher: L the
+    sum of `loss_fn`'s terms, the teacher's features of the whole batch as constants)."""
     model.zero_grad(set_to_none=True)
     out = output_dict(model(image=batch["image"], text=batch["text"]))
-    loss = loss_fn(out["image_features"], out["text_features"], out["logit_scale"], out.get("logit_bias"))
-    (scale * loss).backward()
+    taught: tuple[Any, ...] = ()
+    if teacher is not None:
+        with torch.no_grad():
+            teacher_out = output_dict(teacher.eval()(image=batch["image"], text=batch["text"]))
+        taught = tuple(teacher_out.get(key) for key in ("image_features", "text_features", "logit_scale",
+                                                          "logit_bias"))
+    loss = loss_fn(out["image_features"], out["text_features"], out["logit_scale"], out.get("logit_bias"), *taught)
+    (scale * loss.sum()).backward()
     return collect_gradients(model)
 
 
@@ -177,6 +184,7 @@ def verify_window(
     seed: int,
     first_split: list[int] | None = None,
     grad_checkpointing: bool = False,
+    teacher: nn.Module | None = None,
 ) -> VerifyResult:
     """Compare accumulated gradients of splits of `batch` (`first_split`, e.g. the loader's own, then
     random ones) with its full-batch reference. `grad_checkpointing`: the windows recompute the towers'
@@ -188,7 +196,8 @@ def verify_window(
     if first_split is not None:
         splits = [list(first_split), *splits[:-1]]
     scale = window_loss_scale(splits[0], reference_batch_size, loss_scale)
-    reference = full_batch_gradients(model, loss_fn, concat_microbatches(split_batch(batch, splits[0])), scale)
+    reference = full_batch_gradients(model, loss_fn, concat_microbatches(split_batch(batch, splits[0])), scale,
+                                     teacher)
     worst: dict[str, float] = {}
     legacy_worst: dict[str, float] = {}
     loss = math.nan
@@ -200,14 +209,15 @@ def verify_window(
             model.zero_grad(set_to_none=True)
             stats = accumulate_gradients(
                 model, loss_fn, microbatches, loss_scale=loss_scale,
-                reference_batch_size=reference_batch_size, method=method,
+                reference_batch_size=reference_batch_size, method=method, teacher=teacher,
             )
             loss = stats.loss
             for name, err in gradient_errors(model, collect_gradients(model), reference).items():
                 worst[name] = max(worst.get(name, 0.0), err)
         model.zero_grad(set_to_none=True)
         per_microbatch_scale_gradients(
-            model, loss_fn, microbatches, loss_scale=loss_scale, reference_batch_size=reference_batch_size
+            model, loss_fn, microbatches, loss_scale=loss_scale, reference_batch_size=reference_batch_size,
+            teacher=teacher,
         )
         for name, err in gradient_errors(model, collect_gradients(model), reference).items():
             legacy_worst[name] = max(legacy_worst.get(name, 0.0), err)

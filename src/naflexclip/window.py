@@ -22,6 +22,10 @@ that microbatch's rows live and the others cached; `logit_scale`/`logit_bias` ar
 A tower the model reports fully locked (`model.locked_towers()`, LiT) is a feature source: its features are
 constants of the window, computed in the cache phase (before the RNG state is recorded) and never replayed,
 so a locked image tower costs one forward per microbatch instead of a forward, a replay and its backward.
+A teacher (distillation) is a feature source the same way: frozen, in eval mode, one no-grad forward per
+microbatch; its features go through the same exchange as the student's and enter the loss as constants.
+A loss may return several terms (`DistillLoss`: `[contrastive, distill]`); L(W) is their sum, `s(W)` multiplies
+it as a whole, and `WindowStats.terms` reports each.
 
 This module knows nothing of loaders, optimizers, logging or process groups: distributed feature
 exchange comes in as a `WindowExchange`, gradient-sync suppression as a `no_sync` context factory.
@@ -48,6 +52,7 @@ METHODS = ("cache", "replay")
 FEATURE_KEYS = ("image_features", "text_features")
 TOWER_FEATURES = {"image": "image_features", "text": "text_features"}  # the input each tower encodes → its output
 SCALAR_KEYS = ("logit_scale", "logit_bias")
+TEACHER = "teacher_"  # prefix of the teacher's features and scalars in a window's feature dict
 # open_clip's `CLIP` / `CustomTextCLIP` with `output_dict=False` (their default) return a tuple in this order
 TUPLE_OUTPUT_KEYS = ("image_features", "text_features", "logit_scale", "logit_bias")
 
@@ -100,6 +105,7 @@ class WindowStats:
     num_examples: int  # N: pairs in the whole window, all ranks (= negatives per example)
     num_microbatches: int  # R·n
     batch_sizes: tuple[int, ...]  # every microbatch in the window, rank-major
+    terms: dict[str, float] | None = None  # a loss of several terms: each one's value (they sum to `loss`)
 
 
 class WindowExchange(Protocol):
@@ -209,6 +215,7 @@ class _Window:
     rows_per_rank: list[int]
     sharded: bool  # each rank computes only its own rows' block of the loss
     live: tuple[str, ...]  # inputs whose tower trains; a fully locked one's features are computed once, never replayed
+    teacher: nn.Module | None = None  # frozen, eval: its features are computed once per microbatch, never replayed
 
     @property
     def live_keys(self) -> tuple[str, ...]:
@@ -251,18 +258,32 @@ class _Window:
         with torch.no_grad():
             for mb in self.microbatches:
                 out = self.forward(mb, sources) if sources else {}
+                if self.teacher is not None:
+                    out.update(self.teacher_forward(mb))
                 states.append(RngState(devices))
                 if self.live:
                     out.update(self.forward(mb, self.live))
                 outputs.append(out)
-        cached = {key: torch.cat([out[key] for out in outputs]) for key in FEATURE_KEYS}
-        for key in SCALAR_KEYS:
+        prefixes = ("", TEACHER) if self.teacher is not None else ("",)
+        cached = {prefix + key: torch.cat([out[prefix + key] for out in outputs])
+                  for prefix in prefixes for key in FEATURE_KEYS}
+        for key in (prefix + key for prefix in prefixes for key in SCALAR_KEYS):
             if outputs[0].get(key) is not None:
                 cached[key] = outputs[0][key]
         return states, cached
 
+    def teacher_forward(self, microbatch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The teacher's features and scalars of one microbatch (no grad, under the towers' autocast)."""
+        assert self.teacher is not None
+        with self.autocast():
+            out = output_dict(self.teacher(image=microbatch["image"], text=microbatch["text"]))
+        missing = [key for key in (*FEATURE_KEYS, "logit_scale") if key not in out]
+        if missing:
+            raise ValueError(f"the teacher's output has no {missing[0]!r}; it returned keys {sorted(out)}")
+        return {TEACHER + key: out[key].detach() for key in (*FEATURE_KEYS, *SCALAR_KEYS) if out.get(key) is not None}
+
     def window_loss(self, features: dict[str, torch.Tensor]) -> torch.Tensor:
-        """L(W) over the whole window (all ranks' rows) — unscaled."""
+        """The loss's value over the whole window (all ranks' rows) — unscaled: L(W), or its terms."""
         return self.loss_fn(*_loss_inputs(features))
 
     def reduce_column_lse(self, partial: torch.Tensor) -> torch.Tensor:
@@ -270,14 +291,28 @@ class _Window:
         return self.exchange.gather_rows(partial[None], [1] * self.exchange.world_size).logsumexp(dim=0)
 
 
-def _loss_inputs(features: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    bias = features.get("logit_bias")
-    return (
-        _loss_precision(features["image_features"]),
-        _loss_precision(features["text_features"]),
-        _loss_precision(features["logit_scale"]),
-        _loss_precision(bias) if bias is not None else None,
-    )
+def _loss_inputs(features: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+    """The loss's positional inputs: the student's rows and scalars, then the teacher's where there is one."""
+    prefixes = ("", TEACHER) if TEACHER + "image_features" in features else ("",)
+    keys = [prefix + key for prefix in prefixes for key in (*FEATURE_KEYS, *SCALAR_KEYS)]
+    return tuple(_loss_precision(features[key]) if features.get(key) is not None else None for key in keys)
+
+
+def _total(value: torch.Tensor) -> torch.Tensor:
+    """L(W) from a loss's value: the value, or the sum of its terms."""
+    return value.sum() if value.dim() > 0 else value
+
+
+def _teacher_leaves(window: _Window, local: dict[str, torch.Tensor], gather_images: bool) -> dict[str, torch.Tensor]:
+    """The teacher's features as the loss phase sees them: its texts from every rank (and its images too when
+    the whole loss is computed here), its scalars; constants."""
+    if window.teacher is None:
+        return {}
+    leaves = {TEACHER + "text_features": window.gather(local[TEACHER + "text_features"])}
+    image = local[TEACHER + "image_features"]
+    leaves[TEACHER + "image_features"] = window.gather(image) if gather_images else image
+    leaves.update({TEACHER + key: local[TEACHER + key] for key in SCALAR_KEYS if TEACHER + key in local})
+    return leaves
 
 
 def _scalar_leaves(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -290,7 +325,9 @@ def _whole_loss(window: _Window, local: dict[str, torch.Tensor]) -> tuple[torch.
     # a locked tower's rows are constants: no gradient is taken for them
     leaves = {key: window.gather(local[key]).detach().requires_grad_(key in window.live_keys) for key in FEATURE_KEYS}
     leaves.update(_scalar_leaves(local))
-    loss = window.window_loss(leaves)
+    leaves.update(_teacher_leaves(window, local, gather_images=True))
+    value = window.window_loss(leaves)
+    loss = _total(value)
     # the leaves are detached from the towers: this backward touches no parameter
     window.scaled_for_backward(loss).backward()
     # DDP/FSDP average gradients over ranks; the rows of this rank carry all of their gradient,
@@ -301,7 +338,7 @@ def _whole_loss(window: _Window, local: dict[str, torch.Tensor]) -> tuple[torch.
     }
     # every rank computed the same scalar gradients: the average over ranks is that value, once
     scalar_grads = {key: leaves[key].grad for key in SCALAR_KEYS if key in leaves}
-    return loss.detach(), row_grads, scalar_grads
+    return value.detach(), row_grads, scalar_grads
 
 
 def _sharded_loss(window: _Window, local: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict, dict]:
@@ -321,10 +358,11 @@ def _sharded_loss(window: _Window, local: dict[str, torch.Tensor]) -> tuple[torc
     for key in window.live_keys:  # a locked tower's rows are constants: no gradient is taken for them
         leaves[key].requires_grad_()
     leaves.update(_scalar_leaves(local))
+    leaves.update(_teacher_leaves(window, local, gather_images=False))
     assert isinstance(window.loss_fn, ShardedLoss)
     part = window.loss_fn.sharded(*_loss_inputs(leaves), row_offset=window.local_offset,
                                   reduce_column_lse=window.reduce_column_lse)
-    window.scaled_for_backward(part).backward()
+    window.scaled_for_backward(_total(part)).backward()
     # × R: DDP/FSDP average the tower gradients over ranks (as in the unsharded phase)
     row_grads = {}
     if "image_features" in window.live_keys:
@@ -333,13 +371,14 @@ def _sharded_loss(window: _Window, local: dict[str, torch.Tensor]) -> tuple[torc
         row_grads["text_features"] = exchange.reduce_scatter_rows(leaves["text_features"].grad,
                                                                   window.rows_per_rank) * world
     scalar_keys = [key for key in SCALAR_KEYS if key in leaves]
-    parts = torch.stack([part.detach().double(), *(leaves[key].grad.double().reshape(()) for key in scalar_keys)])
-    summed = exchange.sum_over_ranks(parts)  # Σ_r: L(W), ∂(s·L)/∂t, ∂(s·L)/∂b — counted once
+    values = part.detach().double().reshape(-1)  # L(W)'s part, or each of its terms' parts
+    parts = torch.cat([values, *(leaves[key].grad.double().reshape(1) for key in scalar_keys)])
+    summed = exchange.sum_over_ranks(parts)  # Σ_r: L(W) (or its terms), ∂(s·L)/∂t, ∂(s·L)/∂b — counted once
     scalar_grads = {
-        key: summed[index + 1].to(leaves[key].grad.dtype).reshape(leaves[key].grad.shape)
+        key: summed[len(values) + index].to(leaves[key].grad.dtype).reshape(leaves[key].grad.shape)
         for index, key in enumerate(scalar_keys)
     }
-    return summed[0], row_grads, scalar_grads
+    return summed[: len(values)].reshape(part.shape), row_grads, scalar_grads
 
 
 def _run_cache(window: _Window) -> torch.Tensor:
@@ -376,6 +415,7 @@ def _backward(value: torch.Tensor | int) -> None:
 def _run_replay(window: _Window) -> torch.Tensor:
     states, local = window.cache()
     cached = {key: window.gather(local[key]) for key in FEATURE_KEYS}
+    teacher = _teacher_leaves(window, local, gather_images=True)  # constants of every replay
     offset = window.local_offset
     last_index = len(window.microbatches) - 1
     loss = None
@@ -387,6 +427,7 @@ def _run_replay(window: _Window) -> torch.Tensor:
                 out = window.forward(mb, window.live)
             # a locked tower's rows are the cached constants
             features = {key: cached[key] for key in FEATURE_KEYS if key not in window.live_keys}
+            features.update(teacher)
             for key in window.live_keys:
                 # live rows for this microbatch, cached rows elsewhere; × R undoes the DDP average
                 live = _ScaleGrad.apply(out[key], float(window.exchange.world_size))
@@ -398,7 +439,7 @@ def _run_replay(window: _Window) -> torch.Tensor:
                     # live in exactly one replay (the last), a constant in the others
                     features[key] = out[key] if index == last_index else out[key].detach()
             loss = window.window_loss(features)
-            _backward(window.scaled_for_backward(loss))
+            _backward(window.scaled_for_backward(_total(loss)))
         start += size
     assert loss is not None
     return loss.detach()
@@ -416,6 +457,7 @@ def accumulate_gradients(
     no_sync: Callable[[], ContextManager[Any]] | None = None,
     autocast: Callable[[], ContextManager[Any]] | None = None,
     grad_scaler: Any = None,
+    teacher: nn.Module | None = None,
 ) -> WindowStats:
     """Add `s(W)·∇θ L(W)` for this window to the parameters' `.grad` (no optimizer step).
 
@@ -434,9 +476,18 @@ def accumulate_gradients(
         and backward of every microbatch but the window's last, so gradients sync once per window.
     autocast: context factory for the tower forwards (mixed precision); the loss runs in ≥ fp32.
     grad_scaler: a `torch.amp.GradScaler` for fp16; it scales the backward, not `s(W)`.
+    teacher: a model to distil from (`forward(image=, text=)` as `model`'s, on the same inputs), with a loss that
+        takes its features (`naflexclip.loss.DistillLoss`); it is put in eval mode and run once per microbatch
+        without gradient — its parameters get none.
     """
     if method not in METHODS:
         raise ValueError(f"unknown accumulation method {method!r}; choose one of {METHODS}")
+    takes_teacher = bool(getattr(loss_fn, "takes_teacher", False))
+    if takes_teacher != (teacher is not None):
+        raise ValueError("a distillation loss needs a teacher and a teacher needs a distillation loss: got "
+                         f"teacher={'a model' if teacher is not None else None} with {type(loss_fn).__name__}")
+    if teacher is not None:
+        teacher.eval()
     naflex = _check_window(microbatches)
     exchange = exchange or LocalExchange()
     local_sizes = [batch_size(mb) for mb in microbatches]
@@ -456,12 +507,17 @@ def accumulate_gradients(
         rows_per_rank=[sum(rank_sizes) for rank_sizes in sizes_per_rank],
         sharded=exchange.world_size > 1 and isinstance(loss_fn, ShardedLoss),
         live=tuple(name for name in TOWER_FEATURES if name not in feature_sources(model)),
+        teacher=teacher,
     )
-    loss = _run_cache(window) if method == "cache" else _run_replay(window)
+    value = _run_cache(window) if method == "cache" else _run_replay(window)
+    names = getattr(loss_fn, "term_names", None)
+    terms = ({name: float(term) for name, term in zip(names, value.reshape(-1).tolist(), strict=True)}
+             if value.dim() > 0 and names else None)
     return WindowStats(
-        loss=float(loss),
+        loss=float(_total(value)),
         scale=scale,
         num_examples=sum(all_sizes),
         num_microbatches=len(all_sizes),
         batch_sizes=tuple(all_sizes),
+        terms=terms,
     )
