@@ -23,6 +23,7 @@ from torch import nn
 
 from naflexclip.batch import batch_size, concat_microbatches, split_batch, to_device
 from naflexclip.data import DataError, add_data_args, build_loader, data_config_from_args
+from naflexclip.distill import Distill, add_distill_args
 from naflexclip.distributed import DEVICE_CHOICES, check_device
 from naflexclip.factory import create_model
 from naflexclip.legacy import per_microbatch_scale_gradients
@@ -281,6 +282,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--grad-checkpointing", action="store_true",
                         help="accumulate with activation checkpointing in both towers (the reference without)")
     add_lock_args(parser)
+    add_distill_args(parser)
     # unset lock flags take a --checkpoint's own (see _setup)
     parser.set_defaults(**dict.fromkeys(Locks().as_dict()))
     # a real window: the first --accum-freq batches the loader yields (with --train-data, --checkpoint,
@@ -353,6 +355,10 @@ def run(args: argparse.Namespace) -> int:
         setup = _setup(args)
         loss_fn = create_loss(setup.loss, tile_size=args.loss_tile_size)
         dtype = torch.float64 if args.dtype == "float64" else torch.float32
+        distill, teacher = Distill.pick(args), None
+        if distill.enabled:  # the window objective: contrastive + λ·distill, the teacher's features constants
+            loss_fn = distill.loss(setup.loss, args.loss_tile_size)
+            teacher = distill.teacher(setup.model, setup.hf_processor, setup.loss).to(device, dtype)
         torch.manual_seed(args.seed)
         # eval: dropout would make the full batch and the splits draw different masks
         model = setup.model.to(device, dtype).eval()
@@ -375,6 +381,7 @@ def run(args: argparse.Namespace) -> int:
         model, loss_fn, batch, accum_freq=setup.accum_freq,
         reference_batch_size=setup.reference_batch_size, loss_scale=setup.loss_scale, methods=methods,
         num_splits=args.splits, seed=args.seed, first_split=first_split, grad_checkpointing=args.grad_checkpointing,
+        teacher=teacher,
     )
     source = "loader" if first_split else "random"
     print(
@@ -384,6 +391,9 @@ def run(args: argparse.Namespace) -> int:
     )
     checkpointing = "; grad checkpointing" if args.grad_checkpointing else ""
     print(f"splits: {result.splits}; methods: {', '.join(methods)}; {args.dtype} on {device}{checkpointing}")
+    if teacher is not None:
+        print(f"objective: contrastive + {distill.distill_loss_weight:g} · distill from --distill-model "
+              f"{distill.distill_model} (the teacher's features constants of the window)")
     locked = lock_summary(model)
     if locked:
         print(f"{locked}; the table lists the trainable parameters")

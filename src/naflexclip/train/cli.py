@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from naflexclip.data import DataConfig, DataError, add_data_args, data_config_from_args
+from naflexclip.distill import Distill, add_distill_args
 from naflexclip.distributed import DEVICE_CHOICES, DistributedFault, check_device, launched_world_size
 from naflexclip.lock import Locks, add_lock_args
 from naflexclip.loss import LOSSES
@@ -85,6 +86,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                    help="start from a transformers SigLIP 2 checkpoint directory (config.json, model.safetensors, "
                         "tokenizer); its architecture replaces --model, its tokenizer and patching the data's")
     add_lock_args(parser)
+    add_distill_args(parser)
     r = parser.add_argument_group("run, logs and checkpoints")
     # --logs-dir: torchrun (torch >= 2.9) rejects `--logs` after the script as ambiguous with its --logs-specs
     r.add_argument("--logs", "--logs-dir", dest="logs", default=_default("logs"),
@@ -189,6 +191,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         pretrained=args.pretrained,
         grad_checkpointing=args.grad_checkpointing, torchcompile=args.torchcompile, **Locks.pick(args).as_dict(),
         openclip_built_in=tuple(getattr(args, "openclip_built_in", ())),
+        **Distill.pick(args).as_dict(),
     )
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from naflexclip.data import DataConfig
+from naflexclip.distill import Distill
 from naflexclip.families import family_of
 from naflexclip.lock import Locks
 from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES
@@ -142,6 +143,10 @@ class TrainConfig:
     lock_text_freeze_layer_norm: bool = False
     # OpenCLIP's flags given that naflexclip has built in (`--flag [value]`; `openclip_flags.BUILT_IN`)
     openclip_built_in: tuple[str, ...] = ()
+    # distillation (OpenCLIP's flags; `naflexclip.distill.Distill`)
+    distill_model: str | None = None
+    distill_pretrained: str | None = None
+    distill_loss_weight: float = 1.0
 
     def __post_init__(self) -> None:
         self._check_choices()
@@ -150,6 +155,9 @@ class TrainConfig:
         self._check_pretrained()
         self._check_loss()
         Locks.pick(self)  # one-line errors for lock flags that cannot go together
+        if Distill.pick(self).enabled and self.distill_pretrained is None and self.distill_model in PRESETS:
+            raise ValueError(f"--distill-model {self.distill_model} is a preset: give the teacher's weights with "
+                             f"--distill-pretrained (a naflexclip checkpoint)")
         self._check_zeroshot()
         if self.name is None:
             # OpenCLIP-style run name: when and what

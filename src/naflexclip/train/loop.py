@@ -19,6 +19,7 @@ from typing import Any
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from naflexclip.data import build_loader
+from naflexclip.distill import Distill
 from naflexclip.distributed import DistributedEnv, barrier, cleanup, init_distributed
 from naflexclip.exchange import window_exchange
 from naflexclip.factory import create_model
@@ -67,7 +68,12 @@ class Trainer:
         # the data order does not depend on it (the loader seeds itself from --seed, epoch and position)
         seed_everything(cfg.seed + env.rank)
         self.module = unwrap_model(self.model)
-        loss_fn = create_loss(cfg.loss, tile_size=cfg.loss_tile_size)
+        distill = Distill.pick(cfg)
+        # a teacher: the window's objective is contrastive + λ·distill (DistillLoss), the teacher a feature source
+        loss_fn, teacher = create_loss(cfg.loss, tile_size=cfg.loss_tile_size), None
+        if distill.enabled:
+            loss_fn = distill.loss(cfg.loss, cfg.loss_tile_size)
+            teacher = distill.teacher(self.module, cfg.data.hf_processor, cfg.loss).to(env.device)
         # every window's size exchange also checks that the ranks agree on step, epoch and having data
         self.exchange = window_exchange(env, self.model)
         self.optimizer = create_optimizer(self.model, lr=cfg.lr, weight_decay=cfg.wd, betas=(cfg.beta1, cfg.beta2),
@@ -78,7 +84,7 @@ class Trainer:
         self.batches_per_epoch = self._plan_batches()
         self.schedule = CosineSchedule(self.optimizer, cfg.lr, cfg.warmup, self.windows_left(0, 0))
         self.window_step = WindowStep(cfg, env, self.model, loss_fn, self.optimizer, self.schedule, self.precision,
-                                      self.exchange)
+                                      self.exchange, teacher)
         self.progress = Progress()
         self.run_dir = Path(cfg.logs) / str(cfg.name)
         self.reporter = Reporter(self.run_dir, rank=env.rank, report_to=cfg.report_to, config=cfg.to_dict(),
@@ -96,6 +102,10 @@ class Trainer:
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", components, run, self.progress, env,
                                          self.reporter.message)
         self.stop = StopSignals()
+        if teacher is not None:
+            self.reporter.message(f"distilling from --distill-model {cfg.distill_model} (frozen, one forward per "
+                                  f"microbatch without gradient): loss = contrastive + {cfg.distill_loss_weight:g}"
+                                  f" · distill, logged as loss/contrastive and loss/distill")
         locked = lock_summary(self.module)
         if locked:
             self.reporter.message(locked)

@@ -73,7 +73,8 @@ def step_metrics(result: StepResult, tokens: tuple[int, int], seconds: float) ->
     """What a step shows on every step (no device read); `tokens`: (valid image patches, padded patch slots) of
     the window on all ranks, `seconds`: since the previous step."""
     stats, (valid, slots) = result.stats, tokens
-    return {
+    terms = {f"loss/{name}": value for name, value in (stats.terms or {}).items()}  # e.g. contrastive, distill
+    return {**terms,
         "train/loss": stats.loss, "train/lr": result.lr, "train/scale": stats.scale,
         "train/window_examples": stats.num_examples, "train/num_microbatches": stats.num_microbatches,
         "train/grad_norm": result.grad_norm,
@@ -86,9 +87,9 @@ class WindowStep:
     """Turns one window into at most one optimizer step (`model`: as wrapped for training)."""
 
     def __init__(self, cfg: TrainConfig, env: DistributedEnv, model: nn.Module, loss_fn: nn.Module,
-                 optimizer: torch.optim.Optimizer, schedule: CosineSchedule, precision: Precision, exchange: Any
-                 ) -> None:
-        self.cfg, self.env, self.model, self.loss_fn = cfg, env, model, loss_fn
+                 optimizer: torch.optim.Optimizer, schedule: CosineSchedule, precision: Precision, exchange: Any,
+                 teacher: nn.Module | None = None) -> None:
+        self.cfg, self.env, self.model, self.loss_fn, self.teacher = cfg, env, model, loss_fn, teacher
         self.optimizer, self.schedule, self.precision, self.exchange = optimizer, schedule, precision, exchange
 
     def __call__(self, microbatches: list[dict[str, Any]], step: int) -> StepResult:
@@ -104,7 +105,7 @@ class WindowStep:
                 self.model, self.loss_fn, batches, loss_scale=cfg.naflex_loss_scale,
                 reference_batch_size=cfg.batch_size, method=cfg.accum_method, exchange=self.exchange,
                 no_sync=no_sync_context(self.model), autocast=self.precision.autocast,
-                grad_scaler=self.precision.scaler,
+                grad_scaler=self.precision.scaler, teacher=self.teacher,
             )
             grad_norm = self._unscale_and_clip()
         # the same on every rank, so every rank skips alike: the loss is L(W) of the whole window, the norm that of
