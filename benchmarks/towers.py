@@ -10,10 +10,12 @@ torch.compile built are counted after each (recompiles).
 
 `sweep` (the GPU figures, bf16 autocast): per tower size and sequence length, one full-batch step of a fixed
 token budget and the `cache` window over the same examples at n = 1, 2, 4, 8, each eager / checkpointed /
-compiled / both: seconds, × the full batch, peak memory, image tokens/s and MFU (FLOPs of the full-batch
-step counted by torch.utils.flop_counter ÷ seconds ÷ the device's bf16 peak; the window's extra forwards
-are overhead, not counted). Every row is printed and appended to `--out` as soon as it is measured, so a
-timeout keeps what was done.
+compiled / both (`--variants`; variant by variant over every length, the compiled ones last): seconds, × the
+full batch, peak memory, image tokens/s and MFU (FLOPs of the full-batch step counted by
+torch.utils.flop_counter ÷ seconds ÷ the device's bf16 peak; the window's extra forwards are overhead, not
+counted). Every row is printed and appended to `--out` (and, with `--results DIR`, as a JSON record to
+DIR/results.jsonl) as soon as it is measured, so a timeout keeps what was done. A model name `create_model`
+does not know is skipped with one line.
 
     python benchmarks/towers.py ratios --threads 1                          # CPU, base preset
     python benchmarks/towers.py sweep --model base siglip2-base --seq-lens 576 1024 256 --out OUT/towers.md
@@ -32,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from measure import in_subprocess
+from measure import Results, in_subprocess, synchronize, time_and_peak
 from torch._dynamo.utils import counters
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -75,11 +77,6 @@ def full_step(model: torch.nn.Module, loss_fn: Callable, batch: dict, autocast: 
         out = model(image=batch["image"], text=batch["text"])
     loss_fn(out["image_features"].float(), out["text_features"].float(), out["logit_scale"].float(),
             out["logit_bias"].float() if out.get("logit_bias") is not None else None).backward()
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def allocate_grads(model: torch.nn.Module) -> None:
@@ -229,89 +226,97 @@ def device_peak(device: torch.device, override: float | None) -> float | None:
     return next((peak for key, peak in BF16_PEAK.items() if key in name), None)
 
 
-def emit(out: str | None, line: str) -> None:
+def emit(out: str | Results | None, line: str) -> None:
+    """Print `line` and append it to `out` (a markdown file, or a Results folder)."""
+    if isinstance(out, Results):
+        out.line(line)
+        return
     print(line, flush=True)
     if out:
         with open(out, "a") as f:
             f.write(line + "\n")
 
 
-def _measure(step: Callable[[], None], device: torch.device, repeats: int) -> tuple[float, int]:
-    """Median seconds over `repeats` (after one warm-up) and the peak memory of one step over the state before
-    it (CUDA: max allocated; CPU: not measured in-process, 0)."""
-    step()
-    synchronize(device)
-    peak = 0
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        step()
-        synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - base
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        synchronize(device)
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds), peak
+SWEEP_VARIANTS = {"eager": (False, False), "checkpointing": (False, True), "compiled": (True, False),
+                  "compiled + checkpointing": (True, True)}  # name -> (compiled, checkpointing)
+
+
+def _sweep_model(args: argparse.Namespace, results: Results, model_name: str, device: torch.device,
+                 autocast: Callable, peak_flops: float | None) -> None:
+    """One tower size: every variant at every sequence length, variant by variant (the compiled ones last, so a
+    time limit cuts those first); each row written as it is measured."""
+    try:
+        eager = build_model(model_name, device).train()
+    except Exception as error:  # e.g. an OpenCLIP name before create_model knows it: one line, the next model
+        results.skip(f"towers of {model_name}", f"create_model({model_name!r}) failed: {error}")
+        return
+    variants = [v for v in args.variants if not (SWEEP_VARIANTS[v][0] and args.no_compile)]
+    compiled = None
+    if any(SWEEP_VARIANTS[v][0] for v in variants):
+        compiled = build_model(model_name, device).train()
+        compiled.load_state_dict(eager.state_dict())
+        compiled.compile_towers()
+    for model in (eager, compiled):
+        if model is not None:
+            allocate_grads(model)
+    loss_fn = create_loss(eager.config.loss)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    cases = {}  # seq len -> (batch on the host, full batch on the device, image tokens, FLOPs of the full step)
+    for seq_len in args.seq_lens:
+        num_examples = max(8, args.tokens_per_batch // seq_len)
+        batch = make_batch(eager, num_examples, [seq_len])
+        full = to_device(batch, device)
+        with FlopCounterMode(display=False) as flops:
+            full_step(eager, loss_fn, full, autocast)
+        cases[seq_len] = (batch, full, int(batch["image"]["patch_valid"].sum()), flops.get_total_flops())
+        emit(results, f"{model_name}, seq len {seq_len}: N = {num_examples} ({cases[seq_len][2]} image tokens), "
+                      f"full-batch step {cases[seq_len][3] / 1e12:.2f} TFLOP (fwd+bwd, counted)")
+    emit(results, f"\n### towers: {model_name}, {name}, {args.precision}, {args.tokens_per_batch} image tokens per "
+                  f"full batch, median of {args.repeats}")
+    emit(results, "| seq len | variant | step | s | × eager full batch | peak MiB | × eager full batch | "
+                  "image tokens/s | MFU | graphs |")
+    emit(results, "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    baseline: dict[int, tuple[float, int | None]] = {}  # seq len -> the eager full batch's (seconds, peak)
+    for variant in variants:
+        is_compiled, checkpointing = SWEEP_VARIANTS[variant]
+        model = compiled if is_compiled else eager
+        model.set_grad_checkpointing(checkpointing)
+        for seq_len, (batch, full, image_tokens, total_flops) in cases.items():
+            for n in (0, *args.splits):  # 0: the full batch without the window
+                if n == 0:
+                    def step(model=model, full=full) -> None:
+                        full_step(model, loss_fn, full, autocast)
+                else:
+                    microbatches = split_evenly(batch, n, device)
+
+                    def step(model=model, microbatches=microbatches) -> None:
+                        window_step(model, loss_fn, microbatches, autocast)
+                seconds, peak = time_and_peak(step, device, args.repeats)
+                full_seconds, full_peak = baseline.setdefault(seq_len, (seconds, peak))
+                mfu = total_flops / seconds / peak_flops if peak_flops else None
+                memory_ratio = peak / full_peak if peak is not None and full_peak else None
+                label = "full batch" if n == 0 else f"cache n={n}"
+                results.record(
+                    f"| {seq_len} | {variant} | {label} | {seconds:.4f} | {seconds / full_seconds:.2f} | "
+                    f"{'n/a' if peak is None else f'{peak / 2**20:.0f}'} | "
+                    f"{'n/a' if memory_ratio is None else f'{memory_ratio:.2f}'} | {image_tokens / seconds:,.0f} | "
+                    f"{'n/a' if mfu is None else f'{mfu:.1%}'} | {num_graphs()} |",
+                    kind="towers", model=model_name, device=name, precision=args.precision, seq_len=seq_len,
+                    num_examples=batch["text"].shape[0], image_tokens=image_tokens, variant=variant,
+                    microbatches=n, seconds=seconds, time_ratio=seconds / full_seconds, peak_bytes=peak,
+                    memory_ratio=memory_ratio, image_tokens_per_s=image_tokens / seconds, flops=total_flops,
+                    mfu=mfu, graphs=num_graphs())
+        model.set_grad_checkpointing(False)
 
 
 def run_sweep(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     autocast = create_precision(args.precision, device).autocast
-    peak_flops = device_peak(device, args.peak_tflops)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    results = Results(args.results, "towers", markdown=args.out)
     for model_name in args.model:
         torch.manual_seed(0)
-        eager = build_model(model_name, device).train()
-        compiled = build_model(model_name, device).train() if not args.no_compile else None
-        if compiled is not None:
-            compiled.load_state_dict(eager.state_dict())
-            compiled.compile_towers()
-        for model in (eager, compiled):
-            if model is not None:
-                allocate_grads(model)
-        loss_fn = create_loss(eager.config.loss)
-        for seq_len in args.seq_lens:
-            num_examples = max(8, args.tokens_per_batch // seq_len)
-            batch = make_batch(eager, num_examples, [seq_len])
-            full = to_device(batch, device)
-            image_tokens = int(batch["image"]["patch_valid"].sum())
-            with FlopCounterMode(display=False) as flops:
-                full_step(eager, loss_fn, full, autocast)
-            total_flops = flops.get_total_flops()
-            emit(args.out, f"\n### {model_name}, seq len {seq_len}, N = {num_examples} ({image_tokens} image tokens), "
-                           f"{name}, {args.precision}, median of {args.repeats}; full-batch step "
-                           f"{total_flops / 1e12:.2f} TFLOP (fwd+bwd, counted)")
-            emit(args.out, "| variant | step | s | × eager full batch | peak MiB | image tokens/s | MFU | graphs |")
-            emit(args.out, "| --- | --- | --- | --- | --- | --- | --- | --- |")
-            full_seconds = None  # the eager full batch: the baseline of every row
-            for variant, model, checkpointing in (("eager", eager, False), ("checkpointing", eager, True),
-                                                  ("compiled", compiled, False),
-                                                  ("compiled + checkpointing", compiled, True)):
-                if model is None:
-                    continue
-                model.set_grad_checkpointing(checkpointing)
-                for n in (0, *args.splits):  # 0: the full batch without the window
-                    if n == 0:
-                        def step(model=model, loss_fn=loss_fn, full=full) -> None:
-                            full_step(model, loss_fn, full, autocast)
-                    else:
-                        microbatches = split_evenly(batch, n, device)
-
-                        def step(model=model, loss_fn=loss_fn, microbatches=microbatches) -> None:
-                            window_step(model, loss_fn, microbatches, autocast)
-                    seconds, peak = _measure(step, device, args.repeats)
-                    full_seconds = full_seconds or seconds
-                    mfu = f"{total_flops / seconds / peak_flops:.1%}" if peak_flops else "n/a"
-                    label = "full batch" if n == 0 else f"cache n={n}"
-                    memory = f"{peak / 2**20:.0f}" if device.type == "cuda" else "n/a"
-                    emit(args.out, f"| {variant} | {label} | {seconds:.4f} | {seconds / full_seconds:.2f} | "
-                                   f"{memory} | {image_tokens / seconds:,.0f} | {mfu} | {num_graphs()} |")
-                model.set_grad_checkpointing(False)
-        del eager, compiled
+        _sweep_model(args, results, model_name, device, autocast, device_peak(device, args.peak_tflops))
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -359,6 +364,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants")
     parser.add_argument("--out", default=None, help="also append every row to this file as it is measured")
+    parser.add_argument("--results", default=None,
+                        help="sweep: also append every row to DIR/results.md and a JSON record to DIR/results.jsonl")
     r = parser.add_argument_group("ratios")
     r.add_argument("--num-examples", type=int, default=8)
     r.add_argument("--seq-lens", type=int, nargs="+", default=None,
@@ -368,6 +375,8 @@ def main() -> None:
     s = parser.add_argument_group("sweep")
     s.add_argument("--tokens-per-batch", type=int, default=65536, help="image tokens of the full batch")
     s.add_argument("--peak-tflops", type=float, default=None, help="the device's bf16 peak (default: known GPUs)")
+    s.add_argument("--variants", nargs="+", default=list(SWEEP_VARIANTS), choices=list(SWEEP_VARIANTS),
+                   help="sweep: which of eager / checkpointing / compiled / compiled + checkpointing, in this order")
     s.add_argument("--profile-rows", type=int, default=25)
     args = parser.parse_args()
     args.precision = args.precision or ("amp_bf16" if args.device.startswith("cuda") else "fp32")

@@ -1,0 +1,343 @@
+"""The loss alone, forward + backward, against its peers in one process: ours (tiled, `naflexclip.loss`) against
+siglip-kernel (fused Triton SigLIP), Inf-CL and memeff (Triton CLIP losses) and OpenCLIP's `ClipLoss` /
+`SigLipLoss` (dense, and chunked where the installed open_clip has `SigLipLoss(chunk_size)`).
+
+Every implementation gets the same `[N, D]` features (bf16 by default, L2-normalised, each text a noisy copy of
+its image), the same temperature (t = 10) and, for SigLIP, bias (b = -10), as leaves that need gradients. Per
+implementation: seconds of one forward + backward (median; one warm-up first, except at the largest sizes, where
+a warm-up would double the cost: the record says `warmup: false`), peak memory over the inputs (CUDA max
+allocated), and at the first size the loss value and the features' gradient against ours in float32, so a peer
+adapter that computes something else shows. Our tile size is swept first (at the first size and dimension) and
+the fastest tile is used for the rest. An implementation that ran out of memory or failed is not tried at
+larger sizes; one whose time, projected from its smaller sizes as N²·D, does not fit the time left in
+`--budget-s` is skipped with one line. The peers are imported lazily; each absent or failing one is skipped
+with one line (`pip install siglip-kernel inf-cl memeff`; they need CUDA and Triton).
+
+    python benchmarks/loss_peers.py --out OUT                     # GPU: N = 65,536 / 262,144 / 1,048,576
+    python benchmarks/loss_peers.py --device cpu --sizes 256 512 --dims 32 --tiles 64 128   # a dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from measure import Results, mib, time_and_peak
+
+from naflexclip.loss import DEFAULT_TILE_SIZE, create_loss
+
+LOG_SCALE = 2.302585092994046  # log 10: t = 10 for both losses (SigLIP's initial t; CLIP's init is 1/0.07)
+BIAS = -10.0  # SigLIP's initial bias (Zhai et al. 2023)
+# pip names of the peers, by import name; the skip line says how to get each
+PEER_PACKAGES = {"siglip_kernel": "siglip-kernel", "inf_cl": "inf-cl", "memeff": "memeff"}
+
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+class Unavailable(Exception):
+    """An implementation that cannot run here; the message is the skip line's reason."""
+
+
+@dataclass(frozen=True)
+class Impl:
+    name: str
+    loss: str  # clip | siglip
+    build: Callable[[torch.device, int], LossFn]  # (device, tile) -> fn(image, text, log_scale, bias), or raise
+    fp32: bool = False  # takes float32 features instead of --dtype
+    note: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}, fp32 features" if self.fp32 else self.name
+
+
+def _import_peer(module: str, device: torch.device) -> Any:
+    if device.type != "cuda":
+        raise Unavailable(f"needs CUDA (a Triton kernel); device is {device.type}")
+    try:
+        return __import__(module)
+    except ImportError as error:
+        raise Unavailable(f"not installed ({error}); `pip install {PEER_PACKAGES[module]}` "
+                          "(benchmarks/gpu_checks.py installs it from PyPI or from --wheels)") from None
+
+
+def _ours(loss: str) -> Callable[[torch.device, int], LossFn]:
+    def build(device: torch.device, tile: int) -> LossFn:
+        loss_fn = create_loss(loss, tile)
+        return lambda image, text, log_scale, bias: loss_fn(image, text, log_scale.exp(), bias)
+    return build
+
+
+def _siglip_kernel(device: torch.device, tile: int) -> LossFn:
+    module = _import_peer("siglip_kernel", device)
+    # its router: the chunked cuBLAS + Triton BCE kernel for bf16/fp16, the fully fused one for fp32; it takes
+    # log t, as our models hold it
+    return lambda image, text, log_scale, bias: module.fused_siglip_loss(image, text, log_scale, bias)
+
+
+def _inf_cl(device: torch.device, tile: int) -> LossFn:
+    cal_inf_loss = _import_peer("inf_cl", device).cal_inf_loss
+
+    def loss(image: torch.Tensor, text: torch.Tensor, log_scale: torch.Tensor, bias: torch.Tensor | None
+             ) -> torch.Tensor:
+        # one direction per call (rows: q against every k), mean over rows; CLIP is the mean of both directions.
+        # The temperature is folded into q here: its own `scale=` all-reduces its gradient (needs a process group)
+        head_dim = next(h for h in (256, 128, 64, 32, 16) if image.shape[1] % h == 0)
+        scale = log_scale.exp()
+        return (cal_inf_loss(scale * image, text, head_dim=head_dim)
+                + cal_inf_loss(scale * text, image, head_dim=head_dim)) / 2
+    return loss
+
+
+def _memeff(device: torch.device, tile: int) -> LossFn:
+    module = _import_peer("memeff", device)
+    # a fixed temperature (a float, no logit-scale gradient); stable=False: the textbook gradient scale, so the
+    # gradients compare with ours
+    loss_fn = module.MemoryEfficientCLIPLoss(temperature=float(torch.tensor(-LOG_SCALE).exp()),
+                                             normalized_inputs=True, stable=False)
+    return lambda image, text, log_scale, bias: loss_fn(image, text)
+
+
+def _open_clip(loss: str, chunked: bool) -> Callable[[torch.device, int], LossFn]:
+    def build(device: torch.device, tile: int) -> LossFn:
+        import open_clip
+        from open_clip import loss as oc_loss
+
+        if loss == "clip":
+            loss_fn = oc_loss.ClipLoss()
+            return lambda image, text, log_scale, bias: loss_fn(image, text, log_scale.exp())
+        if chunked:
+            if "chunk_size" not in inspect.signature(oc_loss.SigLipLoss.__init__).parameters:
+                raise Unavailable(f"the installed open_clip {open_clip.__version__} has no SigLipLoss(chunk_size) "
+                                  "(OpenCLIP main's)")
+            loss_fn = oc_loss.SigLipLoss(chunk_size=tile)
+        else:
+            loss_fn = oc_loss.SigLipLoss()
+        return lambda image, text, log_scale, bias: loss_fn(image, text, log_scale.exp(), bias)
+    return build
+
+
+def implementations() -> list[Impl]:
+    """Ours first (the reference of each row's ratios), then the peers."""
+    return [
+        Impl("ours", "clip", _ours("clip")),
+        Impl("ours", "clip", _ours("clip"), fp32=True, note="the window's loss precision"),
+        Impl("Inf-CL", "clip", _inf_cl, note="fp32 Triton"),
+        Impl("memeff", "clip", _memeff, note="fixed temperature"),
+        Impl("OpenCLIP ClipLoss", "clip", _open_clip("clip", chunked=False), note="dense"),
+        Impl("ours", "siglip", _ours("siglip")),
+        Impl("ours", "siglip", _ours("siglip"), fp32=True, note="the window's loss precision"),
+        Impl("siglip-kernel", "siglip", _siglip_kernel),
+        Impl("OpenCLIP SigLipLoss", "siglip", _open_clip("siglip", chunked=False), note="dense"),
+        Impl("OpenCLIP SigLipLoss(chunk_size)", "siglip", _open_clip("siglip", chunked=True), note="chunked"),
+    ]
+
+
+def make_inputs(n: int, dim: int, dtype: torch.dtype, device: torch.device, seed: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unit image rows and unit text rows that are noisy copies of them (matching pairs score higher)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    image = F.normalize(torch.randn(n, dim, generator=gen, device=device), dim=-1)
+    text = F.normalize(image + torch.randn(n, dim, generator=gen, device=device), dim=-1)
+    return image.to(dtype), text.to(dtype)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _is_oom(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+class LossBench:
+    def __init__(self, args: argparse.Namespace, results: Results) -> None:
+        self.args = args
+        self.results = results
+        self.device = torch.device(args.device)
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+        self.deadline = time.monotonic() + args.budget_s
+        self.tile = {kind: args.tile or DEFAULT_TILE_SIZE for kind in ("clip", "siglip")}
+        self.failed: dict[tuple[str, str], str] = {}  # (impl, loss) -> why it is not tried again
+        self.seen: dict[tuple[str, str], tuple[int, int, float]] = {}  # (impl, loss) -> (N, D, s per run)
+        # (loss, N, D) -> (value, image-feature gradient) of ours on fp32 features, at the first size
+        self.reference: dict[tuple[str, int, int], tuple[float, torch.Tensor]] = {}
+
+    def _runs(self, n: int) -> tuple[bool, int]:
+        """(warm-up, timed runs) at size n: fewer where one run is long."""
+        if n <= self.args.sizes[0]:
+            return True, self.args.repeats
+        return (True, 1) if n <= self.args.sizes[min(1, len(self.args.sizes) - 1)] else (False, 1)
+
+    def _predicted(self, key: tuple[str, str], n: int, dim: int, runs: int) -> float | None:
+        if key not in self.seen:
+            return None
+        n0, d0, seconds = self.seen[key]
+        return seconds * runs * (n / n0) ** 2 * (dim / d0)
+
+    def measure(self, impl: Impl, n: int, dim: int, inputs: dict, tile: int, label: str | None = None,
+                compare: bool = True) -> dict | None:
+        """One implementation at (N, D): its record (also written), or None when skipped."""
+        key = (label or impl.label, impl.loss)
+        what = f"{key[0]} ({impl.loss}) at N={n}, D={dim}"
+        if key in self.failed:
+            self.results.skip(what, self.failed[key])
+            return None
+        warmup, repeats = self._runs(n)
+        predicted = self._predicted(key, n, dim, repeats + warmup)
+        left = self.deadline - time.monotonic()
+        if predicted is not None and predicted > left:
+            self.results.skip(what, f"projected {predicted:.0f} s (N²·D from its smaller sizes) > {left:.0f} s left "
+                                    f"of --budget-s")
+            return None
+        try:
+            fn = impl.build(self.device, tile)
+        except Unavailable as why:
+            self.failed[key] = str(why)
+            self.results.skip(what, str(why))
+            return None
+        image, text = inputs["fp32" if impl.fp32 else "low"]
+        log_scale = torch.tensor(LOG_SCALE, device=self.device, requires_grad=True)
+        bias = torch.tensor(BIAS, device=self.device, requires_grad=True) if impl.loss == "siglip" else None
+        leaves = [t for t in (image, text, log_scale, bias) if t is not None]
+        values: list[torch.Tensor] = []
+
+        def step() -> None:
+            for leaf in leaves:
+                leaf.grad = None
+            loss = fn(image, text, log_scale, bias)
+            loss.backward()
+            values.append(loss.detach())
+
+        record: dict[str, Any] = dict(kind="loss", impl=key[0], loss=impl.loss, n=n, dim=dim,
+                                      dtype="fp32" if impl.fp32 else self.args.dtype, note=impl.note,
+                                      tile=tile if key[0].startswith("ours") or "chunk" in key[0] else None,
+                                      warmup=warmup, runs=repeats, device=str(self.device))
+        try:
+            seconds, peak = time_and_peak(step, self.device, repeats, warmup=warmup)
+        except Exception as error:  # a peer's kernel may fail on this device or shape: one line, go on
+            oom = _is_oom(error)
+            status = "oom" if oom else f"error: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            self.failed[key] = f"{status} at N={n}, D={dim}"
+            for leaf in leaves:
+                leaf.grad = None
+            values.clear()
+            _free(self.device)
+            self.results.record(f"| {impl.loss} | {n} | {dim} | {key[0]} | {status} |", **record, status=status)
+            return None
+        self.seen[key] = (n, dim, seconds)
+        record.update(status="ok", seconds=seconds, peak_bytes=peak, loss_value=float(values[-1].float()))
+        checked = (impl.loss, n, dim)
+        if compare and n == self.args.sizes[0] and impl.name == "ours" and impl.fp32:
+            self.reference[checked] = (record["loss_value"], image.grad.detach().float().clone())
+        elif compare and checked in self.reference:
+            value, grad = self.reference[checked]
+            record["loss_rel_diff"] = abs(record["loss_value"] - value) / abs(value)
+            record["grad_rel_diff"] = float((image.grad.float() - grad).norm() / grad.norm())
+        for leaf in leaves:
+            leaf.grad = None
+        values.clear()
+        _free(self.device)
+        return record
+
+    def write_row(self, record: dict, ours: dict | None) -> None:
+        versus_time = f"{record['seconds'] / ours['seconds']:.2f}" if ours else ""
+        versus_mem = (f"{record['peak_bytes'] / ours['peak_bytes']:.2f}"
+                      if ours and record["peak_bytes"] is not None and ours["peak_bytes"] else "")
+        check = (f"{record['loss_rel_diff']:.1e} / {record['grad_rel_diff']:.1e}" if "loss_rel_diff" in record
+                 else "")
+        tile = f" (tile {record['tile']})" if record.get("tile") else ""
+        self.results.record(
+            f"| {record['loss']} | {record['n']} | {record['dim']} | {record['impl']}{tile} | "
+            f"{record['seconds'] * 1e3:.1f} | {versus_time} | {mib(record['peak_bytes'])} | {versus_mem} | {check} | "
+            f"{record['dtype']}{', ' + record['note'] if record['note'] else ''}"
+            f"{'' if record['warmup'] else ', one run, no warm-up'} |", **record)
+
+    def sweep_tiles(self, n: int, dim: int) -> None:
+        self.results.line(f"\n### our tile size, N = {n}, D = {dim}, {self.args.dtype}, {self.device}")
+        self.results.line("| loss | tile | ms | peak MiB |\n| --- | --- | --- | --- |")
+        inputs = {"low": [t.requires_grad_() for t in make_inputs(n, dim, self.dtype, self.device)]}
+        for kind in ("clip", "siglip"):
+            best = None
+            for tile in self.args.tiles:
+                impl = Impl("ours", kind, _ours(kind))
+                record = self.measure(impl, n, dim, inputs, tile, label=f"ours tile {tile}", compare=False)
+                if record is None:
+                    continue
+                self.results.record(f"| {kind} | {tile} | {record['seconds'] * 1e3:.1f} | "
+                                    f"{mib(record['peak_bytes'])} |", **{**record, "kind": "loss_tile"})
+                if best is None or record["seconds"] < best[1]:
+                    best = (tile, record["seconds"])
+            if best is not None and not self.args.tile:
+                self.tile[kind] = best[0]
+                self.results.record(f"{kind}: fastest tile {best[0]} ({best[1] * 1e3:.1f} ms), used below",
+                                    kind="loss_tile_choice", loss=kind, tile=best[0], n=n, dim=dim)
+        del inputs
+        _free(self.device)
+
+    def compare(self, n: int, dim: int) -> None:
+        self.results.line(f"\n### N = {n}, D = {dim}, {self.device}")
+        self.results.line("| loss | N | D | implementation | ms | × ours | peak MiB | × ours | Δloss / Δgrad vs ours "
+                          "fp32 | inputs |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        low = make_inputs(n, dim, self.dtype, self.device)
+        inputs = {"fp32": [t.float().clone().requires_grad_() for t in low],  # the same values, widened
+                  "low": [t.requires_grad_() for t in low]}
+        for kind in ("clip", "siglip"):
+            ours = None
+            impls = [impl for impl in implementations() if impl.loss == kind]
+            # the fp32 reference first, so every row of the first size carries its check
+            impls.sort(key=lambda impl: not (impl.name.startswith("ours") and impl.fp32))
+            for impl in impls:
+                record = self.measure(impl, n, dim, inputs, self.tile[kind])
+                if record is None:
+                    continue
+                if impl.name == "ours" and not impl.fp32:
+                    ours = record
+                self.write_row(record, ours if record is not ours else None)
+        del inputs
+        _free(self.device)
+
+    def run(self) -> None:
+        args = self.args
+        self.results.record(f"loss step: {self.device}, torch {torch.__version__}, features {args.dtype}, "
+                            f"TF32 matmul {torch.backends.cuda.matmul.allow_tf32}, budget {args.budget_s:.0f} s",
+                            kind="loss_env", device=str(self.device), torch=torch.__version__,
+                            allow_tf32=torch.backends.cuda.matmul.allow_tf32, dtype=args.dtype,
+                            gpu=torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None)
+        if args.tiles:
+            self.sweep_tiles(args.sizes[0], args.dims[0])
+        for n in args.sizes:
+            for dim in args.dims:
+                self.compare(n, dim)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[65536, 262144, 1048576], help="N pairs")
+    parser.add_argument("--dims", type=int, nargs="+", default=[768, 1152], help="feature dimensions D")
+    parser.add_argument("--tiles", type=int, nargs="*", default=[1024, 2048, 4096, 8192, 16384],
+                        help="our tile sizes to sweep at the first N and D (none: no sweep)")
+    parser.add_argument("--tile", type=int, default=None, help="our tile for the comparison (default: the fastest "
+                                                              "of the sweep)")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs at the first size (1 at larger sizes)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="CPU threads (a dry run)")
+    parser.add_argument("--budget-s", type=float, default=1e9, help="skip what would not finish within this")
+    parser.add_argument("--out", default=None, help="append results.jsonl / results.md here as they are measured")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    LossBench(args, Results(args.out, "loss")).run()
+
+
+if __name__ == "__main__":
+    main()

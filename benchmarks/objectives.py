@@ -1,0 +1,131 @@
+"""The training objectives against the plain window on the same data: seconds and peak memory per pair.
+
+Every objective runs the same towers from the same initialisation (`--model`, its own loss, bf16 autocast,
+`cache`) on the same window (`--num-examples` pairs in microbatches of `--microbatch-tokens` image tokens, made on
+the device by `measure.GeneratedWindow`), once untimed, then `--repeats` timed (median) with the peak memory of
+the first over the state before it (CUDA max allocated, .grad buffers included). An objective is present when
+`naflexclip train` has its flag; one that is absent, or present without an adapter here yet, is skipped with one
+line saying which.
+
+    python benchmarks/objectives.py --out OUT                                # GPU: siglip2-base, 8,192 pairs
+    python benchmarks/objectives.py --model tiny --num-examples 128 --seq-len 16 --microbatch-tokens 512 --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from measure import GeneratedWindow, Results, mib, time_and_peak
+
+from naflexclip import accumulate_gradients, create_loss, create_model
+from naflexclip.cli import build_parser
+from naflexclip.model import NaFlexClip
+from naflexclip.train.precision import create_precision
+
+
+def _plain(name: str) -> NaFlexClip:
+    return create_model(name)
+
+
+def _locked_image(name: str) -> NaFlexClip:
+    model = create_model(name)
+    model.lock_image_tower()  # LiT: `--lock-image`
+    return model
+
+
+@dataclass(frozen=True)
+class Objective:
+    name: str
+    flag: str | None  # the `naflexclip train` flag that turns it on: present iff the parser has it
+    build: Callable[[str], NaFlexClip] | None  # None: no adapter here yet
+
+
+OBJECTIVES = (
+    Objective("plain window", None, _plain),
+    Objective("LiT (--lock-image)", "--lock-image", _locked_image),
+    Objective("distillation (--distill-model)", "--distill-model", None),
+    Objective("multi-positive (--multi-positive)", "--multi-positive", None),
+    Objective("SigLIP 2 recipe (--recipe siglip2)", "--recipe", None),
+)
+
+
+def train_flags() -> set[str]:
+    """Every option string `naflexclip train` accepts."""
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    return set(subparsers.choices["train"]._option_string_actions)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="siglip2-base")
+    parser.add_argument("--num-examples", type=int, default=8192, help="pairs in the window")
+    parser.add_argument("--seq-len", type=int, default=256, help="patches per image (a square grid)")
+    parser.add_argument("--microbatch-tokens", type=int, default=65536, help="image tokens per microbatch")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--precision", default=None, choices=("fp32", "amp_bf16"),
+                        help="default: amp_bf16 on CUDA, fp32 on CPU")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--budget-s", type=float, default=1e9, help="skip an objective that would not finish in this")
+    parser.add_argument("--out", default=None, help="append results.jsonl / results.md here as they are measured")
+    args = parser.parse_args()
+    deadline = time.monotonic() + args.budget_s
+    device = torch.device(args.device)
+    precision = args.precision or ("amp_bf16" if device.type == "cuda" else "fp32")
+    torch.set_num_threads(args.threads)
+    autocast = create_precision(precision, device).autocast
+    results = Results(args.out, "objectives")
+    flags = train_flags()
+    rows = max(1, args.microbatch_tokens // args.seq_len)
+    results.line(f"\n### objectives: {args.model}, {args.num_examples} pairs in microbatches of {rows}, "
+                 f"{args.seq_len} patches per image, cache, {precision}, {device}, median of {args.repeats}")
+    results.line("| objective | s / window | × plain | ms per pair | peak MiB | × plain |\n"
+                 "| --- | --- | --- | --- | --- | --- |")
+    plain = None
+    for objective in OBJECTIVES:
+        if objective.flag is not None and objective.flag not in flags:
+            results.skip(objective.name, f"not in this version (`naflexclip train` has no {objective.flag})")
+            continue
+        if objective.build is None:
+            results.skip(objective.name, f"present ({objective.flag}) but benchmarks/objectives.py has no adapter "
+                                         "for it yet")
+            continue
+        left = deadline - time.monotonic()
+        if plain is not None and plain["seconds"] * (1 + args.repeats) > left:
+            results.skip(objective.name, f"projected {plain['seconds'] * (1 + args.repeats):.0f} s (as the plain "
+                                         f"window) > {left:.0f} s left of --budget-s")
+            continue
+        torch.manual_seed(0)
+        model = objective.build(args.model).to(device).train()
+        loss_fn = create_loss(model.config.loss)
+        window = GeneratedWindow(args.num_examples, rows, args.seq_len, model, device)
+
+        def step(model: NaFlexClip = model, loss_fn: Callable = loss_fn, window: GeneratedWindow = window) -> None:
+            model.zero_grad(set_to_none=False)
+            accumulate_gradients(model, loss_fn, window, autocast=autocast)
+
+        seconds, peak = time_and_peak(step, device, args.repeats)
+        record = dict(kind="objective", objective=objective.name, model=args.model, pairs=args.num_examples,
+                      seq_len=args.seq_len, rows=rows, precision=precision, device=str(device), seconds=seconds,
+                      seconds_per_pair=seconds / args.num_examples, peak_bytes=peak)
+        plain = plain or record
+        time_ratio = seconds / plain["seconds"]
+        memory_ratio = peak / plain["peak_bytes"] if peak is not None and plain["peak_bytes"] else None
+        results.record(f"| {objective.name} | {seconds:.3f} | {time_ratio:.2f} | "
+                       f"{seconds / args.num_examples * 1e3:.4f} | {mib(peak)} | "
+                       f"{'n/a' if memory_ratio is None else f'{memory_ratio:.2f}'} |",
+                       **record, time_ratio=time_ratio, memory_ratio=memory_ratio)
+        del model, loss_fn, window, step
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
