@@ -55,10 +55,16 @@ OBJECTIVES = (
 
 
 def train_flags() -> set[str]:
-    """Every option string `naflexclip train` accepts."""
+    """Every option string `naflexclip train` accepts with a meaning (not one of OpenCLIP's it only names to
+    refuse, or takes as built in)."""
     parser = build_parser()
     subparsers = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
-    return set(subparsers.choices["train"]._option_string_actions)
+    train = subparsers.choices["train"]
+    try:
+        from naflexclip.train.openclip_flags import status
+    except ImportError:  # a version without OpenCLIP's flag table: every flag it has, it accepts
+        return set(train._option_string_actions)
+    return {flag for flag in train._option_string_actions if status(flag, train) == "accepted"}
 
 
 def main() -> None:
@@ -90,7 +96,7 @@ def main() -> None:
     plain = None
     for objective in OBJECTIVES:
         if objective.flag is not None and objective.flag not in flags:
-            results.skip(objective.name, f"not in this version (`naflexclip train` has no {objective.flag})")
+            results.skip(objective.name, f"not in this version (`naflexclip train` does not accept {objective.flag})")
             continue
         if objective.build is None:
             results.skip(objective.name, f"present ({objective.flag}) but benchmarks/objectives.py has no adapter "
