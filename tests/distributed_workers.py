@@ -19,6 +19,9 @@ Scenarios:
   locked    — LiT windows (2 ranks): a locked image tower, a locked text tower, a partly locked image tower, under
               DDP and FSDP2, cache and replay, the sharded loss; against the single-process full batch for the
               trainable parameters; image-tower forwards per rank.
+  distill   — distillation windows (3 ranks, uneven sizes; DDP with equal and unequal microbatch counts, FSDP2):
+              a clip student with a clip teacher and a siglip student with a siglip teacher, cache and replay, the
+              sharded DistillLoss in 2-row tiles; against the single-process full batch; teacher forwards per rank.
   trainer_faults — a Trainer whose loader raises on rank 1 between windows, and whose rank-0 evaluation
               outlasts the collective timeout or raises: every rank stops at once naming the rank, or waits.
   fsdp_uneven — the README's library recipe with an FSDP2 model, ranks holding 2, 1 and 4 microbatches.
@@ -882,6 +885,58 @@ def scenario_locked(env: Any) -> dict[str, Any]:
     return results
 
 
+def scenario_distill(env: Any) -> dict[str, Any]:
+    from naflexclip.batch import concat_microbatches, split_batch
+    from naflexclip.exchange import window_exchange
+    from naflexclip.factory import create_model
+    from naflexclip.loss import DistillLoss, create_loss
+    from naflexclip.parallel import no_sync_context, wrap_model
+    from naflexclip.verify import full_batch_gradients, random_naflex_batch
+    from naflexclip.window import accumulate_gradients, window_loss_scale
+
+    world = env.world_size
+    batch = random_naflex_batch(NUM_EXAMPLES, patch_size=4, context_length=16,
+                                generator=torch.Generator().manual_seed(11))
+    results: dict[str, Any] = {"exact": {}, "forwards": {}, "plain": {}}
+    calls: list[int] = []  # teacher forwards of the current window
+
+    def build(loss: str, seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)  # the same initialisation on every rank
+        return create_model("tiny", loss=loss).double()
+
+    # (wrapper, split, method, scale mode): FSDP2 needs equal microbatch counts; the unequal split runs with `none`
+    configs = [(False, SPLITS[world][0], "cache", "linear"), (False, SPLITS[world][0], "replay", "linear"),
+               (False, UNEVEN_COUNT_SPLIT[world], "cache", "none"), (True, SPLITS[world][1], "cache", "sqrt"),
+               (True, SPLITS[world][0], "replay", "linear")]
+    for loss in ("clip", "siglip"):
+        teacher = build(loss, seed=1).eval()
+        teacher.register_forward_hook(lambda *_: calls.append(1))
+        references: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+        for fsdp, split, method, mode in configs:
+            sizes = [size for rank_sizes in split for size in rank_sizes]
+            scale = window_loss_scale(sizes, REFERENCE_BATCH_SIZE, mode)
+            full = concat_microbatches(split_batch(batch, sizes))
+            key = (mode, len(sizes))
+            if key not in references:
+                references[key] = full_batch_gradients(build(loss, 0), DistillLoss(loss, weight=0.6), full, scale,
+                                                       teacher)
+                if not results["plain"].get(loss):  # teeth: without the teacher the gradient is another one
+                    plain = full_batch_gradients(build(loss, 0), create_loss(loss), full, scale)
+                    results["plain"][loss] = _errors(plain, references[key])
+            _log(env, f"distill {loss} fsdp={fsdp} {method} {mode} {split}")
+            model = wrap_model(build(loss, 0), env, fsdp=fsdp)
+            microbatches = _local_microbatches(batch, split, env.rank)
+            calls.clear()
+            accumulate_gradients(model, DistillLoss(loss, weight=0.6, tile_size=SHARD_TILE_SIZE), microbatches,
+                                 loss_scale=mode, reference_batch_size=REFERENCE_BATCH_SIZE, method=method,
+                                 exchange=window_exchange(env, model), no_sync=no_sync_context(model),
+                                 teacher=teacher)
+            name = f"{'fsdp' if fsdp else 'ddp'}/{loss}/{method}/{mode}/{sizes}"
+            results["exact"][name] = _errors(_gradients(model), references[key])
+            results["forwards"][name] = [len(calls), len(microbatches)]
+    return results
+
+
 def main() -> None:
     scenario, out_dir = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
@@ -898,6 +953,8 @@ def main() -> None:
         result = scenario_shard(env)
     elif scenario == "locked":
         result = scenario_locked(env)
+    elif scenario == "distill":
+        result = scenario_distill(env)
     elif scenario == "trainer_faults":
         result = scenario_trainer_faults(env, out_dir)
     elif scenario == "fsdp_uneven":

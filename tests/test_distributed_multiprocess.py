@@ -179,3 +179,23 @@ def test_locked_towers_across_ranks_are_exact_and_a_locked_tower_runs_once(tmp_p
             assert errors["pos_embed"] <= POS_EMBED_TOLERANCE, f"rank {rank} {name}: {errors}"
         for name, (forwards, microbatches) in result["forwards"].items():
             assert forwards == (microbatches if "/image/" in name else 2 * microbatches), (rank, name)
+
+
+# ------------------------------------------------------------------------- distillation, 3 ranks
+
+
+def test_distillation_across_three_ranks_is_exact_and_the_teacher_runs_once(tmp_path_factory) -> None:
+    """DDP (equal and unequal microbatch counts) and FSDP2, cache and replay, the sharded DistillLoss with uneven
+    sizes: every gradient equals the single-process full batch's s(W)·∇[contrastive + λ·distill]; the teacher runs
+    once per local microbatch; without the teacher the full-batch gradient is another one (teeth)."""
+    for rank, result in enumerate(_run("distill", 3, tmp_path_factory)):
+        assert {name.split("/")[0] for name in result["exact"]} == {"ddp", "fsdp"}
+        assert len(result["exact"]) == 10
+        for name, errors in result["exact"].items():
+            assert errors["missing"] == 0, f"rank {rank} {name}: gradients missing or unexpected"
+            assert errors["params"] <= FLOAT64_TOLERANCE, f"rank {rank} {name}: {errors}"
+            assert errors["pos_embed"] <= POS_EMBED_TOLERANCE, f"rank {rank} {name}: {errors}"
+        for name, (forwards, microbatches) in result["forwards"].items():
+            assert forwards == microbatches, (rank, name)
+        for loss, errors in result["plain"].items():
+            assert errors["params"] > TEETH_MIN_ERROR, (rank, loss, errors)
