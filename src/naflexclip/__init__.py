@@ -1,13 +1,14 @@
 """naflexclip: CLIP/SigLIP training with NaFlex ViT image towers and exact gradient accumulation."""
 
 from naflexclip.factory import create_model, export_model
-from naflexclip.loss import ClipLoss, DistillLoss, SigLipLoss, create_loss
+from naflexclip.loss import ClipLoss, DistillLoss, MultiPositiveLoss, SigLipLoss, create_loss
 from naflexclip.model import NaFlexClip, model_config
 from naflexclip.window import WindowStats, accumulate_gradients, window_loss_scale
 
 __all__ = [
     "ClipLoss",
     "DistillLoss",
+    "MultiPositiveLoss",
     "NaFlexClip",
     "SigLipLoss",
     "WindowStats",
