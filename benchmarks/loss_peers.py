@@ -52,6 +52,8 @@ class Impl:
     build: Callable[[torch.device, int], LossFn]  # (device, tile) -> fn(image, text, log_scale, bias), or raise
     fp32: bool = False  # takes float32 features instead of --dtype
     note: str = ""
+    first_size_only: bool = False  # measured at the first N only
+    quadratic_memory: bool = False  # holds N×N matrices: not tried where a smaller N's peak × (N/n)² cannot fit
 
     @property
     def label(self) -> str:
@@ -128,15 +130,20 @@ def implementations() -> list[Impl]:
     """Ours first (the reference of each row's ratios), then the peers."""
     return [
         Impl("ours", "clip", _ours("clip")),
-        Impl("ours", "clip", _ours("clip"), fp32=True, note="the window's loss precision"),
+        # the precision the window computes the loss in (fp32 GEMMs: slow at large N; the window step measures
+        # it at 262,144), and the reference of the first size's loss and gradient checks
+        Impl("ours", "clip", _ours("clip"), fp32=True, note="the window's loss precision", first_size_only=True),
         Impl("Inf-CL", "clip", _inf_cl, note="fp32 Triton"),
         Impl("memeff", "clip", _memeff, note="fixed temperature"),
-        Impl("OpenCLIP ClipLoss", "clip", _open_clip("clip", chunked=False), note="dense"),
+        Impl("OpenCLIP ClipLoss", "clip", _open_clip("clip", chunked=False), note="dense", quadratic_memory=True),
         Impl("ours", "siglip", _ours("siglip")),
-        Impl("ours", "siglip", _ours("siglip"), fp32=True, note="the window's loss precision"),
+        Impl("ours", "siglip", _ours("siglip"), fp32=True, note="the window's loss precision", first_size_only=True),
         Impl("siglip-kernel", "siglip", _siglip_kernel),
-        Impl("OpenCLIP SigLipLoss", "siglip", _open_clip("siglip", chunked=False), note="dense"),
-        Impl("OpenCLIP SigLipLoss(chunk_size)", "siglip", _open_clip("siglip", chunked=True), note="chunked"),
+        Impl("OpenCLIP SigLipLoss", "siglip", _open_clip("siglip", chunked=False), note="dense",
+             quadratic_memory=True),
+        # projected like the dense one (autograd keeps each chunk's logits for the backward); its peak says
+        Impl("OpenCLIP SigLipLoss(chunk_size)", "siglip", _open_clip("siglip", chunked=True), note="chunked",
+             quadratic_memory=True),
     ]
 
 
@@ -169,6 +176,7 @@ class LossBench:
         self.tile = {kind: args.tile or DEFAULT_TILE_SIZE for kind in ("clip", "siglip")}
         self.failed: dict[tuple[str, str], str] = {}  # (impl, loss) -> why it is not tried again
         self.seen: dict[tuple[str, str], tuple[int, int, float]] = {}  # (impl, loss) -> (N, D, s per run)
+        self.peaks: dict[tuple[str, str], tuple[int, int]] = {}  # (impl, loss) -> (N, peak bytes), N×N ones only
         # (loss, N, D) -> (value, image-feature gradient) of ours on fp32 features, at the first size
         self.reference: dict[tuple[str, int, int], tuple[float, torch.Tensor]] = {}
 
@@ -192,6 +200,8 @@ class LossBench:
         if key in self.failed:
             self.results.skip(what, self.failed[key])
             return None
+        if impl.first_size_only and n != self.args.sizes[0]:
+            return None
         warmup, repeats = self._runs(n)
         predicted = self._predicted(key, n, dim, repeats + warmup)
         left = self.deadline - time.monotonic()
@@ -199,6 +209,14 @@ class LossBench:
             self.results.skip(what, f"projected {predicted:.0f} s (N²·D from its smaller sizes) > {left:.0f} s left "
                                     f"of --budget-s")
             return None
+        if key in self.peaks and self.device.type == "cuda":  # the N×N matrices: a smaller N's peak × (N/n)²
+            n0, peak0 = self.peaks[key]
+            projected, total = peak0 * (n / n0) ** 2, torch.cuda.get_device_properties(self.device).total_memory
+            if projected > total:
+                self.failed[key] = f"projected {projected / 2**30:.0f} GiB (its N×N matrices) > the device's " \
+                                   f"{total / 2**30:.0f} GiB at N={n}"
+                self.results.skip(what, self.failed[key])
+                return None
         try:
             fn = impl.build(self.device, tile)
         except Unavailable as why:
@@ -222,19 +240,22 @@ class LossBench:
                                       dtype="fp32" if impl.fp32 else self.args.dtype, note=impl.note,
                                       tile=tile if key[0].startswith("ours") or "chunk" in key[0] else None,
                                       warmup=warmup, runs=repeats, device=str(self.device))
+        failure = None
         try:
             seconds, peak = time_and_peak(step, self.device, repeats, warmup=warmup)
         except Exception as error:  # a peer's kernel may fail on this device or shape: one line, go on
-            oom = _is_oom(error)
-            status = "oom" if oom else f"error: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
-            self.failed[key] = f"{status} at N={n}, D={dim}"
+            failure = "oom" if _is_oom(error) else f"error: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        if failure is not None:  # out of the except block: its traceback no longer holds the step's tensors
+            self.failed[key] = f"{failure} at N={n}, D={dim}"
             for leaf in leaves:
                 leaf.grad = None
             values.clear()
             _free(self.device)
-            self.results.record(f"| {impl.loss} | {n} | {dim} | {key[0]} | {status} |", **record, status=status)
+            self.results.record(f"| {impl.loss} | {n} | {dim} | {key[0]} | {failure} |", **record, status=failure)
             return None
         self.seen[key] = (n, dim, seconds)
+        if impl.quadratic_memory and peak is not None:
+            self.peaks[key] = (n, peak)
         record.update(status="ok", seconds=seconds, peak_bytes=peak, loss_value=float(values[-1].float()))
         checked = (impl.loss, n, dim)
         if compare and n == self.args.sizes[0] and impl.name == "ours" and impl.fp32:
@@ -289,8 +310,9 @@ class LossBench:
         self.results.line("| loss | N | D | implementation | ms | × ours | peak MiB | × ours | Δloss / Δgrad vs ours "
                           "fp32 | inputs |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         low = make_inputs(n, dim, self.dtype, self.device)
-        inputs = {"fp32": [t.float().clone().requires_grad_() for t in low],  # the same values, widened
-                  "low": [t.requires_grad_() for t in low]}
+        inputs = {"low": [t.requires_grad_() for t in low]}
+        if n == self.args.sizes[0]:  # the same values, widened: ours as the window computes it, and the reference
+            inputs["fp32"] = [t.detach().float().clone().requires_grad_() for t in low]
         for kind in ("clip", "siglip"):
             ours = None
             impls = [impl for impl in implementations() if impl.loss == kind]

@@ -5,9 +5,10 @@ Every objective runs the same towers from the same initialisation (`--model`, it
 the device by `measure.GeneratedWindow`), once untimed, then `--repeats` timed (median) with the peak memory of
 the first over the state before it (CUDA max allocated, .grad buffers included). An objective is present when
 `naflexclip train` has its flag; one that is absent, or present without an adapter here yet, is skipped with one
-line saying which.
+line saying which. Distillation's teacher is `--teacher` (default: an untrained copy of `--model`, so the teacher
+costs what the student's forward costs).
 
-    python benchmarks/objectives.py --out OUT                                # GPU: siglip2-base, 8,192 pairs
+    python benchmarks/objectives.py --out OUT                                # GPU: siglip2-base, 4,096 pairs
     python benchmarks/objectives.py --model tiny --num-examples 128 --seq-len 16 --microbatch-tokens 512 --device cpu
 """
 
@@ -18,6 +19,7 @@ import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from measure import GeneratedWindow, Results, mib, time_and_peak
@@ -27,28 +29,42 @@ from naflexclip.cli import build_parser
 from naflexclip.model import NaFlexClip
 from naflexclip.train.precision import create_precision
 
+# an objective's window: (model, loss, the rest of accumulate_gradients' keywords), on the device
+Built = tuple[NaFlexClip, Callable, dict[str, Any]]
 
-def _plain(name: str) -> NaFlexClip:
-    return create_model(name)
+
+def _plain(args: argparse.Namespace, device: torch.device) -> Built:
+    model = create_model(args.model).to(device)
+    return model, create_loss(model.config.loss), {}
 
 
-def _locked_image(name: str) -> NaFlexClip:
-    model = create_model(name)
+def _locked_image(args: argparse.Namespace, device: torch.device) -> Built:
+    model = create_model(args.model)
     model.lock_image_tower()  # LiT: `--lock-image`
-    return model
+    return model.to(device), create_loss(model.config.loss), {}
+
+
+def _distilled(args: argparse.Namespace, device: torch.device) -> Built:
+    """`--distill-model TEACHER`: the frozen teacher runs once per microbatch without gradient; the loss is the
+    contrastive one plus the distillation term (`naflexclip.distill`)."""
+    from naflexclip.distill import Distill, load_teacher
+
+    model = create_model(args.model).to(device)
+    teacher, _ = load_teacher(args.teacher or args.model, None)
+    return model, Distill(args.teacher or args.model).loss(model.config.loss, 1024), {"teacher": teacher.to(device)}
 
 
 @dataclass(frozen=True)
 class Objective:
     name: str
-    flag: str | None  # the `naflexclip train` flag that turns it on: present iff the parser has it
-    build: Callable[[str], NaFlexClip] | None  # None: no adapter here yet
+    flag: str | None  # the `naflexclip train` flag that turns it on: present iff train accepts it
+    build: Callable[[argparse.Namespace, torch.device], Built] | None  # None: no adapter here yet
 
 
 OBJECTIVES = (
     Objective("plain window", None, _plain),
     Objective("LiT (--lock-image)", "--lock-image", _locked_image),
-    Objective("distillation (--distill-model)", "--distill-model", None),
+    Objective("distillation (--distill-model)", "--distill-model", _distilled),
     Objective("multi-positive (--multi-positive)", "--multi-positive", None),
     Objective("SigLIP 2 recipe (--recipe siglip2)", "--recipe", None),
 )
@@ -70,7 +86,8 @@ def train_flags() -> set[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="siglip2-base")
-    parser.add_argument("--num-examples", type=int, default=8192, help="pairs in the window")
+    parser.add_argument("--teacher", default=None, help="the distillation teacher (default: --model, untrained)")
+    parser.add_argument("--num-examples", type=int, default=4096, help="pairs in the window")
     parser.add_argument("--seq-len", type=int, default=256, help="patches per image (a square grid)")
     parser.add_argument("--microbatch-tokens", type=int, default=65536, help="image tokens per microbatch")
     parser.add_argument("--repeats", type=int, default=1)
@@ -108,13 +125,14 @@ def main() -> None:
                                          f"window) > {left:.0f} s left of --budget-s")
             continue
         torch.manual_seed(0)
-        model = objective.build(args.model).to(device).train()
-        loss_fn = create_loss(model.config.loss)
+        model, loss_fn, keywords = objective.build(args, device)
+        model.train()
         window = GeneratedWindow(args.num_examples, rows, args.seq_len, model, device)
 
-        def step(model: NaFlexClip = model, loss_fn: Callable = loss_fn, window: GeneratedWindow = window) -> None:
+        def step(model: NaFlexClip = model, loss_fn: Callable = loss_fn, window: GeneratedWindow = window,
+                 keywords: dict = keywords) -> None:
             model.zero_grad(set_to_none=False)
-            accumulate_gradients(model, loss_fn, window, autocast=autocast)
+            accumulate_gradients(model, loss_fn, window, autocast=autocast, **keywords)
 
         seconds, peak = time_and_peak(step, device, args.repeats)
         record = dict(kind="objective", objective=objective.name, model=args.model, pairs=args.num_examples,
@@ -127,7 +145,7 @@ def main() -> None:
                        f"{seconds / args.num_examples * 1e3:.4f} | {mib(peak)} | "
                        f"{'n/a' if memory_ratio is None else f'{memory_ratio:.2f}'} |",
                        **record, time_ratio=time_ratio, memory_ratio=memory_ratio)
-        del model, loss_fn, window, step
+        del model, loss_fn, keywords, window, step
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -53,9 +53,8 @@ def test_dry_run_runs_every_step_and_writes_each_ones_figures(tmp_path: Path) ->
     skipped = {r["what"].split(" (")[0]: r["reason"] for r in records if r["step"] == "loss" and r["kind"] == "skipped"}
     for peer in ("siglip-kernel", "Inf-CL", "memeff"):
         assert "needs CUDA" in skipped[peer] or "not installed" in skipped[peer], skipped
-    # the LiT window: its image tower is forwarded once per microbatch, never replayed, so it is cheaper
     objectives = {r["objective"]: r for r in records if r["kind"] == "objective"}
-    assert set(objectives) >= {"plain window", "LiT (--lock-image)"}
+    assert set(objectives) >= {"plain window", "LiT (--lock-image)", "distillation (--distill-model)"}
     windows = {r["pairs"]: r for r in records if r["kind"] == "window"}
     assert set(windows) == {512, 128} and all(r["status"] == "ok" for r in windows.values())
     markdown = (tmp_path / "out" / "results.md").read_text()
