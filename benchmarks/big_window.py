@@ -8,7 +8,7 @@ runs first, once untimed (kernels, .grad buffers) and once measured; the large o
 run would double the step's cost). Per window: seconds, seconds per pair, peak memory over the state before it
 (CUDA max allocated; model, .grad buffers and whatever the window keeps: its cached features and their gradients)
 and `WindowStats.loss`; then large ÷ small per pair. A window whose time, projected from the small one per pair,
-does not fit `--budget-s` is skipped with one line.
+does not fit `--budget-s` is skipped with one line, and the largest of N/2, N/4, ... that fits is measured instead.
 
     python benchmarks/big_window.py --out OUT                                  # GPU: 262,144 vs 16,384 pairs
     python benchmarks/big_window.py --model tiny --sizes 1024 128 --seq-len 16 --microbatch-tokens 1024 --device cpu
@@ -57,22 +57,27 @@ def main() -> None:
                  f"{device}")
     results.line("| pairs | microbatches | s | ms per pair | peak MiB | WindowStats.loss |\n"
                  "| --- | --- | --- | --- | --- | --- |")
-    measured = {}
+    measured: dict[int, dict] = {}
     for num, warmup in ((small, True), (large, False)):
+        if small in measured:
+            # the largest of N, N/2, N/4, ... whose time, per pair as the small window's, fits what is left
+            per_pair, left = measured[small]["seconds"] / small, deadline - time.monotonic()
+            fits = next((size for size in (num // 2**k for k in range(12)) if size > small and per_pair * size <= left),
+                        None)
+            if fits != num:
+                results.skip(f"the {num}-pair window", f"projected {per_pair * num:.0f} s (per pair as the "
+                                                       f"{small}-pair window) > {left:.0f} s left of --budget-s"
+                                                       + (f"; measuring {fits} pairs instead" if fits else ""))
+                if fits is None:
+                    break
+                num = large = fits
         window = GeneratedWindow(num, rows, args.seq_len, model, device)
-        stats = []
+        stats: list = []
 
         def step(window: GeneratedWindow = window, stats: list = stats) -> None:
             model.zero_grad(set_to_none=False)
             stats.append(accumulate_gradients(model, loss_fn, window, method=args.method, autocast=autocast))
 
-        if small in measured:
-            projected = measured[small]["seconds"] / small * num
-            left = deadline - time.monotonic()
-            if projected > left:
-                results.skip(f"the {num}-pair window", f"projected {projected:.0f} s (per pair as the "
-                                                       f"{small}-pair window) > {left:.0f} s left of --budget-s")
-                break
         try:
             seconds, peak = time_and_peak(step, device, repeats=1, warmup=warmup)
         except torch.OutOfMemoryError:

@@ -68,38 +68,40 @@ def _towers(model: str, seq_lens: str, variants: str, dry_model: str, dry_varian
 
 # The budget plan (H200): the limits add up to 540 s, and the run's own overhead (process starts within the
 # limits, the summary) stays under 30 s, so `all` ends within 9.5 minutes. Steps that measure several things
-# order them by value and skip, with one line, what would not fit their `--budget-s`.
+# get their limit less a margin as `--budget-s` ({budget}), order their measurements cheapest first and skip, with
+# one line, what would not fit; `--limit STEP=SECONDS` gives a step more (a second run: `loss --limit loss=540`).
 STEPS = (
     Step("env", 25, "versions, the GPU, and the packages it lacks installed from --wheels (else PyPI)",
          ("benchmarks/gpu_checks.py", "--run-env", "--out", "{out}", "--site", "{site}", "--wheels", "{wheels}"),
          ("benchmarks/gpu_checks.py", "--run-env", "--out", "{out}", "--site", "{site}", "--wheels", "{wheels}",
           "--dry-run")),
-    Step("tests", 60, "the CUDA tests (pytest -m gpu)",
+    Step("tests", 55, "the CUDA tests (pytest -m gpu)",
          ("-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "--continue-on-collection-errors", "-rfEs",
           "tests/"),
          ("-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rfEs", "tests/test_gpu.py")),
     Step("loss", 140, "the loss alone: ours (tiled) vs siglip-kernel, Inf-CL, memeff and OpenCLIP's losses at "
                       "N = 65,536 / 262,144 / 1,048,576, D = 768 / 1152; our tile swept",
-         ("benchmarks/loss_peers.py", "--out", "{out}", "--budget-s", "125"),
+         ("benchmarks/loss_peers.py", "--out", "{out}", "--budget-s", "{budget}"),
          ("benchmarks/loss_peers.py", "--out", "{out}", "--device", "cpu", "--sizes", "128", "256", "--dims", "32",
           "--tiles", "64", "128", "--repeats", "1", "--threads", "1")),
     Step("towers-siglip2-base", 110, "siglip2-base towers: window vs full batch at n = 1, 2, 4, 8, tokens/s, MFU, "
                                      "± checkpointing, ± torch.compile, seq len 256 and 1024",
          *_towers("siglip2-base", "256 1024", "eager,checkpointing,compiled,compiled + checkpointing", "tiny",
                   "eager,checkpointing")),
-    Step("towers-base", 40, "the base preset's towers, seq len 576 (eager, checkpointing, compiled)",
+    Step("towers-base", 35, "the base preset's towers, seq len 576 (eager, checkpointing, compiled)",
          *_towers("base", "576", "eager,checkpointing,compiled", "tiny", "eager")),
-    Step("towers-ViT-B-16", 30, "OpenCLIP's ViT-B-16 as a NaFlex model, seq len 576 (eager, checkpointing); "
+    Step("towers-ViT-B-16", 25, "OpenCLIP's ViT-B-16 as a NaFlex model, seq len 576 (eager, checkpointing); "
                                 "skipped with one line where create_model does not know the name",
          # the dry run: a smaller OpenCLIP name, the same path (ViT-B-16 takes 4 s a step on a CPU)
          *_towers("ViT-B-16", "576", "eager,checkpointing", "ViT-S-32", "eager", dry_splits="1")),
-    Step("window", 95, "one whole window of 262,144 pairs through accumulate_gradients (siglip2-base) vs 16,384",
-         ("benchmarks/big_window.py", "--out", "{out}", "--budget-s", "85"),
+    # ~70 s of it the 262,144-pair window itself: 2.3e16 FLOP of towers at ~400 TFLOP/s, and its loss in fp32
+    Step("window", 110, "one whole window of 262,144 pairs through accumulate_gradients (siglip2-base) vs 16,384",
+         ("benchmarks/big_window.py", "--out", "{out}", "--budget-s", "{budget}"),
          ("benchmarks/big_window.py", "--out", "{out}", "--model", "tiny", "--sizes", "512", "128", "--seq-len", "16",
           "--microbatch-tokens", "1024", "--device", "cpu", "--threads", "1")),
     Step("objectives", 40, "LiT, distillation, multi-positive, the SigLIP 2 recipe (those present) vs the plain "
                            "window: time and memory per pair",
-         ("benchmarks/objectives.py", "--out", "{out}", "--budget-s", "32"),
+         ("benchmarks/objectives.py", "--out", "{out}", "--budget-s", "{budget}"),
          ("benchmarks/objectives.py", "--out", "{out}", "--model", "tiny", "--num-examples", "128", "--seq-len", "16",
           "--microbatch-tokens", "512", "--device", "cpu", "--threads", "1")),
 )
@@ -230,7 +232,9 @@ def _kill_group(proc: subprocess.Popen | ForkedStep) -> None:
 
 def run_step(step: Step, args: argparse.Namespace, output: Output, fork: bool) -> dict:
     """Run one step under its limit, its output shown and kept in `<step>.log`; its `step` record."""
-    values = {"out": str(args.out), "site": str(args.site), "wheels": str(args.wheels or "")}
+    # {budget}: what a step that plans its own measurements may spend, its limit less a margin for its start
+    budget = step.limit_s - min(15.0, 0.2 * step.limit_s)
+    values = {"out": str(args.out), "site": str(args.site), "wheels": str(args.wheels or ""), "budget": f"{budget:.0f}"}
     command = [sys.executable, *(part.format(**values) for part in (step.dry if args.dry_run else step.full))]
     env = dict(os.environ, PYTHONUNBUFFERED="1", GPU_CHECKS_STEP=step.name,
                PYTHONPATH=os.pathsep.join(p for p in (str(args.site), str(REPO / "src"), str(BENCHMARKS),
