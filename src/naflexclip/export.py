@@ -1,5 +1,6 @@
 """`naflexclip export`: write a trained checkpoint as a directory of a pretrained family (`--format transformers`:
-a transformers SigLIP 2 directory).
+a transformers SigLIP 2 directory) or, for a run of an OpenCLIP model name, as the file `--format openclip` writes:
+an open_clip state dict that `open_clip.create_model(NAME, pretrained=FILE)` loads (docs/openclip.md).
 
 The directory holds `config.json`, `model.safetensors` and, for a run fine-tuned from an imported checkpoint,
 that checkpoint's tokenizer and image-processor files; `transformers.Siglip2Model.from_pretrained` loads it
@@ -33,8 +34,9 @@ def run(args: argparse.Namespace) -> int:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("export", help="write a checkpoint as a pretrained family's directory "
-                                                  "(transformers SigLIP 2)")
+                                                  "(transformers SigLIP 2) or an open_clip checkpoint file")
     parser.add_argument("--checkpoint", required=True, help="a checkpoint directory, or a run's checkpoints/ (latest)")
     parser.add_argument("--format", default="transformers", choices=EXPORT_FORMATS)
-    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--out", required=True,
+                        help="output directory (transformers), or file (openclip: .pt, or .safetensors by its suffix)")
     parser.set_defaults(func=run)

@@ -7,9 +7,9 @@ nothing else writes it, so it stays bit for bit what it was loaded as.
 Layer groups run from the input to the output; `unlocked_groups` / `unlocked_layers` leave the last N trainable,
 as OpenCLIP counts them:
 
-- image: timm's groups of the NaFlexVit (`group_matcher`: the patch and position embeddings; each block, the last
-  one with the final norm; the MAP head `attn_pool` where there is one), then the image projection (CLIP presets;
-  SigLIP 2 has none);
+- image: timm's groups of the NaFlexVit (`group_matcher`: the patch and position embeddings, class and register
+  tokens and OpenCLIP's `ln_pre`; each block, the last one with the final norm; the MAP head `attn_pool` where
+  there is one), then the image projection (CLIP presets and OpenCLIP's ViTs; SigLIP 2 has none);
 - text: the embeddings (token and position tables); each block, the last one with `ln_final`; the projection.
 
 `freeze_layer_norm=False` leaves the LayerNorm gains and biases of the locked text groups trainable (OpenCLIP's
@@ -49,7 +49,11 @@ def locked_towers(model: nn.Module) -> frozenset[str]:
 def image_groups(model: nn.Module) -> list[list[nn.Parameter]]:
     """The image tower's layer groups, input to output."""
     visual = model.visual
-    names = group_parameters(visual, visual.group_matcher())
+    # timm's matcher puts `norm_pre` (OpenCLIP's ln_pre, `^norm`) with the final norm; it acts on the embeddings,
+    # so it belongs to the stem group, as in OpenCLIP's own VisionTransformer.lock
+    matcher = {**visual.group_matcher(), "stem": r"^embeds|^norm_pre"}
+    matcher["blocks"] = [(r"^blocks\.(\d+)", None), (r"^norm\.|^fc_norm\.", (99999,))]
+    names = group_parameters(visual, matcher)
     groups = [[visual.get_parameter(name) for name in group] for _, group in sorted(names.items())]
     projection = list(model.image_projection.parameters())
     return groups + ([projection] if projection else [])

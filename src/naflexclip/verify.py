@@ -259,7 +259,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="check that accumulated gradients equal the full-batch gradient",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
-    parser.add_argument("--model", default="tiny", help=f"model preset, one of {sorted(PRESETS)}")
+    parser.add_argument("--model", default="tiny",
+                        help=f"model preset, one of {sorted(PRESETS)}, or an OpenCLIP model name (docs/openclip.md)")
+    parser.add_argument("--pretrained", default=None,
+                        help="with an OpenCLIP --model name: its weights (a checkpoint file, a tag or hf-hub:org/name "
+                             "in a local cache)")
+    parser.add_argument("--cache-dir", default=None, help="where --pretrained tags are looked up")
     parser.add_argument("--checkpoint", default=None,
                         help="audit a trained model: a checkpoint directory, or a run's checkpoints/ (latest)")
     parser.add_argument("--loss", default=None, choices=sorted(LOSSES),
@@ -298,7 +303,7 @@ class VerifySetup:
     accum_freq: int
     reference_batch_size: int | None
     loss_scale: str
-    hf_processor: str | None = None  # a fine-tuned SigLIP 2 run's tokenizer and patching
+    hf_processor: str | None = None  # a pretrained family's tokenizer and patching (SigLIP 2, an OpenCLIP name)
 
 
 def _setup(args: argparse.Namespace) -> VerifySetup:
@@ -307,7 +312,8 @@ def _setup(args: argparse.Namespace) -> VerifySetup:
     if args.checkpoint:
         model, trained = load_checkpoint_model(args.checkpoint)
     else:
-        model = create_model(args.model, **({} if args.loss is None else {"loss": args.loss}))
+        model = create_model(args.model, pretrained=args.pretrained, cache_dir=args.cache_dir,
+                             **({} if args.loss is None else {"loss": args.loss}))
     loss = model.config.loss
     if args.loss is not None and args.loss != loss:
         raise ValueError(f"--loss {args.loss}: the checkpoint's model was trained with --loss {loss}")
@@ -318,9 +324,14 @@ def _setup(args: argparse.Namespace) -> VerifySetup:
         return trained.get(key) if trained.get(key) is not None else default
 
     Locks(**{key: pick(getattr(args, key), key, default) for key, default in Locks().as_dict().items()}).apply(model)
+    processor = trained.get("data", {}).get("hf_processor")
+    name = model.config.openclip_name
+    if processor is None and name is not None and _uses_loader(args):  # an OpenCLIP name's tokenizer and mean/std
+        from naflexclip.families import openclip
+
+        processor = openclip.processor_spec(name, openclip.tokenizer_dir(name, args.pretrained, args.cache_dir))
     setup = VerifySetup(model, loss, pick(args.accum_freq, "accum_freq", 4), pick(args.batch_size, "batch_size", 4),
-                        pick(args.naflex_loss_scale, "naflex_loss_scale", "linear"),
-                        trained.get("data", {}).get("hf_processor"))
+                        pick(args.naflex_loss_scale, "naflex_loss_scale", "linear"), processor)
     if setup.accum_freq < 1:
         raise ValueError(f"--accum-freq must be ≥ 1, got {setup.accum_freq}")
     if setup.reference_batch_size is not None and setup.reference_batch_size < 1:

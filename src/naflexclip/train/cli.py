@@ -53,10 +53,13 @@ def _optional_int(text: str) -> int | None:
 def add_train_args(parser: argparse.ArgumentParser) -> None:
     """The training flags (data flags come from `add_data_args`)."""
     g = parser.add_argument_group("model and window")
-    g.add_argument("--model", default=_default("model"), help=f"model preset: {', '.join(sorted(PRESETS))}")
+    g.add_argument("--model", default=_default("model"),
+                   help=f"model preset ({', '.join(sorted(PRESETS))}) or an OpenCLIP model name (ViT-B-16, "
+                        "ViT-B-16-SigLIP2, naflex_ViT-B-16, ...: open_clip.list_models(); docs/openclip.md)")
     g.add_argument("--loss", default=None, choices=sorted(LOSSES),
                    help="contrastive loss: clip (softmax) or siglip (sigmoid, the model gets a logit_bias); default: "
-                        "the model's own (clip for tiny, small and base; siglip for siglip2-* and --pretrained)")
+                        "the model's own (clip for tiny, small and base; siglip for siglip2-*, SigLIP names and "
+                        "--pretrained SigLIP 2)")
     g.add_argument("--siglip", dest="loss", action="store_const", const="siglip", default=argparse.SUPPRESS,
                    help="OpenCLIP's name for --loss siglip")
     g.add_argument("--batch-size", type=int, default=None,
@@ -83,8 +86,13 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--max-skipped-steps", type=int, default=_default("max_skipped_steps"),
                    help="stop after this many consecutive steps with a non-finite loss or gradient")
     g.add_argument("--pretrained", default=None,
-                   help="start from a transformers SigLIP 2 checkpoint directory (config.json, model.safetensors, "
-                        "tokenizer); its architecture replaces --model, its tokenizer and patching the data's")
+                   help="with an OpenCLIP --model name: its weights, an open_clip checkpoint (.pt, .bin, "
+                        ".safetensors, an open_clip_train epoch_N.pt), a pretrained tag (laion2b_s34b_b79k) or "
+                        "hf-hub:org/name found in a local cache; otherwise a transformers SigLIP 2 directory, whose "
+                        "architecture replaces --model and whose tokenizer and patching the data's")
+    g.add_argument("--cache-dir", default=None,
+                   help="where --pretrained tags and hf-hub: names are looked up (a Hugging Face hub cache or "
+                        "open_clip's download folder), besides the default caches; nothing is downloaded")
     add_lock_args(parser)
     add_distill_args(parser)
     r = parser.add_argument_group("run, logs and checkpoints")
@@ -188,7 +196,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         zero_shot_samples=args.zero_shot_samples, zeroshot_data=args.zeroshot_data,
         zeroshot_classnames=args.zeroshot_classnames, zeroshot_templates=args.zeroshot_templates,
         zeroshot_frequency=getattr(args, "zeroshot_frequency", _default("zeroshot_frequency")),
-        pretrained=args.pretrained,
+        pretrained=args.pretrained, cache_dir=getattr(args, "cache_dir", None),
         grad_checkpointing=args.grad_checkpointing, torchcompile=args.torchcompile, **Locks.pick(args).as_dict(),
         openclip_built_in=tuple(getattr(args, "openclip_built_in", ())),
         **Distill.pick(args).as_dict(),

@@ -18,7 +18,7 @@ from typing import Any
 
 from naflexclip.data import DataConfig
 from naflexclip.distill import Distill
-from naflexclip.families import family_of
+from naflexclip.families import family_of, named_family
 from naflexclip.lock import Locks
 from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES
 from naflexclip.model import PRESETS
@@ -134,7 +134,10 @@ class TrainConfig:
     torchcompile: bool = False  # torch.compile the towers' blocks (dynamic shapes)
     dist_timeout: float = 1800.0
     plot: bool = True
-    pretrained: str | None = None  # a transformers SigLIP 2 directory: architecture, weights, tokenizer, patching
+    # a transformers SigLIP 2 directory (architecture, weights, tokenizer, patching), or with an OpenCLIP --model
+    # name that model's weights: a checkpoint file, a pretrained tag or hf-hub:org/name in a local cache
+    pretrained: str | None = None
+    cache_dir: str | None = None  # OpenCLIP's --cache-dir: where pretrained tags are looked up (besides HF's cache)
     # locked towers (OpenCLIP's flags; `naflexclip.lock.Locks`)
     lock_image: bool = False
     lock_image_unlocked_groups: int = 0
@@ -161,12 +164,18 @@ class TrainConfig:
         self._check_zeroshot()
         if self.name is None:
             # OpenCLIP-style run name: when and what
-            model = family_of(self.pretrained).NAME if self.pretrained else self.model
+            model = family_of(self.pretrained).NAME if self.pretrained and not self.named_family else self.model
             self.name = f"{time.strftime('%Y_%m_%d-%H_%M_%S')}-model_{model}-lr_{self.lr:g}-p_{self.precision}"
 
+    @property
+    def named_family(self) -> Any:
+        """The family of an OpenCLIP-style --model name (`naflexclip.families.openclip`), None for a preset."""
+        return None if self.model in PRESETS else named_family(self.model)
+
     def _check_choices(self) -> None:
-        if self.model not in PRESETS:
-            raise ValueError(f"--model: unknown preset {self.model!r}; choose one of {sorted(PRESETS)}")
+        if self.model not in PRESETS and self.named_family is None:
+            raise ValueError(f"--model: unknown model {self.model!r}; choose a preset ({', '.join(sorted(PRESETS))}) "
+                             "or an OpenCLIP model name (open_clip.list_models())")
         for flag, value, choices in (
             ("--accum-method", self.accum_method, METHODS),
             ("--naflex-loss-scale", self.naflex_loss_scale, SCALE_MODES),
@@ -216,6 +225,19 @@ class TrainConfig:
             )
 
     def _check_pretrained(self) -> None:
+        family = self.named_family
+        if family is not None:  # an OpenCLIP name: its architecture, its weights from --pretrained, its tokenizer
+            try:
+                family.model_config(self.model)
+                if self.pretrained is not None:  # the file, found and read now (absolute: a resume finds it)
+                    self.pretrained = str(family.check_pretrained(self.model, self.pretrained, self.cache_dir))
+                tokenizer = family.tokenizer_dir(self.model, self.pretrained, self.cache_dir)
+            except ValueError as error:
+                message = str(error)
+                raise ValueError(message if message.startswith("--") else f"--pretrained: {message}") from None
+            if self.data.hf_processor is None:
+                self.data.hf_processor = family.processor_spec(self.model, tokenizer)
+            return
         if self.pretrained is None:
             return
         try:
@@ -227,13 +249,16 @@ class TrainConfig:
             self.data.hf_processor = self.pretrained
 
     def _check_loss(self) -> None:
-        own = family_of(self.pretrained).LOSS if self.pretrained else PRESETS[self.model].loss
+        if self.named_family is not None:
+            own = self.named_family.model_config(self.model).loss
+        else:
+            own = family_of(self.pretrained).LOSS if self.pretrained else PRESETS[self.model].loss
         if self.loss is None:
             self.loss = own
         elif self.loss not in LOSSES:
             raise ValueError(f"--loss: {self.loss!r} is not one of {sorted(LOSSES)}")
         elif self.pretrained and self.loss != own:
-            # SigLIP 2 is a sigmoid-loss model: its logit_bias only trains under that loss
+            # SigLIP (2) is a sigmoid-loss model: its logit_bias only trains under that loss; CLIP weights have none
             raise ValueError(f"--loss {self.loss}: the --pretrained model is trained with --loss {own}; drop --loss")
 
     def _check_zeroshot(self) -> None:

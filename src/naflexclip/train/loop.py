@@ -56,7 +56,8 @@ class Trainer:
         self.cfg, self.env = cfg, env
         seed_everything(cfg.seed)  # the same initial weights on every rank (FSDP2 does not broadcast them)
         self.precision = create_precision(cfg.precision, env.device)
-        model = create_model(cfg.pretrained or cfg.model, loss=cfg.loss)  # --pretrained: a family's directory
+        # --model NAME with --pretrained weights (a preset with --pretrained DIR: the directory's architecture)
+        model = create_model(cfg.model, pretrained=cfg.pretrained, cache_dir=cfg.cache_dir, loss=cfg.loss)
         Locks.pick(cfg).apply(model)  # before wrapping (DDP registers the trainable parameters) and the optimizer
         model = model.to(env.device)
         if cfg.grad_checkpointing:

@@ -64,7 +64,6 @@ BUILT_IN: dict[str, tuple[bool, str]] = {
     "--loss-dist-impl": (True, "the loss across ranks is always naflexclip's sharded, tiled one"),
     "--use-naflex": (False, "every run is NaFlex: token-budget microbatches at each image's own aspect ratio"),
     "--force-naflex-vision": (False, "the image tower always is timm's NaFlexVit"),
-    "--cache-dir": (True, "naflexclip downloads nothing (--pretrained is read in place)"),
     "--force-custom-text": (False, "the text tower always is a separate module (model.text)"),
     "--lock-image-freeze-bn-stats": (False, "a NaFlex ViT has no BatchNorm statistics to freeze"),
     "--use-bn-sync": (False, "a NaFlex ViT has no BatchNorm to synchronise"),

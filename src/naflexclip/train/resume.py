@@ -48,7 +48,8 @@ POLICY: dict[str, tuple[str, str]] = {
         "naflex_seq_lens", "naflex_seq_len_probs", "naflex_max_tokens_per_batch", "naflex_batch_divisor")},
     **{key: (RESCHEDULE, "") for key in ("lr", "warmup", "epochs", "accum_freq")},
     **{key: (IGNORE, "") for key in ("name", "logs", "resume", "resume_fresh", "stop_after_steps", "device",
-                                     "dist_timeout", "plot", "report_to", "wandb_project_name", "wandb_notes")},
+                                     "dist_timeout", "plot", "report_to", "wandb_project_name", "wandb_notes",
+                                     "cache_dir")},
     # ---- OpenCLIP's flags (issue 22) ----
     "openclip_built_in": (IGNORE, ""),  # OpenCLIP's flags that change nothing here
 }
