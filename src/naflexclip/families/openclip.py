@@ -430,10 +430,14 @@ def read_state_dict(file: str | Path) -> dict[str, torch.Tensor]:
         except SafetensorError as error:
             raise OpenClipError(f"{str(path)!r} is truncated or damaged ({str(error).strip()})") from None
     else:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as error:  # pickle errors of many kinds: the file is not a state dict we can read
-            raise OpenClipError(f"{str(path)!r} is not a readable checkpoint ({str(error).splitlines()[0]})") from None
+        try:  # memory-mapped: the tensors are read from the page cache as they are copied into the model
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:
+            try:  # a file of torch's legacy (non-zip) format cannot be mapped
+                state = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as error:  # pickle errors of many kinds: not a state dict we can read
+                raise OpenClipError(f"{str(path)!r} is not a readable checkpoint "
+                                    f"({str(error).splitlines()[0]})") from None
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
