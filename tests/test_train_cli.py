@@ -11,7 +11,7 @@ from naflexclip.cli import build_parser, main
 from naflexclip.factory import create_model
 from naflexclip.train.cli import config_from_args
 from naflexclip.train.config import TrainConfig
-from naflexclip.train.optim import CosineSchedule, create_optimizer, param_groups
+from naflexclip.train.optim import LrSchedule, create_optimizer, param_groups
 
 
 @pytest.mark.parametrize(
@@ -77,7 +77,7 @@ def test_weight_decay_only_on_matrices() -> None:
 
 def test_cosine_schedule_with_linear_warmup() -> None:
     optimizer = create_optimizer(create_model("tiny"), lr=1.0, weight_decay=0.0, betas=(0.9, 0.98), eps=1e-6)
-    schedule = CosineSchedule(optimizer, base_lr=1.0, warmup_steps=4, total_steps=14)
+    schedule = LrSchedule(optimizer, base_lr=1.0, warmup_steps=4, total_steps=14)
     lrs = []
     for _ in range(14):
         lrs.append(optimizer.param_groups[0]["lr"])
@@ -86,7 +86,7 @@ def test_cosine_schedule_with_linear_warmup() -> None:
     assert lrs[4] == 1.0 and lrs[9] == pytest.approx(0.5)
     assert lrs[13] == pytest.approx(0.5 * (1 + math.cos(0.9 * math.pi)))
     assert all(a >= b for a, b in zip(lrs[4:], lrs[5:], strict=False))
-    restored = CosineSchedule(optimizer, 1.0, 4, 14)
+    restored = LrSchedule(optimizer, 1.0, 4, 14)
     restored.load_state_dict(schedule.state_dict())
     assert restored.last_step == 14 and optimizer.param_groups[1]["lr"] == restored.lr_at(14) == 0.0
     assert isinstance(optimizer, torch.optim.AdamW)

@@ -22,7 +22,7 @@ from naflexclip.loss import LOSSES
 from naflexclip.model import PRESETS
 from naflexclip.window import METHODS, SCALE_MODES
 
-from .config import DEMO_DEFAULTS, OPENCLIP_DEFAULTS, PRECISIONS, TrainConfig, shown_value
+from .config import DEMO_DEFAULTS, OPENCLIP_DEFAULTS, PRECISIONS, TrainConfig, parse_kwargs, shown_value
 from .openclip_flags import HelpFormatter, add_openclip_flags, group_by_origin, refused_message
 
 DEFAULT_ZERO_SHOT_OUTPUT = "zeroshot_results.json"
@@ -74,9 +74,10 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     o = parser.add_argument_group("optimization")
     o.add_argument("--lr", type=float, default=_default("lr"), help="peak learning rate")
     o.add_argument("--wd", type=float, default=_default("wd"), help="AdamW weight decay (matrices only)")
-    o.add_argument("--beta1", type=float, default=_default("beta1"))
-    o.add_argument("--beta2", type=float, default=_default("beta2"))
-    o.add_argument("--eps", type=float, default=_default("eps"))
+    betas = "OpenCLIP's for a ViT; with --opt timm/<name> the optimizer's own"
+    o.add_argument("--beta1", type=float, default=None, help=f"(default: 0.9, {betas})")
+    o.add_argument("--beta2", type=float, default=None, help=f"(default: 0.98, {betas})")
+    o.add_argument("--eps", type=float, default=None, help=f"(default: 1e-6, {betas})")
     o.add_argument("--warmup", type=int, default=_default("warmup"), help="linear warmup, in optimizer steps")
     o.add_argument("--epochs", type=int, default=_default("epochs"))
     o.add_argument("--precision", default=_default("precision"), choices=PRECISIONS)
@@ -95,6 +96,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                         "open_clip's download folder), besides the default caches; nothing is downloaded")
     add_lock_args(parser)
     add_distill_args(parser)
+    add_optimizer_args(parser)
     r = parser.add_argument_group("run, logs and checkpoints")
     # --logs-dir: torchrun (torch >= 2.9) rejects `--logs` after the script as ambiguous with its --logs-specs
     r.add_argument("--logs", "--logs-dir", dest="logs", default=_default("logs"),
@@ -170,6 +172,48 @@ def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
 # ---- end of OpenCLIP's defaults ----
 
 
+# ---- optimizer and schedule flags (OpenCLIP's, issue 22) ----
+def add_optimizer_args(parser: argparse.ArgumentParser) -> None:
+    """OpenCLIP's optimizer and lr-schedule flags (`train.optim`)."""
+    o = parser.add_argument_group("optimizer and lr schedule")
+    o.add_argument("--opt", default="adamw",
+                   help="adamw, nadamw (torch NAdam, decoupled weight decay) or timm/<name>: any optimizer of "
+                        "timm.optim.create_optimizer_v2")
+    o.add_argument("--opt-kwargs", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="more optimizer arguments, each a Python literal (else a string), passed last")
+    o.add_argument("--momentum", type=float, default=None, help="momentum of a timm optimizer")
+    o.add_argument("--wd-exclude", nargs="*", default=[], metavar="PATTERN",
+                   help="parameter-name globs (fnmatch) that get no weight decay, besides norms, biases, embeddings")
+    o.add_argument("--image-layer-decay", "--visual-layer-decay", type=float, default=None,
+                   help="layer-wise lr decay of the image tower: lr * decay ** (layer groups above; the projection "
+                        "at full lr), in (0, 1]; unset or 1: off")
+    o.add_argument("--text-layer-decay", type=float, default=None, help="the same for the text tower")
+    o.add_argument("--lr-scheduler", default="cosine", choices=("cosine", "const", "const-cooldown"),
+                   help="after --warmup: cosine decay to 0, constant, or constant then a cooldown")
+    o.add_argument("--epochs-cooldown", type=int, default=None,
+                   help="const-cooldown: cool down over the windows of the last N epochs")
+    o.add_argument("--lr-cooldown-end", type=float, default=0.0, help="const-cooldown: the lr it ends at")
+    o.add_argument("--lr-cooldown-power", type=float, default=1.0,
+                   help="const-cooldown: (1 - progress) ** power (1: linear)")
+    o.add_argument("--skip-scheduler", action="store_true", help="no schedule: the lr stays --lr (no warmup)")
+
+
+def optimizer_config(args: argparse.Namespace) -> dict[str, object]:
+    """The optimizer and schedule fields of TrainConfig from their flags (betas and eps: OpenCLIP's for a ViT,
+    except a timm optimizer's own)."""
+    timm = args.opt.startswith("timm/")
+    own = {"beta1": 0.9, "beta2": 0.98, "eps": 1e-6}
+    return {
+        **{key: getattr(args, key) if getattr(args, key) is not None or timm else value for key, value in own.items()},
+        "opt": args.opt, "opt_kwargs": parse_kwargs(args.opt_kwargs, "--opt-kwargs"), "momentum": args.momentum,
+        "wd_exclude": tuple(args.wd_exclude), "image_layer_decay": args.image_layer_decay,
+        "text_layer_decay": args.text_layer_decay, "lr_scheduler": args.lr_scheduler,
+        "epochs_cooldown": args.epochs_cooldown, "lr_cooldown_end": args.lr_cooldown_end,
+        "lr_cooldown_power": args.lr_cooldown_power, "skip_scheduler": args.skip_scheduler,
+    }
+# ---- end of optimizer and schedule flags ----
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The one place flags become a TrainConfig (ValueError with a one-line, flag-naming message)."""
     refused = refused_message(args)
@@ -184,7 +228,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         data=data_config_from_args(args), model=args.model, loss=args.loss, batch_size=args.batch_size,
         accum_freq=args.accum_freq, accum_method=args.accum_method, naflex_loss_scale=args.naflex_loss_scale,
-        lr=args.lr, wd=args.wd, beta1=args.beta1, beta2=args.beta2, eps=args.eps, warmup=args.warmup,
+        lr=args.lr, wd=args.wd, warmup=args.warmup,
         epochs=args.epochs, precision=args.precision, grad_clip_norm=clip if clip is not None and clip > 0 else None,
         seed=args.seed, logs=args.logs, name=args.name, save_frequency=args.save_frequency,
         save_every_n_steps=args.save_every_n_steps, stop_after_steps=args.stop_after_steps, resume=args.resume,
@@ -198,7 +242,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         zeroshot_frequency=getattr(args, "zeroshot_frequency", _default("zeroshot_frequency")),
         pretrained=args.pretrained, cache_dir=getattr(args, "cache_dir", None),
         grad_checkpointing=args.grad_checkpointing, torchcompile=args.torchcompile, **Locks.pick(args).as_dict(),
-        openclip_built_in=tuple(getattr(args, "openclip_built_in", ())),
+        openclip_built_in=tuple(getattr(args, "openclip_built_in", ())), **optimizer_config(args),
         **Distill.pick(args).as_dict(),
     )
 

@@ -3,7 +3,7 @@
 
     model        the full model weights (gathered from every rank's shards; model.safetensors)
     optimizer    AdamW's full state (this run's hyperparameters are kept on load)
-    lr_schedule  the cosine schedule (`CosineSchedule`)
+    lr_schedule  the lr schedule (`LrSchedule`)
     scaler       the fp16 grad scaler (`Precision`; empty without one)
     data         every rank's loader position
     rng          every rank's random streams

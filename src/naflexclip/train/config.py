@@ -7,6 +7,7 @@ instead (`OPENCLIP_DEFAULTS`). Every validation error is one line and names the 
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import os
 import re
@@ -43,6 +44,9 @@ OPENCLIP_DEFAULTS: dict[str, Any] = {
     "data.naflex_max_tokens_per_batch": 16384, "data.naflex_batch_divisor": 8, "data.workers": 4,
     "data.train_num_samples": None, "data.dataset_type": "auto", "data.csv_img_key": "filepath",
     "data.csv_caption_key": "title", "data.csv_separator": "\t",
+    "opt": "adamw", "opt_kwargs": {}, "momentum": None, "wd_exclude": (), "image_layer_decay": None,
+    "text_layer_decay": None, "lr_scheduler": "cosine", "epochs_cooldown": None, "lr_cooldown_end": 0.0,
+    "lr_cooldown_power": 1.0, "skip_scheduler": False,
 }
 # the built-in dataset's own values where they differ from OpenCLIP's (the demo: docs/demo.md); TrainConfig's
 # field defaults are these, the data ones are the CLI's defaults without --train-data
@@ -82,8 +86,27 @@ def openclip_differences(config: dict[str, Any]) -> list[str]:
     `--flag value (OpenCLIP: value)`."""
     flat = flat_config(config)
     plain = {key: tuple(v) if isinstance(v, list) else v for key, v in flat.items()}
+    defaults = dict(OPENCLIP_DEFAULTS)
+    if str(flat.get("opt", "")).startswith("timm/"):  # OpenCLIP leaves a timm optimizer its own betas and eps
+        defaults.update(beta1=None, beta2=None, eps=None)
     return [f"{flag_name(key)} {shown_value(flat[key])} (OpenCLIP: {shown_value(default)})"
-            for key, default in OPENCLIP_DEFAULTS.items() if key in plain and plain[key] != default]
+            for key, default in defaults.items() if key in plain and plain[key] != default]
+
+
+def parse_kwargs(items: list[str] | None, flag: str) -> dict[str, Any]:
+    """OpenCLIP's `key=value ...` flags (--opt-kwargs, --aug-cfg): each value a Python literal, else a string."""
+    values: dict[str, Any] = {}
+    for item in items or []:
+        if not item:
+            continue
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{flag}: {item!r} is not key=value")
+        try:
+            values[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            values[key] = text  # OpenCLIP's fallback: a string needs no quotes on the command line
+    return values
 # ---- end of OpenCLIP's defaults ----------------------------------------------------------------------------
 
 
@@ -150,6 +173,18 @@ class TrainConfig:
     distill_model: str | None = None
     distill_pretrained: str | None = None
     distill_loss_weight: float = 1.0
+    # ---- optimizer and schedule (OpenCLIP's flags, issue 22; `train.optim`) ----
+    opt: str = "adamw"  # adamw, nadamw or timm/<name>
+    opt_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the optimizer last
+    momentum: float | None = None  # timm optimizers only
+    wd_exclude: tuple[str, ...] = ()  # parameter-name globs that get no weight decay
+    image_layer_decay: float | None = None  # layer-wise lr decay of the image tower, in (0, 1]
+    text_layer_decay: float | None = None
+    lr_scheduler: str = "cosine"  # cosine, const, const-cooldown
+    epochs_cooldown: int | None = None  # const-cooldown: cool down over the last N epochs
+    lr_cooldown_end: float = 0.0
+    lr_cooldown_power: float = 1.0
+    skip_scheduler: bool = False  # the lr stays --lr (no warmup, no decay)
 
     def __post_init__(self) -> None:
         self._check_choices()
@@ -162,6 +197,7 @@ class TrainConfig:
             raise ValueError(f"--distill-model {self.distill_model} is a preset: give the teacher's weights with "
                              f"--distill-pretrained (a naflexclip checkpoint)")
         self._check_zeroshot()
+        self._check_optimizer()
         if self.name is None:
             # OpenCLIP-style run name: when and what
             model = family_of(self.pretrained).NAME if self.pretrained and not self.named_family else self.model
@@ -278,6 +314,30 @@ class TrainConfig:
         for key in ("zeroshot_data", "zeroshot_classnames", "zeroshot_templates"):
             if getattr(self, key) is not None:
                 setattr(self, key, os.path.abspath(getattr(self, key)))
+
+    def _check_optimizer(self) -> None:
+        """The optimizer and schedule flags (issue 22), one line naming the flag."""
+        from naflexclip.train.optim import SCHEDULERS, check_optimizer_name
+
+        check_optimizer_name(self.opt)
+        if self.lr_scheduler not in SCHEDULERS:
+            raise ValueError(f"--lr-scheduler: {self.lr_scheduler!r} is not one of {list(SCHEDULERS)}")
+        if self.lr_scheduler == "const-cooldown":
+            if self.epochs_cooldown is None or not 1 <= self.epochs_cooldown <= self.epochs:
+                raise ValueError(f"--lr-scheduler const-cooldown needs --epochs-cooldown N with 1 <= N <= --epochs "
+                                 f"{self.epochs}, got {self.epochs_cooldown}")
+        elif self.epochs_cooldown is not None:
+            raise ValueError(f"--epochs-cooldown goes with --lr-scheduler const-cooldown, not {self.lr_scheduler}")
+        if self.momentum is not None and not self.opt.startswith("timm/"):
+            raise ValueError(f"--momentum goes with a timm optimizer (--opt timm/sgd, ...), not --opt {self.opt}")
+        for flag, decay in (("--image-layer-decay", self.image_layer_decay),
+                            ("--text-layer-decay", self.text_layer_decay)):
+            if decay is not None and not 0.0 < decay <= 1.0:
+                raise ValueError(f"{flag} must be in (0, 1], got {decay}")
+        if self.lr_cooldown_power <= 0:
+            raise ValueError(f"--lr-cooldown-power must be > 0, got {self.lr_cooldown_power}")
+        self.opt_kwargs = dict(self.opt_kwargs)
+        self.wd_exclude = tuple(self.wd_exclude)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form (saved with every checkpoint and at the top of the logs)."""

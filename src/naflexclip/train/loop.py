@@ -41,7 +41,7 @@ from naflexclip.train.config import TrainConfig
 from naflexclip.train.evaluate import Evaluator
 from naflexclip.train.grouping import window_sizes
 from naflexclip.train.openclip_flags import first_lines
-from naflexclip.train.optim import CosineSchedule, create_optimizer
+from naflexclip.train.optim import LrSchedule, create_optimizer
 from naflexclip.train.precision import create_precision
 from naflexclip.train.report import Reporter, refuse_existing_run
 from naflexclip.train.resume import nothing_left, resume
@@ -77,13 +77,16 @@ class Trainer:
             teacher = distill.teacher(self.module, cfg.data.hf_processor, cfg.loss).to(env.device)
         # every window's size exchange also checks that the ranks agree on step, epoch and having data
         self.exchange = window_exchange(env, self.model)
-        self.optimizer = create_optimizer(self.model, lr=cfg.lr, weight_decay=cfg.wd, betas=(cfg.beta1, cfg.beta2),
-                                          eps=cfg.eps)
+        self.optimizer = create_optimizer(
+            self.model, lr=cfg.lr, weight_decay=cfg.wd, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, opt=cfg.opt,
+            opt_kwargs=cfg.opt_kwargs, momentum=cfg.momentum, wd_exclude=cfg.wd_exclude,
+            image_layer_decay=cfg.image_layer_decay, text_layer_decay=cfg.text_layer_decay)
         self.loader = build_loader(cfg.data, split="train", patch_size=self.module.image_patch_size,
                                    context_length=self.module.context_length, rank=env.rank,
                                    world_size=env.world_size, device_pin=env.device.type == "cuda")
         self.batches_per_epoch = self._plan_batches()
-        self.schedule = CosineSchedule(self.optimizer, cfg.lr, cfg.warmup, self.windows_left(0, 0))
+        self.schedule = LrSchedule(self.optimizer, cfg.lr, cfg.warmup, 1, kind=cfg.lr_scheduler)
+        self.schedule.load_state_dict(self.schedule_plan(0, 0, 0))
         self.window_step = WindowStep(cfg, env, self.model, loss_fn, self.optimizer, self.schedule, self.precision,
                                       self.exchange, teacher)
         self.progress = Progress()
@@ -130,6 +133,25 @@ class Trainer:
         return sum(len(window_sizes(count - (next_batch if i == 0 else 0), self.cfg.accum_freq))
                    for i, count in enumerate(counts))
 
+    def schedule_plan(self, epoch: int, next_batch: int, step: int) -> dict[str, Any]:
+        """This run's lr schedule state at optimizer step `step`, microbatch `next_batch` of `epoch`: it spans the
+        steps done and the windows left (`windows_left`); --lr-scheduler const-cooldown cools down over the windows
+        of the last --epochs-cooldown epochs (OpenCLIP's), counted at this run's --accum-freq."""
+        cfg = self.cfg
+        total = step + self.windows_left(epoch, next_batch)
+        cooldown = 0
+        if cfg.lr_scheduler == "const-cooldown" and cfg.epochs_cooldown:
+            first = cfg.epochs - cfg.epochs_cooldown  # the cooldown's first epoch
+            if first >= epoch:
+                cooldown = self.windows_left(first, 0)
+            else:  # inside it: the windows before this position since its start, and those left
+                done = sum(len(window_sizes(count, cfg.accum_freq)) for count in self.batches_per_epoch[first:epoch])
+                cooldown = done + len(window_sizes(next_batch, cfg.accum_freq)) + self.windows_left(epoch, next_batch)
+        return {"last_step": step, "base_lr": cfg.lr, "warmup_steps": cfg.warmup, "total_steps": total,
+                "kind": cfg.lr_scheduler, "cooldown_steps": min(cooldown, total),
+                "cooldown_power": cfg.lr_cooldown_power, "cooldown_end_lr": cfg.lr_cooldown_end,
+                "skip": cfg.skip_scheduler}
+
     def train_step(self, microbatches: list[dict[str, Any]]) -> StepResult:
         """One window -> at most one optimizer step (`WindowStep`); counts the skipped ones."""
         # the step this window makes (as the logs count it), checked against every rank in its size exchange,
@@ -143,7 +165,7 @@ class Trainer:
 
     def resume(self) -> bool:
         """Continue --resume's checkpoint (`train.resume`); True if one was loaded."""
-        return resume(self.cfg, self.checkpointer, self.reporter, self.module, self.windows_left)
+        return resume(self.cfg, self.checkpointer, self.reporter, self.module, self.schedule_plan)
 
     def fit(self) -> dict[str, float]:
         """Resume if asked, evaluate, train every remaining epoch, report; returns the last evaluation."""

@@ -25,7 +25,7 @@ from naflexclip.model import weights_mismatch
 from naflexclip.train import checkpoint as storage
 from naflexclip.train.components import Checkpointer, Progress
 from naflexclip.train.config import TrainConfig, flag_name, flat_config, shown_value
-from naflexclip.train.optim import cosine_lr
+from naflexclip.train.optim import scheduled_lr
 from naflexclip.train.report import Reporter, run_exists
 
 APPLY = "apply"  # applied and named in the resume notice (every flag `POLICY` does not list)
@@ -47,6 +47,12 @@ POLICY: dict[str, tuple[str, str]] = {
         "synthetic_train_size", "synthetic_shape_group_size", "train_num_samples", "shuffle_buffer",
         "naflex_seq_lens", "naflex_seq_len_probs", "naflex_max_tokens_per_batch", "naflex_batch_divisor")},
     **{key: (RESCHEDULE, "") for key in ("lr", "warmup", "epochs", "accum_freq")},
+    # ---- optimizer and schedule flags (issue 22) ----
+    # another optimizer's state, or other parameter groups (layer decay, --wd-exclude), cannot be loaded
+    **{key: (REFUSE, "the optimizer or its parameter groups") for key in (
+        "opt", "wd_exclude", "image_layer_decay", "text_layer_decay")},
+    **{key: (RESCHEDULE, "") for key in ("lr_scheduler", "epochs_cooldown", "lr_cooldown_end", "lr_cooldown_power",
+                                         "skip_scheduler")},  # opt_kwargs, momentum: applied as --wd, --beta1
     **{key: (IGNORE, "") for key in ("name", "logs", "resume", "resume_fresh", "stop_after_steps", "device",
                                      "dist_timeout", "plot", "report_to", "wandb_project_name", "wandb_notes",
                                      "cache_dir")},
@@ -122,21 +128,20 @@ def resume_error(states: dict[str, Any], checkpointer: Checkpointer, model: Any)
 
 
 def reschedule(states: dict[str, Any], cfg: TrainConfig, world_size: int, progress: Progress,
-               steps_left: Callable[[int, int], int]) -> list[str]:
+               plan: Callable[[int, int, int], dict[str, Any]]) -> list[str]:
     """Where a flag that defines the lr schedule changed, or the world size (each step then covers another
     number of samples), replace the saved schedule in `states` by this run's, spanning the steps done plus the
-    steps actually left from the resumed position (`progress`, loaded; `steps_left`: the windows the rest of
-    each epoch makes, as re-planned, so none runs past its end at lr 0); the notice names the world sizes, both
-    lengths and the lr at the resumed step."""
+    steps actually left from the resumed position (`progress`, loaded; `plan(epoch, next_batch, step)`: this run's
+    schedule state from there, over the windows the rest of each epoch makes as re-planned, so none runs past its
+    end at lr 0); the notice names the world sizes, both lengths and the lr at the resumed step."""
     saved, saved_world_size = states["lr_schedule"], states["run"]["world_size"]
     flags = any(_rule(key) == RESCHEDULE for key in _changed(states["run"]["config"], cfg.to_dict()))
     if not flags and saved_world_size == world_size:
         return []
     step = int(saved["last_step"])
-    new = {"last_step": step, "base_lr": cfg.lr, "warmup_steps": cfg.warmup,
-           "total_steps": step + steps_left(progress.epoch, progress.next_batch)}
+    new = plan(progress.epoch, progress.next_batch, step)
     states["lr_schedule"] = new
-    old_lr, new_lr = (cosine_lr(step, s["base_lr"], s["warmup_steps"], s["total_steps"]) for s in (saved, new))
+    old_lr, new_lr = (scheduled_lr(step, s) for s in (saved, new))
     world = [f"world size {saved_world_size} -> {world_size}"] if saved_world_size != world_size else []
     return world + [f"lr schedule {saved['total_steps']} -> {new['total_steps']} steps "
                     f"(lr at step {step}: {old_lr:.3g} -> {new_lr:.3g})"]
@@ -162,11 +167,12 @@ def _start_fresh(cfg: TrainConfig, checkpointer: Checkpointer, reporter: Reporte
 
 
 def resume(cfg: TrainConfig, checkpointer: Checkpointer, reporter: Reporter, model: Any,
-           steps_left: Callable[[int, int], int]) -> bool:
+           plan: Callable[[int, int, int], dict[str, Any]]) -> bool:
     """Load --resume (a path, or `latest` of this run when there is one) into every component; True if a
     checkpoint was loaded. Every rank reads the checkpoint, so every rank raises the same one-line error.
-    `model`: the plain model (its weights are checked against the checkpoint's); `steps_left(epoch, next_batch)`:
-    optimizer steps from that microbatch to the end of the run, as the loaded data position plans the epoch."""
+    `model`: the plain model (its weights are checked against the checkpoint's); `plan(epoch, next_batch, step)`:
+    this run's lr schedule from that microbatch to the end of the run, as the loaded data position plans the epoch
+    (`reschedule`)."""
     if cfg.resume is None:
         return False
     if cfg.resume == "latest":
@@ -182,7 +188,7 @@ def resume(cfg: TrainConfig, checkpointer: Checkpointer, reporter: Reporter, mod
     checkpointer.load(states, skip=("reporter", "lr_schedule"))
     progress = checkpointer.progress  # the data position re-mapped to this world size, where it changed
     changes = changed_flags(states["run"]["config"], cfg.to_dict()) + reschedule(
-        states, cfg, checkpointer.run["world_size"], progress, steps_left)
+        states, cfg, checkpointer.run["world_size"], progress, plan)
     checkpointer.components["lr_schedule"].load_state_dict(states["lr_schedule"])
     if found.path.resolve().parent == checkpointer.checkpoint_dir.resolve():  # this run's own checkpoint
         reporter.load_state_dict(states["reporter"], progress.step)

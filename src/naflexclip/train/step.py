@@ -4,7 +4,7 @@ Each step takes `--accum-freq` consecutive microbatches from the loader (an epoc
 last window, `grouping.window_sizes`) and hands them to `accumulate_gradients`, which leaves `s(W)·∇θ L(W)` in
 `.grad`: nothing here computes a loss coefficient. After the window the step unscales (fp16), measures and
 clips the gradient norm once, skips the update if the loss or the gradient is not finite (alike on every rank:
-both are the whole window's), steps AdamW, clamps `logit_scale` and advances the cosine schedule (once per
+both are the whole window's), steps AdamW, clamps `logit_scale` and advances the lr schedule (once per
 window, skipped or not, so the schedule and the data position stay in step).
 """
 
@@ -23,7 +23,7 @@ from naflexclip.distributed import DistributedEnv, fault_guard
 from naflexclip.parallel import no_sync_context, unwrap_model
 from naflexclip.train.config import TrainConfig
 from naflexclip.train.grouping import window_sizes
-from naflexclip.train.optim import CosineSchedule
+from naflexclip.train.optim import LrSchedule
 from naflexclip.train.precision import Precision
 from naflexclip.window import WindowStats, accumulate_gradients
 
@@ -87,7 +87,7 @@ class WindowStep:
     """Turns one window into at most one optimizer step (`model`: as wrapped for training)."""
 
     def __init__(self, cfg: TrainConfig, env: DistributedEnv, model: nn.Module, loss_fn: nn.Module,
-                 optimizer: torch.optim.Optimizer, schedule: CosineSchedule, precision: Precision, exchange: Any,
+                 optimizer: torch.optim.Optimizer, schedule: LrSchedule, precision: Precision, exchange: Any,
                  teacher: nn.Module | None = None) -> None:
         self.cfg, self.env, self.model, self.loss_fn, self.teacher = cfg, env, model, loss_fn, teacher
         self.optimizer, self.schedule, self.precision, self.exchange = optimizer, schedule, precision, exchange
