@@ -91,6 +91,14 @@ def data(siglip2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "templates.txt").write_text("\n".join(TEMPLATES) + "\n")
     (root / "names.json").write_text(json.dumps({"imagenet_sketch": classes}))
     (root / "templates.json").write_text(json.dumps({"imagenet_sketch": TEMPLATES}))
+    # CLIP_benchmark's retrieval layout (captions in .txt), with and without the dataset_type.txt that says so
+    captioned = [(name.replace(".cls", ".txt"), f"a {classes[int(data)]}".encode() if name.endswith(".cls") else data)
+                 for name, data in members]
+    for name in ("captions", "captions_untyped"):
+        (root / name / "test").mkdir(parents=True)
+        write_tar(str(root / name / "test" / "0.tar"), captioned)
+        (root / name / "test" / "nshards.txt").write_text("1\n")
+    (root / "captions" / "dataset_type.txt").write_text("retrieval\n")
     return root
 
 
@@ -173,6 +181,73 @@ def test_seq_len_sweep_writes_one_json_per_length(clip_benchmark, data: Path, tm
         assert sorted(int(row["seq_len"]) for row in csv.DictReader(f)) == [4, 16]
 
 
+@pytest.fixture(scope="module")
+def near_ties(siglip2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`data`'s layout (without `names.json`) for 6 classes, whose images each have their 5th and 6th class within
+    a hair at SEQ_LEN patches (the closest 24 of 200 images), labelled with the 5th: eval's top-5 counts each one,
+    and any scorer at a lower precision than eval's loses some. A class no such image has gets one other image."""
+    import torch
+    import torch.nn.functional as F
+
+    from naflexclip import create_model
+    from naflexclip.data.processing import make_processing
+    from naflexclip.data.samples import decode_image
+
+    names = NAMES[:6]
+    model = create_model(str(siglip2)).eval()
+    processing = make_processing(str(siglip2), model.image_patch_size)
+    pngs = [image_bytes(8 + (seed * 7) % 20, 8 + (seed * 11) % 24, "PNG", seed=seed) for seed in range(200)]
+    pixels = [processing.transform(decode_image(png), SEQ_LEN) for png in pngs]
+    with torch.no_grad():  # as eval computes them
+        classes = torch.stack([F.normalize(F.normalize(model.encode_text(processing.tokenize(
+            [t.format(c=name) for t in TEMPLATES], model.context_length)), dim=-1).mean(dim=0), dim=-1)
+            for name in names])
+        scores = F.normalize(model.encode_image(processing.collate(pixels, SEQ_LEN, model.image_patch_size)),
+                             dim=-1) @ classes.T
+    ranked = scores.sort(dim=1, descending=True)
+    fifth, margin = ranked.indices[:, 4].tolist(), (ranked.values[:, 4] - ranked.values[:, 5]).tolist()
+    closest = sorted(range(len(pngs)), key=margin.__getitem__)[:24]
+    images = [(i, fifth[i]) for i in closest]
+    others = iter(i for i in range(len(pngs)) if i not in closest)
+    images += [(next(others), label) for label in range(len(names)) if label not in {lab for _, lab in images}]
+    root = tmp_path_factory.mktemp("near_ties")
+    members = []
+    for i, label in images:
+        (root / "folder" / names[label]).mkdir(parents=True, exist_ok=True)
+        (root / "folder" / names[label] / f"{i}.png").write_bytes(pngs[i])
+        members += [(f"s{i:03d}.png", pngs[i]), (f"s{i:03d}.cls", str(label).encode())]
+    (root / "wds" / "test").mkdir(parents=True)
+    write_tar(str(root / "wds" / "test" / "0.tar"), members)
+    (root / "wds" / "test" / "nshards.txt").write_text("1\n")
+    for path in (root / "wds" / "classnames.txt", root / "names.txt"):
+        path.write_text("\n".join(names) + "\n")
+    for path in (root / "wds" / "zeroshot_classification_templates.txt", root / "templates.txt"):
+        path.write_text("\n".join(TEMPLATES) + "\n")
+    return root
+
+
+def test_default_precision_scores_as_eval(clip_benchmark, siglip2: Path, near_ties: Path, tmp_path: Path) -> None:
+    """Without --no_amp or --precision: the checkpoint's precision, as `eval` takes it (a SigLIP 2 directory:
+    fp32), so both score near ties alike (CLIP_benchmark's own default, autocast, lost some of top-5)."""
+    out = tmp_path / "default.json"
+    assert main(["benchmark", "--pretrained", str(siglip2), "--batch_size", "4", "--num_workers", "0", "--device",
+                 "cpu", "--dataset", "wds/mine", "--dataset_root", str(near_ties / "wds"), "--seq-len", str(SEQ_LEN),
+                 "--output", str(out)]) == 0
+    evaluated = _eval(siglip2, near_ties, SEQ_LEN, tmp_path / "eval.json")
+    assert evaluated["num_classes"] == 6 and evaluated["top5"] >= 24 / evaluated["num_samples"]
+    _assert_same_scores(json.loads(out.read_text()), evaluated)
+
+
+def test_auto_task_of_a_wds_dataset_follows_its_dataset_type(clip_benchmark, siglip2: Path, data: Path,
+                                                             tmp_path: Path) -> None:
+    """`--task auto` on a `wds/` dataset whose dataset_type.txt says retrieval: zero-shot retrieval."""
+    out = tmp_path / "auto.json"
+    assert _benchmark(siglip2, "--dataset", "wds/captions", "--dataset_root", str(data / "captions"), "--seq-len",
+                      "16", "--output", str(out)) == 0
+    result = json.loads(out.read_text())
+    assert result["task"] == "zeroshot_retrieval" and "image_retrieval_recall@5" in result["metrics"]
+
+
 def test_wds_retrieval_equals_eval_recall(clip_benchmark, siglip2: Path, tmp_path: Path) -> None:
     """CLIP_benchmark's retrieval layout (dataset_type.txt 'retrieval', one caption per image) against `eval
     --val-data` on a folder of the same images and captions, at the checkpoint's own budget (64 patches)."""
@@ -236,6 +311,16 @@ def test_linear_probe_on_wds(clip_benchmark, siglip2: Path, data: Path, tmp_path
      "--custom_classname_file 'DATA/none.json' does not exist"),
     (["--dataset", "wds/mine", "--dataset_root", "DATA/wds", "--task", "linear_probe"],
      "--task linear_probe: CLIP_benchmark's linear probe runs on CUDA only"),
+    (["--dataset", "wds/mine", "--dataset_root", "DATA/wds", "--batch_size", "0"], "--batch_size 0"),
+    (["--dataset", "wds/mine", "--dataset_root", "DATA/wds", "--num_workers", "-1"], "--num_workers -1"),
+    (["--dataset", "wds/mine", "--dataset_root", "DATA/wds", "--task", "zeroshot_retrieval"],
+     "--task zeroshot_retrieval: --dataset wds/mine at --dataset_root 'DATA/wds' is a classification dataset"),
+    (["--dataset", "imagenet_sketch", "--dataset_root", "DATA/folder", "--task", "zeroshot_retrieval"],
+     "--task zeroshot_retrieval: --dataset imagenet_sketch is a classification dataset"),
+    (["--dataset", "wds/captions_untyped", "--dataset_root", "DATA/captions_untyped", "--task", "zeroshot_retrieval"],
+     "no dataset_type.txt"),
+    (["--dataset", "wds/captions", "--dataset_root", "DATA/captions", "--task", "zeroshot_classification"],
+     "--task zeroshot_classification: --dataset wds/captions at --dataset_root 'DATA/captions' is a retrieval"),
 ])
 def test_bad_input_is_one_line_naming_the_flag(clip_benchmark, siglip2: Path, data: Path, tmp_path: Path,
                                                capsys: pytest.CaptureFixture, flags: list[str], message: str) -> None:

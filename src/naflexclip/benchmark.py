@@ -6,8 +6,9 @@ batching for `wds/` datasets), moves the batch with `.to(device)` and calls `mod
 through `tokenizer(texts)` and `model.encode_text`. A NaFlex image is a dict (patches, their grid coordinates and
 a validity mask), so the transform packs one image, padded to the sequence length by the model's own collation,
 into a single float tensor `[seq_len, P*P*3 + 3]` (patch values, row, column, valid) that every batching stacks;
-`encode_image` unpacks it. The patch values are the ones `naflexclip eval` computes, so both score the same
-images alike.
+`encode_image` unpacks it. The patch values are the ones `naflexclip eval` computes, and the forwards run at the
+precision eval runs them at (the checkpoint's `--precision` unless given; CLIP_benchmark's own autocast is off), so
+both score the same images alike.
 
 Nothing is downloaded: datasets are read from `--dataset_root` as they lie, and where CLIP_benchmark would fetch
 files (`download=True`, or the shell commands some of its datasets run) the command stops with one line naming
@@ -21,8 +22,9 @@ import functools
 import json
 import os
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager as ContextManager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,8 @@ from typing import Any
 import torch
 from PIL import Image
 from torch import nn
+
+from naflexclip.train.config import PRECISIONS
 
 TASKS = ("zeroshot_classification", "zeroshot_retrieval", "linear_probe")
 # CLIP_benchmark's default file name with the sequence length added: a sweep writes one file per length
@@ -65,17 +69,21 @@ class NaFlexImageTransform:
 
 
 class BenchmarkModel(nn.Module):
-    """The model as CLIP_benchmark calls it: `encode_image(packed images)`, `encode_text(token ids)`."""
+    """The model as CLIP_benchmark calls it: `encode_image(packed images)`, `encode_text(token ids)`, each forward
+    under `autocast` and handed back in float32, as `naflexclip eval` computes its features."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, autocast: Callable[[], ContextManager[Any]] = nullcontext) -> None:
         super().__init__()
         self.model = model
+        self.autocast = autocast
 
     def encode_image(self, packed: torch.Tensor) -> torch.Tensor:
-        return self.model.encode_image(unpack(packed))
+        with self.autocast():
+            return self.model.encode_image(unpack(packed)).float()
 
     def encode_text(self, text: torch.Tensor) -> torch.Tensor:
-        return self.model.encode_text(text)
+        with self.autocast():
+            return self.model.encode_text(text).float()
 
 
 @dataclass(frozen=True)
@@ -111,14 +119,40 @@ def model_name(pretrained: str, config: dict[str, Any]) -> str:
     return family.NAME if family is not None else str(config.get("model") or "naflexclip")
 
 
-def _dataset_task(dataset: str, task: str) -> str:
+def _dataset_kind(dataset: str, root: str) -> str:
+    """What CLIP_benchmark reads `dataset` as: "retrieval" (images with captions), "classification", "multilabel",
+    or the task of a dataset of another kind. A `wds/` dataset's kind is its dataset_type.txt, classification
+    without one (CLIP_benchmark's rule); another's follows from its name."""
     from clip_benchmark.datasets.builder import get_dataset_default_task
 
+    if dataset.startswith("wds/"):
+        typed = Path(root, "dataset_type.txt")
+        return typed.read_text().strip().lower() if typed.is_file() else "classification"
+    task = get_dataset_default_task(dataset)
+    return {"zeroshot_retrieval": "retrieval", "zeroshot_classification": "classification"}.get(task, task)
+
+
+def _dataset_task(dataset: str, root: str, task: str) -> str:
+    """The task of --task on `dataset` ("auto": the dataset's own), or a one-line error when the dataset cannot
+    be read for it (CLIP_benchmark would fail inside its loader)."""
+    from clip_benchmark.datasets.builder import get_dataset_default_task
+
+    kind = _dataset_kind(dataset, root)
+    where = f"--dataset {dataset} at --dataset_root {root!r}" if dataset.startswith("wds/") else f"--dataset {dataset}"
     if task == "auto":
-        task = get_dataset_default_task(dataset.removeprefix("wds/"))
+        task = "zeroshot_retrieval" if kind == "retrieval" else get_dataset_default_task(dataset.removeprefix("wds/"))
         if task not in TASKS:
             raise ValueError(f"--task auto: {dataset!r} is a {task} dataset; naflexclip benchmark runs "
                              f"{', '.join(TASKS)}")
+    if task == "zeroshot_retrieval" and kind != "retrieval":
+        untyped = dataset.startswith("wds/") and not Path(root, "dataset_type.txt").is_file()
+        raise ValueError(f"--task zeroshot_retrieval: {where} is a {kind} dataset" + (
+            " (it has no dataset_type.txt, which CLIP_benchmark reads as classification; a captioned one says "
+            f"'retrieval' in {os.path.join(root, 'dataset_type.txt')})" if untyped else
+            " (class labels, no captions); use --task zeroshot_classification"))
+    if task != "zeroshot_retrieval" and kind == "retrieval":
+        raise ValueError(f"--task {task}: {where} is a retrieval dataset (captions, no class labels); "
+                         "use --task zeroshot_retrieval")
     return task
 
 
@@ -138,6 +172,10 @@ def plan_runs(args: argparse.Namespace, model: str) -> list[Run]:
 
     if any(length < 1 for length in args.seq_len):
         raise ValueError(f"--seq-len {' '.join(map(str, args.seq_len))}: sequence lengths are positive")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch_size {args.batch_size}: images per batch, at least 1")
+    if args.num_workers < 0:
+        raise ValueError(f"--num_workers {args.num_workers}: loader processes, at least 0 (0: load in this process)")
     slug = os.path.basename(os.path.normpath(args.pretrained))
     runs = []
     for dataset in args.dataset:
@@ -147,7 +185,7 @@ def plan_runs(args: argparse.Namespace, model: str) -> list[Run]:
         if not os.path.exists(root):
             raise ValueError(f"--dataset_root {root!r} does not exist (for --dataset {dataset}; naflexclip benchmark "
                              f"downloads nothing: put the dataset there)")
-        task = _dataset_task(dataset, args.task)
+        task = _dataset_task(dataset, root, args.task)
         for seq_len in args.seq_len:
             try:
                 name = args.output.format(model=model, pretrained=slug, task=task, language=args.language,
@@ -282,17 +320,17 @@ def evaluate_run(args: argparse.Namespace, run: Run, datasets: dict[str, Any], m
     with _numpy_compatible():
         if run.task == "zeroshot_classification":
             metrics = zeroshot_classification.evaluate(model, loader, tokenizer, test.classes, test.templates,
-                                                       device=device, amp=args.amp, verbose=False)
+                                                       device=device, amp=False, verbose=False)
         elif run.task == "zeroshot_retrieval":
             metrics = zeroshot_retrieval.evaluate(model, loader, tokenizer, recall_k_list=args.recall_k,
-                                                  device=device, amp=args.amp)
+                                                  device=device, amp=False)
         else:
             model_id = f"{name}-{args.pretrained}-{run.dataset}-seq{run.seq_len}".replace("/", "_")
             metrics = linear_probe.evaluate(
                 model, _loader(args, datasets["train"], run.dataset, run.root, batched=False), loader, args.fewshot_k,
                 args.batch_size, args.num_workers, args.fewshot_lr, args.fewshot_epochs, model_id, args.seed,
                 args.feature_root, device=device,
-                val_dataloader=_loader(args, datasets["val"], run.dataset, run.root, batched=False), amp=args.amp,
+                val_dataloader=_loader(args, datasets["val"], run.dataset, run.root, batched=False), amp=False,
                 verbose=False)
     return {"dataset": run.dataset, "model": name, "pretrained": args.pretrained, "task": run.task,
             "metrics": metrics, "language": args.language, "seq_len": run.seq_len}
@@ -302,6 +340,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
     """Handler of `naflexclip benchmark`: every input checked and every dataset opened before the first
     evaluation; then one evaluation and one JSON per (dataset, sequence length)."""
     from naflexclip.data.processing import make_processing
+    from naflexclip.train.precision import create_precision
 
     try:
         _require_clip_benchmark()
@@ -318,9 +357,13 @@ def run_benchmark(args: argparse.Namespace) -> int:
         processing = make_processing(config["data"].get("hf_processor"), model.image_patch_size)
         datasets = [prepare(args, run, processing, model.image_patch_size) for run in runs]
         tokenizer = functools.partial(processing.tokenize, context_length=model.context_length)
-        wrapped = BenchmarkModel(model).eval()
+        precision = create_precision(getattr(args, "precision", None) or config["precision"], torch.device(device))
+        wrapped = BenchmarkModel(model, precision.autocast).eval()
         for run, data in zip(runs, datasets, strict=True):
-            result = evaluate_run(args, run, data, wrapped, tokenizer, device, name)
+            try:
+                result = evaluate_run(args, run, data, wrapped, tokenizer, device, name)
+            except ValueError as error:  # from a loader worker: torch's "Caught ... in DataLoader worker" first
+                raise ValueError(f"--dataset {run.dataset} at --dataset_root {run.root!r}: {_cause(error)}") from None
             with open(run.output, "w") as f:
                 json.dump(result, f)
             shown = ", ".join(f"{k} {v:.4f}" for k, v in result["metrics"].items() if isinstance(v, float))
@@ -329,6 +372,14 @@ def run_benchmark(args: argparse.Namespace) -> int:
         print(f"naflexclip benchmark: error: {str(error).splitlines()[0]}", file=sys.stderr)
         return 2
     return 0
+
+
+def _cause(error: Exception) -> str:
+    """An error's own line: for one re-raised from a DataLoader worker, the original's last line."""
+    text = str(error)
+    if text.startswith("Caught ") and "Original Traceback" in text:
+        return [line for line in text.splitlines() if line.strip()][-1]
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -351,7 +402,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="linear probe: share of the training split held out for validation instead")
     p.add_argument("--batch_size", type=int, default=64)
     p.add_argument("--num_workers", type=int, default=4)
-    p.add_argument("--no_amp", dest="amp", action="store_false", help="no mixed precision")
+    # both SUPPRESS: no "(default: ...)" line; without either, the checkpoint's precision (run_benchmark)
+    p.add_argument("--precision", default=argparse.SUPPRESS, choices=PRECISIONS,
+                   help="precision of the forwards; default: the checkpoint's --precision, as naflexclip eval (fp32 "
+                        "for a SigLIP 2 directory), not CLIP_benchmark's mixed precision")
+    p.add_argument("--no_amp", dest="precision", action="store_const", const="fp32", default=argparse.SUPPRESS,
+                   help="CLIP_benchmark's flag: no mixed precision (--precision fp32)")
     p.add_argument("--language", default="en")
     p.add_argument("--custom_classname_file", default=None, help="JSON: dataset name -> class names")
     p.add_argument("--custom_template_file", default=None, help="JSON: dataset name -> prompt templates with {c}")
