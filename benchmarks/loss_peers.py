@@ -68,6 +68,8 @@ def _import_peer(module: str, device: torch.device) -> Any:
     except ImportError as error:
         raise Unavailable(f"not installed ({error}); `pip install {PEER_PACKAGES[module]}` "
                           "(benchmarks/gpu_checks.py installs it from PyPI or from --wheels)") from None
+    except Exception as error:  # e.g. a kernel module that asks the GPU for its capability at import
+        raise Unavailable(f"import failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}") from None
 
 
 def _ours(loss: str) -> Callable[[torch.device, int], LossFn]:
