@@ -10,8 +10,10 @@ allocated), and at the first size the loss value and the features' gradient agai
 adapter that computes something else shows. Our tile size is swept first (at the first size and dimension) and
 the fastest tile is used for the rest. An implementation that ran out of memory or failed is not tried at
 larger sizes; one whose time, projected from its smaller sizes as N²·D, does not fit the time left in
-`--budget-s` is skipped with one line. The peers are imported lazily; each absent or failing one is skipped
-with one line (`pip install siglip-kernel inf-cl memeff`; they need CUDA and Triton).
+`--budget-s` is skipped with one line. After the first size and dimension, a torch.profiler table of ours (the
+kernels with the most device time, the launches) says where its time goes. The peers are imported lazily; each
+absent or failing one is skipped with one line (`pip install siglip-kernel inf-cl memeff`; they need CUDA and
+Triton).
 
     python benchmarks/loss_peers.py --out OUT                     # GPU: N = 65,536 / 262,144 / 1,048,576
     python benchmarks/loss_peers.py --device cpu --sizes 256 512 --dims 32 --tiles 64 128   # a dry run
@@ -29,7 +31,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from measure import Results, mib, time_and_peak
+from measure import Results, mib, synchronize, time_and_peak
 
 from naflexclip.loss import DEFAULT_TILE_SIZE, create_loss
 
@@ -195,7 +197,7 @@ class LossBench:
         return seconds * runs * (n / n0) ** 2 * (dim / d0)
 
     def measure(self, impl: Impl, n: int, dim: int, inputs: dict, tile: int, label: str | None = None,
-                compare: bool = True) -> dict | None:
+                compare: bool = True, grads: list | None = None) -> dict | None:
         """One implementation at (N, D): its record (also written), or None when skipped."""
         key = (label or impl.label, impl.loss)
         what = f"{key[0]} ({impl.loss}) at N={n}, D={dim}"
@@ -227,7 +229,7 @@ class LossBench:
             return None
         image, text = inputs["fp32" if impl.fp32 else "low"]
         log_scale = torch.tensor(LOG_SCALE, device=self.device, requires_grad=True)
-        bias = torch.tensor(BIAS, device=self.device, requires_grad=True) if impl.loss == "siglip" else None
+        bias = torch.tensor(BIAS, device=self.device, requires_grad=True) if impl.loss != "clip" else None
         leaves = [t for t in (image, text, log_scale, bias) if t is not None]
         values: list[torch.Tensor] = []
 
@@ -266,6 +268,8 @@ class LossBench:
             value, grad = self.reference[checked]
             record["loss_rel_diff"] = abs(record["loss_value"] - value) / abs(value)
             record["grad_rel_diff"] = float((image.grad.float() - grad).norm() / grad.norm())
+        if grads is not None:
+            grads.append(image.grad.detach().float().clone())
         for leaf in leaves:
             leaf.grad = None
         values.clear()
@@ -330,6 +334,100 @@ class LossBench:
         del inputs
         _free(self.device)
 
+    def profile(self, n: int, dim: int) -> None:
+        """Where our loss's time goes at (N, D): torch.profiler over one forward + backward (after a warm-up), the
+        kernels with the most device time, and the launches; the answer to "why slower than a fused kernel"."""
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as run_profiler
+
+        if time.monotonic() > self.deadline - 10:
+            self.results.skip(f"the profile of ours at N={n}, D={dim}", "no time left of --budget-s")
+            return
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        inputs = [t.requires_grad_() for t in make_inputs(n, dim, self.dtype, self.device)]
+        for kind in ("clip", "siglip"):
+            fn = _ours(kind)(self.device, self.tile[kind])
+            log_scale = torch.tensor(LOG_SCALE, device=self.device, requires_grad=True)
+            bias = torch.tensor(BIAS, device=self.device, requires_grad=True) if kind == "siglip" else None
+
+            def step(fn: LossFn = fn, log_scale: torch.Tensor = log_scale, bias: torch.Tensor | None = bias) -> None:
+                fn(*inputs, log_scale, bias).backward()
+                synchronize(self.device)
+
+            step()
+            with run_profiler(activities=activities) as prof:
+                step()
+            events = prof.key_averages()
+            device_time = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+            top = sorted(events, key=lambda e: getattr(e, device_time, 0), reverse=True)[:12]
+            total = sum(getattr(e, device_time, 0) for e in events)
+            launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel"))
+            self.results.line(f"\n### profile: ours ({kind}, tile {self.tile[kind]}), N = {n}, D = {dim}, one forward "
+                              f"+ backward: {total / 1e3:.1f} ms of {'device' if self.device.type == 'cuda' else 'CPU'}"
+                              f" time in {launches} kernel launches")
+            self.results.line("| op / kernel | self ms | share | calls |\n| --- | --- | --- | --- |")
+            for event in top:
+                spent = getattr(event, device_time, 0)
+                self.results.line(f"| {event.key[:90]} | {spent / 1e3:.2f} | {spent / max(total, 1):.1%} | "
+                                  f"{event.count} |")
+            self.results.record(None, kind="loss_profile", loss=kind, n=n, dim=dim, tile=self.tile[kind],
+                                total_ms=total / 1e3, launches=launches,
+                                top=[(e.key, getattr(e, device_time, 0) / 1e3, e.count) for e in top])
+        inputs.clear()
+        _free(self.device)
+
+    def multi_positive(self, n: int, dim: int, captions: int = 2) -> None:
+        """SigLIP+ (several captions per image: `n` images, `captions`·n texts, group ids): ours
+        (`MultiPositiveLoss("siglip", "symmetric")`) against siglip-kernel's `fused_siglip_plus_loss`. Their
+        normalisations may differ, so the check is the cosine of the image gradients and the ratio of the losses."""
+        try:
+            from naflexclip.loss import MultiPositiveLoss
+        except ImportError:
+            self.results.skip("SigLIP+ (multi-positive)", "not in this version (no naflexclip.loss.MultiPositiveLoss)")
+            return
+        gen = torch.Generator(device=self.device).manual_seed(1)
+        image = F.normalize(torch.randn(n, dim, generator=gen, device=self.device), dim=-1)
+        text = F.normalize(image.repeat_interleave(captions, 0)
+                           + torch.randn(n * captions, dim, generator=gen, device=self.device), dim=-1)
+        image_groups = torch.arange(n, device=self.device)
+        text_groups = image_groups.repeat_interleave(captions)
+        inputs = {"low": [image.to(self.dtype).requires_grad_(), text.to(self.dtype).requires_grad_()]}
+
+        def ours(device: torch.device, tile: int) -> LossFn:
+            loss_fn = MultiPositiveLoss("siglip", "symmetric", tile)
+            return lambda i, t, log_scale, bias: loss_fn(i, t, log_scale.exp(), bias, image_groups, text_groups)
+
+        def fused(device: torch.device, tile: int) -> LossFn:
+            module = _import_peer("siglip_kernel", device)
+            return lambda i, t, log_scale, bias: module.fused_siglip_plus_loss(
+                i, t, log_scale, bias, image_groups, text_groups, symmetric=True, num_groups=n)
+
+        self.results.line(f"\n### SigLIP+ (multi-positive), N = {n} images, M = {n * captions} texts ({captions} per "
+                          f"image), D = {dim}, symmetric weighting, {self.args.dtype}, {self.device}; siglip-kernel "
+                          f"divides the sum by N·M, ours by N: its loss should be ours × {1 / (n * captions):.3g}")
+        self.results.line("| implementation | ms | × ours | peak MiB | × ours | loss | grad cosine vs ours |\n"
+                          "| --- | --- | --- | --- | --- | --- | --- |")
+        first: dict | None = None
+        grads: list[torch.Tensor] = []
+        for impl in (Impl("ours MultiPositiveLoss", "siglip+", ours), Impl("siglip-kernel SigLIP+", "siglip+", fused)):
+            record = self.measure(impl, n, dim, inputs, self.tile["siglip"], compare=False, grads=grads)
+            if record is None:
+                continue
+            first = first or record
+            versus = record["seconds"] / first["seconds"]
+            memory = (record["peak_bytes"] / first["peak_bytes"]) if record["peak_bytes"] and first["peak_bytes"] \
+                else None
+            cosine = float(F.cosine_similarity(grads[-1].flatten(), grads[0].flatten(), dim=0))
+            self.results.record(
+                f"| {impl.name} | {record['seconds'] * 1e3:.1f} | {versus:.2f} | {mib(record['peak_bytes'])} | "
+                f"{'' if memory is None else f'{memory:.2f}'} | {record['loss_value']:.4f} | {cosine:.5f} |",
+                **{**record, "kind": "loss_multi_positive"}, texts=n * captions, time_ratio=versus,
+                memory_ratio=memory, grad_cosine=cosine, loss_ratio=record["loss_value"] / first["loss_value"],
+                expected_loss_ratio=1.0 if record is first else 1 / (n * captions))
+        inputs.clear()
+        grads.clear()
+        _free(self.device)
+
     def run(self) -> None:
         args = self.args
         self.results.record(f"loss step: {self.device}, torch {torch.__version__}, features {args.dtype}, "
@@ -342,6 +440,10 @@ class LossBench:
         for n in args.sizes:
             for dim in args.dims:
                 self.compare(n, dim)
+                if (n, dim) == (args.sizes[0], args.dims[0]):
+                    if args.profile:
+                        self.profile(n, dim)
+                    self.multi_positive(n, dim)
 
 
 def main() -> None:
@@ -353,6 +455,8 @@ def main() -> None:
     parser.add_argument("--tile", type=int, default=None, help="our tile for the comparison (default: the fastest "
                                                               "of the sweep)")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    parser.add_argument("--no-profile", dest="profile", action="store_false",
+                        help="no torch.profiler table of ours at the first N and D")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs at the first size (1 at larger sizes)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="CPU threads (a dry run)")

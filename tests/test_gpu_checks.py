@@ -38,7 +38,7 @@ def test_dry_run_runs_every_step_and_writes_each_ones_figures(tmp_path: Path) ->
     for record in records:
         kinds.setdefault(record["step"], set()).add(record["kind"])
     assert "env" in kinds["env"]
-    assert {"loss", "loss_tile", "loss_tile_choice", "skipped"} <= kinds["loss"]
+    assert {"loss", "loss_tile", "loss_tile_choice", "loss_profile", "loss_multi_positive", "skipped"} <= kinds["loss"]
     assert "towers" in kinds["towers-siglip2-base"] and "towers" in kinds["towers-base"]
     assert kinds["towers-ViT-B-16"] & {"towers", "skipped"}  # measured, or one line: create_model does not know it
     assert {"window", "window_ratio"} <= kinds["window"]
@@ -51,7 +51,7 @@ def test_dry_run_runs_every_step_and_writes_each_ones_figures(tmp_path: Path) ->
     checked = [r for r in loss if "loss_rel_diff" in r]  # the first size: every implementation against ours, fp32
     assert checked and all(r["loss_rel_diff"] < 2e-2 and r["grad_rel_diff"] < 2e-2 for r in checked)
     skipped = {r["what"].split(" (")[0]: r["reason"] for r in records if r["step"] == "loss" and r["kind"] == "skipped"}
-    for peer in ("siglip-kernel", "Inf-CL", "memeff"):
+    for peer in ("siglip-kernel", "Inf-CL", "memeff", "siglip-kernel SigLIP+"):
         assert "needs CUDA" in skipped[peer] or "not installed" in skipped[peer], skipped
     objectives = {r["objective"]: r for r in records if r["kind"] == "objective"}
     assert set(objectives) >= {"plain window", "LiT (--lock-image)", "distillation (--distill-model)"}
