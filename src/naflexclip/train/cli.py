@@ -222,7 +222,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     args = with_defaults(args)
     clip = args.grad_clip_norm
     check_device(args.device)
-    if "zeroshot_frequency" in args and args.zeroshot_data is None:
+    # OpenCLIP's --imagenet-val / --imagenet-v2 feed zero-shot too, once this parser has them
+    if "zeroshot_frequency" in args and not any(getattr(args, zero_shot_data, None) for zero_shot_data in
+                                                ("zeroshot_data", "imagenet_val", "imagenet_v2")):
         raise ValueError(f"--zeroshot-frequency {args.zeroshot_frequency} goes with --zeroshot-data (the ImageFolder "
                          "to classify zero-shot during training)")
     return TrainConfig(
