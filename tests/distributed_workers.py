@@ -22,6 +22,9 @@ Scenarios:
   distill   — distillation windows (3 ranks, uneven sizes; DDP with equal and unequal microbatch counts, FSDP2):
               a clip student with a clip teacher and a siglip student with a siglip teacher, cache and replay, the
               sharded DistillLoss in 2-row tiles; against the single-process full batch; teacher forwards per rank.
+  multi_positive — grouped windows (3 ranks; images with 1-3 captions, texts cut over ranks otherwise than images):
+              the multi-positive losses (clip; siglip symmetric and soft) under DDP (equal and unequal microbatch
+              counts) and FSDP2, cache and replay, in 2-row tiles; against the single-process full batch.
   trainer_faults — a Trainer whose loader raises on rank 1 between windows, and whose rank-0 evaluation
               outlasts the collective timeout or raises: every rank stops at once naming the rank, or waits.
   fsdp_uneven — the README's library recipe with an FSDP2 model, ranks holding 2, 1 and 4 microbatches.
@@ -937,6 +940,47 @@ def scenario_distill(env: Any) -> dict[str, Any]:
     return results
 
 
+def scenario_multi_positive(env: Any) -> dict[str, Any]:
+    from naflexclip.batch import concat_microbatches, split_batch
+    from naflexclip.exchange import window_exchange
+    from naflexclip.factory import create_model
+    from naflexclip.loss import MultiPositiveLoss
+    from naflexclip.parallel import no_sync_context, wrap_model
+    from naflexclip.verify import full_batch_gradients, random_grouped_batch
+    from naflexclip.window import accumulate_gradients, window_loss_scale
+
+    world = env.world_size
+    batch = random_grouped_batch(NUM_EXAMPLES, generator=torch.Generator().manual_seed(5), patch_size=4,
+                                 context_length=16, dtype=torch.float64)
+    results: dict[str, Any] = {"exact": {}, "texts": {}}
+
+    def build(loss: str) -> torch.nn.Module:
+        torch.manual_seed(0)  # the same initialisation on every rank
+        return create_model("tiny", loss=loss).double()
+
+    configs = [(False, SPLITS[world][0], "cache", "linear"), (False, SPLITS[world][0], "replay", "linear"),
+               (False, UNEVEN_COUNT_SPLIT[world], "cache", "none"), (True, SPLITS[world][1], "cache", "sqrt")]
+    for loss, weighting in (("clip", "symmetric"), ("siglip", "symmetric"), ("siglip", "soft")):
+        references: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+        for fsdp, split, method, mode in configs:
+            sizes = [size for rank_sizes in split for size in rank_sizes]
+            scale = window_loss_scale(sizes, REFERENCE_BATCH_SIZE, mode)
+            key = (mode, len(sizes))
+            if key not in references:
+                full = concat_microbatches(split_batch(batch, sizes))
+                references[key] = full_batch_gradients(build(loss), MultiPositiveLoss(loss, weighting), full, scale)
+            _log(env, f"multi_positive {loss} {weighting} fsdp={fsdp} {method} {mode} {split}")
+            model = wrap_model(build(loss), env, fsdp=fsdp)
+            microbatches = _local_microbatches(batch, split, env.rank)
+            accumulate_gradients(model, MultiPositiveLoss(loss, weighting, tile_size=SHARD_TILE_SIZE), microbatches,
+                                 loss_scale=mode, reference_batch_size=REFERENCE_BATCH_SIZE, method=method,
+                                 exchange=window_exchange(env, model), no_sync=no_sync_context(model))
+            name = f"{'fsdp' if fsdp else 'ddp'}/{loss}/{weighting}/{method}/{mode}/{sizes}"
+            results["exact"][name] = _errors(_gradients(model), references[key])
+            results["texts"][name] = [int(mb["text"].shape[0]) for mb in microbatches]
+    return results
+
+
 def main() -> None:
     scenario, out_dir = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
@@ -955,6 +999,8 @@ def main() -> None:
         result = scenario_locked(env)
     elif scenario == "distill":
         result = scenario_distill(env)
+    elif scenario == "multi_positive":
+        result = scenario_multi_positive(env)
     elif scenario == "trainer_faults":
         result = scenario_trainer_faults(env, out_dir)
     elif scenario == "fsdp_uneven":

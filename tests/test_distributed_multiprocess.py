@@ -199,3 +199,23 @@ def test_distillation_across_three_ranks_is_exact_and_the_teacher_runs_once(tmp_
             assert forwards == microbatches, (rank, name)
         for loss, errors in result["plain"].items():
             assert errors["params"] > TEETH_MIN_ERROR, (rank, loss, errors)
+
+
+# ------------------------------------------------------------------------- several captions per image, 3 ranks
+
+
+def test_multi_positive_across_three_ranks_is_exact(tmp_path_factory) -> None:
+    """Images with 1-3 captions, group ids global over the window, texts per rank unlike images per rank: DDP (equal
+    and unequal microbatch counts) and FSDP2, cache and replay, the sharded multi-positive losses in 2-row tiles;
+    every gradient equals the single-process full batch's."""
+    results = _run("multi_positive", 3, tmp_path_factory)
+    for rank, result in enumerate(results):
+        assert {name.split("/")[0] for name in result["exact"]} == {"ddp", "fsdp"}
+        assert len(result["exact"]) == 12
+        for name, errors in result["exact"].items():
+            assert errors["missing"] == 0, f"rank {rank} {name}: gradients missing or unexpected"
+            assert errors["params"] <= FLOAT64_TOLERANCE, f"rank {rank} {name}: {errors}"
+            assert errors["pos_embed"] <= POS_EMBED_TOLERANCE, f"rank {rank} {name}: {errors}"
+    # the windows did hold more texts than images
+    name = next(iter(results[0]["texts"]))
+    assert sum(sum(result["texts"][name]) for result in results) > 10

@@ -3,6 +3,10 @@
 A microbatch is `{"image": dense [B, C, H, W] or NaFlex dict, "text": long [B, T], ...}`;
 NaFlex dicts hold `patches [B, L, P*P*C]`, `patch_coord [B, L, 2]` (row, col)
 and `patch_valid [B, L]` (True for real patches), `L` being that microbatch's padded length.
+
+A grouped microbatch (several captions per image) also holds `image_group` long `[B]` and `text_group` long `[M]`:
+image i and text j are a positive pair when their group ids are equal, and `M` may differ from `B`. Its size
+(`batch_size`) is its number of images, the examples; its texts are `text_rows`.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Any
 import torch
 
 NAFLEX_KEYS = ("patches", "patch_coord", "patch_valid")
+GROUP_KEYS = ("image_group", "text_group")
 
 
 def is_naflex(image: Any) -> bool:
@@ -27,14 +32,34 @@ def is_naflex(image: Any) -> bool:
     raise ValueError(f"image must be a dense tensor or a NaFlex dict, got {type(image).__name__}")
 
 
+def is_grouped(microbatch: dict[str, Any]) -> bool:
+    """True when the microbatch carries group ids (`image_group`, `text_group`)."""
+    present = [key in microbatch for key in GROUP_KEYS]
+    if any(present) and not all(present):
+        raise ValueError(f"a grouped microbatch holds both {GROUP_KEYS}; it has keys {sorted(microbatch)}")
+    return all(present)
+
+
 def batch_size(microbatch: dict[str, Any]) -> int:
-    """Number of image–text pairs in a microbatch (image and text rows must agree)."""
+    """Number of examples in a microbatch: its image–text pairs (image and text rows must agree), or its images
+    when it is grouped (each with its captions)."""
     text = microbatch["text"]
     image = microbatch["image"]
     image_rows = image["patches"].shape[0] if is_naflex(image) else image.shape[0]
+    if is_grouped(microbatch):
+        if microbatch["image_group"].shape != (image_rows,) or microbatch["text_group"].shape != (text.shape[0],):
+            raise ValueError(f"group ids {tuple(microbatch['image_group'].shape)} / "
+                             f"{tuple(microbatch['text_group'].shape)} do not match {image_rows} images / "
+                             f"{text.shape[0]} texts")
+        return int(image_rows)
     if image_rows != text.shape[0]:
         raise ValueError(f"microbatch has {image_rows} images but {text.shape[0]} texts")
     return int(text.shape[0])
+
+
+def text_rows(microbatch: dict[str, Any]) -> int:
+    """Number of texts in a microbatch (its pairs, unless it is grouped)."""
+    return int(microbatch["text"].shape[0])
 
 
 def to_device(
@@ -52,15 +77,18 @@ def to_device(
 
     image = microbatch["image"]
     moved_image = {k: move(v) for k, v in image.items()} if isinstance(image, dict) else move(image)
-    return {**microbatch, "image": moved_image, "text": move(microbatch["text"])}
+    groups = {key: move(microbatch[key]) for key in GROUP_KEYS if key in microbatch}
+    return {**microbatch, "image": moved_image, "text": move(microbatch["text"]), **groups}
 
 
 def concat_microbatches(microbatches: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One batch of all rows, in order; NaFlex sequences are padded to the longest `L`."""
     text = torch.cat([mb["text"] for mb in microbatches])
     images = [mb["image"] for mb in microbatches]
+    groups = ({key: torch.cat([mb[key] for mb in microbatches]) for key in GROUP_KEYS}
+              if is_grouped(microbatches[0]) else {})
     if not is_naflex(images[0]):
-        return {"image": torch.cat(images), "text": text}
+        return {"image": torch.cat(images), "text": text, **groups}
     max_len = max(img["patches"].shape[1] for img in images)
 
     def pad(t: torch.Tensor) -> torch.Tensor:
@@ -71,15 +99,23 @@ def concat_microbatches(microbatches: Sequence[dict[str, Any]]) -> dict[str, Any
         return torch.cat([t, filler], dim=1)
 
     image = {key: torch.cat([pad(img[key]) for img in images]) for key in NAFLEX_KEYS}
-    return {"image": image, "text": text}
+    return {"image": image, "text": text, **groups}
 
 
 def split_batch(batch: dict[str, Any], sizes: Sequence[int]) -> list[dict[str, Any]]:
     """Split a batch into consecutive microbatches of `sizes` rows; NaFlex pieces are trimmed
-    to their own longest valid sequence, as a token-budget loader would produce them."""
+    to their own longest valid sequence, as a token-budget loader would produce them. A grouped batch is split by
+    its images; each text goes, in order, with the piece holding the first image of its group."""
     total = batch_size(batch)
     if sum(sizes) != total or any(size < 1 for size in sizes):
         raise ValueError(f"split sizes {list(sizes)} do not partition a batch of {total} rows")
+    grouped = is_grouped(batch)
+    if grouped:
+        piece_of_image = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(list(sizes)))
+        first_piece = {}
+        for group, piece in zip(batch["image_group"].tolist(), piece_of_image.tolist(), strict=True):
+            first_piece.setdefault(group, piece)
+        text_piece = torch.tensor([first_piece.get(group, -1) for group in batch["text_group"].tolist()])
     pieces = []
     start = 0
     for size in sizes:
@@ -92,5 +128,10 @@ def split_batch(batch: dict[str, Any], sizes: Sequence[int]) -> list[dict[str, A
             piece_image = {key: image[key][rows, :length] for key in NAFLEX_KEYS}
         else:
             piece_image = image[rows]
-        pieces.append({"image": piece_image, "text": batch["text"][rows]})
+        if grouped:
+            texts = (text_piece == len(pieces)).nonzero().flatten()
+            pieces.append({"image": piece_image, "text": batch["text"][texts],
+                           "image_group": batch["image_group"][rows], "text_group": batch["text_group"][texts]})
+        else:
+            pieces.append({"image": piece_image, "text": batch["text"][rows]})
     return pieces

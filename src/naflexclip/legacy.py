@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from naflexclip.batch import batch_size
+from naflexclip.batch import GROUP_KEYS, batch_size, is_grouped
 from naflexclip.window import output_dict, window_loss_scale
 
 
@@ -31,19 +31,21 @@ def per_microbatch_scale_gradients(
     `loss_fn` is a `DistillLoss` and L(W) the sum of its terms)."""
     with torch.no_grad():
         outputs = [output_dict(model(image=mb["image"], text=mb["text"])) for mb in microbatches]
-        teacher_inputs: tuple[Any, ...] = ()
+        extra_inputs: tuple[Any, ...] = ()
         if teacher is not None:
             taught = [output_dict(teacher.eval()(image=mb["image"], text=mb["text"])) for mb in microbatches]
-            teacher_inputs = (torch.cat([out["image_features"] for out in taught]),
+            extra_inputs = (torch.cat([out["image_features"] for out in taught]),
                               torch.cat([out["text_features"] for out in taught]),
                               taught[0]["logit_scale"], taught[0].get("logit_bias"))
+    if is_grouped(microbatches[0]):  # the whole window's group ids follow the loss's scalars
+        extra_inputs = tuple(torch.cat([mb[key] for mb in microbatches]) for key in GROUP_KEYS)
     cached_image = [out["image_features"] for out in outputs]
     cached_text = [out["text_features"] for out in outputs]
     for index, mb in enumerate(microbatches):
         out = output_dict(model(image=mb["image"], text=mb["text"]))
         image = torch.cat(cached_image[:index] + [out["image_features"]] + cached_image[index + 1 :])
         text = torch.cat(cached_text[:index] + [out["text_features"]] + cached_text[index + 1 :])
-        loss = loss_fn(image, text, out["logit_scale"], out.get("logit_bias"), *teacher_inputs).sum()
+        loss = loss_fn(image, text, out["logit_scale"], out.get("logit_bias"), *extra_inputs).sum()
         # the bug: a coefficient per replay, from this microbatch's size alone
         own_scale = window_loss_scale([batch_size(mb)], reference_batch_size, loss_scale)
         (own_scale * loss).backward()

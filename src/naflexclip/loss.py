@@ -616,6 +616,8 @@ class MultiPositiveLoss(nn.Module):
     α = 1, β = 0; `soft` uses the symmetric weight as the pair's label instead (binary cross-entropy with
     `y_ij = Y_ij (½/k_i + ½/k'_j)`). With one caption per image (unique ids) each is the ordinary loss."""
 
+    takes_groups = True
+
     def __init__(self, kind: str, weighting: str = "symmetric", tile_size: int = DEFAULT_TILE_SIZE) -> None:
         super().__init__()
         loss_choice(kind)

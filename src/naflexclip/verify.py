@@ -21,14 +21,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from naflexclip.batch import batch_size, concat_microbatches, split_batch, to_device
+from naflexclip.batch import GROUP_KEYS, batch_size, concat_microbatches, is_grouped, split_batch, to_device
 from naflexclip.data import DataError, add_data_args, build_loader, data_config_from_args
 from naflexclip.distill import Distill, add_distill_args
 from naflexclip.distributed import DEVICE_CHOICES, check_device
 from naflexclip.factory import create_model
 from naflexclip.legacy import per_microbatch_scale_gradients
 from naflexclip.lock import Locks, add_lock_args, lock_summary
-from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES, create_loss
+from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES, MULTI_POSITIVE_WEIGHTINGS, MultiPositiveLoss, create_loss
 from naflexclip.model import PRESETS
 from naflexclip.train.components import load_checkpoint_model
 from naflexclip.window import METHODS, SCALE_MODES, accumulate_gradients, output_dict, window_loss_scale
@@ -104,6 +104,19 @@ def random_naflex_batch(
     return {"image": image, "text": text}
 
 
+def random_grouped_batch(num_images: int, *, max_captions: int = 3, generator: torch.Generator | None = None,
+                         **kwargs: Any) -> dict[str, Any]:
+    """A grouped NaFlex batch: `num_images` random images, each with 1 to `max_captions` random captions (its
+    group), the captions in image order; group ids `image_group [N]`, `text_group [M]` (arbitrary integers)."""
+    gen = generator or torch.Generator().manual_seed(0)
+    captions = torch.randint(1, max_captions + 1, (num_images,), generator=gen)
+    images = random_naflex_batch(num_images, generator=gen, **kwargs)
+    texts = random_naflex_batch(int(captions.sum()), generator=gen, **kwargs)["text"]
+    ids = torch.randperm(10 * num_images, generator=gen)[:num_images]
+    return {"image": images["image"], "text": texts, "image_group": ids,
+            "text_group": torch.repeat_interleave(ids, captions)}
+
+
 def random_split_sizes(num_examples: int, num_microbatches: int, rng: random.Random) -> list[int]:
     """Uneven sizes ≥ 1 summing to `num_examples` (a random composition)."""
     if not 1 <= num_microbatches <= num_examples:
@@ -126,6 +139,8 @@ def full_batch_gradients(
             teacher_out = output_dict(teacher.eval()(image=batch["image"], text=batch["text"]))
         taught = tuple(teacher_out.get(key) for key in ("image_features", "text_features", "logit_scale",
                                                           "logit_bias"))
+    if is_grouped(batch):  # several captions per image: the group ids of the whole batch
+        taught = tuple(batch[key] for key in GROUP_KEYS)
     loss = loss_fn(out["image_features"], out["text_features"], out["logit_scale"], out.get("logit_bias"), *taught)
     (scale * loss.sum()).backward()
     return collect_gradients(model)
@@ -288,6 +303,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="accumulate with activation checkpointing in both towers (the reference without)")
     add_lock_args(parser)
     add_distill_args(parser)
+    g = parser.add_argument_group("several captions per image")
+    g.add_argument("--multi-positive", action="store_true",
+                   help="a random window of images with 1-3 captions each (group ids), under the multi-positive loss "
+                        "(clip: multi-positive InfoNCE; siglip: SigLIP+)")
+    g.add_argument("--multi-positive-weighting", default="symmetric", choices=sorted(MULTI_POSITIVE_WEIGHTINGS),
+                   help="SigLIP+'s positive weights: symmetric (α = β = ½), asymmetric (α = 1, β = 0), soft (labels)")
     # unset lock flags take a --checkpoint's own (see _setup)
     parser.set_defaults(**dict.fromkeys(Locks().as_dict()))
     # a real window: the first --accum-freq batches the loader yields (with --train-data, --checkpoint,
@@ -367,6 +388,11 @@ def run(args: argparse.Namespace) -> int:
         loss_fn = create_loss(setup.loss, tile_size=args.loss_tile_size)
         dtype = torch.float64 if args.dtype == "float64" else torch.float32
         distill, teacher = Distill.pick(args), None
+        if args.multi_positive:
+            if distill.enabled or _uses_loader(args):
+                raise ValueError("--multi-positive checks a random window of several captions per image: without "
+                                 "--distill-model, --train-data or --checkpoint's data")
+            loss_fn = MultiPositiveLoss(setup.loss, args.multi_positive_weighting, tile_size=args.loss_tile_size)
         if distill.enabled:  # the window objective: contrastive + λ·distill, the teacher's features constants
             loss_fn = distill.loss(setup.loss, args.loss_tile_size)
             teacher = distill.teacher(setup.model, setup.hf_processor, setup.loss).to(device, dtype)
@@ -379,7 +405,8 @@ def run(args: argparse.Namespace) -> int:
             batch = to_device(batch, device, dtype)
         else:
             num_examples = args.num_examples or setup.accum_freq * (setup.reference_batch_size or 4)
-            batch = random_naflex_batch(
+            make = random_grouped_batch if args.multi_positive else random_naflex_batch
+            batch = make(
                 num_examples, patch_size=model.image_patch_size, context_length=model.context_length,
                 generator=torch.Generator().manual_seed(args.seed), dtype=dtype, vocab_size=model.vocab_size,
             )
@@ -402,6 +429,10 @@ def run(args: argparse.Namespace) -> int:
     )
     checkpointing = "; grad checkpointing" if args.grad_checkpointing else ""
     print(f"splits: {result.splits}; methods: {', '.join(methods)}; {args.dtype} on {device}{checkpointing}")
+    if args.multi_positive:
+        print(f"objective: {'SigLIP+' if setup.loss == 'siglip' else 'multi-positive InfoNCE'} "
+              f"({args.multi_positive_weighting}) over {batch_size(batch)} images and {batch['text'].shape[0]} "
+              f"captions, group ids global over the window")
     if teacher is not None:
         print(f"objective: contrastive + {distill.distill_loss_weight:g} · distill from --distill-model "
               f"{distill.distill_model} (the teacher's features constants of the window)")

@@ -26,6 +26,9 @@ A teacher (distillation) is a feature source the same way: frozen, in eval mode,
 microbatch; its features go through the same exchange as the student's and enter the loss as constants.
 A loss may return several terms (`DistillLoss`: `[contrastive, distill]`); L(W) is their sum, `s(W)` multiplies
 it as a whole, and `WindowStats.terms` reports each.
+Grouped microbatches (several captions per image: `image_group`, `text_group`, `naflexclip.batch`) may hold
+different numbers of images and texts; the window exchanges both counts and every rank's group ids, so a
+`MultiPositiveLoss` sees the ids of the whole window; a microbatch's size, and so `s(W)`, counts its images.
 
 This module knows nothing of loaders, optimizers, logging or process groups: distributed feature
 exchange comes in as a `WindowExchange`, gradient-sync suppression as a `no_sync` context factory.
@@ -43,7 +46,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from naflexclip.batch import batch_size, is_naflex
+from naflexclip.batch import GROUP_KEYS, batch_size, is_grouped, is_naflex, text_rows
 from naflexclip.loss import ShardedLoss
 from naflexclip.rng import RngState
 
@@ -212,10 +215,24 @@ class _Window:
     no_sync: Callable[[], ContextManager[Any]]
     autocast: Callable[[], ContextManager[Any]]
     grad_scaler: Any
-    rows_per_rank: list[int]
+    rows_per_rank: list[int]  # image rows (examples) of every rank
     sharded: bool  # each rank computes only its own rows' block of the loss
     live: tuple[str, ...]  # inputs whose tower trains; a fully locked one's features are computed once, never replayed
     teacher: nn.Module | None = None  # frozen, eval: its features are computed once per microbatch, never replayed
+    text_rows_per_rank: list[int] | None = None  # grouped windows: every rank's texts (else as rows_per_rank)
+    groups: dict[str, torch.Tensor] | None = None  # grouped windows: the whole window's image and text group ids
+
+    def counts(self, key: str) -> list[int]:
+        """Every rank's rows of the feature `key` (texts may differ from images in a grouped window)."""
+        texts = "text" in key and self.text_rows_per_rank is not None
+        return self.text_rows_per_rank if texts else self.rows_per_rank  # type: ignore[return-value]
+
+    def offset(self, key: str) -> int:
+        return sum(self.counts(key)[: self.exchange.rank])
+
+    def rows_of(self, microbatch: dict[str, Any], key: str) -> int:
+        """Rows of the feature `key` in one microbatch."""
+        return text_rows(microbatch) if "text" in key else batch_size(microbatch)
 
     @property
     def live_keys(self) -> tuple[str, ...]:
@@ -230,12 +247,12 @@ class _Window:
                 raise ValueError(f"model output has no {key!r}; it returned keys {sorted(out)}")
         return out
 
-    def gather(self, local_rows: torch.Tensor) -> torch.Tensor:
-        return self.exchange.gather_rows(local_rows, self.rows_per_rank)
+    def gather(self, local_rows: torch.Tensor, key: str = "image_features") -> torch.Tensor:
+        return self.exchange.gather_rows(local_rows, self.counts(key))
 
     @property
     def local_offset(self) -> int:
-        return sum(self.rows_per_rank[: self.exchange.rank])
+        return self.offset("image_features")
 
     def scaled_for_backward(self, loss: torch.Tensor) -> torch.Tensor:
         """`s·L` times the fp16 gradient scaler's factor, if any (the scaler is undone at unscale_)."""
@@ -295,6 +312,7 @@ def _loss_inputs(features: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None
     """The loss's positional inputs: the student's rows and scalars, then the teacher's where there is one."""
     prefixes = ("", TEACHER) if TEACHER + "image_features" in features else ("",)
     keys = [prefix + key for prefix in prefixes for key in (*FEATURE_KEYS, *SCALAR_KEYS)]
+    keys += [key for key in GROUP_KEYS if key in features]  # a grouped window: the whole window's group ids
     return tuple(_loss_precision(features[key]) if features.get(key) is not None else None for key in keys)
 
 
@@ -308,7 +326,7 @@ def _teacher_leaves(window: _Window, local: dict[str, torch.Tensor], gather_imag
     the whole loss is computed here), its scalars; constants."""
     if window.teacher is None:
         return {}
-    leaves = {TEACHER + "text_features": window.gather(local[TEACHER + "text_features"])}
+    leaves = {TEACHER + "text_features": window.gather(local[TEACHER + "text_features"], "text_features")}
     image = local[TEACHER + "image_features"]
     leaves[TEACHER + "image_features"] = window.gather(image) if gather_images else image
     leaves.update({TEACHER + key: local[TEACHER + key] for key in SCALAR_KEYS if TEACHER + key in local})
@@ -323,18 +341,21 @@ def _whole_loss(window: _Window, local: dict[str, torch.Tensor]) -> tuple[torch.
     """Phase 2 with every rank computing all of L(W) (one process, or a loss that cannot be sharded):
     returns L(W), this rank's row gradients and the scalar gradients."""
     # a locked tower's rows are constants: no gradient is taken for them
-    leaves = {key: window.gather(local[key]).detach().requires_grad_(key in window.live_keys) for key in FEATURE_KEYS}
+    leaves = {key: window.gather(local[key], key).detach().requires_grad_(key in window.live_keys)
+              for key in FEATURE_KEYS}
     leaves.update(_scalar_leaves(local))
     leaves.update(_teacher_leaves(window, local, gather_images=True))
+    leaves.update(window.groups or {})
     value = window.window_loss(leaves)
     loss = _total(value)
     # the leaves are detached from the towers: this backward touches no parameter
     window.scaled_for_backward(loss).backward()
     # DDP/FSDP average gradients over ranks; the rows of this rank carry all of their gradient,
     # so multiply by R here and the average becomes the sum over ranks.
-    offset, rows = window.local_offset, window.rows_per_rank[window.exchange.rank]
+    rank, world = window.exchange.rank, window.exchange.world_size
     row_grads = {
-        key: leaves[key].grad[offset : offset + rows] * window.exchange.world_size for key in window.live_keys
+        key: leaves[key].grad[window.offset(key) : window.offset(key) + window.counts(key)[rank]] * world
+        for key in window.live_keys
     }
     # every rank computed the same scalar gradients: the average over ranks is that value, once
     scalar_grads = {key: leaves[key].grad for key in SCALAR_KEYS if key in leaves}
@@ -353,15 +374,19 @@ def _sharded_loss(window: _Window, local: dict[str, torch.Tensor]) -> tuple[torc
     leaves = {
         # only the texts are gathered: this rank's rows of the logit matrix need only its own images
         "image_features": local["image_features"].detach(),
-        "text_features": window.gather(local["text_features"]).detach(),
+        "text_features": window.gather(local["text_features"], "text_features").detach(),
     }
     for key in window.live_keys:  # a locked tower's rows are constants: no gradient is taken for them
         leaves[key].requires_grad_()
     leaves.update(_scalar_leaves(local))
     leaves.update(_teacher_leaves(window, local, gather_images=False))
+    leaves.update(window.groups or {})
     assert isinstance(window.loss_fn, ShardedLoss)
+    # a grouped window's texts are cut over ranks otherwise than its images: the loss learns which are this rank's
+    texts = {} if window.groups is None else {"text_rows": (
+        window.offset("text_features"), window.offset("text_features") + window.counts("text_features")[exchange.rank])}
     part = window.loss_fn.sharded(*_loss_inputs(leaves), row_offset=window.local_offset,
-                                  reduce_column_lse=window.reduce_column_lse)
+                                  reduce_column_lse=window.reduce_column_lse, **texts)
     window.scaled_for_backward(_total(part)).backward()
     # × R: DDP/FSDP average the tower gradients over ranks (as in the unsharded phase)
     row_grads = {}
@@ -369,7 +394,7 @@ def _sharded_loss(window: _Window, local: dict[str, torch.Tensor]) -> tuple[torc
         row_grads["image_features"] = leaves["image_features"].grad * world
     if "text_features" in window.live_keys:
         row_grads["text_features"] = exchange.reduce_scatter_rows(leaves["text_features"].grad,
-                                                                  window.rows_per_rank) * world
+                                                                  window.counts("text_features")) * world
     scalar_keys = [key for key in SCALAR_KEYS if key in leaves]
     values = part.detach().double().reshape(-1)  # L(W)'s part, or each of its terms' parts
     parts = torch.cat([values, *(leaves[key].grad.double().reshape(1) for key in scalar_keys)])
@@ -387,23 +412,37 @@ def _run_cache(window: _Window) -> torch.Tensor:
     loss, row_grads, scalar_grads = (_sharded_loss if window.sharded else _whole_loss)(window, local)
 
     # phase 3: replay each microbatch with grad and push its cached row gradients into the towers
-    start = 0
+    start = dict.fromkeys(FEATURE_KEYS, 0)
     last_index = len(window.microbatches) - 1
     for index, (mb, state) in enumerate(zip(window.microbatches, states, strict=True)):
-        size = batch_size(mb)
+        sizes = {key: window.rows_of(mb, key) for key in FEATURE_KEYS}
         with window.sync(last=index == last_index):
             with state.replayed():
                 out = window.forward(mb, window.live)
             # d(surrogate)/d(features) is exactly the cached row gradient (already carrying s and R)
             surrogate = sum(
-                (_loss_precision(out[key]) * row_grads[key][start : start + size]).sum() for key in window.live_keys
+                (_loss_precision(out[key]) * row_grads[key][start[key] : start[key] + sizes[key]]).sum()
+                for key in window.live_keys
             )
             if index == last_index:
                 # logit_scale / logit_bias: their gradient was taken once in phase 2
                 surrogate = surrogate + sum((out[key] * grad).sum() for key, grad in scalar_grads.items())
             _backward(surrogate)
-        start += size
+        start = {key: start[key] + sizes[key] for key in FEATURE_KEYS}
     return loss
+
+
+def _exchange_groups(window: _Window) -> None:
+    """A grouped window: every rank's text counts (one small all-gather) and the whole window's group ids."""
+    exchange, microbatches = window.exchange, window.microbatches
+    local_texts = sum(text_rows(mb) for mb in microbatches)
+    device = microbatches[0]["text"].device
+    counts = exchange.gather_rows(torch.tensor([local_texts], device=device), [1] * exchange.world_size)
+    window.text_rows_per_rank = [int(count) for count in counts.tolist()]
+    window.groups = {
+        key: window.gather(torch.cat([mb[key] for mb in microbatches]).to(torch.int64), feature)
+        for key, feature in zip(GROUP_KEYS, FEATURE_KEYS, strict=True)
+    }
 
 
 def _backward(value: torch.Tensor | int) -> None:
@@ -414,33 +453,32 @@ def _backward(value: torch.Tensor | int) -> None:
 
 def _run_replay(window: _Window) -> torch.Tensor:
     states, local = window.cache()
-    cached = {key: window.gather(local[key]) for key in FEATURE_KEYS}
+    cached = {key: window.gather(local[key], key) for key in FEATURE_KEYS}
     teacher = _teacher_leaves(window, local, gather_images=True)  # constants of every replay
-    offset = window.local_offset
     last_index = len(window.microbatches) - 1
     loss = None
-    start = offset
+    start = {key: window.offset(key) for key in FEATURE_KEYS}
     for index, (mb, state) in enumerate(zip(window.microbatches, states, strict=True)):
-        size = batch_size(mb)
+        sizes = {key: window.rows_of(mb, key) for key in FEATURE_KEYS}
         with window.sync(last=index == last_index):
             with state.replayed():
                 out = window.forward(mb, window.live)
             # a locked tower's rows are the cached constants
             features = {key: cached[key] for key in FEATURE_KEYS if key not in window.live_keys}
             features.update(teacher)
+            features.update(window.groups or {})
             for key in window.live_keys:
                 # live rows for this microbatch, cached rows elsewhere; × R undoes the DDP average
                 live = _ScaleGrad.apply(out[key], float(window.exchange.world_size))
-                features[key] = torch.cat(
-                    [cached[key][:start], live.to(cached[key].dtype), cached[key][start + size :]]
-                )
+                first, end = start[key], start[key] + sizes[key]
+                features[key] = torch.cat([cached[key][:first], live.to(cached[key].dtype), cached[key][end:]])
             for key in SCALAR_KEYS:
                 if out.get(key) is not None:
                     # live in exactly one replay (the last), a constant in the others
                     features[key] = out[key] if index == last_index else out[key].detach()
             loss = window.window_loss(features)
             _backward(window.scaled_for_backward(_total(loss)))
-        start += size
+        start = {key: start[key] + sizes[key] for key in FEATURE_KEYS}
     assert loss is not None
     return loss.detach()
 
@@ -489,6 +527,14 @@ def accumulate_gradients(
     if teacher is not None:
         teacher.eval()
     naflex = _check_window(microbatches)
+    grouped = [is_grouped(mb) for mb in microbatches]
+    takes_groups = bool(getattr(loss_fn, "takes_groups", False))
+    if any(grouped) != takes_groups or any(grouped) != all(grouped):
+        raise ValueError(f"group ids (several captions per image) go with a multi-positive loss: microbatches "
+                         f"{'with' if any(grouped) else 'without'} image_group/text_group "
+                         f"({sum(grouped)} of {len(grouped)}) and {type(loss_fn).__name__}")
+    if takes_groups and teacher is not None:
+        raise ValueError("distillation with several captions per image is not supported yet")
     exchange = exchange or LocalExchange()
     local_sizes = [batch_size(mb) for mb in microbatches]
     sizes_per_rank = exchange.gather_sizes(local_sizes)
@@ -509,6 +555,8 @@ def accumulate_gradients(
         live=tuple(name for name in TOWER_FEATURES if name not in feature_sources(model)),
         teacher=teacher,
     )
+    if takes_groups:
+        _exchange_groups(window)
     value = _run_cache(window) if method == "cache" else _run_replay(window)
     names = getattr(loss_fn, "term_names", None)
     terms = ({name: float(term) for name, term in zip(names, value.reshape(-1).tolist(), strict=True)}
