@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from naflexclip.data.microbatch import MicrobatchBuilder, split_rows
 from naflexclip.data.readers import DataError
 from naflexclip.data.samples import reasons_line
-from naflexclip.data.schedule import ScheduledBatch, TokenBudget
+from naflexclip.data.schedule import Schedule, TokenBudget
 
 logger = logging.getLogger("naflexclip.data")
 # a planned microbatch is emitted once the one this many places later has arrived, so an empty one can be
@@ -120,7 +120,7 @@ class WorkerEpoch(IterableDataset, abc.ABC):
     """The planned microbatches from `first` on that each DataLoader worker builds (round-robin). A worker never
     raises: its error is an item, raised by the loader as one DataError naming the source."""
 
-    def __init__(self, schedule: list[ScheduledBatch], first: int, workers: int, builder: MicrobatchBuilder,
+    def __init__(self, schedule: Schedule, first: int, workers: int, builder: MicrobatchBuilder,
                  seed_key: tuple[int, ...]) -> None:
         super().__init__()
         self.schedule, self.first, self.workers = schedule, first, max(1, workers)
@@ -177,7 +177,7 @@ class NaFlexLoader(abc.ABC):
     """
 
     indexed: ClassVar[bool]  # True: map-style, exactly-once epochs; False: streamed shards
-    schedule: list[ScheduledBatch]  # this rank's planned microbatches of the epoch
+    schedule: Schedule  # this rank's planned microbatches of the epoch
 
     def __init__(self, *, name: str, split: str, samples_per_epoch: int, budget: TokenBudget,
                  builder: MicrobatchBuilder, seed: int, shuffle: bool, workers: int, rank: int = 0,
@@ -243,7 +243,7 @@ class NaFlexLoader(abc.ABC):
     @property
     def num_samples(self) -> int:
         """Planned samples this epoch on this rank (sum of planned batch sizes)."""
-        return sum(b.batch_size for b in self.schedule)
+        return self.schedule.total()
 
     def __len__(self) -> int:
         return self.num_batches

@@ -10,8 +10,9 @@ round-robin (worker w owns batches w, w+K, ...), which torch's DataLoader hands 
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,47 +82,111 @@ def samples_per_rank(num_samples: int, world_size: int) -> int:
     return math.ceil(num_samples / world_size)
 
 
-def _seq_len_draws(budget: TokenBudget, seed: int, epoch: int) -> Callable[[int], int]:
-    """`seq_len_of(i)`: microbatch/step i's sequence length, drawn in order from (seed, epoch) alone, so step i's
-    length never depends on where a plan starts."""
-    if len(budget.seq_lens) == 1:
-        return lambda i: budget.seq_lens[0]
-    rng = _rng(seed, epoch, 0x5EC)
-    weights = None if budget.probs is None else np.asarray(budget.probs, dtype=np.float64) / float(sum(budget.probs))
-    draws: list[int] = []
+class SeqLenDraws:
+    """The epoch's per-step sequence lengths, drawn in order from (seed, epoch) alone, so step i's length never
+    depends on where a plan starts. Drawn in vectorised chunks (the same values as one `choice` per step)."""
 
-    def seq_len_of(i: int) -> int:
-        while len(draws) <= i:
-            draws.append(int(budget.seq_lens[int(rng.choice(len(budget.seq_lens), p=weights))]))
-        return draws[i]
+    def __init__(self, budget: TokenBudget, seed: int, epoch: int) -> None:
+        self.budget = budget
+        self.lens = np.asarray(budget.seq_lens, dtype=np.int64)
+        self.rows = np.asarray([budget.batch_size(s) for s in budget.seq_lens], dtype=np.int64)
+        self.rng = _rng(seed, epoch, 0x5EC) if len(self.lens) > 1 else None
+        self.cdf = None
+        if budget.probs is not None and self.rng is not None:
+            weights = np.asarray(budget.probs, dtype=np.float64) / float(sum(budget.probs))
+            self.cdf = weights.cumsum()
+            self.cdf /= self.cdf[-1]
+        self.choices = np.zeros(0, dtype=np.int64)
 
-    return seq_len_of
+    def first(self, n: int) -> np.ndarray:
+        """Indices into `budget.seq_lens` of steps [0, n)."""
+        if self.rng is None:
+            return np.zeros(n, dtype=np.int64)
+        if len(self.choices) < n:
+            k = max(n - len(self.choices), len(self.choices), 256)
+            if self.cdf is None:
+                more = self.rng.integers(0, len(self.lens), size=k)
+            else:
+                more = np.searchsorted(self.cdf, self.rng.random(k), side="right")
+            self.choices = np.concatenate([self.choices, more.astype(np.int64)])
+        return self.choices[:n]
+
+    def __call__(self, i: int) -> int:
+        return int(self.lens[self.first(i + 1)[i]])
 
 
-def build_schedule(num_samples: int, budget: TokenBudget, *, seed: int = 0, epoch: int = 0) -> list[ScheduledBatch]:
+def _steps_until(draws: SeqLenDraws, first: int, total: int, per_step: int) -> tuple[np.ndarray, np.ndarray]:
+    """(choices, cumulative samples) of steps first, first+1, ... until `per_step` x rows reach `total` (or one
+    more than the steps that fit)."""
+    n = int(total / (per_step * draws.rows.mean())) + 16
+    while True:
+        choices = draws.first(first + n)[first:]
+        consumed = np.cumsum(draws.rows[choices] * per_step)
+        if len(consumed) and consumed[-1] >= total:
+            return choices, consumed
+        n *= 2
+
+
+class Schedule(Sequence):
+    """One rank's planned microbatches as arrays (index = `first_index` + position): `ScheduledBatch` views."""
+
+    def __init__(self, first_index: int, seq_lens: np.ndarray, sizes: np.ndarray, offsets: np.ndarray) -> None:
+        self.first_index, self.seq_lens, self.sizes, self.offsets = first_index, seq_lens, sizes, offsets
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return ScheduledBatch(self.first_index + i, int(self.seq_lens[i]), int(self.sizes[i]), int(self.offsets[i]))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and len(self) == len(other) and list(self) == list(other)
+
+    def total(self) -> int:
+        """Planned samples (the sum of the batch sizes)."""
+        return int(self.sizes.sum())
+
+    def strided(self, start: int, step: int) -> Iterator[ScheduledBatch]:
+        """The batches with index start, start + step, ... (those in the schedule)."""
+        first = start - self.first_index
+        if first < 0:
+            first += (-first + step - 1) // step * step
+        for i in range(first, len(self), step):
+            yield self[i]
+
+
+def build_schedule(num_samples: int, budget: TokenBudget, *, seed: int = 0, epoch: int = 0) -> Schedule:
     """Plan one rank's epoch of `num_samples` samples as token-budget microbatches.
 
     The sum of batch sizes is exactly `num_samples`; only the last batch may be smaller.
     """
     if num_samples < 0:
         raise ValueError(f"num_samples must be >= 0, got {num_samples}")
-    seq_len_of = _seq_len_draws(budget, seed, epoch)
-    schedule: list[ScheduledBatch] = []
-    offset = 0
-    while offset < num_samples:
-        seq_len = seq_len_of(len(schedule))
-        size = min(budget.batch_size(seq_len), num_samples - offset)
-        schedule.append(ScheduledBatch(len(schedule), seq_len, size, offset))
-        offset += size
-    return schedule
+    draws = SeqLenDraws(budget, seed, epoch)
+    if num_samples == 0:
+        return Schedule(0, *(np.zeros(0, np.int64),) * 3)
+    choices, consumed = _steps_until(draws, 0, num_samples, 1)
+    n = int(np.searchsorted(consumed, num_samples, side="left")) + 1
+    sizes = draws.rows[choices[:n]].copy()
+    offsets = np.concatenate([[0], consumed[: n - 1]]).astype(np.int64)
+    sizes[-1] = num_samples - offsets[-1]
+    return Schedule(0, draws.lens[choices[:n]], sizes, offsets)
 
 
-def worker_batches(
-    schedule: list[ScheduledBatch], worker_id: int, num_workers: int, start_batch: int = 0
-) -> list[ScheduledBatch]:
+def worker_batches(schedule: Sequence[ScheduledBatch], worker_id: int, num_workers: int, start_batch: int = 0
+                   ) -> Iterator[ScheduledBatch]:
     """The batches worker `worker_id` of `num_workers` builds, from `start_batch` on (round-robin)."""
     num_workers = max(1, num_workers)
-    return [b for b in schedule if b.index >= start_batch and (b.index - start_batch) % num_workers == worker_id]
+    if isinstance(schedule, Schedule):
+        return schedule.strided(start_batch + worker_id, num_workers)
+    return iter([b for b in schedule
+                 if b.index >= start_batch and (b.index - start_batch) % num_workers == worker_id])
 
 
 # -- the global plan: one permutation, R microbatches per step, every sample once ----------------------
@@ -143,10 +208,17 @@ class PlannedStep:
 
 @dataclass(frozen=True)
 class GlobalPlan:
-    """An epoch's steps from step `start_step` and global sample position `start_sample` on; `dropped`: samples
-    no step can take (an epoch, or a re-planned rest of one, with fewer samples than ranks)."""
+    """An epoch's steps from step `start_step` and global sample position `start_sample` on, as arrays: step
+    `start_step + i` runs at `seq_lens[i]` from global position `offsets[i]`, every rank taking `rows[i]` rows,
+    except the last `len(tail)` steps, whose per-rank sizes are `tail` (the epoch's uneven end). `dropped`:
+    samples no step can take (an epoch, or a re-planned rest of one, with fewer samples than ranks). Its size
+    is O(steps), whatever the number of ranks; a rank's microbatches are computed from it arithmetically."""
 
-    steps: tuple[PlannedStep, ...]
+    seq_lens: np.ndarray
+    rows: np.ndarray
+    offsets: np.ndarray
+    tail: tuple[tuple[int, ...], ...]
+    world_size: int
     num_samples: int
     start_sample: int
     dropped: int
@@ -155,17 +227,30 @@ class GlobalPlan:
     @property
     def num_steps(self) -> int:
         """Steps of the whole epoch (one microbatch per rank each), also those before `start_step`."""
-        return self.steps[-1].index + 1 if self.steps else self.start_step
+        return self.start_step + len(self.seq_lens)
 
-    def rank_batches(self, rank: int) -> list[ScheduledBatch]:
+    @functools.cached_property
+    def steps(self) -> tuple[PlannedStep, ...]:
+        """Every step as a `PlannedStep` (for inspection: O(steps x ranks))."""
+        n, regular = len(self.seq_lens), len(self.seq_lens) - len(self.tail)
+        return tuple(PlannedStep(self.start_step + i, int(self.seq_lens[i]),
+                                 (int(self.rows[i]),) * self.world_size if i < regular else self.tail[i - regular],
+                                 int(self.offsets[i])) for i in range(n))
+
+    def rank_batches(self, rank: int) -> Schedule:
         """Rank `rank`'s microbatches; `offset` indexes the epoch's global order."""
-        return [ScheduledBatch(s.index, s.seq_len, s.sizes[rank], s.offset + sum(s.sizes[:rank])) for s in self.steps]
+        sizes = self.rows.copy()
+        offsets = self.offsets + rank * self.rows
+        regular = len(self.rows) - len(self.tail)
+        for j, tail in enumerate(self.tail):
+            sizes[regular + j] = tail[rank]
+            offsets[regular + j] = self.offsets[regular + j] + sum(tail[:rank])
+        return Schedule(self.start_step, self.seq_lens, sizes, offsets)
 
     def step_start(self, index: int) -> int:
         """Global sample position where microbatch `index` starts (the epoch's end for index == last + 1)."""
-        for step in self.steps:
-            if step.index == index:
-                return step.offset
+        if self.start_step <= index < self.num_steps:
+            return int(self.offsets[index - self.start_step])
         return self.num_samples - self.dropped
 
 
@@ -200,39 +285,50 @@ def build_global_plan(
         raise ValueError(f"need 0 <= start_sample <= num_samples, got {start_sample}, {num_samples}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    seq_len_of = _seq_len_draws(budget, seed, epoch)
-    steps: list[PlannedStep] = []
-    offset, index, dropped = start_sample, start_step, 0
-    while offset < num_samples:
-        seq_len = seq_len_of(index)
-        rows = budget.batch_size(seq_len)
-        left = num_samples - offset
-        if left >= world_size * rows:
-            sizes = (rows,) * world_size
-        elif left >= world_size:
-            sizes = even_sizes(left, world_size)
-        elif steps:  # fewer samples than ranks: fold them into the previous step
-            prev = steps.pop()
-            total = sum(prev.sizes) + left
-            fit = next((s for s in sorted(budget.seq_lens, reverse=True) if world_size * budget.batch_size(s) >= total),
-                       None)
-            if fit is not None:
-                steps.append(PlannedStep(prev.index, fit, even_sizes(total, world_size), prev.offset))
-            elif total >= 2 * world_size:
-                parts = even_sizes(total, 2 * world_size)
-                first = tuple(parts[0::2])
-                steps.append(PlannedStep(prev.index, prev.seq_len, first, prev.offset))
-                steps.append(PlannedStep(prev.index + 1, prev.seq_len, tuple(parts[1::2]), prev.offset + sum(first)))
-            else:  # every length allows one row only: the last step's first ranks take a second row
-                steps.append(PlannedStep(prev.index, prev.seq_len, even_sizes(total, world_size), prev.offset))
-            break
-        else:
-            dropped = left
-            break
-        steps.append(PlannedStep(index, seq_len, sizes, offset))
-        offset += sum(sizes)
-        index += 1
-    return GlobalPlan(tuple(steps), num_samples, start_sample, dropped, start_step)
+    draws = SeqLenDraws(budget, seed, epoch)
+    left = num_samples - start_sample
+    empty = np.zeros(0, np.int64)
+    if left == 0:
+        return GlobalPlan(empty, empty, empty, (), world_size, num_samples, start_sample, 0, start_step)
+    choices, consumed = _steps_until(draws, start_step, left, world_size)
+    full = int(np.searchsorted(consumed, left, side="right"))  # steps every rank can fill
+    seq_lens = list(draws.lens[choices[:full]])
+    rows = list(draws.rows[choices[:full]])
+    offsets = list(start_sample + np.concatenate([[0], consumed[: full - 1]])) if full else []
+    rest = left - (int(consumed[full - 1]) if full else 0)
+    tail: list[tuple[int, ...]] = []
+    dropped = 0
+    if rest >= world_size:  # the epoch's tail, split evenly
+        seq_lens.append(draws.lens[choices[full]])
+        rows.append(0)
+        offsets.append(num_samples - rest)
+        tail.append(even_sizes(rest, world_size))
+    elif rest and full:  # fewer samples than ranks: fold them into the previous step
+        prev_len, prev_offset = int(seq_lens.pop()), int(offsets.pop())
+        total = int(rows.pop()) * world_size + rest
+        fit = next((s for s in sorted(budget.seq_lens, reverse=True) if world_size * budget.batch_size(s) >= total),
+                   None)
+        if fit is not None:
+            seq_lens += [fit]
+            rows += [0]
+            offsets += [prev_offset]
+            tail.append(even_sizes(total, world_size))
+        elif total >= 2 * world_size:
+            parts = even_sizes(total, 2 * world_size)
+            first = tuple(parts[0::2])
+            seq_lens += [prev_len, prev_len]
+            rows += [0, 0]
+            offsets += [prev_offset, prev_offset + sum(first)]
+            tail += [first, tuple(parts[1::2])]
+        else:  # every length allows one row only: the last step's first ranks take a second row
+            seq_lens += [prev_len]
+            rows += [0]
+            offsets += [prev_offset]
+            tail.append(even_sizes(total, world_size))
+    elif rest:
+        dropped = rest
+    return GlobalPlan(np.asarray(seq_lens, np.int64), np.asarray(rows, np.int64), np.asarray(offsets, np.int64),
+                      tuple(tail), world_size, num_samples, start_sample, dropped, start_step)
 
 
 def epoch_order(num_samples: int, *, seed: int, epoch: int, shuffle: bool, group_size: int = 1) -> np.ndarray:

@@ -64,9 +64,7 @@ class StreamEpoch(WorkerEpoch):
         stream = _read_ahead(self._slot_stream(self.rank * self.workers + stream_id,
                                                self.world_size * self.workers, log))
         reported = 0
-        for planned in self.schedule:
-            if planned.index % self.workers != stream_id:
-                continue
+        for planned in self.schedule.strided(stream_id, self.workers):
             raws = list(itertools.islice(stream, planned.batch_size))
             if planned.index < self.first:
                 continue  # consumed undecoded: the stream's place is restored
