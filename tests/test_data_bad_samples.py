@@ -70,8 +70,9 @@ def test_csv_and_folder_bad_rows(tmp_path):
                                         "not_an_image": 1}
     lines = {r["reason"]: r["line"] for r in loader.skip_records}
     assert lines == {"missing_file": 3, "empty_caption": 4, "caption_not_utf8": 5, "not_an_image": 6}
-    (tmp_path / "ok.txt").write_text("a caption")
-    loader = build_loader(cfg_for(str(tmp_path)), split="train", patch_size=PATCH, context_length=CONTEXT)
+    (tmp_path / "ok.txt").write_text("a caption")  # one usable sample: read as a validation split
+    loader = build_loader(cfg_for(str(tmp_path), val_data=str(tmp_path)), split="val", patch_size=PATCH,
+                          context_length=CONTEXT)
     assert keys_of(loader) == [str(tmp_path / "ok.png")]
     assert dict(loader.skip_counts) == {"missing_caption": 2}
     assert sorted(r["key"] for r in loader.skip_records) == [str(tmp_path / "fake.jpg"), str(tmp_path / "ok2.webp")]

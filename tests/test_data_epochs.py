@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 from conftest_data import write_csv_corpus, write_folder_corpus, write_wds_corpus
 
-from naflexclip.data import DataConfig, NaFlexLoader, build_loader
+from naflexclip.data import DataConfig, DataError, NaFlexLoader, build_loader
 
 PATCH, CONTEXT = 8, 16
 
@@ -153,9 +153,13 @@ def test_epoch_remainder_is_folded_in(tmp_path):
                      workers=0)
     keys, records, counts = run_epoch(cfg, 2)
     assert keys == Counter(f"i{i}.png" for i in range(7)) and not counts
-    # fewer samples than ranks: nobody can train them without leaving a rank empty; they are named
+    # fewer samples than ranks: nobody can read them without leaving a rank empty; training refuses such an
+    # epoch (it would train nothing), a split read on several ranks names them
     cfg.train_num_samples = 2
-    loaders = [build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT, rank=r, world_size=3)
+    with pytest.raises(DataError, match="2 usable samples for 3 ranks"):
+        build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT, rank=0, world_size=3)
+    cfg.val_data, cfg.val_num_samples = cfg.train_data, 2
+    loaders = [build_loader(cfg, split="val", patch_size=PATCH, context_length=CONTEXT, rank=r, world_size=3)
                for r in range(3)]
     assert [len(ld) for ld in loaders] == [0, 0, 0] and all(list(ld) == [] for ld in loaders)
     assert [r["reason"] for ld in loaders for r in ld.skip_records] == ["epoch_remainder", "epoch_remainder"]

@@ -166,3 +166,47 @@ def test_a_run_on_a_shard_cut_inside_its_last_sample_trains_every_whole_sample(t
     assert sorted(((r["key"], r["reason"]) for r in log), key=repr) == [
         ("k4", "truncated_sample"), (None, "truncated_shard")]
     assert "epoch 0: trained 4 samples, skipped 1 bad (truncated_sample=1)" in out.out
+
+
+def _one_row_table(root: Path) -> str:
+    (root / "only.png").write_bytes(image_bytes(16, 16))
+    (root / "one.tsv").write_text("filepath\ttitle\nonly.png\tthe only picture\n")
+    return str(root / "one.tsv")
+
+
+def test_one_usable_sample_is_refused_in_one_line_not_trained_at_loss_0(tmp_path, capsys):
+    code = main(["train", *RUN, "--epochs", "1", "--train-data", _one_row_table(tmp_path), "--logs", str(tmp_path),
+                 "--name", "one"])
+    err = capsys.readouterr().err
+    assert code == 2 and "1 usable sample" in err and "at least 2" in err
+    assert not (tmp_path / "one" / "checkpoints").exists()
+
+
+def test_fewer_samples_than_ranks_is_refused_on_every_rank(tmp_path):
+    from naflexclip.data import DataConfig, DataError, build_loader
+
+    cfg = DataConfig(train_data=_one_row_table(tmp_path), naflex_seq_lens=(16,), naflex_max_tokens_per_batch=32,
+                     workers=0)
+    for rank in range(2):  # each of two ranks would train 0 samples and save a checkpoint
+        with pytest.raises(DataError, match="1 usable sample for 2 ranks"):
+            build_loader(cfg, split="train", patch_size=8, context_length=16, rank=rank, world_size=2)
+
+
+@pytest.mark.slow
+def test_a_mixture_run_reports_each_sources_samples_per_epoch(tmp_path, capsys):
+    from conftest_data import write_tar
+
+    specs = []
+    for name, n in (("a", 6), ("b", 4)):
+        write_tar(str(tmp_path / f"{name}.tar"), [m for i in range(n) for m in (
+            (f"{name}{i}.png", image_bytes(16, 16, seed=i)), (f"{name}{i}.txt", f"{name} picture {i}".encode()))])
+        specs.append(str(tmp_path / f"{name}.tar"))
+    code = main(["train", *RUN, "--no-plot", "--epochs", "2", "--train-data", "::".join(specs),
+                 "--train-data-upsampling-factors", "1::0.5", "--logs", str(tmp_path), "--name", "mix"])
+    assert code == 0
+    out = capsys.readouterr()
+    records = [json.loads(line) for line in (tmp_path / "mix" / "metrics.jsonl").read_text().splitlines()]
+    data = [r for r in records if r["kind"] == "data"]
+    assert [(r["data/source/0"], r["data/source/1"], r["data/trained_samples"]) for r in data] == [(6, 2, 8)] * 2
+    assert "epoch 1: trained 8 samples (source 0: 6, source 1: 2 planned)" in out.out
+    assert f"source 1 ({specs[1]}): 2 samples" in out.err

@@ -62,7 +62,7 @@ def test_quotes_never_eat_rows_and_the_bom_is_ignored(tmp_path):
 
 def test_a_csv_read_with_the_tab_default_says_which_separator_to_pass(tmp_path):
     (tmp_path / "x.png").write_bytes(image_bytes(16, 16))
-    (tmp_path / "data.csv").write_text("filepath,title\nx.png,a caption\n")
+    (tmp_path / "data.csv").write_text("filepath,title\nx.png,a caption\nx.png,another caption\n")
     with pytest.raises(DataError, match=r"splits on ',': pass --csv-separator ,"):
         build_loader(DataConfig(train_data=str(tmp_path / "data.csv")), split="train", patch_size=PATCH,
                      context_length=CONTEXT)
@@ -72,7 +72,7 @@ def test_a_csv_read_with_the_tab_default_says_which_separator_to_pass(tmp_path):
                      context_length=CONTEXT)
     loader = build_loader(DataConfig(train_data=str(tmp_path / "data.csv"), csv_separator=",", workers=0),
                           split="train", patch_size=PATCH, context_length=CONTEXT)
-    assert [k for b in loader for k in b["keys"]] == ["x.png"]
+    assert [k for b in loader for k in b["keys"]] == ["x.png", "x.png"]
 
 
 def test_export_hint_round_trips_the_separator(tmp_path, capsys):
@@ -119,10 +119,10 @@ def test_shard_index_is_cached_and_rebuilt_when_the_shard_changes(tmp_path, monk
     scans = []
     real_scan = shard_index.scan_shard
     monkeypatch.setattr(shard_index, "scan_shard", lambda url, *keys: scans.append(url) or real_scan(url, *keys))
-    cfg = DataConfig(train_data=shard, naflex_seq_lens=(16,), naflex_max_tokens_per_batch=64, workers=0)
+    cfg = DataConfig(val_data=shard, naflex_seq_lens=(16,), naflex_max_tokens_per_batch=64, workers=0)
 
-    def keys() -> list[str]:
-        return [k.rsplit(":", 1)[-1] for b in build_loader(cfg, split="train", patch_size=PATCH,
+    def keys() -> list[str]:  # (one sample: read as a validation split)
+        return [k.rsplit(":", 1)[-1] for b in build_loader(cfg, split="val", patch_size=PATCH,
                                                            context_length=CONTEXT) for k in b["keys"]]
 
     assert keys() == ["a"] and len(scans) == 1

@@ -29,18 +29,19 @@ def test_image_and_text_keys_pick_members_in_priority_order(tmp_path, streamed):
         ("a.webp", image_bytes(16, 16, "WEBP")), ("a.caption", b"from caption"), ("a.txt", b"from txt"),
         ("b.tif", image_bytes(16, 16, "TIFF")), ("b.txt", b"b txt"),  # .tif is not an --image-key
         ("c.png", image_bytes(16, 16, "PNG")), ("c.caption", b"c caption"),
+        ("d.jpg", image_bytes(16, 16, "JPEG")), ("d.txt", b"d txt"),
     ])
     spec = f"pipe:cat {tmp_path}/k.tar" if streamed else str(tmp_path / "k.tar")
-    num = 3 if streamed else None
+    num = 4 if streamed else None
     default = build_loader(cfg_for(spec, dataset_type="webdataset", train_num_samples=num), split="train",
                            patch_size=PATCH, context_length=CONTEXT)
     got = captions_by_key(default)  # OpenCLIP's defaults: jpg;png;jpeg;webp and txt
-    assert sorted(got) == ["a"] and got["a"] == tokenize(["from txt"], CONTEXT)[0].tolist()
+    assert sorted(got) == ["a", "d"] and got["a"] == tokenize(["from txt"], CONTEXT)[0].tolist()
     assert dict(default.skip_counts) == {"missing_image": 1, "missing_caption": 1}
     keyed = build_loader(cfg_for(spec, dataset_type="webdataset", train_num_samples=num, image_key="tif;webp;png",
                                  text_key="caption;txt"), split="train", patch_size=PATCH, context_length=CONTEXT)
     got = captions_by_key(keyed)
-    assert sorted(got) == ["a", "b", "c"] and not keyed.skip_counts
+    assert sorted(got) == ["a", "b", "c"] and dict(keyed.skip_counts) == {"missing_image": 1}  # d.jpg
     assert got["a"] == tokenize(["from caption"], CONTEXT)[0].tolist()
 
 
@@ -113,3 +114,125 @@ def test_max_image_pixels_skips_large_images_by_header(tmp_path):
 def test_recipe_flags_refuse_bad_values_in_one_line(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         DataConfig(**{"train_data": "shards/a.tar", **kwargs})
+
+
+def _shards(root, prefix: str, num_shards: int, per_shard: int, sizes_json: bool = True) -> str:
+    """`num_shards` shards of `per_shard` tiny samples keyed `{prefix}{shard}_{i}`; returns their brace spec."""
+    root.mkdir(parents=True, exist_ok=True)
+    img = image_bytes(8, 8, "PNG")
+    for s in range(num_shards):
+        write_tar(str(root / f"{prefix}-{s}.tar"), [m for i in range(per_shard) for m in (
+            (f"{prefix}{s}_{i}.png", img), (f"{prefix}{s}_{i}.txt", f"{prefix} {s} {i}".encode()))])
+    if sizes_json:
+        (root / "sizes.json").write_text(json.dumps({f"{prefix}-{s}.tar": per_shard for s in range(num_shards)}))
+    return f"{root}/{prefix}-{{0..{num_shards - 1}}}.tar"
+
+
+def keys_in_order(loader) -> list[str]:
+    return [k.rsplit(":", 1)[-1] for b in loader for k in b["keys"]]
+
+
+def _resumed(cfg: DataConfig, stop_after: int, world_size: int = 1, rank: int = 0, workers_after: int = 0
+             ) -> tuple[list[str], list[str]]:
+    """(keys of an uninterrupted epoch 1, keys of epoch 1 stopped after `stop_after` microbatches and resumed in a
+    new loader with `workers_after` workers)."""
+    kwargs = dict(split="train", patch_size=PATCH, context_length=CONTEXT, epoch=1, rank=rank, world_size=world_size)
+    whole = keys_in_order(build_loader(cfg, **kwargs))
+    first = build_loader(cfg, **kwargs)
+    head = []
+    for i, batch in enumerate(first):
+        head += [k.rsplit(":", 1)[-1] for k in batch["keys"]]
+        if i + 1 == stop_after:
+            state = first.state_dict()
+            break
+    again = build_loader(DataConfig(**{**cfg.__dict__, "workers": workers_after}), **kwargs)
+    again.load_state_dict(state)
+    again.set_epoch(state["epoch"], state["position"])
+    return whole, head + keys_in_order(again)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_resampled_epoch_is_train_num_samples_drawn_with_replacement_and_a_resume_continues_it(tmp_path, streamed):
+    spec = _shards(tmp_path / "a", "a", 4, 6)
+    if streamed:
+        spec = "::".join(f"pipe:cat {tmp_path}/a/a-{s}.tar" for s in range(4))
+    cfg = cfg_for(spec, dataset_type="webdataset", dataset_resampled=True, train_num_samples=60, seed=3,
+                  shuffle_buffer=4)
+    whole, resumed = _resumed(cfg, stop_after=5, workers_after=0 if streamed else 2)
+    assert len(whole) == 60 and resumed == whole  # the same stream, continued mid-epoch (any workers when indexed)
+    assert max(Counter(whole).values()) > 1  # with replacement: 60 draws from 24 samples repeat some
+    other_epoch = keys_in_order(build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT, epoch=2))
+    assert other_epoch != whole and len(other_epoch) == 60
+
+
+def test_resampled_shards_follow_the_upsampling_factors(tmp_path):
+    a = _shards(tmp_path / "a", "a", 4, 5)
+    b = _shards(tmp_path / "b", "b", 4, 5)
+    cfg = cfg_for(f"{a}::{b}", dataset_resampled=True, train_data_upsampling_factors="1::3", train_num_samples=400)
+    loader = build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT)
+    counts = Counter(k[0] for k in keys_in_order(loader))
+    assert sum(counts.values()) == 400 and 2.2 < counts["b"] / counts["a"] < 4.5  # shard weights 1:3
+    assert loader.planned_sources == {a: counts["a"], b: counts["b"]}
+    only_a = build_loader(cfg_for(f"{a}::{b}", dataset_resampled=True, train_data_upsampling_factors="1::0",
+                                  train_num_samples=40), split="train", patch_size=PATCH, context_length=CONTEXT)
+    assert {k[0] for k in keys_in_order(only_a)} == {"a"}
+
+
+@pytest.mark.parametrize("sizes_json", [True, False])
+def test_a_mixture_without_resampling_gives_each_source_its_exact_share_of_every_epoch(tmp_path, sizes_json):
+    a = _shards(tmp_path / "a", "a", 3, 4, sizes_json)
+    b = _shards(tmp_path / "b", "b", 2, 5, sizes_json)
+    cfg = cfg_for(f"{a}::{b}", train_data_upsampling_factors="1::2", workers=0)
+    for epoch in (0, 1):
+        loader = build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT, epoch=epoch)
+        counts = Counter(keys_in_order(loader))
+        # factor 1: every sample of a once; factor 2: every sample of b twice
+        assert {k for k in counts if k[0] == "a"} == {f"a{s}_{i}" for s in range(3) for i in range(4)}
+        assert {v for k, v in counts.items() if k[0] == "a"} == {1}
+        assert {v for k, v in counts.items() if k[0] == "b"} == {2}
+        assert loader.planned_sources == {a: 12, b: 20} and loader.num_samples == 32
+    shares = build_loader(DataConfig(**{**cfg.__dict__, "train_num_samples": 16}), split="train", patch_size=PATCH,
+                          context_length=CONTEXT)
+    counts = Counter(k[0] for k in keys_in_order(shares))
+    assert counts == {"a": 6, "b": 10} and shares.planned_sources == {a: 6, b: 10}  # 12:20 scaled to 16
+
+
+def test_a_mixture_resumes_exactly_at_the_same_and_at_another_world_size(tmp_path):
+    a = _shards(tmp_path / "a", "a", 3, 4)
+    b = _shards(tmp_path / "b", "b", 2, 5)
+    cfg = cfg_for(f"{a}::{b}", train_data_upsampling_factors="1::2")
+    whole, resumed = _resumed(cfg, stop_after=3, workers_after=2)
+    assert resumed == whole
+    # two ranks stop after 2 microbatches each; three ranks read the rest: every planned sample once in all
+    two = [build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT, rank=r, world_size=2)
+           for r in range(2)]
+    head, states = [], []
+    for loader in two:
+        for i, batch in enumerate(loader):
+            head += [k.rsplit(":", 1)[-1] for k in batch["keys"]]
+            if i == 1:
+                states.append(loader.state_dict())
+                break
+    rest = []
+    for r in range(3):
+        loader = build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT, rank=r, world_size=3)
+        loader.load_state_dict(states)
+        loader.set_epoch(0, states[0]["position"])
+        rest += keys_in_order(loader)
+    assert Counter(head + rest) == Counter(whole)  # (every epoch of this mixture is the same multiset)
+
+
+def test_sized_shards_are_not_read_at_startup_and_a_short_shard_is_named(tmp_path, monkeypatch):
+    from naflexclip.data import shard_index
+
+    spec = _shards(tmp_path / "s", "s", 3, 4)
+    sizes = json.loads((tmp_path / "s" / "sizes.json").read_text())
+    sizes["s-2.tar"] = 6  # sizes.json lists 2 more samples than the shard holds
+    (tmp_path / "s" / "sizes.json").write_text(json.dumps(sizes))
+    scanned = []
+    real = shard_index.load_shard_index
+    monkeypatch.setattr(shard_index, "load_shard_index", lambda url, *a: scanned.append(url) or real(url, *a))
+    loader = build_loader(cfg_for(spec), split="train", patch_size=PATCH, context_length=CONTEXT)
+    assert scanned == [] and len(loader.source) == 14  # planned from sizes.json alone
+    assert sorted(keys_in_order(loader)) == sorted(f"s{s}_{i}" for s in range(3) for i in range(4))
+    assert dict(loader.skip_counts) == {"shard_size_mismatch": 2} and len(set(scanned)) == 3

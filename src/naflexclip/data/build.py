@@ -6,6 +6,8 @@ import logging
 from collections import Counter
 from typing import Any
 
+import numpy as np
+
 from naflexclip.data.config import DataConfig
 from naflexclip.data.loader import NaFlexLoader
 from naflexclip.data.map_loader import MapLoader
@@ -20,9 +22,11 @@ from naflexclip.data.readers import (
     check_shards,
     count_shard_samples,
     expand_shards,
+    read_sizes,
 )
 from naflexclip.data.samples import reasons_line
-from naflexclip.data.shard_index import IndexedShardSource, is_indexable
+from naflexclip.data.shard_index import IndexedShardSource, SizedShardSource, is_indexable
+from naflexclip.data.shard_order import ShardRecipe, ShardSet
 from naflexclip.data.stream_loader import StreamLoader
 
 logger = logging.getLogger("naflexclip.data")
@@ -44,6 +48,50 @@ def _map_source(cfg: DataConfig, split: str, kind: str, path: str | None, urls: 
         reasons = Counter(r["reason"] for r in source.index_skips)
         raise DataError(f"data source {path!r} has no usable samples ({reasons_line(reasons) or 'empty'})")
     return source
+
+
+def source_ids(spec: str, urls: list[str]) -> list[int]:
+    """The `::`-joined source (0, 1, ...) of each expanded shard url of `spec`."""
+    ids = [s for s, part in enumerate(spec.split("::")) for _ in expand_shards(part)]
+    if len(ids) != len(urls):
+        raise DataError(f"the `::`-joined sources of {spec!r} do not expand to its {len(urls)} shards one by one")
+    return ids
+
+
+def _shard_loader(cfg: DataConfig, path: str, urls: list[str], requested: int | None, flag: str, resampled: bool,
+                  factors: tuple[float, ...] | None, common: dict[str, Any]) -> MapLoader:
+    """Local .tar shards. With a sizes.json listing every shard, nothing is read at startup (`SizedShardSource`,
+    an O(shards) plan on every rank); else every shard is indexed. Mixtures, resampling and sized shards take
+    their order from a `ShardRecipe`."""
+    sizes = read_sizes(urls)
+    source: Source
+    if sizes is not None:
+        source = SizedShardSource(path, urls, sizes, cfg.shard_index_dir, cfg.member_keys())
+        shard_sizes = sizes
+    else:
+        source = _map_source(cfg, common["split"], "webdataset", path, urls)
+        shard_sizes = np.bincount(source.shard_ids, minlength=len(urls)).astype(np.int64)
+    if len(source) == 0:
+        raise DataError(f"data source {path!r} has no usable samples (sizes.json lists none)")
+    sources = path.split("::")
+    shards = ShardSet(shard_sizes, np.asarray(source_ids(path, urls), np.int64), tuple(sources))
+    if requested is not None and requested > len(source) and not (resampled or factors is not None):
+        # an epoch longer than the data would put copies of one pair into the same window, as each
+        # other's negatives; a shorter one takes a fresh random subset of the usable samples each epoch
+        raise DataError(f"{flag} {requested} is more than the {len(source)} usable samples of {source.name!r}; "
+                        f"an epoch reads each sample once: omit {flag} or pass at most {len(source)}")
+    if sizes is None and not resampled and factors is None:
+        return MapLoader(source, samples_per_epoch=requested, **common)
+    try:
+        recipe = ShardRecipe(shards, factors, resampled, requested)
+        recipe.epoch_samples()
+    except ValueError as error:
+        raise DataError(str(error)) from None
+    loader = MapLoader(source, recipe=recipe, **common)
+    if common["rank"] == 0 and len(sources) > 1:
+        logger.warning("data %s epoch 0: %s", common["split"], ", ".join(
+            f"{name} {count} samples" for name, count in loader.planned_sources.items()))
+    return loader
 
 
 def build_loader(
@@ -70,8 +118,8 @@ def build_loader(
         raise ValueError(f"split {split!r} has no data: {flag} is not set")
     kind, path = resolved
     train = split == "train"
-    if train and (cfg.dataset_resampled or cfg.train_data_upsampling_factors is not None):
-        raise DataError("--dataset-resampled and --train-data-upsampling-factors are not supported yet")
+    resampled = train and cfg.dataset_resampled
+    factors = cfg.upsampling_factors() if train else None
     requested = cfg.train_num_samples if train else cfg.val_num_samples
     flag = f"--{split}-num-samples"
     common: dict[str, Any] = dict(
@@ -86,6 +134,9 @@ def build_loader(
         check_shards(urls, path)
     loader: NaFlexLoader
     if not all(is_indexable(u) for u in urls):  # pipe:, URLs, compressed: streamed
+        if factors is not None and not resampled:
+            raise DataError("--train-data-upsampling-factors without --dataset-resampled plans each source's exact "
+                            "share, which needs local .tar shards; these are streamed: add --dataset-resampled")
         num = requested or count_shard_samples(urls)
         if num < 1:
             raise DataError(f"no samples found in shards {path!r}; pass {flag} for remote shards")
@@ -93,8 +144,12 @@ def build_loader(
             logger.warning("data %s (%s): shards that cannot be indexed (pipe:, URLs, compressed) are streamed; an "
                            "epoch is %d samples split by (rank, worker) slot, so a sample can repeat or be missed in "
                            "it", split, path, num)
+        weights = None if factors is None else [factors[s] for s in source_ids(path, urls)]
         loader = StreamLoader(urls, name=path, samples_per_epoch=num, shuffle_buffer=cfg.shuffle_buffer,
-                              member_keys=cfg.member_keys(), **common)
+                              member_keys=cfg.member_keys(), resampled=resampled, shard_weights=weights, **common)
+    elif kind == "webdataset":
+        assert path is not None
+        loader = _shard_loader(cfg, path, urls, requested, flag, resampled, factors, common)
     else:
         source = _map_source(cfg, split, kind, path, urls)
         if requested is not None and requested > len(source):
@@ -103,9 +158,22 @@ def build_loader(
             raise DataError(f"{flag} {requested} is more than the {len(source)} usable samples of {source.name!r}; "
                             f"an epoch reads each sample once: omit {flag} or pass at most {len(source)}")
         loader = MapLoader(source, samples_per_epoch=requested, **common)
+    if train:
+        _check_trainable(loader, world_size)
     if epoch or start_batch:
         loader.set_epoch(epoch, start_batch)
     return loader
+
+
+def _check_trainable(loader: NaFlexLoader, world_size: int) -> None:
+    """Refuse an epoch no contrastive step can learn from: one sample (its loss is 0, it has no negative), or fewer
+    samples than ranks (no step at all: the run would train nothing and save a checkpoint)."""
+    num = loader.samples_per_epoch
+    if num < 2 or loader.num_batches == 0:
+        ranks = f" for {world_size} ranks" if world_size > 1 else ""
+        raise DataError(f"training data {loader.name!r} has {num} usable sample{'' if num == 1 else 's'}{ranks}: a "
+                        "contrastive step needs at least 2 (each example's negatives are the others)"
+                        + (" and one on every rank" if world_size > 1 else ""))
 
 
 def build_zero_shot_loader(

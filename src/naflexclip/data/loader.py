@@ -241,6 +241,11 @@ class NaFlexLoader(abc.ABC):
         return self._cursor.position
 
     @property
+    def planned_sources(self) -> dict[str, int]:
+        """Samples each `::` source contributes to this epoch, as planned; empty when there is one source."""
+        return {}
+
+    @property
     def num_samples(self) -> int:
         """Planned samples this epoch on this rank (sum of planned batch sizes)."""
         return self.schedule.total()

@@ -16,6 +16,7 @@ from naflexclip.data.loader import NaFlexLoader, WorkerEpoch
 from naflexclip.data.readers import RawSample, Source, skip_record
 from naflexclip.data.samples import SkipSample
 from naflexclip.data.schedule import build_global_plan, epoch_order, worker_batches
+from naflexclip.data.shard_order import ShardRecipe
 
 
 class MapEpoch(WorkerEpoch):
@@ -40,18 +41,33 @@ class MapEpoch(WorkerEpoch):
 
 class MapLoader(NaFlexLoader):
     """One rank's epochs of a map-style `source`: `samples_per_epoch` of its usable samples (a fresh
-    random subset each epoch when fewer than all; default all). The other arguments are `NaFlexLoader`'s."""
+    random subset each epoch when fewer than all; default all). With a shard `recipe` (`shard_order`), the
+    epoch's order is the recipe's: a mixture, resampled shards, or a shard set too large for one permutation.
+    The other arguments are `NaFlexLoader`'s."""
 
     indexed = True
 
-    def __init__(self, source: Source, *, samples_per_epoch: int | None = None, **kwargs: Any) -> None:
-        self.source = source
+    def __init__(self, source: Source, *, samples_per_epoch: int | None = None, recipe: ShardRecipe | None = None,
+                 **kwargs: Any) -> None:
+        self.source, self.recipe = source, recipe
+        if recipe is not None:
+            samples_per_epoch = recipe.epoch_samples()
         super().__init__(name=source.name, samples_per_epoch=samples_per_epoch or len(source), **kwargs)
 
+    @property
+    def planned_sources(self) -> dict[str, int]:
+        """Samples each `::` source contributes to this epoch, as planned (a mixture or resampled shards)."""
+        if self.recipe is None or len(self.recipe.shards.source_names) < 2:
+            return {}
+        return self.order.source_counts()
+
     def _plan(self, epoch: int, sample_position: int | None, start_batch: int) -> None:
-        order = epoch_order(len(self.source), seed=self.seed, epoch=epoch, shuffle=self.shuffle,
-                            group_size=self.source.group_size)
-        self.order = order[: self.samples_per_epoch]  # --train-num-samples below the usable count
+        if self.recipe is not None:
+            self.order = self.recipe.order(seed=self.seed, epoch=epoch, shuffle=self.shuffle)
+        else:
+            order = epoch_order(len(self.source), seed=self.seed, epoch=epoch, shuffle=self.shuffle,
+                                group_size=self.source.group_size)
+            self.order = order[: self.samples_per_epoch]  # --train-num-samples below the usable count
         rest = sample_position is not None  # only the rest of the epoch, re-planned at another world size
         self.plan = build_global_plan(len(self.order), self.world_size, self.budget, seed=self.seed, epoch=epoch,
                                       start_step=start_batch if rest else 0, start_sample=sample_position or 0)

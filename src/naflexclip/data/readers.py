@@ -15,6 +15,7 @@ from collections.abc import Container, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 from PIL import Image
 from webdataset.gopen import gopen
 from webdataset.shardlists import expand_urls
@@ -340,6 +341,27 @@ def check_shards(urls: list[str], spec: str) -> None:
     local = [u for u in urls if _is_local(u)]
     if not urls or (local and len(local) == len(urls) and not any(os.path.isfile(u) for u in local)):
         raise DataError(f"no shard of --train-data/--val-data {spec!r} exists (expanded to {len(urls)} urls)")
+
+
+def read_sizes(urls: list[str]) -> np.ndarray | None:
+    """Samples per shard from the OpenCLIP-style `sizes.json` beside them (shard file name -> count), or None
+    unless one lists every shard."""
+    tables: dict[str, dict[str, Any] | None] = {}
+    sizes = np.zeros(len(urls), dtype=np.int64)
+    for i, url in enumerate(urls):
+        directory, _, name = url.rpartition("/")
+        if directory not in tables:
+            path = os.path.join(directory, "sizes.json")
+            try:
+                with open(path) as f:
+                    tables[directory] = json.load(f)
+            except (OSError, ValueError):
+                tables[directory] = None
+        table = tables[directory]
+        if table is None or name not in table:
+            return None
+        sizes[i] = int(table[name])
+    return sizes
 
 
 def count_shard_samples(urls: list[str]) -> int:

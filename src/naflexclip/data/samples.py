@@ -35,6 +35,7 @@ SKIP_REASONS = (
     "missing_shard",  # a shard URL that cannot be opened (a shard problem, not a bad sample)
     "epoch_remainder",  # an epoch with fewer samples than ranks: no rank can be given one without the others
     "duplicate_key",  # a key that names several samples of one shard: noted, each of them trains
+    "shard_size_mismatch",  # sizes.json lists more samples for a shard than it holds (each missing one counted)
 )
 # reasons about whole shards, the plan or the packing, reported apart from bad samples
 NOT_SAMPLE_REASONS = ("truncated_shard", "missing_shard", "epoch_remainder", "duplicate_key")

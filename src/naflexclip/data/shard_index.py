@@ -14,6 +14,7 @@ so `img.v2.3.jpg` + `img.v2.3.txt` is sample `img.v2.3` (WebDataset would make i
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
@@ -33,6 +34,7 @@ from naflexclip.data.readers import (
     same_sample,
     skip_record,
 )
+from naflexclip.data.samples import SkipSample
 
 INDEX_VERSION = 3
 INDEX_SUFFIX = ".naflexclip-index.json"
@@ -231,3 +233,63 @@ class IndexedShardSource:
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_fds": {}, "_pid": -1}
+
+
+class SizedShardSource:
+    """Local tar shards whose sample counts come from a `sizes.json` (as OpenCLIP's datasets ship): nothing is read
+    at startup, and each shard is indexed (or its cached index read) by the worker that first reads from it.
+
+    Sample i is position i of the shards' samples in order, numbered by `sizes`; what indexing finds unusable
+    (no image, no caption, a missing shard, fewer samples than `sizes.json` lists) is skipped when read.
+    Startup and memory are O(shards), the same on every rank.
+    """
+
+    group_size = 1
+    cached_shards = 256  # shard indexes a process keeps (a block of the epoch order reads 64 shards)
+
+    def __init__(self, spec: str, urls: list[str], sizes: np.ndarray, cache_dir: str | None = None,
+                 member_keys: MemberKeys = DEFAULT_MEMBER_KEYS) -> None:
+        self.name, self.urls, self.sizes = spec, urls, np.asarray(sizes, dtype=np.int64)
+        self.cache_dir, self.member_keys = cache_dir, member_keys
+        self.index_skips: list[dict[str, Any]] = []
+        self.bounds = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+        self._indexes: collections.OrderedDict[int, ShardIndex] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return int(self.bounds[-1])
+
+    def _locate(self, index: int) -> tuple[int, int, ShardIndex]:
+        shard = int(np.searchsorted(self.bounds, index, side="right")) - 1
+        if shard not in self._indexes:
+            self._indexes[shard] = load_shard_index(self.urls[shard], self.cache_dir, self.member_keys)
+            while len(self._indexes) > self.cached_shards:
+                self._indexes.popitem(last=False)
+        self._indexes.move_to_end(shard)
+        return shard, index - int(self.bounds[shard]), self._indexes[shard]
+
+    def describe(self, index: int) -> tuple[str, str, int | None]:
+        shard, j, shard_index = self._locate(index)
+        return self.urls[shard], shard_index.keys[j] if j < len(shard_index) else f"#{j}", None
+
+    def load(self, index: int) -> RawSample:
+        shard, j, shard_index = self._locate(index)
+        url = self.urls[shard]
+        if shard_index.status == "missing":
+            raise SkipSample("missing_shard", url)
+        if j >= len(shard_index):
+            if shard_index.status == "truncated":
+                raise SkipSample("truncated_shard", f"sample {j} of {url}: the shard ends before it")
+            raise SkipSample("shard_size_mismatch",
+                             f"sizes.json lists {int(self.sizes[shard])} samples, {url} holds {len(shard_index)}")
+        img_off, img_size, cap_off, cap_size = (int(v) for v in shard_index.offsets[j])
+        reason = ("missing_image" if img_off < 0 else "empty_image" if img_size == 0
+                  else "missing_caption" if cap_off < 0 else None)
+        if reason is not None:
+            raise SkipSample(reason)
+        with open(url, "rb") as f:
+            image = os.pread(f.fileno(), img_size, img_off)
+            caption = os.pread(f.fileno(), cap_size, cap_off)
+        return RawSample(image, caption, None, f"{url}:{shard_index.keys[j]}")
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_indexes": collections.OrderedDict()}

@@ -18,6 +18,8 @@ from naflexclip.data.loader import NaFlexLoader, WorkerEpoch
 from naflexclip.data.readers import DEFAULT_MEMBER_KEYS, DataError, MemberKeys, RawSample, ShardReadLog, shard_samples
 from naflexclip.data.schedule import build_schedule, samples_per_rank
 
+_RESAMPLED = 0x2E5A
+
 
 class StreamEpoch(WorkerEpoch):
     """A worker's planned microbatches of a streamed epoch, filled from its slot's stream in plan order."""
@@ -27,9 +29,32 @@ class StreamEpoch(WorkerEpoch):
         self.urls, self.name, self.shuffle = loader.urls, loader.name, loader.shuffle
         self.buffer = loader.shuffle_buffer if loader.shuffle else 0
         self.rank, self.world_size = loader.rank, loader.world_size
+        self.resampled, self.shard_weights = loader.resampled, loader.shard_weights
         self.member_keys = loader.member_keys
 
+    def _resampled_stream(self, slot: int, log: ShardReadLog) -> Iterator[RawSample]:
+        """Shards drawn with replacement, each read whole through the shuffle buffer, for as long as needed."""
+        seed, epoch, _ = self.seed_key
+        rng = random.Random(hash((seed, epoch, slot, _RESAMPLED)))  # ints only: the same hash in every process
+        empty_in_row = 0
+        for draw in itertools.count():
+            url = rng.choices(self.urls, weights=self.shard_weights)[0]
+            samples: Iterator[RawSample] = shard_samples(url, log, self.member_keys)
+            if self.buffer > 1:
+                samples = wds.shuffle(self.buffer, self.buffer, rng=random.Random(hash((seed, epoch, slot, draw))))(
+                    samples)
+            produced = 0
+            for raw in samples:
+                produced += 1
+                yield raw
+            empty_in_row = 0 if produced else empty_in_row + 1
+            if empty_in_row > 10 * len(self.urls) + 100:
+                raise DataError(f"no sample could be read from the shards of {self.name!r}")
+
     def _slot_stream(self, slot: int, num_slots: int, log: ShardReadLog) -> Iterator[RawSample]:
+        if self.resampled:
+            yield from self._resampled_stream(slot, log)
+            return
         seed, epoch, _ = self.seed_key
         urls = list(self.urls)
         if self.shuffle:
@@ -87,14 +112,16 @@ def _read_ahead(items: Iterator[RawSample]) -> Iterator[RawSample]:
 
 class StreamLoader(NaFlexLoader):
     """One rank's epochs of `samples_per_epoch` samples streamed from the shards `urls` (`name`: the shard spec);
-    `shuffle_buffer`: samples in each slot's shuffle buffer; `member_keys`: a sample's image and caption members.
-    The other arguments are `NaFlexLoader`'s."""
+    `shuffle_buffer`: samples in each slot's shuffle buffer; `member_keys`: a sample's image and caption members;
+    `resampled`: each slot draws its shards with replacement (weights `shard_weights`, OpenCLIP's
+    `ResampledShards2`), from (seed, epoch, slot). The other arguments are `NaFlexLoader`'s."""
 
     indexed = False
 
     def __init__(self, urls: list[str], *, shuffle_buffer: int, member_keys: MemberKeys = DEFAULT_MEMBER_KEYS,
-                 **kwargs: Any) -> None:
+                 resampled: bool = False, shard_weights: list[float] | None = None, **kwargs: Any) -> None:
         self.urls, self.shuffle_buffer, self.member_keys = urls, shuffle_buffer, member_keys
+        self.resampled, self.shard_weights = resampled, shard_weights
         super().__init__(**kwargs)
 
     def _plan(self, epoch: int, sample_position: int | None, start_batch: int) -> None:

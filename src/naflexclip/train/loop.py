@@ -253,7 +253,8 @@ class Trainer:
     def end_epoch(self) -> None:
         cfg, progress = self.cfg, self.progress
         barrier(self.env)  # every rank has written its skipped samples of the epoch
-        self.reporter.log_epoch_data(progress.step, progress.epoch, progress.num_samples_seen)
+        self.reporter.log_epoch_data(progress.step, progress.epoch, progress.num_samples_seen,
+                                     self.loader.planned_sources)
         progress.epoch += 1
         progress.next_batch = 0
         last = progress.epoch == cfg.epochs

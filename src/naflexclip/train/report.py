@@ -143,10 +143,16 @@ class Reporter:
             elif shown == MAX_SKIP_LINES + 1:
                 self.message(f"more skipped {split} samples: see {self.run_dir / SKIP_LOG_FILE}")
 
-    def log_epoch_data(self, step: int, epoch: int, num_samples_seen: int) -> None:
-        """The `data` record of a finished epoch (after every rank wrote its skip records)."""
+    def log_epoch_data(self, step: int, epoch: int, num_samples_seen: int, sources: Mapping[str, int] | None = None
+                       ) -> None:
+        """The `data` record of a finished epoch (after every rank wrote its skip records); `sources`: the samples
+        each `::` source of a mixture contributed to it, as planned."""
         if self.enabled:
-            self.log("data", step, epoch + 1.0, epoch_data_record(self.run_dir, epoch, num_samples_seen))
+            record = epoch_data_record(self.run_dir, epoch, num_samples_seen)
+            for i, (name, count) in enumerate((sources or {}).items()):
+                record[f"data/source/{i}"] = count
+                self.message(f"data epoch {epoch}: source {i} ({name}): {count} samples")
+            self.log("data", step, epoch + 1.0, record)
 
     def finish(self, evals: list[dict[str, float]], counts: dict[str, int], plot: bool) -> None:
         """Curves, the before/after summary table, skip counts and the data summary (main rank)."""
@@ -277,7 +283,11 @@ def data_summary(records: list[dict[str, Any]], skip_log: Path) -> str:
         skips = {k.rsplit("/", 1)[1]: v for k, v in record.items() if k.startswith("data/skipped/")}
         bad = {k: v for k, v in skips.items() if k not in NOT_SAMPLE_REASONS}
         other = {k: v for k, v in skips.items() if k in NOT_SAMPLE_REASONS}
-        line = f"epoch {epoch}: trained {record['data/trained_samples']} samples, skipped {sum(bad.values())} bad"
+        line = f"epoch {epoch}: trained {record['data/trained_samples']} samples"
+        sources = [f"source {k.rsplit('/', 1)[1]}: {v}" for k, v in record.items() if k.startswith("data/source/")]
+        if sources:
+            line += f" ({', '.join(sources)} planned)"
+        line += f", skipped {sum(bad.values())} bad"
         if bad:
             line += " (" + ", ".join(f"{k}={v}" for k, v in sorted(bad.items())) + ")"
         if other:
