@@ -621,14 +621,30 @@ def build(name: str, pretrained: str | None = None, cache_dir: str | None = None
     """The NaFlex model of the OpenCLIP name, random init or with the weights of `pretrained` (a file, a tag or
     `hf-hub:org/name` in a local cache); `overrides` that keep the weights (`drop_path_rate=0.1`, ...)."""
     config = model_config(name, **overrides)
-    model = NaFlexClip(config)
-    if pretrained is not None:
-        if config.loss != model_config(name).loss:
-            raise OpenClipError(f"--loss {config.loss}: the weights of {name} are trained with --loss "
-                                f"{model_config(name).loss}; drop --loss")
-        file = resolve_pretrained(name, pretrained, cache_dir)
-        model.load_state_dict(import_state_dict(model, read_state_dict(file), str(file)))
-        model.source_file = str(file)  # where a Hugging Face tokenizer may live beside it
+    if pretrained is None:
+        return NaFlexClip(config)
+    if config.loss != model_config(name).loss:
+        raise OpenClipError(f"--loss {config.loss}: the weights of {name} are trained with --loss "
+                            f"{model_config(name).loss}; drop --loss")
+    file = resolve_pretrained(name, pretrained, cache_dir)
+    model = _uninitialised(config)
+    model.load_state_dict(import_state_dict(model, read_state_dict(file), str(file)))  # strict: every tensor
+    model.source_file = str(file)  # where a Hugging Face tokenizer may live beside it
+    return model
+
+
+def _uninitialised(config: ModelConfig) -> NaFlexClip:
+    """The model with uninitialised parameters, for a load that writes every one of them (a ViT-B-16's random init
+    takes longer than reading its file); its one non-persistent buffer, the causal text mask, is built."""
+    with torch.device("meta"):
+        model = NaFlexClip(config)
+    model.to_empty(device="cpu")
+    persistent = set(model.state_dict())
+    others = [key for key, _ in model.named_buffers() if key not in persistent]
+    if others not in ([], ["text.attn_mask"]):  # a module whose buffers a load does not restore: initialise it
+        return NaFlexClip(config)
+    if model.text.attn_mask is not None:
+        model.text.attn_mask = model.text.build_causal_mask()
     return model
 
 
