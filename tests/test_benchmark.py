@@ -49,11 +49,11 @@ def _labelled_by_the_model(checkpoint: Path, seq_len: int, per_class: int = 3
     import torch.nn.functional as F
 
     from naflexclip import create_model
-    from naflexclip.data.processing import make_processing
     from naflexclip.data.samples import decode_image
+    from naflexclip.families import data_processing
 
     model = create_model(str(checkpoint)).eval()
-    processing = make_processing(str(checkpoint), model.image_patch_size)
+    processing = data_processing(str(checkpoint), model.image_patch_size)
     pngs = [image_bytes(8 + (seed * 7) % 20, 8 + (seed * 11) % 24, "PNG", seed=seed) for seed in range(80)]
     pixels = [processing.transform(decode_image(png), seq_len) for png in pngs]
     with torch.no_grad():
@@ -190,12 +190,12 @@ def near_ties(siglip2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch.nn.functional as F
 
     from naflexclip import create_model
-    from naflexclip.data.processing import make_processing
     from naflexclip.data.samples import decode_image
+    from naflexclip.families import data_processing
 
     names = NAMES[:6]
     model = create_model(str(siglip2)).eval()
-    processing = make_processing(str(siglip2), model.image_patch_size)
+    processing = data_processing(str(siglip2), model.image_patch_size)
     pngs = [image_bytes(8 + (seed * 7) % 20, 8 + (seed * 11) % 24, "PNG", seed=seed) for seed in range(200)]
     pixels = [processing.transform(decode_image(png), SEQ_LEN) for png in pngs]
     with torch.no_grad():  # as eval computes them

@@ -194,11 +194,11 @@ def test_a_file_of_a_checkpoint_directory_names_the_directory(checkpoint: Path) 
 
 
 def test_directory_without_tokenizer_is_refused(tmp_path: Path) -> None:
-    from naflexclip.data.processing import make_processing
+    from naflexclip.families import data_processing
 
     directory = make_checkpoint(tmp_path / "ck", tokenizer=False)
     with pytest.raises(ValueError) as error:
-        make_processing(str(directory), 4)
+        data_processing(str(directory), 4)
     assert "has no tokenizer" in _one_line(error)
 
 

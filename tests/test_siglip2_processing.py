@@ -12,8 +12,8 @@ from PIL import Image
 from siglip2_cases import SMALL, make_checkpoint
 
 from naflexclip.data import DataConfig, build_loader
-from naflexclip.data.processing import make_processing
 from naflexclip.data.synthetic import synthetic_sample
+from naflexclip.families import data_processing
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,7 +27,7 @@ def _image(height: int, width: int, seed: int) -> Image.Image:
 
 
 def _ours(directory: str | None, images: list[Image.Image], patch_size: int, budget: int) -> dict[str, torch.Tensor]:
-    processing = make_processing(directory, patch_size)
+    processing = data_processing(directory, patch_size)
     return processing.collate([processing.transform(img, budget) for img in images], budget, patch_size)
 
 
@@ -89,7 +89,8 @@ def test_parity_check_has_teeth(checkpoint: Path) -> None:
 def test_loader_uses_the_checkpoint_tokenizer_and_patching(checkpoint: Path) -> None:
     cfg = DataConfig(hf_processor=str(checkpoint), synthetic_train_size=24, seed=1, naflex_seq_lens=(16, 36),
                      naflex_max_tokens_per_batch=144, workers=0)
-    loader = build_loader(cfg, split="train", patch_size=4, context_length=12)
+    loader = build_loader(cfg, split="train", patch_size=4, context_length=12,
+                          processing=data_processing(cfg.hf_processor, 4))
     tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
     seq_lens = set()
     for batch in loader:

@@ -16,7 +16,7 @@ from PIL import Image
 from siglip2_cases import CONFIGS, make_checkpoint
 
 from naflexclip import create_model, export_model
-from naflexclip.data.processing import make_processing
+from naflexclip.families import data_processing
 
 transformers = pytest.importorskip("transformers")
 
@@ -92,7 +92,7 @@ def test_import_of_a_directory_whose_tokenizer_masks_keeps_the_training_behaviou
     encoded = tokenizer(CAPTIONS, padding="max_length", truncation=True, max_length=model.context_length,
                         return_tensors="pt")
     assert "attention_mask" in encoded, "the source directory's tokenizer returns a mask"
-    ids = make_processing(str(checkpoint), model.image_patch_size).tokenize(CAPTIONS, model.context_length)
+    ids = data_processing(str(checkpoint), model.image_patch_size).tokenize(CAPTIONS, model.context_length)
     assert torch.equal(ids, encoded["input_ids"])  # what training and evaluation feed the text tower
     padded = _padded_rows(ids, tokenizer.pad_token_id)
     assert padded.any() and not padded.all()

@@ -13,9 +13,8 @@ import torch.nn.functional as F
 from siglip2_cases import hf_features, make_checkpoint
 
 from naflexclip.cli import main
-from naflexclip.data.processing import make_processing
 from naflexclip.data.synthetic import SHAPES, zero_shot_sample
-from naflexclip.families import siglip2
+from naflexclip.families import data_processing, siglip2
 from naflexclip.train.components import load_checkpoint_model
 from naflexclip.verify import random_naflex_batch
 from naflexclip.zeroshot import zero_shot_classify
@@ -99,7 +98,7 @@ def test_zero_shot_accuracy_is_nearest_class_prompt(tmp_path: Path) -> None:
                  str(tmp_path / "names.txt"), "--zero-shot-templates", str(tmp_path / "templates.txt"),
                  "--zero-shot-seq-len", "36", "--zero-shot-output", str(tmp_path / "zs.json"), "--device", "cpu"]) == 0
     results = json.loads((tmp_path / "zs.json").read_text())
-    processing = make_processing(str(source), 4)
+    processing = data_processing(str(source), 4)
     from naflexclip.data.samples import decode_image, read_image_file
 
     paths = [(path, label) for label, c in enumerate(classes) for path in sorted((folder / c).iterdir())]

@@ -339,7 +339,7 @@ def evaluate_run(args: argparse.Namespace, run: Run, datasets: dict[str, Any], m
 def run_benchmark(args: argparse.Namespace) -> int:
     """Handler of `naflexclip benchmark`: every input checked and every dataset opened before the first
     evaluation; then one evaluation and one JSON per (dataset, sequence length)."""
-    from naflexclip.data.processing import make_processing
+    from naflexclip.families import data_processing
     from naflexclip.train.precision import create_precision
 
     try:
@@ -354,7 +354,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
         model, config = load_model(args.pretrained, torch.device(device))
         name = model_name(args.pretrained, config)
         runs = plan_runs(args, name)
-        processing = make_processing(config["data"].get("hf_processor"), model.image_patch_size)
+        processing = data_processing(config["data"].get("hf_processor"), model.image_patch_size)
         datasets = [prepare(args, run, processing, model.image_patch_size) for run in runs]
         tokenizer = functools.partial(processing.tokenize, context_length=model.context_length)
         precision = create_precision(getattr(args, "precision", None) or config["precision"], torch.device(device))

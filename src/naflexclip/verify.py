@@ -26,6 +26,7 @@ from naflexclip.data import DataError, add_data_args, build_loader, data_config_
 from naflexclip.distill import Distill, add_distill_args
 from naflexclip.distributed import DEVICE_CHOICES, check_device
 from naflexclip.factory import create_model
+from naflexclip.families import data_processing
 from naflexclip.legacy import per_microbatch_scale_gradients
 from naflexclip.lock import Locks, add_lock_args, lock_summary
 from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES, MULTI_POSITIVE_WEIGHTINGS, MultiPositiveLoss, create_loss
@@ -373,7 +374,8 @@ def loader_window(args: argparse.Namespace, setup: VerifySetup) -> tuple[dict[st
     cfg = data_config_from_args(args)
     cfg.hf_processor = setup.hf_processor
     loader = build_loader(cfg, split="train", patch_size=setup.model.image_patch_size,
-                          context_length=setup.model.context_length)
+                          context_length=setup.model.context_length,
+                          processing=data_processing(cfg.hf_processor, setup.model.image_patch_size, cfg.augment))
     microbatches = list(itertools.islice(iter(loader), setup.accum_freq))
     if len(microbatches) < setup.accum_freq:
         raise ValueError(f"--accum-freq {setup.accum_freq}: the data yields only {len(microbatches)} batches")

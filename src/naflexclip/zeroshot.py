@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from naflexclip.data.processing import make_processing
 from naflexclip.data.readers import skip_record, walk_folder
 from naflexclip.data.samples import IMAGE_EXTENSIONS, SkipSample, decode_image, read_image_file
+from naflexclip.families import data_processing
 
 MAX_SKIP_LINES = 20  # skipped files printed; all of them are in the JSON lines file
 
@@ -163,7 +163,7 @@ def zero_shot_classify(model: nn.Module, data_dir: str | Path, *, seq_len: int, 
     folder = read_image_folder(data_dir)
     named = dict(zip(folder.folders, classnames or folder.folders, strict=True))
     names = [named[name] for name in folder.classes]
-    processing = make_processing(hf_processor, model.image_patch_size)
+    processing = data_processing(hf_processor, model.image_patch_size)
     model.eval()
     classes = class_embeddings(model, names, list(templates or DEFAULT_TEMPLATES), processing.tokenize, device,
                                autocast)

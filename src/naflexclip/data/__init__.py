@@ -1,9 +1,11 @@
 """The NaFlex data pipeline: sources, timm NaFlex transform, open_clip tokenizer, token-budget loader.
 
-Public API: `DataConfig`, `add_data_args`, `data_config_from_args`, `build_loader`,
-`build_zero_shot_loader`, `tokenize`, `DataError`, and the built-in dataset in
-`naflexclip.data.synthetic`. A loader is a `NaFlexLoader`: a `MapLoader` over a map-style `Source`, or a
-`StreamLoader` over shards that cannot be indexed; `TokenBudget` sizes its microbatches.
+Public API: `DataConfig`, `add_data_args`, `data_config_from_args`, `build_loader`, `build_zero_shot_loader`,
+`Processing`, `default_processing`, `tokenize`, `DataError`, and the built-in dataset in `naflexclip.data.synthetic`.
+The package knows no pretrained family: a model's own tokenizer and patching are handed to the loaders as a
+`Processing` by the caller (`naflexclip.families.data_processing`). A loader is a `NaFlexLoader`: a `MapLoader`
+over a map-style `Source`, or a `StreamLoader` over shards that cannot be indexed; `TokenBudget` sizes its
+microbatches.
 """
 
 from naflexclip.data.build import build_loader, build_zero_shot_loader
@@ -14,7 +16,7 @@ from naflexclip.data.readers import DataError, Source
 from naflexclip.data.samples import SKIP_REASONS
 from naflexclip.data.schedule import TokenBudget, build_schedule
 from naflexclip.data.stream_loader import StreamLoader
-from naflexclip.data.transform import tokenize
+from naflexclip.data.transform import Processing, default_processing, tokenize
 
 __all__ = [
     "SKIP_REASONS",
@@ -22,6 +24,7 @@ __all__ = [
     "DataError",
     "MapLoader",
     "NaFlexLoader",
+    "Processing",
     "Source",
     "StreamLoader",
     "TokenBudget",
@@ -30,5 +33,6 @@ __all__ = [
     "build_schedule",
     "build_zero_shot_loader",
     "data_config_from_args",
+    "default_processing",
     "tokenize",
 ]

@@ -28,6 +28,7 @@ from naflexclip.data.samples import reasons_line
 from naflexclip.data.shard_index import IndexedShardSource, SizedShardSource, is_indexable
 from naflexclip.data.shard_order import ShardRecipe, ShardSet
 from naflexclip.data.stream_loader import StreamLoader
+from naflexclip.data.transform import Processing, default_processing
 
 logger = logging.getLogger("naflexclip.data")
 
@@ -94,6 +95,16 @@ def _shard_loader(cfg: DataConfig, path: str, urls: list[str], requested: int | 
     return loader
 
 
+def _processing(cfg: DataConfig, processing: Processing | None, patch_size: int, augment: bool) -> Processing:
+    """The processing handed in; our own when none was and the config names no pretrained model's."""
+    if processing is not None:
+        return processing
+    if cfg.hf_processor is not None:  # the data pipeline does not know the families: its caller hands theirs in
+        raise ValueError(f"the data config's hf_processor {cfg.hf_processor!r} needs that model's processing handed "
+                         f"in (processing=naflexclip.families.data_processing(...))")
+    return default_processing(patch_size, augment)
+
+
 def build_loader(
     cfg: DataConfig,
     *,
@@ -105,12 +116,15 @@ def build_loader(
     world_size: int = 1,
     start_batch: int = 0,
     device_pin: bool = False,
+    processing: Processing | None = None,
 ) -> NaFlexLoader:
     """The loader for `split` ("train": sequence lengths drawn per step, shuffled, optional augment;
     "val": every microbatch at max(--naflex-seq-lens), source order, deterministic eval transform).
 
     `start_batch` resumes mid-epoch: the loader yields exactly the microbatches from that position on that
-    an uninterrupted epoch would have yielded.
+    an uninterrupted epoch would have yielded. `processing`: the model's transform, collation and tokenizer for
+    this split (an augmenting one for "train" with `cfg.augment`), handed in by the model's family
+    (`naflexclip.families.data_processing`); None: our own (`default_processing`).
     """
     resolved = cfg.source(split)
     if resolved is None:
@@ -120,12 +134,13 @@ def build_loader(
     train = split == "train"
     resampled = train and cfg.dataset_resampled
     factors = cfg.upsampling_factors() if train else None
+    processing = _processing(cfg, processing, patch_size, augment=cfg.augment and train)
     requested = cfg.train_num_samples if train else cfg.val_num_samples
     flag = f"--{split}-num-samples"
     common: dict[str, Any] = dict(
         split=split, budget=cfg.token_budget() if train else cfg.token_budget().at_longest(),
-        builder=MicrobatchBuilder(patch_size=patch_size, context_length=context_length, augment=cfg.augment and train,
-                                  hf_processor=cfg.hf_processor, json_caption=cfg.json_caption(),
+        builder=MicrobatchBuilder(patch_size=patch_size, context_length=context_length, processing=processing,
+                                  augment=cfg.augment and train, json_caption=cfg.json_caption(),
                                   max_image_pixels=cfg.max_image_pixels),
         seed=cfg.seed, shuffle=train, workers=cfg.workers, rank=rank, world_size=world_size, pin_memory=device_pin,
     )
@@ -178,14 +193,17 @@ def _check_trainable(loader: NaFlexLoader, world_size: int) -> None:
 
 def build_zero_shot_loader(
     cfg: DataConfig, *, patch_size: int, context_length: int, num_samples: int = 500,
+    processing: Processing | None = None,
 ) -> NaFlexLoader:
     """Single-object synthetic validation images with "labels": {"shape", "colour", "size"}: long [B].
 
-    Microbatches at max(--naflex-seq-lens), deterministic eval transform, fixed order; one process.
+    Microbatches at max(--naflex-seq-lens), deterministic eval transform, fixed order; one process. `processing`:
+    as `build_loader`'s.
     """
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-    builder = MicrobatchBuilder(patch_size=patch_size, context_length=context_length, hf_processor=cfg.hf_processor)
+    builder = MicrobatchBuilder(patch_size=patch_size, context_length=context_length,
+                                processing=_processing(cfg, processing, patch_size, augment=False))
     return MapLoader(ZeroShotSource(cfg.synthetic_seed, num_samples), split="zeroshot",
                      budget=cfg.token_budget().at_longest(), builder=builder, seed=cfg.seed, shuffle=False,
                      workers=cfg.workers)

@@ -55,8 +55,8 @@ class DataConfig:
     val_num_samples: int | None = None
     shuffle_buffer: int = 1000
     augment: bool = False
-    # a transformers SigLIP 2 checkpoint directory whose tokenizer and image-processor patching the data uses
-    # (set by `train --pretrained`); None: timm's NaFlex transform and open_clip's tokenizer
+    # a pretrained model's directory (transformers SigLIP 2) whose family's tokenizer and patching feed the data
+    # (set by `train --pretrained`; the caller hands that processing to the loaders); None: ours
     hf_processor: str | None = None
     shard_index_dir: str | None = None
     # OpenCLIP's WebDataset recipe flags (docs/data.md, "Data recipes")

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 from PIL import Image
 
-from naflexclip.data.processing import make_processing
 from naflexclip.data.readers import RawSample, skip_record
 from naflexclip.data.samples import JsonCaption, SkipSample, decode_caption, decode_image
 from naflexclip.data.schedule import ScheduledBatch, even_sizes
+from naflexclip.data.transform import Processing
 
 # where a sample is, for the skip log: (source, key, line)
 Where = tuple[str, str | None, int | None]
@@ -27,18 +27,18 @@ class MicrobatchBuilder:
     every sample was bad ("empty": True), "image" (the NaFlex dict), "text", "keys", "seq_len", "num_tokens" and
     "labels" where the source has them.
 
-    `hf_processor`: a SigLIP 2 checkpoint directory whose own processing is used (see `make_processing`); a bad
-    one fails here, in the main process, not in a worker. `augment` draws each microbatch's crops from a
-    generator seeded by the microbatch's `seed_key`, so a resume replays them and no global RNG is touched.
+    `processing`: the model's image transform, collation and tokenizer, handed in by the caller (the model's
+    family, `naflexclip.families.data_processing`; built in the main process, so a bad one fails there, not in a
+    worker). `augment` (its transform then crops at random) draws each microbatch's crops from a generator seeded
+    by the microbatch's `seed_key`, so a resume replays them and no global RNG is touched.
     `json_caption`: captions are fields of a JSON member (`--json-text-key`), chosen per (seed, epoch, sample) from
     the first two entries of `seed_key`; `max_image_pixels` > 0: larger images are skipped before decoding.
     """
 
-    def __init__(self, *, patch_size: int, context_length: int, augment: bool = False,
-                 hf_processor: str | None = None, json_caption: JsonCaption | None = None,
-                 max_image_pixels: int = 0) -> None:
+    def __init__(self, *, patch_size: int, context_length: int, processing: Processing, augment: bool = False,
+                 json_caption: JsonCaption | None = None, max_image_pixels: int = 0) -> None:
         self.patch_size, self.context_length, self.augment = patch_size, context_length, augment
-        self.processing = make_processing(hf_processor, patch_size, augment)
+        self.processing = processing
         self.json_caption, self.max_image_pixels = json_caption, max_image_pixels
 
     def build(self, planned: ScheduledBatch, samples: list[tuple[RawSample | SkipSample, Where]],

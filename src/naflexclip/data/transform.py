@@ -31,11 +31,18 @@ INTERPOLATION = "bicubic"
 class Processing:
     """A model's data processing: `transform(img, seq_len) -> (uint8 patches, patch_coord)`,
     `collate(samples, seq_len, patch_size)` -> the NaFlex image dict, `tokenize(texts, context_length)` -> long
-    `[B, T]`. Ours is `NaFlexTransform`, `collate` and `tokenize` below; a pretrained family brings its own."""
+    `[B, T]`. Ours is `default_processing` (`NaFlexTransform`, `collate` and `tokenize` below); a pretrained
+    family brings its own (`naflexclip.families.data_processing` picks one and hands it to the loaders)."""
 
     transform: Any
     collate: Callable[[list[tuple[torch.Tensor, torch.Tensor]], int, int], dict[str, torch.Tensor]]
     tokenize: Callable[[list[str], int], torch.Tensor]
+
+
+def default_processing(patch_size: int, augment: bool = False) -> Processing:
+    """Our presets' processing: timm's NaFlex transform (random crops with `augment`), our collation, open_clip's
+    tokenizer."""
+    return Processing(NaFlexTransform(patch_size, augment=augment), collate, tokenize)
 
 
 @functools.lru_cache(maxsize=4)

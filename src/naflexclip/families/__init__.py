@@ -5,7 +5,8 @@ spec it gives its models), build and load our model from it, export our model as
 (tokenizer, patching) its models expect. `siglip2`: SigLIP 2 NaFlex directories of transformers. `openclip`: a
 family of model names (`NamedFamily`: OpenCLIP's `ViT-B-16`, `ViT-B-16-SigLIP2`, ...) whose weights are checkpoint
 files or pretrained tags. They are registered in `FAMILIES`; everything else (`create_model`, `train --model`
-and `--pretrained`, `eval --checkpoint`, `export`, the data pipeline) asks this table.
+and `--pretrained`, `eval --checkpoint`, `export`) asks this table, and `data_processing` hands the data pipeline
+(which imports no family) the processing of the model it feeds.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from naflexclip.data.transform import Processing, default_processing
 from naflexclip.families import openclip, siglip2
 
 if TYPE_CHECKING:
     import torch
 
-    from naflexclip.data.transform import Processing
     from naflexclip.model import NaFlexClip
 
 
@@ -89,6 +90,15 @@ def family_of(path: str | Path) -> PretrainedFamily:
         except ValueError as error:
             reasons.append(str(error))
     raise ValueError("; ".join(reasons))
+
+
+def data_processing(source: str | None, patch_size: int, augment: bool = False) -> Processing:
+    """The image transform, collation and tokenizer handed to the loaders for a model: those of the family of
+    `source` (`DataConfig.hf_processor`, the pretrained directory the model came from), or our presets' own
+    (`source` None). `augment`: random crops (the train split with --augment)."""
+    if source is None:
+        return default_processing(patch_size, augment)
+    return family_of(source).processing(source, patch_size, augment)
 
 
 def export_family(format: str) -> PretrainedFamily:

@@ -22,9 +22,9 @@ from torch import nn
 
 from naflexclip.batch import to_device
 from naflexclip.data import DataConfig, build_loader, build_zero_shot_loader
-from naflexclip.data.processing import make_processing
 from naflexclip.data.synthetic import ATTRIBUTES, zero_shot_prompt_ensemble
 from naflexclip.distributed import DistributedEnv, barrier, run_on_main
+from naflexclip.families import data_processing
 from naflexclip.parallel import unwrap_model
 from naflexclip.train.config import TrainConfig
 from naflexclip.train.report import Reporter, folder_zeroshot_keys
@@ -163,7 +163,8 @@ def validation_retrieval(model: nn.Module, data: DataConfig, device: torch.devic
                          autocast: Callable[[], ContextManager[Any]], skip_records: list[dict[str, Any]]
                          ) -> dict[str, float]:
     """`val/...` retrieval metrics of the validation split; its skipped samples go to `skip_records`."""
-    val = build_loader(data, split="val", patch_size=model.image_patch_size, context_length=model.context_length)
+    val = build_loader(data, split="val", patch_size=model.image_patch_size, context_length=model.context_length,
+                       processing=data_processing(data.hf_processor, model.image_patch_size))
     features = _features(model, val, device, autocast)
     skip_records.extend(val.skip_records)
     metrics = {f"val/{k}": v for k, v in retrieval_metrics(features["image"], features["text"]).items()}
@@ -236,13 +237,13 @@ class Evaluator:
 def zero_shot_metrics(model: nn.Module, data: DataConfig, device: torch.device,
                       autocast: Callable[[], ContextManager[Any]], num_samples: int) -> dict[str, float]:
     """Top-1 accuracy of nearest-prompt classification for each attribute, on single-object images."""
+    processing = data_processing(data.hf_processor, model.image_patch_size)  # the model's own
     loader = build_zero_shot_loader(data, patch_size=model.image_patch_size, context_length=model.context_length,
-                                    num_samples=num_samples)
+                                    num_samples=num_samples, processing=processing)
     features = _features(model, loader, device, autocast)
     metrics = {}
     for attribute in ZERO_SHOT_ATTRIBUTES:
-        tokenizer = make_processing(data.hf_processor, model.image_patch_size).tokenize  # the model's own
-        classes = ensemble_embeddings(model, zero_shot_prompt_ensemble(attribute), tokenizer, device,
+        classes = ensemble_embeddings(model, zero_shot_prompt_ensemble(attribute), processing.tokenize, device,
                                       autocast).cpu()
         predicted = (features["image"] @ classes.T).argmax(dim=1)
         metrics[f"zeroshot/{attribute}_top1"] = float((predicted == features["labels"][attribute]).float().mean())

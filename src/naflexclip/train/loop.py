@@ -23,6 +23,7 @@ from naflexclip.distill import Distill
 from naflexclip.distributed import DistributedEnv, barrier, cleanup, init_distributed
 from naflexclip.exchange import window_exchange
 from naflexclip.factory import create_model
+from naflexclip.families import data_processing
 from naflexclip.lock import Locks, lock_summary
 from naflexclip.loss import create_loss
 from naflexclip.model import config_to_dict
@@ -83,7 +84,9 @@ class Trainer:
             image_layer_decay=cfg.image_layer_decay, text_layer_decay=cfg.text_layer_decay)
         self.loader = build_loader(cfg.data, split="train", patch_size=self.module.image_patch_size,
                                    context_length=self.module.context_length, rank=env.rank,
-                                   world_size=env.world_size, device_pin=env.device.type == "cuda")
+                                   world_size=env.world_size, device_pin=env.device.type == "cuda",
+                                   processing=data_processing(cfg.data.hf_processor, self.module.image_patch_size,
+                                                              augment=cfg.data.augment))
         self.batches_per_epoch = self._plan_batches()
         self.schedule = LrSchedule(self.optimizer, cfg.lr, cfg.warmup, 1, kind=cfg.lr_scheduler)
         self.schedule.load_state_dict(self.schedule_plan(0, 0, 0))
