@@ -37,7 +37,8 @@ def _map_source(cfg: DataConfig, split: str, kind: str, path: str | None, urls: 
     if kind == "synthetic":
         size = cfg.synthetic_train_size if split == "train" else cfg.synthetic_val_size
         group_size = cfg.synthetic_shape_group_size if split == "train" else 1
-        return SyntheticSource(cfg.synthetic_seed, split, size, group_size)
+        return SyntheticSource(cfg.synthetic_seed, split, size, group_size,
+                               multi_caption=cfg.synthetic_multi_caption and split == "train")
     assert path is not None
     if kind == "csv":
         source: Source = CsvSource(path, cfg.csv_img_key, cfg.csv_caption_key, cfg.csv_separator)
@@ -141,7 +142,7 @@ def build_loader(
         split=split, budget=cfg.token_budget() if train else cfg.token_budget().at_longest(),
         builder=MicrobatchBuilder(patch_size=patch_size, context_length=context_length, processing=processing,
                                   augment=cfg.augment and train, json_caption=cfg.json_caption(),
-                                  max_image_pixels=cfg.max_image_pixels),
+                                  max_image_pixels=cfg.max_image_pixels, multi_caption=cfg.multi_caption and train),
         seed=cfg.seed, shuffle=train, workers=cfg.workers, rank=rank, world_size=world_size, pin_memory=device_pin,
     )
     urls = expand_shards(path) if kind == "webdataset" and path is not None else []

@@ -51,6 +51,10 @@ class DataConfig:
     synthetic_train_size: int = 4096
     synthetic_shape_group_size: int = 1
     synthetic_val_size: int = 512
+    synthetic_multi_caption: bool = False  # built-in train scenes with 2-5 captions each
+    # several captions per image become several text rows with group ids (train --multi-positive); without it a
+    # sample with several captions trains on one of them, drawn per (seed, epoch, sample)
+    multi_caption: bool = False
     train_num_samples: int | None = None
     val_num_samples: int | None = None
     shuffle_buffer: int = 1000
@@ -237,6 +241,8 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--synthetic-shape-group-size", type=int, default=1,
                        help="built-in train data in groups of N scenes that differ only in their shapes "
                             "(hard negatives within a window; 1-8)")
+    group.add_argument("--synthetic-multi-caption", action="store_true",
+                       help="built-in train scenes with 2-5 captions each (one per epoch; all with --multi-positive)")
     group.add_argument("--synthetic-seed", type=int, default=0,
                        help="seed of the built-in dataset's content (independent of --seed)")
     group.add_argument("--augment", action="store_true",
@@ -263,6 +269,7 @@ def data_config_from_args(args: argparse.Namespace) -> DataConfig:
         synthetic_train_size=args.synthetic_train_size,
         synthetic_shape_group_size=args.synthetic_shape_group_size,
         synthetic_val_size=args.synthetic_val_size,
+        synthetic_multi_caption=args.synthetic_multi_caption,
         train_num_samples=args.train_num_samples,
         val_num_samples=args.val_num_samples,
         shuffle_buffer=args.shuffle_buffer,

@@ -6,6 +6,7 @@ microbatch whose samples are all bad comes back as an empty item, covered later 
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import random
 from typing import Any
@@ -14,7 +15,7 @@ import torch
 from PIL import Image
 
 from naflexclip.data.readers import RawSample, skip_record
-from naflexclip.data.samples import JsonCaption, SkipSample, decode_caption, decode_image
+from naflexclip.data.samples import JsonCaption, SkipSample, decode_captions, decode_image, one_caption
 from naflexclip.data.schedule import ScheduledBatch, even_sizes
 from naflexclip.data.transform import Processing
 
@@ -33,13 +34,18 @@ class MicrobatchBuilder:
     by the microbatch's `seed_key`, so a resume replays them and no global RNG is touched.
     `json_caption`: captions are fields of a JSON member (`--json-text-key`), chosen per (seed, epoch, sample) from
     the first two entries of `seed_key`; `max_image_pixels` > 0: larger images are skipped before decoding.
+    `multi_caption`: every caption of a sample with several becomes a text row, and the item is grouped
+    (`image_group`, `text_group`: a sample's group id is a hash of its key, the same on every rank and in every
+    window); otherwise a sample with several captions takes one per epoch (`one_caption`).
     """
 
     def __init__(self, *, patch_size: int, context_length: int, processing: Processing, augment: bool = False,
-                 json_caption: JsonCaption | None = None, max_image_pixels: int = 0) -> None:
+                 json_caption: JsonCaption | None = None, max_image_pixels: int = 0,
+                 multi_caption: bool = False) -> None:
         self.patch_size, self.context_length, self.augment = patch_size, context_length, augment
         self.processing = processing
         self.json_caption, self.max_image_pixels = json_caption, max_image_pixels
+        self.multi_caption = multi_caption
 
     def build(self, planned: ScheduledBatch, samples: list[tuple[RawSample | SkipSample, Where]],
               records: list[dict[str, Any]], seed_key: tuple[int, ...]) -> dict[str, Any]:
@@ -49,21 +55,25 @@ class MicrobatchBuilder:
         transform = self.processing.transform
         draft = lambda hw: transform.target_hw(hw, planned.seq_len)
         records = list(records)
-        pixels, texts, labels, keys = [], [], [], []
+        pixels, texts, labels, keys, captions_per_image = [], [], [], [], []
         for raw, (source, key, line) in samples:
             try:
                 if isinstance(raw, SkipSample):
                     raise raw
                 image = (raw.image if isinstance(raw.image, Image.Image)
                          else decode_image(raw.image, draft, self.max_image_pixels))
-                caption = (decode_caption(raw.caption) if self.json_caption is None
+                caption = (decode_captions(raw.caption) if self.json_caption is None
                            else self.json_caption(raw.caption, seed_key[0], seed_key[1], raw.key))
+                captions = [caption] if isinstance(caption, str) else caption
+                if not self.multi_caption:
+                    captions = [one_caption(caption, seed_key[0], seed_key[1], raw.key)]
                 pixels.append(transform(image, planned.seq_len) if rng is None
                               else transform(image, planned.seq_len, rng))
             except SkipSample as skip:
                 records.append(skip_record(source, key, line, skip.reason, str(skip)))
                 continue
-            texts.append(caption)
+            texts.extend(captions)
+            captions_per_image.append(len(captions))
             keys.append(raw.key)
             if raw.labels is not None:
                 labels.append(raw.labels)
@@ -74,6 +84,9 @@ class MicrobatchBuilder:
         item["image"] = self.processing.collate(pixels, planned.seq_len, self.patch_size)
         item["text"] = self.processing.tokenize(texts, self.context_length)
         item["keys"] = keys
+        if self.multi_caption:
+            item["image_group"] = torch.tensor([group_id(key) for key in keys], dtype=torch.int64)
+            item["text_group"] = torch.repeat_interleave(item["image_group"], torch.tensor(captions_per_image))
         item["seq_len"] = planned.seq_len
         item["num_tokens"] = int(item["image"]["patch_valid"].sum())
         if labels:
@@ -81,14 +94,27 @@ class MicrobatchBuilder:
         return item
 
 
+def group_id(sample_key: str) -> int:
+    """A sample's group id: a 63-bit hash of its key, so ids are global over microbatches, ranks and epochs without
+    any exchange (two samples of one epoch collide with probability ~n²/2⁶⁴)."""
+    return int.from_bytes(hashlib.blake2b(sample_key.encode("utf-8"), digest_size=8).digest(), "little") >> 1
+
+
 def split_rows(item: dict[str, Any], parts: int) -> list[dict[str, Any]]:
-    """A collated microbatch cut into `parts` consecutive microbatches of nearly equal rows (larger first)."""
-    bounds = [0, *itertools.accumulate(even_sizes(item["text"].shape[0], parts))]
+    """A collated microbatch cut into `parts` consecutive microbatches of nearly equal rows (larger first); a
+    grouped one is cut by its images, each keeping its captions."""
+    rows = len(item["keys"])
+    bounds = [0, *itertools.accumulate(even_sizes(rows, parts))]
+    grouped = "image_group" in item
     pieces = []
     for lo, hi in itertools.pairwise(bounds):
         image = {k: v[lo:hi] for k, v in item["image"].items()}
-        piece = {**item, "image": image, "text": item["text"][lo:hi], "keys": item["keys"][lo:hi],
+        texts = (torch.isin(item["text_group"], item["image_group"][lo:hi]).nonzero().flatten() if grouped
+                 else slice(lo, hi))
+        piece = {**item, "image": image, "text": item["text"][texts], "keys": item["keys"][lo:hi],
                  "num_tokens": int(image["patch_valid"].sum())}
+        if grouped:
+            piece["image_group"], piece["text_group"] = item["image_group"][lo:hi], item["text_group"][texts]
         if "labels" in item:
             piece["labels"] = {k: v[lo:hi] for k, v in item["labels"].items()}
         pieces.append(piece)

@@ -22,7 +22,7 @@ from webdataset.shardlists import expand_urls
 from webdataset.tariterators import base_plus_ext
 
 from naflexclip.data.samples import IMAGE_EXTENSIONS, read_image_file
-from naflexclip.data.synthetic import synthetic_sample, zero_shot_sample
+from naflexclip.data.synthetic import synthetic_captions, synthetic_sample, zero_shot_sample
 
 CAPTION_EXTENSIONS = ("txt", "text", "caption")
 # suffixes that end a member's key (see `member_key`): images, captions and the json metadata
@@ -63,10 +63,11 @@ DEFAULT_MEMBER_KEYS = MemberKeys()
 
 @dataclass
 class RawSample:
-    """Undecoded sample: image as bytes (or an already-decoded PIL image), caption as bytes/str, labels."""
+    """Undecoded sample: image as bytes (or an already-decoded PIL image), caption as bytes/str (or several
+    captions of the image, a list), labels."""
 
     image: bytes | Image.Image | None
-    caption: bytes | str | None
+    caption: bytes | str | list[str] | None
     labels: dict[str, int] | None = None
     key: str = ""
 
@@ -100,8 +101,9 @@ class SyntheticSource:
     `group_size` > 1: scenes come in shape groups of that many consecutive indices, which the loader's
     shuffle keeps together (see `synthetic_sample`)."""
 
-    def __init__(self, seed: int, split: str, size: int, group_size: int = 1) -> None:
+    def __init__(self, seed: int, split: str, size: int, group_size: int = 1, multi_caption: bool = False) -> None:
         self.seed, self.split, self.size, self.group_size = seed, split, size, group_size
+        self.multi_caption = multi_caption  # 2-5 captions per scene (`synthetic_captions`)
         self.name = f"synthetic:{split}[{size}]"
         self.index_skips: list[dict[str, Any]] = []
 
@@ -112,7 +114,8 @@ class SyntheticSource:
         return self.name, str(index), None
 
     def load(self, index: int) -> RawSample:
-        img, caption = synthetic_sample(self.seed, self.split, index, self.group_size)
+        sample = synthetic_captions if self.multi_caption else synthetic_sample
+        img, caption = sample(self.seed, self.split, index, self.group_size)
         return RawSample(img, caption, None, str(index))
 
 

@@ -163,7 +163,7 @@ class JsonCaption:
             order.append(drawn.pop(i)[0])
         return order + [k for k, w in zip(self.keys, weights, strict=True) if w <= 0]
 
-    def __call__(self, data: bytes | str | None, seed: int, epoch: int, sample_key: str) -> str:
+    def __call__(self, data: bytes | str | None, seed: int, epoch: int, sample_key: str) -> str | list[str]:
         if data is None:
             raise SkipSample("missing_caption", "no .json member (--json-text-key)")
         try:
@@ -175,7 +175,29 @@ class JsonCaption:
                 value = meta.get(key)
                 if isinstance(value, str) and value.strip():
                     return value.strip()
+                if isinstance(value, list):  # several captions of the image (the caller takes one, or all)
+                    captions = [v.strip() for v in value if isinstance(v, str) and v.strip()]
+                    if captions:
+                        return captions
         raise SkipSample("missing_caption", f"no non-empty --json-text-key field of {list(self.keys)}")
+
+
+def one_caption(captions: str | list[str], seed: int, epoch: int, sample_key: str) -> str:
+    """One of a sample's captions for this epoch (OpenCLIP's one caption per sample): drawn from (seed, epoch,
+    sample key) alone, so every worker, rank and resume reads the same one."""
+    if isinstance(captions, str):
+        return captions
+    return random.Random(f"{seed}:{epoch}:{sample_key}:caption").choice(captions)
+
+
+def decode_captions(data: bytes | str | list[str] | None) -> str | list[str]:
+    """`decode_caption`, or each of several captions (a list; the empty ones left out, SkipSample if none is left)."""
+    if not isinstance(data, list):
+        return decode_caption(data)
+    captions = [caption.strip() for caption in data if isinstance(caption, str) and caption.strip()]
+    if not captions:
+        raise SkipSample("empty_caption")
+    return captions
 
 
 def decode_caption(data: bytes | str | None) -> str:

@@ -19,6 +19,7 @@ model never needs shape.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -173,10 +174,8 @@ def caption_for(rng: np.random.Generator, objects: list[SceneObject], background
     )
 
 
-def synthetic_sample(seed: int, split: str, index: int, shape_group_size: int = 1) -> tuple[Image.Image, str]:
-    """The (RGB image, caption) pair at `index` of `split` ("train" or "val"); pure function of its args.
-
-    `shape_group_size` k: indices k·g ... k·g + k - 1 are one scene with k different shapes per slot."""
+def _scene(seed: int, split: str, index: int, shape_group_size: int) -> tuple[np.random.Generator, Any]:
+    """The scene at `index` (image, objects, background, wide) and the generator its caption is drawn from."""
     if not 1 <= shape_group_size <= len(SHAPES):
         raise ValueError(f"shape_group_size must be in [1, {len(SHAPES)}], got {shape_group_size}")
     group, member = divmod(index, shape_group_size)
@@ -188,8 +187,26 @@ def synthetic_sample(seed: int, split: str, index: int, shape_group_size: int = 
         # entry j, so within a group every slot's shape differs
         perms = np.random.default_rng(np.random.SeedSequence([seed & 0xFFFFFFFF, SPLIT_STREAMS[split], group, 1]))
         shapes = [int(perms.permutation(len(SHAPES))[member]) for _ in range(num_objects)]
-    img, objects, background, wide = render_scene(rng, num_objects, shapes=shapes)
+    return rng, render_scene(rng, num_objects, shapes=shapes)
+
+
+def synthetic_sample(seed: int, split: str, index: int, shape_group_size: int = 1) -> tuple[Image.Image, str]:
+    """The (RGB image, caption) pair at `index` of `split` ("train" or "val"); pure function of its args.
+
+    `shape_group_size` k: indices k·g ... k·g + k - 1 are one scene with k different shapes per slot."""
+    rng, (img, objects, background, wide) = _scene(seed, split, index, shape_group_size)
     return img, caption_for(rng, objects, background, wide)
+
+
+def synthetic_captions(seed: int, split: str, index: int, shape_group_size: int = 1) -> tuple[Image.Image, list[str]]:
+    """`synthetic_sample`'s image with 2 to 5 captions of it (the multi-caption mode): its own caption first, then
+    captions in other templates and object orders, drawn from a stream of their own (image and first caption are
+    `synthetic_sample`'s)."""
+    rng, (img, objects, background, wide) = _scene(seed, split, index, shape_group_size)
+    first = caption_for(rng, objects, background, wide)
+    extra = np.random.default_rng(np.random.SeedSequence([seed & 0xFFFFFFFF, SPLIT_STREAMS[split], index, 2]))
+    more = [caption_for(extra, objects, background, wide) for _ in range(int(extra.integers(1, 5)))]
+    return img, [first, *more]
 
 
 def zero_shot_sample(seed: int, index: int) -> tuple[Image.Image, str, dict[str, int]]:

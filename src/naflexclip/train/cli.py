@@ -96,6 +96,12 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                         "open_clip's download folder), besides the default caches; nothing is downloaded")
     add_lock_args(parser)
     add_distill_args(parser)
+    m = parser.add_argument_group("several captions per image")
+    m.add_argument("--multi-positive", action="store_true",
+                   help="every caption of an image is a text row and a positive of it (group ids over the window): "
+                        "clip: multi-positive InfoNCE; siglip: SigLIP+ (without it: one caption per image per epoch)")
+    m.add_argument("--multi-positive-weighting", default="symmetric", choices=("symmetric", "asymmetric", "soft"),
+                   help="SigLIP+'s positive weights α/k_i + β/k'_j: symmetric ½, ½; asymmetric 1, 0; soft: as labels")
     add_optimizer_args(parser)
     r = parser.add_argument_group("run, logs and checkpoints")
     # --logs-dir: torchrun (torch >= 2.9) rejects `--logs` after the script as ambiguous with its --logs-specs
@@ -245,7 +251,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         pretrained=args.pretrained, cache_dir=getattr(args, "cache_dir", None),
         grad_checkpointing=args.grad_checkpointing, torchcompile=args.torchcompile, **Locks.pick(args).as_dict(),
         openclip_built_in=tuple(getattr(args, "openclip_built_in", ())), **optimizer_config(args),
-        **Distill.pick(args).as_dict(),
+        **Distill.pick(args).as_dict(), multi_positive=args.multi_positive,
+        multi_positive_weighting=args.multi_positive_weighting,
     )
 
 

@@ -21,7 +21,7 @@ from naflexclip.data import DataConfig
 from naflexclip.distill import Distill
 from naflexclip.families import family_of, named_family
 from naflexclip.lock import Locks
-from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES
+from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES, MULTI_POSITIVE_WEIGHTINGS
 from naflexclip.model import PRESETS
 from naflexclip.train.report import report_to_names
 from naflexclip.window import METHODS, SCALE_MODES
@@ -173,6 +173,9 @@ class TrainConfig:
     distill_model: str | None = None
     distill_pretrained: str | None = None
     distill_loss_weight: float = 1.0
+    # several captions per image as several positives (`naflexclip.loss.MultiPositiveLoss`)
+    multi_positive: bool = False
+    multi_positive_weighting: str = "symmetric"
     # ---- optimizer and schedule (OpenCLIP's flags, issue 22; `train.optim`) ----
     opt: str = "adamw"  # adamw, nadamw or timm/<name>
     opt_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the optimizer last
@@ -193,6 +196,7 @@ class TrainConfig:
         self._check_pretrained()
         self._check_loss()
         Locks.pick(self)  # one-line errors for lock flags that cannot go together
+        self._check_multi_positive()
         if Distill.pick(self).enabled and self.distill_pretrained is None and self.distill_model in PRESETS:
             raise ValueError(f"--distill-model {self.distill_model} is a preset: give the teacher's weights with "
                              f"--distill-pretrained (a naflexclip checkpoint)")
@@ -296,6 +300,15 @@ class TrainConfig:
         elif self.pretrained and self.loss != own:
             # SigLIP (2) is a sigmoid-loss model: its logit_bias only trains under that loss; CLIP weights have none
             raise ValueError(f"--loss {self.loss}: the --pretrained model is trained with --loss {own}; drop --loss")
+
+    def _check_multi_positive(self) -> None:
+        if self.multi_positive_weighting not in MULTI_POSITIVE_WEIGHTINGS:
+            raise ValueError(f"--multi-positive-weighting: {self.multi_positive_weighting!r} is not one of "
+                             f"{sorted(MULTI_POSITIVE_WEIGHTINGS)}")
+        if self.multi_positive and self.distill_model is not None:
+            raise ValueError("--multi-positive with --distill-model is not supported yet")
+        if self.multi_positive:  # every caption of a sample becomes a text row with its group id
+            self.data.multi_caption = True
 
     def _check_zeroshot(self) -> None:
         """The ImageFolder, class names and templates of --zeroshot-data, read before the run starts."""

@@ -25,7 +25,7 @@ from naflexclip.exchange import window_exchange
 from naflexclip.factory import create_model
 from naflexclip.families import data_processing
 from naflexclip.lock import Locks, lock_summary
-from naflexclip.loss import create_loss
+from naflexclip.loss import MultiPositiveLoss, create_loss
 from naflexclip.model import config_to_dict
 from naflexclip.parallel import unwrap_model, wrap_model
 from naflexclip.train import checkpoint as ckpt
@@ -73,6 +73,8 @@ class Trainer:
         distill = Distill.pick(cfg)
         # a teacher: the window's objective is contrastive + λ·distill (DistillLoss), the teacher a feature source
         loss_fn, teacher = create_loss(cfg.loss, tile_size=cfg.loss_tile_size), None
+        if cfg.multi_positive:  # the loader's microbatches are grouped (cfg.data.multi_caption)
+            loss_fn = MultiPositiveLoss(cfg.loss, cfg.multi_positive_weighting, tile_size=cfg.loss_tile_size)
         if distill.enabled:
             loss_fn = distill.loss(cfg.loss, cfg.loss_tile_size)
             teacher = distill.teacher(self.module, cfg.data.hf_processor, cfg.loss).to(env.device)
