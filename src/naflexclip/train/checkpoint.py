@@ -100,6 +100,18 @@ def clean_stale(checkpoint_dir: Path) -> None:
                 _discard(path)
 
 
+def remove_checkpoint(checkpoint_dir: Path, name: str) -> bool:
+    """Remove checkpoint `name` (OpenCLIP's --delete-previous-checkpoint) unless `latest` names it; True if it was
+    there and is gone. It is renamed to a hidden `.old-*` first, so no reader ever sees half of it."""
+    path = checkpoint_dir / name
+    if not path.is_dir() or _pointer_target(checkpoint_dir) == name:
+        return False
+    aside = checkpoint_dir / f".old-{name}-{os.getpid()}"
+    os.replace(path, aside)
+    _discard(aside)
+    return True
+
+
 def _point_latest(checkpoint_dir: Path, name: str) -> None:
     pointer = checkpoint_dir / f".tmp-{LATEST_FILE}-{os.getpid()}"
     _write_fsynced(pointer, lambda p: p.write_text(name + "\n"))

@@ -103,6 +103,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--multi-positive-weighting", default="symmetric", choices=("symmetric", "asymmetric", "soft"),
                    help="SigLIP+'s positive weights α/k_i + β/k'_j: symmetric ½, ½; asymmetric 1, 0; soft: as labels")
     add_optimizer_args(parser)
+    add_run_args(parser)
     r = parser.add_argument_group("run, logs and checkpoints")
     # --logs-dir: torchrun (torch >= 2.9) rejects `--logs` after the script as ambiguous with its --logs-specs
     r.add_argument("--logs", "--logs-dir", dest="logs", default=_default("logs"),
@@ -220,6 +221,33 @@ def optimizer_config(args: argparse.Namespace) -> dict[str, object]:
 # ---- end of optimizer and schedule flags ----
 
 
+# ---- run flags (OpenCLIP's, issue 22) ----
+def add_run_args(parser: argparse.ArgumentParser) -> None:
+    """OpenCLIP's checkpoint, backup and logging flags."""
+    r = parser.add_argument_group("checkpoints, backup and logs")
+    r.add_argument("--save-most-recent", action="store_true",
+                   help="also save checkpoints/epoch_latest after every epoch (replaced each time)")
+    r.add_argument("--delete-previous-checkpoint", action="store_true",
+                   help="remove epoch_{N - --save-frequency} once epoch_N is saved")
+    r.add_argument("--remote-sync", default=None,
+                   help="back the run folder up to REMOTE/<name> (at the start, every --remote-sync-frequency s, "
+                        "at the end)")
+    r.add_argument("--remote-sync-frequency", type=float, default=300, help="seconds between syncs")
+    r.add_argument("--remote-sync-protocol", default="s3",
+                   help="s3 (runs `aws s3 sync`, as OpenCLIP) or fsspec (any fsspec URL or a local folder)")
+    r.add_argument("--log-local", action="store_true",
+                   help="each node's local rank 0 also writes its messages to {logs}/{name}/out-{rank}.log")
+    r.add_argument("--debug", action="store_true",
+                   help="log more: the optimizer's parameter groups, naflexclip's loggers at DEBUG")
+
+
+def run_config(args: argparse.Namespace) -> dict[str, object]:
+    return {key: getattr(args, key) for key in ("save_most_recent", "delete_previous_checkpoint", "remote_sync",
+                                                "remote_sync_frequency", "remote_sync_protocol", "log_local",
+                                                "debug")}
+# ---- end of run flags ----
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The one place flags become a TrainConfig (ValueError with a one-line, flag-naming message)."""
     refused = refused_message(args)
@@ -250,7 +278,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         zeroshot_frequency=getattr(args, "zeroshot_frequency", _default("zeroshot_frequency")),
         pretrained=args.pretrained, cache_dir=getattr(args, "cache_dir", None),
         grad_checkpointing=args.grad_checkpointing, torchcompile=args.torchcompile, **Locks.pick(args).as_dict(),
-        openclip_built_in=tuple(getattr(args, "openclip_built_in", ())), **optimizer_config(args),
+        openclip_built_in=tuple(getattr(args, "openclip_built_in", ())), **optimizer_config(args), **run_config(args),
         **Distill.pick(args).as_dict(), multi_positive=args.multi_positive,
         multi_positive_weighting=args.multi_positive_weighting,
     )

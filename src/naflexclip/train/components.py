@@ -197,6 +197,23 @@ class Checkpointer:
             self.last_step_saved = self.progress.step
         return path
 
+    def save_epoch(self, epoch: int, last: bool, *, frequency: int, most_recent: bool = False,
+                   delete_previous: bool = False) -> None:
+        """The end of epoch `epoch`, as OpenCLIP saves it: `epoch_{epoch}` every `frequency` epochs and after the
+        last (0: never); with `delete_previous` (--delete-previous-checkpoint) `epoch_{epoch - frequency}` is
+        removed once it is saved; with `most_recent` (--save-most-recent) `epoch_latest` after every epoch."""
+        if frequency and (epoch % frequency == 0 or last):
+            self.save(f"epoch_{epoch}")
+            previous = f"epoch_{epoch - frequency}"
+            if delete_previous and epoch - frequency > 0:
+                def remove() -> None:
+                    if storage.remove_checkpoint(self.checkpoint_dir, previous):
+                        self.notify(f"removed {self.checkpoint_dir / previous} (--delete-previous-checkpoint)")
+
+                run_on_main(self.env, f"removing checkpoint {previous}", remove)
+        if most_recent:
+            self.save("epoch_latest")
+
     def load(self, states: dict[str, Any], skip: tuple[str, ...] = ()) -> None:
         """Restore every component from its named state (every rank), but those in `skip`."""
         for key, component in self.components.items():

@@ -47,6 +47,8 @@ OPENCLIP_DEFAULTS: dict[str, Any] = {
     "opt": "adamw", "opt_kwargs": {}, "momentum": None, "wd_exclude": (), "image_layer_decay": None,
     "text_layer_decay": None, "lr_scheduler": "cosine", "epochs_cooldown": None, "lr_cooldown_end": 0.0,
     "lr_cooldown_power": 1.0, "skip_scheduler": False,
+    "save_most_recent": False, "delete_previous_checkpoint": False, "remote_sync": None,
+    "remote_sync_frequency": 300, "remote_sync_protocol": "s3", "log_local": False, "debug": False,
 }
 # the built-in dataset's own values where they differ from OpenCLIP's (the demo: docs/demo.md); TrainConfig's
 # field defaults are these, the data ones are the CLI's defaults without --train-data
@@ -188,6 +190,14 @@ class TrainConfig:
     lr_cooldown_end: float = 0.0
     lr_cooldown_power: float = 1.0
     skip_scheduler: bool = False  # the lr stays --lr (no warmup, no decay)
+    # ---- run flags (OpenCLIP's, issue 22) ----
+    save_most_recent: bool = False  # epoch_latest after every epoch
+    delete_previous_checkpoint: bool = False  # epoch_{N - save_frequency} removed once epoch_N is saved
+    remote_sync: str | None = None  # the run folder is backed up to {remote_sync}/{name} (`train.remote_sync`)
+    remote_sync_frequency: float = 300.0  # seconds between syncs
+    remote_sync_protocol: str = "s3"  # s3 (aws s3 sync) or fsspec
+    log_local: bool = False  # each node's local rank 0 writes its messages to out-{rank}.log
+    debug: bool = False  # more is logged (the optimizer's groups; naflexclip loggers at DEBUG)
 
     def __post_init__(self) -> None:
         self._check_choices()
@@ -202,6 +212,7 @@ class TrainConfig:
                              f"--distill-pretrained (a naflexclip checkpoint)")
         self._check_zeroshot()
         self._check_optimizer()
+        self._check_run_flags()
         if self.name is None:
             # OpenCLIP-style run name: when and what
             model = family_of(self.pretrained).NAME if self.pretrained and not self.named_family else self.model
@@ -351,6 +362,15 @@ class TrainConfig:
             raise ValueError(f"--lr-cooldown-power must be > 0, got {self.lr_cooldown_power}")
         self.opt_kwargs = dict(self.opt_kwargs)
         self.wd_exclude = tuple(self.wd_exclude)
+
+    def _check_run_flags(self) -> None:
+        """The run flags (issue 22), one line naming the flag."""
+        from naflexclip.train.remote_sync import PROTOCOLS
+
+        if self.remote_sync_protocol not in PROTOCOLS:
+            raise ValueError(f"--remote-sync-protocol: {self.remote_sync_protocol!r} is not one of {list(PROTOCOLS)}")
+        if not self.remote_sync_frequency > 0:
+            raise ValueError(f"--remote-sync-frequency must be > 0 seconds, got {self.remote_sync_frequency:g}")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form (saved with every checkpoint and at the top of the logs)."""

@@ -11,6 +11,7 @@ one line; what it may change and how is `train.resume`'s policy.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from naflexclip.data import build_loader
 from naflexclip.distill import Distill
-from naflexclip.distributed import DistributedEnv, barrier, cleanup, init_distributed
+from naflexclip.distributed import DistributedEnv, barrier, cleanup, init_distributed, run_on_main
 from naflexclip.exchange import window_exchange
 from naflexclip.factory import create_model
 from naflexclip.families import data_processing
@@ -42,8 +43,9 @@ from naflexclip.train.config import TrainConfig
 from naflexclip.train.evaluate import Evaluator
 from naflexclip.train.grouping import window_sizes
 from naflexclip.train.openclip_flags import first_lines
-from naflexclip.train.optim import LrSchedule, create_optimizer
+from naflexclip.train.optim import LrSchedule, create_optimizer, describe_param_groups
 from naflexclip.train.precision import create_precision
+from naflexclip.train.remote_sync import RemoteSync
 from naflexclip.train.report import Reporter, refuse_existing_run
 from naflexclip.train.resume import nothing_left, resume
 from naflexclip.train.step import StepResult, WindowStep, step_metrics, token_counts, windows
@@ -96,8 +98,9 @@ class Trainer:
                                       self.exchange, teacher)
         self.progress = Progress()
         self.run_dir = Path(cfg.logs) / str(cfg.name)
+        local_log = self.run_dir / f"out-{env.rank}.log" if cfg.log_local and env.local_rank == 0 else None
         self.reporter = Reporter(self.run_dir, rank=env.rank, report_to=cfg.report_to, config=cfg.to_dict(),
-                                 name=str(cfg.name))
+                                 name=str(cfg.name), log_file=local_log)
         for line in first_lines(cfg.to_dict()):  # what differs from OpenCLIP's defaults, built-in flags
             self.reporter.message(line)
         self.evaluator = Evaluator(cfg, env, self.precision.autocast, self.reporter)
@@ -111,6 +114,13 @@ class Trainer:
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", components, run, self.progress, env,
                                          self.reporter.message)
         self.stop = StopSignals()
+        # --remote-sync: the run folder's backup (main rank), started before training and closed after it
+        self.remote_sync = (RemoteSync(self.run_dir, cfg.remote_sync, cfg.remote_sync_frequency,
+                                       cfg.remote_sync_protocol, self.reporter.message)
+                            if cfg.remote_sync and env.is_main else None)
+        if cfg.debug:  # --debug: more information is logged (OpenCLIP's)
+            logging.getLogger("naflexclip").setLevel(logging.DEBUG)
+            self.reporter.message(describe_param_groups(self.optimizer))
         if teacher is not None:
             self.reporter.message(f"distilling from --distill-model {cfg.distill_model} (frozen, one forward per "
                                   f"microbatch without gradient): loss = contrastive + {cfg.distill_loss_weight:g}"
@@ -174,6 +184,8 @@ class Trainer:
 
     def fit(self) -> dict[str, float]:
         """Resume if asked, evaluate, train every remaining epoch, report; returns the last evaluation."""
+        if self.cfg.remote_sync:  # a target that cannot be written stops every rank before training
+            run_on_main(self.env, "--remote-sync", self.remote_sync.start if self.remote_sync else lambda: None)
         resumed = self.resume()
         if resumed and nothing_left(self.cfg, self.progress, self.reporter.message):
             return {}
@@ -264,8 +276,8 @@ class Trainer:
         progress.next_batch = 0
         last = progress.epoch == cfg.epochs
         self.evaluator(self.model, progress.step, float(progress.epoch), epochs_done=progress.epoch, last=last)
-        if cfg.save_frequency and (progress.epoch % cfg.save_frequency == 0 or last):
-            self.checkpointer.save(f"epoch_{progress.epoch}")
+        self.checkpointer.save_epoch(progress.epoch, last, frequency=cfg.save_frequency,
+                                     most_recent=cfg.save_most_recent, delete_previous=cfg.delete_previous_checkpoint)
 
     def check_skips(self, result: StepResult) -> None:
         if not result.skipped:
@@ -329,5 +341,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
         raise stop.interrupted(ckpt.find_latest(checkpoint_dir), show=env.is_main) from None
     finally:
         if trainer is not None:
+            if trainer.remote_sync is not None:
+                trainer.remote_sync.close()  # after the last save: the backup ends complete
             trainer.reporter.close()
         cleanup(env)

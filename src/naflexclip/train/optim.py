@@ -142,6 +142,13 @@ def create_optimizer(
     return optimizer
 
 
+def describe_param_groups(optimizer: torch.optim.Optimizer) -> str:
+    """One line: the optimizer, its groups' parameter counts, lr scales and weight decay (OpenCLIP's log line)."""
+    parts = [f"{sum(p.numel() for p in g['params']) / 1e6:.3g}M params, lr_scale {g.get('lr_scale', 1.0):.4g}, "
+             f"wd {g['weight_decay']:g}" for g in optimizer.param_groups]
+    return f"{type(optimizer).__name__}, {len(parts)} parameter groups: " + " | ".join(parts)
+
+
 SCHEDULERS = ("cosine", "const", "const-cooldown")
 
 

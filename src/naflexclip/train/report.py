@@ -83,9 +83,10 @@ class Reporter:
     after `step`."""
 
     def __init__(self, run_dir: Path, *, rank: int = 0, report_to: str = "", config: dict[str, Any] | None = None,
-                 name: str | None = None) -> None:
+                 name: str | None = None, log_file: Path | None = None) -> None:
         self.run_dir, self.rank = run_dir, rank
         self.enabled = rank == 0
+        self.log_file = log_file  # --log-local: this process's messages also go here (OpenCLIP's out-{rank}.log)
         self.metrics_path = run_dir / METRICS_FILE
         self.skips_printed: dict[tuple[str, int], int] = {}  # (split, epoch): skip lines printed
         self.sinks: dict[str, Sink] = {}
@@ -114,6 +115,10 @@ class Reporter:
         """A line for the user that does not break the progress bar."""
         if self.enabled:
             tqdm.write(text, file=sys.stderr)
+        if self.log_file is not None:
+            self.log_file.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.log_file, "a") as log:
+                log.write(text + "\n")
 
     def progress_bar(self, epoch: int, total: int, initial: int) -> tqdm:
         return tqdm(total=total, initial=initial, desc=f"epoch {epoch}", unit="step", dynamic_ncols=True,

@@ -53,6 +53,9 @@ POLICY: dict[str, tuple[str, str]] = {
         "opt", "wd_exclude", "image_layer_decay", "text_layer_decay")},
     **{key: (RESCHEDULE, "") for key in ("lr_scheduler", "epochs_cooldown", "lr_cooldown_end", "lr_cooldown_power",
                                          "skip_scheduler")},  # opt_kwargs, momentum: applied as --wd, --beta1
+    # ---- run flags (issue 22): where and how the run saves and logs ----
+    **{key: (IGNORE, "") for key in ("save_most_recent", "delete_previous_checkpoint", "remote_sync",
+                                     "remote_sync_frequency", "remote_sync_protocol", "log_local", "debug")},
     **{key: (IGNORE, "") for key in ("name", "logs", "resume", "resume_fresh", "stop_after_steps", "device",
                                      "dist_timeout", "plot", "report_to", "wandb_project_name", "wandb_notes",
                                      "cache_dir")},

@@ -1,0 +1,127 @@
+"""`--remote-sync REMOTE`: OpenCLIP's backup of the run folder to `REMOTE/<name>`, once at the start (a target that
+cannot be written stops the run before training, in one line), every `--remote-sync-frequency` seconds from a
+background thread, and once at the end. The main rank syncs; the training loop only starts and closes it.
+
+`--remote-sync-protocol s3` runs `aws s3 sync` as OpenCLIP does; `fsspec` copies through fsspec to any URL it
+knows (a local folder, `s3://`, `gs://`, ...): every file rewritten since it last copied it (size and mtime), and at
+the first sync every file missing there or different (`sync_fsspec`). Files deleted locally (an old checkpoint) stay
+in the backup. A checkpoint being written is a hidden
+`.tmp-*` folder until complete (`train.checkpoint`), so hidden entries are never copied.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+PROTOCOLS = ("s3", "fsspec")
+_COMPARE_BYTES = 1 << 20  # files up to this size are compared by content, larger ones by size
+
+
+def _visible_files(root: Path) -> list[Path]:
+    """Files under `root` outside hidden entries (a save in progress, a checkpoint swapped aside)."""
+    return sorted(path for path in root.rglob("*") if path.is_file()
+                  and not any(part.startswith(".") for part in path.relative_to(root).parts))
+
+
+def sync_fsspec(local_dir: Path, remote_dir: str, copied_versions: dict[str, tuple[int, int]] | None = None) -> int:
+    """Copy what changed from `local_dir` to `remote_dir` (an fsspec URL or path); the number of files copied.
+
+    `copied_versions` (relative path -> size and mtime of the version copied, kept between calls) finds a file
+    rewritten at the same size (a re-saved `epoch_latest`); a file it does not know is copied when the remote lacks
+    it, has another size, or (up to 1 MiB) other bytes."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(remote_dir)
+    versions = copied_versions if copied_versions is not None else {}
+    copied = 0
+    for path in _visible_files(local_dir):
+        relative = path.relative_to(local_dir).as_posix()
+        target = f"{root.rstrip('/')}/{relative}"
+        try:
+            stat = path.stat()
+            version = (stat.st_size, stat.st_mtime_ns)
+            if relative in versions:
+                if versions[relative] == version:
+                    continue
+            elif fs.exists(target) and fs.size(target) == stat.st_size:
+                if stat.st_size > _COMPARE_BYTES or fs.cat_file(target) == path.read_bytes():
+                    versions[relative] = version
+                    continue
+            fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+            fs.put_file(str(path), target)
+            versions[relative] = version
+            copied += 1
+        except FileNotFoundError:  # removed while syncing (an older checkpoint): the next sync has the new state
+            continue
+    return copied
+
+
+def sync_s3(local_dir: Path, remote_dir: str) -> None:
+    """OpenCLIP's `aws s3 sync`; ValueError (one line) when it fails."""
+    result = subprocess.run(["aws", "s3", "sync", str(local_dir), remote_dir], capture_output=True, text=True)
+    if result.returncode != 0:
+        last = (result.stderr.strip().splitlines() or ["failed"])[-1]
+        raise ValueError(f"--remote-sync {remote_dir}: aws s3 sync: {last}")
+
+
+class RemoteSync:
+    """The run folder's backup to `remote/<run name>` (main rank): `start()`, then every `frequency` seconds,
+    and `close()` (the last sync)."""
+
+    def __init__(self, local_dir: Path, remote: str, frequency: float, protocol: str,
+                 notify: Callable[[str], None]) -> None:
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"--remote-sync-protocol: {protocol!r} is not one of {list(PROTOCOLS)}")
+        if protocol == "s3" and shutil.which("aws") is None:
+            raise ValueError("--remote-sync-protocol s3 runs `aws s3 sync` (as OpenCLIP), but the AWS CLI is not "
+                             "installed; install it or pass --remote-sync-protocol fsspec")
+        self.local_dir, self.protocol, self.frequency, self.notify = local_dir, protocol, frequency, notify
+        self.remote_dir = f"{remote.rstrip('/')}/{local_dir.name}"
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # one sync at a time (the thread's and the last one)
+        self._thread: threading.Thread | None = None
+        self.failure: str | None = None  # the last background failure (reported at close)
+        self._versions: dict[str, tuple[int, int]] = {}  # what the fsspec syncs copied (`sync_fsspec`)
+
+    def sync(self) -> None:
+        with self._lock:
+            if self.protocol == "s3":
+                sync_s3(self.local_dir, self.remote_dir)
+            else:
+                sync_fsspec(self.local_dir, self.remote_dir, self._versions)
+
+    def start(self) -> None:
+        """The first sync (ValueError naming --remote-sync if the target cannot be written), then the thread."""
+        try:
+            self.sync()
+        except ValueError:
+            raise
+        except Exception as error:  # noqa: BLE001 - any storage error: one line naming the flag
+            raise ValueError(f"--remote-sync {self.remote_dir}: {type(error).__name__}: {error}") from None
+        self.notify(f"--remote-sync: {self.local_dir} -> {self.remote_dir} every {self.frequency:g} s "
+                    f"({self.protocol})")
+        self._thread = threading.Thread(target=self._run, name="remote-sync", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.frequency):
+            try:
+                self.sync()
+                self.failure = None
+            except Exception as error:  # noqa: BLE001 - training goes on; the next sync tries again
+                self.failure = f"{type(error).__name__}: {error}"
+
+    def close(self) -> None:
+        """Stop the thread and sync once more (a failure is one line, the run's outcome is unchanged)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        try:
+            self.sync()
+            self.notify(f"--remote-sync: final sync to {self.remote_dir} done")
+        except Exception as error:  # noqa: BLE001
+            self.notify(f"--remote-sync: final sync to {self.remote_dir} failed: {type(error).__name__}: {error}")

@@ -1,0 +1,112 @@
+"""OpenCLIP's run flags: --save-most-recent, --delete-previous-checkpoint, --remote-sync (fsspec, to a local
+folder), --log-local, --debug; saved in the run config with a resume policy."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+from test_train_loop import tiny_config
+
+from naflexclip.cli import build_parser
+from naflexclip.train import checkpoint as ckpt
+from naflexclip.train.cli import config_from_args
+from naflexclip.train.loop import train
+from naflexclip.train.remote_sync import RemoteSync, sync_fsspec
+from naflexclip.train.resume import POLICY
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_fsspec_sync_copies_what_changed_and_never_a_save_in_progress(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    (run / "checkpoints" / "epoch_1").mkdir(parents=True)
+    (run / "checkpoints" / "epoch_1" / "model.safetensors").write_bytes(b"w" * 10)
+    (run / "checkpoints" / "latest").write_text("epoch_1")
+    (run / "checkpoints" / ".tmp-epoch_2").mkdir()
+    (run / "checkpoints" / ".tmp-epoch_2" / "model.safetensors").write_bytes(b"half")
+    remote = tmp_path / "remote" / "run"
+    versions: dict = {}
+    assert sync_fsspec(run, str(remote), versions) == 2
+    assert _files(remote) == {"checkpoints/epoch_1/model.safetensors": b"w" * 10, "checkpoints/latest": b"epoch_1"}
+    (run / "checkpoints" / "latest").write_text("epoch_2")  # same size, other bytes
+    assert sync_fsspec(run, str(remote), versions) == 1 and (remote / "checkpoints" / "latest").read_text() == "epoch_2"
+    assert sync_fsspec(run, str(remote), versions) == 0
+    weights = run / "checkpoints" / "epoch_1" / "model.safetensors"
+    weights.write_bytes(b"v" * 10)  # rewritten at the same size
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert sync_fsspec(run, str(remote), versions) == 1
+    assert _files(remote)["checkpoints/epoch_1/model.safetensors"] == b"v" * 10
+    assert sync_fsspec(run, str(tmp_path / "fresh"), {}) == 2  # a fresh target: everything
+
+
+def test_remote_sync_runs_in_the_background_and_once_more_at_close(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("{}\n")
+    lines: list[str] = []
+    sync = RemoteSync(run, str(tmp_path / "remote"), frequency=0.05, protocol="fsspec", notify=lines.append)
+    sync.start()
+    assert (tmp_path / "remote" / "run" / "metrics.jsonl").read_text() == "{}\n"  # the first sync, before training
+    (run / "more.txt").write_text("x")
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "remote" / "run" / "more.txt").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (tmp_path / "remote" / "run" / "more.txt").exists()
+    (run / "last.txt").write_text("y")
+    sync._stop.set()  # no background sync from here: close() alone must bring last.txt
+    sync._thread.join()
+    sync.close()
+    assert (tmp_path / "remote" / "run" / "last.txt").read_text() == "y"
+    assert lines[-1].startswith("--remote-sync: final sync to")
+
+
+def test_remote_sync_flags_are_checked_before_the_run() -> None:
+    with pytest.raises(ValueError, match="--remote-sync-protocol: 'ftp' is not one of"):
+        config_from_args(build_parser().parse_args(["train", "--remote-sync", "x", "--remote-sync-protocol", "ftp"]))
+    with pytest.raises(ValueError, match="--remote-sync-frequency must be > 0"):
+        config_from_args(build_parser().parse_args(["train", "--remote-sync", "x", "--remote-sync-frequency", "0"]))
+
+
+@pytest.mark.slow
+def test_a_run_keeps_the_most_recent_epoch_deletes_the_previous_and_syncs_its_folder(tmp_path: Path) -> None:
+    """3 epochs, --save-frequency 1: epoch_latest always the newest, epoch_1 and epoch_2 deleted once the next one
+    is saved; the remote copy equals the run folder at the end; --log-local writes out-0.log, --debug adds the
+    optimizer's groups."""
+    cfg = tiny_config(tmp_path / "logs", "run", epochs=3, save_most_recent=True, delete_previous_checkpoint=True,
+                      remote_sync=str(tmp_path / "remote"), remote_sync_protocol="fsspec", remote_sync_frequency=0.5,
+                      val_frequency=0, zero_shot_samples=8, plot=False, log_local=True, debug=True)
+    train(cfg)
+    run = tmp_path / "logs" / "run"
+    log = (run / "out-0.log").read_text().splitlines()
+    assert log[0].startswith("built-in dataset: the demo's settings") and log[1].startswith("AdamW, 2 parameter groups")
+    assert f"removed {run / 'checkpoints' / 'epoch_1'} (--delete-previous-checkpoint)" in log
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert names == ["epoch_3", "epoch_latest", "latest"]
+    latest = json.loads((run / "checkpoints" / "epoch_latest" / ckpt.META_FILE).read_text())
+    assert latest["epoch"] == 3 and latest["step"] == json.loads(
+        (run / "checkpoints" / "epoch_3" / ckpt.META_FILE).read_text())["step"]
+    remote = _files(tmp_path / "remote" / "run")
+    local = _files(run)
+    assert set(local) <= set(remote), sorted(set(local) - set(remote))
+    # out-0.log gets the final sync's own line after it
+    assert [k for k, v in local.items() if remote[k] != v] == ["out-0.log"]
+    assert local["out-0.log"].startswith(remote["out-0.log"])
+
+
+def test_run_flags_are_saved_with_a_resume_policy() -> None:
+    cfg = config_from_args(build_parser().parse_args([
+        "train", "--save-most-recent", "--delete-previous-checkpoint", "--remote-sync", "s3://b/x",
+        "--remote-sync-frequency", "60", "--remote-sync-protocol", "fsspec", "--log-local", "--debug"]))
+    values = cfg.to_dict()
+    assert (values["save_most_recent"], values["delete_previous_checkpoint"], values["remote_sync"],
+            values["remote_sync_frequency"], values["remote_sync_protocol"], values["log_local"],
+            values["debug"]) == (True, True, "s3://b/x", 60, "fsspec", True, True)
+    for key in ("save_most_recent", "delete_previous_checkpoint", "remote_sync", "remote_sync_frequency",
+                "remote_sync_protocol", "log_local", "debug"):
+        assert POLICY[key][0] == "ignore"
