@@ -59,7 +59,7 @@ def test_torchrun_with_one_process_needs_no_process_group(monkeypatch: pytest.Mo
     ("variables", "message"),
     [
         ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not an integer"),
-        ({"WORLD_SIZE": "2", "RANK": "2"}, "RANK=2, WORLD_SIZE=2"),
+        ({"WORLD_SIZE": "2", "RANK": "2"}, r"RANK=2 WORLD_SIZE=2: the rank must be in 0\.\.1"),
     ],
 )
 def test_bad_environment_is_named(monkeypatch: pytest.MonkeyPatch, variables: dict[str, str], message: str) -> None:

@@ -3,9 +3,10 @@
 The window's exchange lives in naflexclip.exchange, model wrapping and full state dicts in naflexclip.parallel;
 this module is what both stand on:
 
-- `init_distributed` reads torchrun's environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`) and starts one
-  process group (NCCL on CUDA, gloo on CPU) whose collectives carry a timeout; without that
-  environment it is a single process with no process group, and everything here is a no-op.
+- `read_launch` finds this process's place in the job from torchrun's, srun's, mpirun's or PMI's variables
+  (OpenCLIP's order) and refuses, in one line, what cannot form one job; `init_distributed` starts one process
+  group on it (NCCL on CUDA, gloo on CPU, or `--dist-backend`) whose collectives carry a timeout. A single
+  process has no process group, and everything here is a no-op.
 - `run_on_main`: work only rank 0 does (evaluation, checkpoint writing) while the others wait on the
   rendezvous store, with no collective timeout, and learn of rank 0's error at once.
 - `check_consistency`: ranks agree on values (step, epoch, schedule) at a resume; `gather_to_main`: small
@@ -20,8 +21,9 @@ import contextlib
 import hashlib
 import itertools
 import os
+import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -62,8 +64,8 @@ class RankFailed(DistributedFault):
     0's work in `run_on_main`); the message names the rank and its error. That rank re-raises its own error."""
 
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
+def _env_int(name: str, default: int, environ: Mapping[str, str] | None = None) -> int:
+    value = (os.environ if environ is None else environ).get(name)
     if value is None or value == "":
         return default
     try:
@@ -89,59 +91,271 @@ def check_device(device: str | None) -> None:
         raise ValueError(f"--device: {device!r} requested but CUDA is not available")
 
 
-def launched_world_size() -> int:
-    """The number of processes torchrun started for this job (1 without torchrun)."""
-    return _env_int("WORLD_SIZE", 1)
+# ------------------------------------------------------------------------------------------- launchers
+
+# Where each number comes from, first present wins (OpenCLIP's order, open_clip_train/distributed.py):
+# torchrun, then MPICH / Intel MPI (PMI), then SLURM's srun, then OpenMPI's mpirun.
+LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
+RANK_VARIABLES = ("RANK", "PMI_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
+WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+# the processes on this node (all of them: the job fits on one node and its master is this host)
+LOCAL_WORLD_SIZE_VARIABLES = ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")
+# the first node of the srun step (where its task 0 runs), else of the job
+NODELIST_VARIABLES = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+DEFAULT_MASTER_PORT = 12802  # OpenCLIP's SLURM example: export MASTER_PORT=12802
+ENV_INIT = "env://"
 
 
-def _resolve_device(device: str | None, local_rank: int) -> torch.device:
+@dataclass(frozen=True)
+class Launch:
+    """What the launcher's environment says about this process. `named` says which variables set rank, world size
+    and local rank (e.g. "SLURM_PROCID=1 SLURM_NTASKS=2 SLURM_LOCALID=0"); `master` is (address, port) of the
+    rendezvous when this process must give it to torch (None: torch reads it itself, or one process)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    named: str
+    local_rank_known: bool = True
+    master: tuple[str, int] | None = None
+
+
+def _first_set(environ: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, int] | None:
+    for name in names:
+        if environ.get(name, "") != "":
+            return name, _env_int(name, 0, environ)
+    return None
+
+
+_HOST_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def _split_top_level(text: str) -> list[str]:
+    """`a[1-2,5],b` → [`a[1-2,5]`, `b`]: commas inside brackets are ranges, not separators."""
+    parts, depth, start = [], 0, 0
+    for index, char in enumerate(text):
+        if char == "[":
+            depth += 1
+            if depth > 1:
+                raise ValueError("nested '['")
+        elif char == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError("']' without '['")
+        elif char == "," and depth == 0:
+            parts.append(text[start:index])
+            start = index + 1
+    if depth:
+        raise ValueError("'[' without ']'")
+    return [*parts, text[start:]]
+
+
+def _expand_host(pattern: str) -> list[str]:
+    head, bracket, rest = pattern.partition("[")
+    if not bracket:
+        return [pattern]
+    ranges, _, tail = rest.partition("]")
+    tails = _expand_host(tail)  # `rack[1-2]-node[01-02]`: every combination, in order
+    hosts = []
+    for item in ranges.split(","):
+        match = _HOST_RANGE.match(item.strip())
+        if match is None or (match[2] is not None and int(match[2]) < int(match[1])):
+            raise ValueError(f"bad range {item!r}")
+        width = len(match[1])  # `[08-11]` keeps the zero padding of its lower bound
+        for number in range(int(match[1]), int(match[2] or match[1]) + 1):
+            hosts += [f"{head}{number:0{width}d}{end}" for end in tails]
+    return hosts
+
+
+def expand_hostlist(nodelist: str) -> list[str]:
+    """SLURM's compressed host list (`node[01-04,07],gpu-a[1-2]-ib`) as host names, in order (what
+    `scontrol show hostnames` prints). ValueError naming the list when it is malformed."""
+    try:
+        hosts = [host for part in _split_top_level(nodelist.strip()) if part for host in _expand_host(part)]
+    except ValueError as error:
+        raise ValueError(f"cannot read the host list {nodelist!r}: {error}") from None
+    if not hosts:
+        raise ValueError(f"cannot read the host list {nodelist!r}: no host in it")
+    return hosts
+
+
+def _master(environ: Mapping[str, str], world_size: int, named: str) -> tuple[str, int]:
+    """The rendezvous address: MASTER_ADDR, else the first node of SLURM's host list, else this host when every
+    process runs here; MASTER_PORT, else OpenCLIP's 12802."""
+    port_text = environ.get("MASTER_PORT") or str(DEFAULT_MASTER_PORT)
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"environment variable MASTER_PORT={port_text!r} is not a port number")
+    address = environ.get("MASTER_ADDR")
+    if not address:
+        nodelist = next(((name, environ[name]) for name in NODELIST_VARIABLES if environ.get(name)), None)
+        local = _first_set(environ, LOCAL_WORLD_SIZE_VARIABLES)
+        if nodelist is not None:
+            try:
+                address = expand_hostlist(nodelist[1])[0]
+            except ValueError as error:
+                raise ValueError(f"{named}: {nodelist[0]}: {error}; set MASTER_ADDR to the host of rank 0") from None
+        elif local is not None and local[1] == world_size:
+            address = "127.0.0.1"
+        else:
+            raise ValueError(
+                f"{named} is one of {world_size} processes, but where they meet is unknown: set MASTER_ADDR (and "
+                f"MASTER_PORT, default {DEFAULT_MASTER_PORT}) to the host of rank 0, or pass --dist-url tcp://HOST:PORT"
+            )
+    return address, int(port_text)
+
+
+def read_launch(environ: Mapping[str, str] | None = None, dist_url: str | None = None) -> Launch:
+    """This process's place in the job, from torchrun's, srun's, mpirun's or PMI's variables (OpenCLIP's order).
+
+    Anything that cannot form one job is a ValueError in one line, naming the variables: a world size above one
+    without a rank, a rank outside the world, a process that is one of several tasks but alone in its world (they
+    would train as separate runs into one folder), or no way to find the master (`dist_url`: `env://` or None
+    needs MASTER_ADDR, SLURM's host list, or a job on one node).
+    """
+    environ = os.environ if environ is None else environ
+    world = _first_set(environ, WORLD_SIZE_VARIABLES)
+    rank = _first_set(environ, RANK_VARIABLES)
+    local = _first_set(environ, LOCAL_RANK_VARIABLES)
+    world_size = world[1] if world else 1
+    named = " ".join(f"{name}={value}" for name, value in filter(None, (rank, world, local)))
+    if world_size < 1:
+        raise ValueError(f"{named}: the world size must be at least 1")
+    if world_size == 1:
+        # a task k > 0 of a multi-task launch that sees a world of one would start its own run
+        others = [(name, value) for name in RANK_VARIABLES for value in [_env_int(name, 0, environ)] if value > 0]
+        if others:
+            name, value = others[0]
+            raise ValueError(
+                f"{name}={value} says this is one of several tasks, but {named or 'no world size variable'} makes "
+                f"it a run of its own (tasks would race on one run folder): launch one job (srun's, mpirun's or "
+                f"torchrun's variables, not a mix) or run a single process"
+            )
+        return Launch(0, 1, local[1] if local else 0, named, local is not None)
+    if rank is None:
+        raise ValueError(f"{named} but no rank ({', '.join(RANK_VARIABLES)}): each process must know which it is")
+    if not 0 <= rank[1] < world_size:
+        raise ValueError(f"{named}: the rank must be in 0..{world_size - 1}")
+    if local is not None and not 0 <= local[1] < world_size:
+        raise ValueError(f"{named}: the local rank must be in 0..{world_size - 1}")
+    master = _master(environ, world_size, named) if (dist_url or ENV_INIT) == ENV_INIT else None
+    return Launch(rank[1], world_size, local[1] if local else 0, named, local is not None, master)
+
+
+def launched_world_size(dist_url: str | None = None) -> int:
+    """The number of processes the launcher (torchrun, srun, mpirun) started for this job (1 without one)."""
+    return read_launch(dist_url=dist_url).world_size
+
+
+def check_backend(backend: str | None, device: torch.device) -> str:
+    """`--dist-backend` (OpenCLIP's: None → nccl on CUDA, gloo otherwise), checked against this torch's backends;
+    `cpu:gloo,cuda:nccl` names one per device type. ValueError naming the flag."""
+    if backend is None:
+        return "nccl" if device.type == "cuda" else "gloo"
+    available = {"gloo": dist.is_gloo_available, "nccl": dist.is_nccl_available, "mpi": dist.is_mpi_available,
+                 "ucc": dist.is_ucc_available, "xccl": getattr(dist, "is_xccl_available", lambda: False)}
+    known = [name for name in dist.Backend.backend_list if name not in ("undefined", "fake")]
+    for part in backend.split(","):
+        name = part.rpartition(":")[2].strip().lower()
+        if name not in known:
+            raise ValueError(f"--dist-backend: {backend!r}: {name!r} is not one of {', '.join(known)}")
+        if name in available and not available[name]():
+            raise ValueError(f"--dist-backend {backend}: this PyTorch build has no {name} backend")
+    if backend.strip().lower() == "nccl" and device.type != "cuda":
+        raise ValueError(f"--dist-backend nccl: needs CUDA devices, but this run is on {device}")
+    return backend
+
+
+_DIST_URL = re.compile(r"^(env://$|tcp://(\[[0-9a-fA-F:.]+\]|[^:/\[\]]+):\d+/?$|file://.)")
+
+
+def check_dist_url(dist_url: str | None) -> None:
+    """`--dist-url`: torch's init methods, `env://` (default), `tcp://HOST:PORT` or `file:///shared/path`."""
+    if dist_url is not None and not _DIST_URL.match(dist_url):
+        raise ValueError(f"--dist-url: {dist_url!r} is not env://, tcp://HOST:PORT or file:///path")
+
+
+def _resolve_device(device: str | None, launch: Launch, no_set_device_rank: bool) -> torch.device:
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        # one process per GPU: torchrun's LOCAL_RANK picks this process's GPU
-        if not torch.cuda.is_available():
-            raise ValueError("device 'cuda' requested but CUDA is not available")
-        if local_rank >= torch.cuda.device_count():
-            raise ValueError(
-                f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA devices are visible"
-            )
-        return torch.device("cuda", local_rank)
-    return torch.device(device)
+    if device != "cuda":
+        return torch.device(device)  # `cpu`, or `cuda:N` as given
+    if not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but CUDA is not available")
+    if no_set_device_rank:
+        # OpenCLIP's --no-set-device-rank: each process sees its own GPU(s) (CUDA_VISIBLE_DEVICES), use the first
+        return torch.device("cuda", torch.cuda.current_device())
+    # one process per GPU: the local rank picks this process's GPU
+    if launch.world_size > 1 and not launch.local_rank_known:
+        raise ValueError(f"{launch.named} but no local rank ({', '.join(LOCAL_RANK_VARIABLES)}) to pick this "
+                         "process's GPU: set one, or pass --no-set-device-rank when each process sees only its GPU")
+    if launch.local_rank >= torch.cuda.device_count():
+        raise ValueError(f"local rank {launch.local_rank} ({launch.named}) but only {torch.cuda.device_count()} "
+                         "CUDA devices are visible (one GPU per process via CUDA_VISIBLE_DEVICES? pass "
+                         "--no-set-device-rank)")
+    return torch.device("cuda", launch.local_rank)
 
 
-def init_distributed(device: str | None = None, timeout_s: float = 600.0) -> DistributedEnv:
-    """Join torchrun's job (or run as one process) and return where this process sits.
+def init_distributed(device: str | None = None, timeout_s: float = 600.0, dist_url: str | None = None,
+                     dist_backend: str | None = None, no_set_device_rank: bool = False) -> DistributedEnv:
+    """Join the launcher's job (torchrun, srun, mpirun; `read_launch`) or run as one process; return where this
+    process sits.
 
-    device: None → `cuda:{LOCAL_RANK}` when CUDA is available else `cpu`; `"cuda"` → `cuda:{LOCAL_RANK}`;
-        anything else (`"cpu"`, `"cuda:1"`) is used as given.
-    timeout_s: every collective of the process group fails after this many seconds instead of hanging.
+    device: None → `cuda:{local rank}` when CUDA is available else `cpu`; `"cuda"` → `cuda:{local rank}`
+        (`no_set_device_rank`: the first visible GPU); anything else (`"cpu"`, `"cuda:1"`) is used as given.
+    timeout_s: every collective of the process group fails after this many seconds instead of hanging; so does
+        forming the job when a process never arrives.
+    dist_url, dist_backend: OpenCLIP's `--dist-url` (torch's init method, default `env://`) and `--dist-backend`.
     """
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-    world_size = _env_int("WORLD_SIZE", 1)
-    rank = _env_int("RANK", 0)
-    local_rank = _env_int("LOCAL_RANK", 0)
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"inconsistent torchrun environment: RANK={rank}, WORLD_SIZE={world_size}")
-    resolved = _resolve_device(device, local_rank)
+    check_dist_url(dist_url)
+    launch = read_launch(dist_url=dist_url)
+    resolved = _resolve_device(device, launch, no_set_device_rank)
     if resolved.type == "cuda":
         torch.cuda.set_device(resolved)
-    if world_size == 1:
-        return DistributedEnv(0, 1, local_rank, resolved, None, timeout_s)
-    backend = "nccl" if resolved.type == "cuda" else "gloo"
+    if launch.world_size == 1:
+        return DistributedEnv(0, 1, launch.local_rank, resolved, None, timeout_s)
+    backend = check_backend(dist_backend, resolved)
+    rank, world_size = launch.rank, launch.world_size
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=backend,
-            timeout=timedelta(seconds=timeout_s),
-            # binds the NCCL communicator to this GPU eagerly (and lets barrier() know the device)
-            device_id=resolved if resolved.type == "cuda" else None,
-        )
+        # torchrun's names for what srun or mpirun said (OpenCLIP does the same), for torch's env:// and for code
+        # that reads them later; torchrun's own MASTER_ADDR/MASTER_PORT are kept
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(launch.local_rank))
+        if launch.master is not None:
+            os.environ.setdefault("MASTER_ADDR", launch.master[0])
+            os.environ.setdefault("MASTER_PORT", str(launch.master[1]))
+        try:
+            dist.init_process_group(
+                backend=backend, init_method=dist_url or ENV_INIT, rank=rank, world_size=world_size,
+                timeout=timedelta(seconds=timeout_s),
+                # binds the NCCL communicator to this GPU eagerly (and lets barrier() know the device)
+                device_id=resolved if resolved.type == "cuda" else None,
+            )
+        except (RuntimeError, dist.DistError) as error:
+            where = dist_url or f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            raise DistributedFault(f"rank {rank} of {world_size} ({launch.named}) could not form the job at {where} "
+                                   f"within {timeout_s:g} s (--dist-timeout): {one_line(error)}") from error
     elif dist.get_world_size() != world_size or dist.get_rank() != rank:
         raise RuntimeError(
             f"a process group is already initialised as rank {dist.get_rank()}/{dist.get_world_size()}, "
-            f"but the environment says RANK={rank}, WORLD_SIZE={world_size}"
+            f"but the environment says {launch.named}"
         )
-    return DistributedEnv(rank, world_size, local_rank, resolved, dist.get_backend(), timeout_s)
+    return DistributedEnv(rank, world_size, launch.local_rank, resolved, dist.get_backend(), timeout_s)
+
+
+def share_from_main(env: DistributedEnv, text: str) -> str:
+    """Rank 0's `text` on every rank (every rank must call it): e.g. the run name, decided once. No pickling: the
+    UTF-8 bytes go as a tensor."""
+    if not env.distributed:
+        return text
+    with translate_faults(env, "sharing rank 0's run name"):
+        data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=env.device)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=env.device)
+        dist.broadcast(size, src=0)
+        if not env.is_main:
+            data = torch.empty(int(size.item()), dtype=torch.uint8, device=env.device)
+        dist.broadcast(data, src=0)
+    return bytes(data.tolist()).decode()
 
 
 def barrier(env: DistributedEnv) -> None:
@@ -155,9 +369,34 @@ def barrier(env: DistributedEnv) -> None:
 
 
 def cleanup(env: DistributedEnv) -> None:
-    """Tear down the process group, if this job has one."""
-    if env.distributed and dist.is_initialized():
-        dist.destroy_process_group()
+    """Tear down the process group, if this job has one.
+
+    Without torchrun's agent (srun, mpirun) the rendezvous store lives in rank 0's process: rank 0 then keeps it
+    until every other rank has said it is leaving, so that none finds it gone while still reading rank 0's last
+    word (`run_on_main`'s outcome, the cause of a failure). Its process group goes first: a rank waiting for it
+    in a collective fails at once and can still ask the store why.
+    """
+    if not (env.distributed and dist.is_initialized()):
+        return
+    store = _store()
+    if store is not None:
+        with contextlib.suppress(Exception):
+            store.set(f"{_STORE_PREFIX}/left/{env.rank}", "1")
+    dist.destroy_process_group()
+    if store is not None and env.is_main and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        _wait_for_the_others_to_leave(env, store)
+
+
+def _wait_for_the_others_to_leave(env: DistributedEnv, store: Any) -> None:
+    """Rank 0, hosting the store: poll until every rank has left (a live rank does within its collective timeout
+    and a roll call; one that died never says so, hence the deadline)."""
+    keys = [f"{_STORE_PREFIX}/left/{rank}" for rank in range(1, env.world_size)]
+    deadline = time.monotonic() + env.timeout_s + 30.0
+    pause = _POLL_FIRST_S
+    with contextlib.suppress(Exception):
+        while not store.check(keys) and time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = min(_POLL_MAX_S, pause * 1.5)
 
 
 # -------------------------------------------------------------------------------------- agreement

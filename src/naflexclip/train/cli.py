@@ -151,6 +151,27 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                    help="torch.compile the towers (dynamic shapes: one graph per grad mode, not one per batch shape)")
     d.add_argument("--dist-timeout", type=float, default=_default("dist_timeout"),
                    help="seconds before a collective that another rank never joins fails")
+    add_launcher_args(parser)
+
+
+def add_launcher_args(parser: argparse.ArgumentParser) -> None:
+    """OpenCLIP's launcher flags. The job itself comes from torchrun's, srun's or mpirun's variables
+    (docs/training.md#clusters)."""
+    g = parser.add_argument_group("launcher (torchrun, srun, mpirun)")
+    g.add_argument("--dist-url", default=None,
+                   help="torch's init method: env:// (MASTER_ADDR/MASTER_PORT, or the first node of SLURM's host "
+                        "list and port 12802), tcp://HOST:PORT or file:///shared/path (default: env://)")
+    g.add_argument("--dist-backend", default=None,
+                   help="process group backend (default: nccl on CUDA, gloo on CPU)")
+    g.add_argument("--no-set-device-rank", action="store_true",
+                   help="--device cuda is the first visible GPU, not cuda:<local rank> (when CUDA_VISIBLE_DEVICES "
+                        "gives each process its own GPU)")
+
+
+def launcher_config(args: argparse.Namespace) -> dict[str, object]:
+    """The launcher flags as TrainConfig fields."""
+    return {"dist_url": args.dist_url, "dist_backend": args.dist_backend,
+            "no_set_device_rank": args.no_set_device_rank}
 
 
 # ---- OpenCLIP's defaults with --train-data (issue 22) ----
@@ -281,6 +302,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         openclip_built_in=tuple(getattr(args, "openclip_built_in", ())), **optimizer_config(args), **run_config(args),
         **Distill.pick(args).as_dict(), multi_positive=args.multi_positive,
         multi_positive_weighting=args.multi_positive_weighting,
+        **launcher_config(args),
     )
 
 
@@ -297,9 +319,10 @@ def run_train(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
         cfg = config_from_args(args)
+        world_size = launched_world_size(cfg.dist_url)  # a launch that cannot form one job stops here, every task
     except ValueError as error:
         return _error("train", str(error))
-    if cfg.fsdp and launched_world_size() < 2:
+    if cfg.fsdp and world_size < 2:
         return _error("train", "--fsdp: shards the model over torchrun's processes, but this is one process; "
                                "launch with torchrun --nproc-per-node N (N >= 2) or drop --fsdp")
     try:

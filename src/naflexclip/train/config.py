@@ -19,6 +19,7 @@ from typing import Any
 
 from naflexclip.data import DataConfig
 from naflexclip.distill import Distill
+from naflexclip.distributed import check_dist_url
 from naflexclip.families import family_of, named_family
 from naflexclip.lock import Locks
 from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES, MULTI_POSITIVE_WEIGHTINGS
@@ -136,7 +137,7 @@ class TrainConfig:
     grad_clip_norm: float | None = 1.0
     seed: int = 0
     logs: str = "./logs"
-    name: str | None = None
+    name: str | None = None  # None: `default_name()`, decided when the run starts
     save_frequency: int = 1
     save_every_n_steps: int | None = None
     stop_after_steps: int | None = None
@@ -198,6 +199,10 @@ class TrainConfig:
     remote_sync_protocol: str = "s3"  # s3 (aws s3 sync) or fsspec
     log_local: bool = False  # each node's local rank 0 writes its messages to out-{rank}.log
     debug: bool = False  # more is logged (the optimizer's groups; naflexclip loggers at DEBUG)
+    # launcher (OpenCLIP's flags; the job itself comes from torchrun's, srun's or mpirun's variables)
+    dist_url: str | None = None  # torch's init method; None: env://
+    dist_backend: str | None = None  # None: nccl on CUDA, gloo on CPU
+    no_set_device_rank: bool = False  # --device cuda is the first visible GPU, not cuda:<local rank>
 
     def __post_init__(self) -> None:
         self._check_choices()
@@ -213,10 +218,13 @@ class TrainConfig:
         self._check_zeroshot()
         self._check_optimizer()
         self._check_run_flags()
-        if self.name is None:
-            # OpenCLIP-style run name: when and what
-            model = family_of(self.pretrained).NAME if self.pretrained and not self.named_family else self.model
-            self.name = f"{time.strftime('%Y_%m_%d-%H_%M_%S')}-model_{model}-lr_{self.lr:g}-p_{self.precision}"
+        check_dist_url(self.dist_url)
+
+    def default_name(self) -> str:
+        """OpenCLIP-style run name, when and what; for a run without `--name`, decided on rank 0 only (the ranks
+        of a job start in different seconds)."""
+        model = family_of(self.pretrained).NAME if self.pretrained and not self.named_family else self.model
+        return f"{time.strftime('%Y_%m_%d-%H_%M_%S')}-model_{model}-lr_{self.lr:g}-p_{self.precision}"
 
     @property
     def named_family(self) -> Any:

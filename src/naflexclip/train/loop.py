@@ -21,7 +21,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from naflexclip.data import build_loader
 from naflexclip.distill import Distill
-from naflexclip.distributed import DistributedEnv, barrier, cleanup, init_distributed, run_on_main
+from naflexclip.distributed import DistributedEnv, barrier, cleanup, init_distributed, run_on_main, share_from_main
 from naflexclip.exchange import window_exchange
 from naflexclip.factory import create_model
 from naflexclip.families import data_processing
@@ -56,6 +56,8 @@ class Trainer:
     """One run's components; `fit()` runs it."""
 
     def __init__(self, cfg: TrainConfig, env: DistributedEnv) -> None:
+        if cfg.name is None:
+            raise ValueError("the run has no name: train() decides it on rank 0 before building the Trainer")
         self.cfg, self.env = cfg, env
         seed_everything(cfg.seed)  # the same initial weights on every rank (FSDP2 does not broadcast them)
         self.precision = create_precision(cfg.precision, env.device)
@@ -320,12 +322,16 @@ class Trainer:
 
 
 def train(cfg: TrainConfig) -> dict[str, float]:
-    """Run `cfg` in this process (joining torchrun's job if launched by it); returns the last evaluation.
+    """Run `cfg` in this process (joining the job of torchrun, srun or mpirun if launched by one); returns the last
+    evaluation. Without `--name`, rank 0 names the run and every rank writes there.
 
     TrainingInterrupted when a signal ended it (the message names the last complete checkpoint)."""
-    env = init_distributed(cfg.device, cfg.dist_timeout)
+    env = init_distributed(cfg.device, cfg.dist_timeout, dist_url=cfg.dist_url, dist_backend=cfg.dist_backend,
+                           no_set_device_rank=cfg.no_set_device_rank)
     trainer = None
     try:
+        if cfg.name is None:
+            cfg.name = share_from_main(env, cfg.default_name())
         try:
             refuse_existing_run(Path(cfg.logs) / str(cfg.name), resuming=cfg.resume is not None)
         finally:

@@ -59,6 +59,7 @@ POLICY: dict[str, tuple[str, str]] = {
     **{key: (IGNORE, "") for key in ("name", "logs", "resume", "resume_fresh", "stop_after_steps", "device",
                                      "dist_timeout", "plot", "report_to", "wandb_project_name", "wandb_notes",
                                      "cache_dir")},
+    **{key: (IGNORE, "") for key in ("dist_url", "dist_backend", "no_set_device_rank")},  # how the job forms
     # ---- OpenCLIP's flags (issue 22) ----
     "openclip_built_in": (IGNORE, ""),  # OpenCLIP's flags that change nothing here
 }
