@@ -148,6 +148,10 @@ def test_launcher_flags_are_saved_in_the_run_config() -> None:
     assert (cfg["dist_url"], cfg["dist_backend"], cfg["no_set_device_rank"]) == ("tcp://head:2345", "gloo", True)
     defaults = config_from_args(build_parser().parse_args(["train"])).to_dict()
     assert (defaults["dist_url"], defaults["dist_backend"], defaults["no_set_device_rank"]) == (None, None, False)
+    for flags, message in ((["--dist-backend", "glo"], "--dist-backend: 'glo': 'glo' is not one of"),
+                           (["--dist-url", "http://head"], "--dist-url: 'http://head' is not env://")):
+        with pytest.raises(ValueError, match=message):
+            config_from_args(build_parser().parse_args(["train", *flags]))
 
 
 # ------------------------------------------------------------------------------------ real processes

@@ -246,11 +246,11 @@ def launched_world_size(dist_url: str | None = None) -> int:
     return read_launch(dist_url=dist_url).world_size
 
 
-def check_backend(backend: str | None, device: torch.device) -> str:
-    """`--dist-backend` (OpenCLIP's: None → nccl on CUDA, gloo otherwise), checked against this torch's backends;
-    `cpu:gloo,cuda:nccl` names one per device type. ValueError naming the flag."""
+def check_backend(backend: str | None, device: torch.device | None = None) -> str | None:
+    """`--dist-backend` (OpenCLIP's: None → nccl on CUDA, gloo otherwise), checked against this torch's backends
+    (and `device`, when given); `cpu:gloo,cuda:nccl` names one per device type. ValueError naming the flag."""
     if backend is None:
-        return "nccl" if device.type == "cuda" else "gloo"
+        return None if device is None else "nccl" if device.type == "cuda" else "gloo"
     available = {"gloo": dist.is_gloo_available, "nccl": dist.is_nccl_available, "mpi": dist.is_mpi_available,
                  "ucc": dist.is_ucc_available, "xccl": getattr(dist, "is_xccl_available", lambda: False)}
     known = [name for name in dist.Backend.backend_list if name not in ("undefined", "fake")]
@@ -260,7 +260,7 @@ def check_backend(backend: str | None, device: torch.device) -> str:
             raise ValueError(f"--dist-backend: {backend!r}: {name!r} is not one of {', '.join(known)}")
         if name in available and not available[name]():
             raise ValueError(f"--dist-backend {backend}: this PyTorch build has no {name} backend")
-    if backend.strip().lower() == "nccl" and device.type != "cuda":
+    if device is not None and backend.strip().lower() == "nccl" and device.type != "cuda":
         raise ValueError(f"--dist-backend nccl: needs CUDA devices, but this run is on {device}")
     return backend
 
@@ -315,7 +315,7 @@ def init_distributed(device: str | None = None, timeout_s: float = 600.0, dist_u
         torch.cuda.set_device(resolved)
     if launch.world_size == 1:
         return DistributedEnv(0, 1, launch.local_rank, resolved, None, timeout_s)
-    backend = check_backend(dist_backend, resolved)
+    backend = check_backend(dist_backend, resolved) or ""
     rank, world_size = launch.rank, launch.world_size
     if not dist.is_initialized():
         # torchrun's names for what srun or mpirun said (OpenCLIP does the same), for torch's env:// and for code
@@ -372,9 +372,10 @@ def cleanup(env: DistributedEnv) -> None:
     """Tear down the process group, if this job has one.
 
     Without torchrun's agent (srun, mpirun) the rendezvous store lives in rank 0's process: rank 0 then keeps it
-    until every other rank has said it is leaving, so that none finds it gone while still reading rank 0's last
-    word (`run_on_main`'s outcome, the cause of a failure). Its process group goes first: a rank waiting for it
-    in a collective fails at once and can still ask the store why.
+    a few seconds more, until every other rank has said it is leaving, so that a rank still reading rank 0's last
+    word (`run_on_main`'s outcome at a stop, the cause of a failure) finds it. The process group goes first: a
+    rank waiting for rank 0 in a collective fails at once and can still ask the store why. (A run that ends well
+    meets in a barrier before this; a rank that died never says it is leaving, hence the bound.)
     """
     if not (env.distributed and dist.is_initialized()):
         return
@@ -384,19 +385,13 @@ def cleanup(env: DistributedEnv) -> None:
             store.set(f"{_STORE_PREFIX}/left/{env.rank}", "1")
     dist.destroy_process_group()
     if store is not None and env.is_main and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        _wait_for_the_others_to_leave(env, store)
-
-
-def _wait_for_the_others_to_leave(env: DistributedEnv, store: Any) -> None:
-    """Rank 0, hosting the store: poll until every rank has left (a live rank does within its collective timeout
-    and a roll call; one that died never says so, hence the deadline)."""
-    keys = [f"{_STORE_PREFIX}/left/{rank}" for rank in range(1, env.world_size)]
-    deadline = time.monotonic() + env.timeout_s + 30.0
-    pause = _POLL_FIRST_S
-    with contextlib.suppress(Exception):
-        while not store.check(keys) and time.monotonic() < deadline:
-            time.sleep(pause)
-            pause = min(_POLL_MAX_S, pause * 1.5)
+        keys = [f"{_STORE_PREFIX}/left/{rank}" for rank in range(1, env.world_size)]
+        deadline = time.monotonic() + _LEAVE_GRACE_S
+        pause = _POLL_FIRST_S
+        with contextlib.suppress(Exception):
+            while not store.check(keys) and time.monotonic() < deadline:
+                time.sleep(pause)
+                pause = min(_POLL_MAX_S, pause * 1.5)
 
 
 # -------------------------------------------------------------------------------------- agreement
@@ -465,6 +460,7 @@ T = TypeVar("T")
 _MAIN_WORK_CALLS = itertools.count()  # every rank calls run_on_main in the same order: the same key
 # the waiting ranks poll the store ever less often (many ranks polling one store), at most once a second
 _POLL_FIRST_S, _POLL_MAX_S = 0.05, 1.0
+_LEAVE_GRACE_S = 15.0  # rank 0 hosting the store waits at most this long for the others to leave (`cleanup`)
 
 
 def run_on_main(env: DistributedEnv, what: str, work: Callable[[], T]) -> T | None:

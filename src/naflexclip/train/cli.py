@@ -142,9 +142,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--no-plot", action="store_true", help="do not write curves.png")
     d = parser.add_argument_group("devices")
     d.add_argument("--device", default=None,
-                   help=f"{', '.join(DEVICE_CHOICES)} (default: cuda if available; under torchrun cuda:LOCAL_RANK)")
+                   help=f"{', '.join(DEVICE_CHOICES)} (default: cuda if available; cuda:<local rank> in a job)")
     d.add_argument("--fsdp", action="store_true",
-                   help="shard the model with FSDP2 instead of DDP (needs several processes: torchrun)")
+                   help="shard the model with FSDP2 instead of DDP (needs several processes: torchrun, srun, mpirun)")
     d.add_argument("--grad-checkpointing", action="store_true",
                    help="recompute each tower block's activations in backward: less memory, ~1.3x time; stays exact")
     d.add_argument("--torchcompile", action="store_true",
@@ -323,8 +323,8 @@ def run_train(args: argparse.Namespace) -> int:
     except ValueError as error:
         return _error("train", str(error))
     if cfg.fsdp and world_size < 2:
-        return _error("train", "--fsdp: shards the model over torchrun's processes, but this is one process; "
-                               "launch with torchrun --nproc-per-node N (N >= 2) or drop --fsdp")
+        return _error("train", "--fsdp: shards the model over the job's processes, but this is one process; "
+                               "launch with torchrun --nproc-per-node N (N >= 2), srun or mpirun, or drop --fsdp")
     try:
         train(cfg)
     except TrainingInterrupted as stop:  # the shell's convention: 128 + the signal's number

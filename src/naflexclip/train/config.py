@@ -19,7 +19,7 @@ from typing import Any
 
 from naflexclip.data import DataConfig
 from naflexclip.distill import Distill
-from naflexclip.distributed import check_dist_url
+from naflexclip.distributed import check_backend, check_dist_url
 from naflexclip.families import family_of, named_family
 from naflexclip.lock import Locks
 from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES, MULTI_POSITIVE_WEIGHTINGS
@@ -219,6 +219,7 @@ class TrainConfig:
         self._check_optimizer()
         self._check_run_flags()
         check_dist_url(self.dist_url)
+        check_backend(self.dist_backend)
 
     def default_name(self) -> str:
         """OpenCLIP-style run name, when and what; for a run without `--name`, decided on rank 0 only (the ranks

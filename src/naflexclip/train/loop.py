@@ -338,7 +338,9 @@ def train(cfg: TrainConfig) -> dict[str, float]:
             barrier(env)  # every rank looked before any rank writes
         trainer = Trainer(cfg, env)
         with trainer.stop.installed():
-            return trainer.fit()
+            result = trainer.fit()
+        barrier(env)  # every rank has read rank 0's last word before rank 0 (srun: the store's host) leaves
+        return result
     except KeyboardInterrupt:
         checkpoint_dir = Path(cfg.logs) / str(cfg.name) / "checkpoints"
         if env.is_main:
