@@ -110,7 +110,7 @@ ENV_INIT = "env://"
 class Launch:
     """What the launcher's environment says about this process. `named` says which variables set rank, world size
     and local rank (e.g. "SLURM_PROCID=1 SLURM_NTASKS=2 SLURM_LOCALID=0"); `master` is (address, port) of the
-    rendezvous when this process must give it to torch (None: torch reads it itself, or one process)."""
+    rendezvous for torch's `env://` (None: one process, or `--dist-url` names another init method)."""
 
     rank: int
     world_size: int
