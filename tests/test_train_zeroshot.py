@@ -212,3 +212,55 @@ def test_two_processes_classify_on_the_main_rank(tmp_path: Path) -> None:
     folder = colour_folder(tmp_path / "colours", per_class=1)
     torchrun(tmp_path, "run", "--zeroshot-data", str(folder), "--zeroshot-frequency", "1")
     assert [r["epoch"] for r in _zeroshot_evals(tmp_path / "run", "colours")] == [0, 1]
+
+
+def _imagenet_layout(root: Path, names: list[str], with_images: dict[int, tuple[int, int, int]]) -> Path:
+    """An ImageNet-layout folder: one class folder per name (sorted = class index order for the val set), images
+    in the classes of `with_images` only (class index -> colour)."""
+    for i, name in enumerate(names):
+        (root / name).mkdir(parents=True)
+        if i in with_images:
+            Image.fromarray(np.full((32, 40, 3), with_images[i], np.uint8)).save(root / name / "0.JPEG")
+    return root
+
+
+def test_imagenet_val_and_v2_classify_with_openclip_s_class_names_and_templates(tmp_path: Path) -> None:
+    from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES
+
+    from naflexclip.train.config import TrainConfig
+    from naflexclip.train.evaluate import folder_zero_shot_tasks
+
+    colours = {1: (230, 30, 30), 2: (20, 40, 230), 10: (30, 200, 40)}  # goldfish, great white shark, brambling
+    val = _imagenet_layout(tmp_path / "val", [f"n{i:08d}" for i in range(1000)], colours)
+    # imagenetv2_pytorch's layout: folders named by class index, under ImageNetV2-matched-frequency/
+    v2 = _imagenet_layout(tmp_path / "v2" / "ImageNetV2-matched-frequency", [str(i) for i in range(1000)], colours)
+    cfg = TrainConfig(model="tiny", imagenet_val=str(val), imagenet_v2=str(tmp_path / "v2"), zeroshot_frequency=1)
+    model = create_model("tiny")
+    tasks = folder_zero_shot_tasks(cfg, "cpu", nullcontext, print)
+    assert [t.name for t in tasks] == ["zeroshot/imagenet-val", "zeroshot/imagenet-v2"]
+    metrics = {k: v for t in tasks for k, v in t.run(model, []).items()}
+    templates = [t("{}") for t in OPENAI_IMAGENET_TEMPLATES]
+    names = {i: IMAGENET_CLASSNAMES[i] for i in colours}  # class index -> OpenCLIP's name, in both layouts
+    expected = zero_shot_classify(model, val, seq_len=max(cfg.data.naflex_seq_lens), templates=templates,
+                                  classnames=list(IMAGENET_CLASSNAMES))
+    assert sorted(expected["per_class_top1"]) == sorted(names.values())
+    assert metrics["zeroshot/imagenet-val/top1"] == expected["top1"] == metrics["zeroshot/imagenet-v2/top1"]
+    assert metrics["zeroshot/imagenet-val/chance"] == 1 / 3  # the classes with images are the candidates
+    # v2's folders sort as strings (0, 1, 10, 100, ...) but are class indices
+    from naflexclip.zeroshot import imagenet_set
+
+    v2_set = imagenet_set(tmp_path / "v2", "imagenet_v2")
+    assert v2_set.root == v2 and v2_set.classnames[2] == IMAGENET_CLASSNAMES[10] == "brambling"
+    assert imagenet_set(val, "imagenet_val").classnames[2] == IMAGENET_CLASSNAMES[2] == "great white shark"
+
+
+@pytest.mark.parametrize(("flag", "layout", "message"), [
+    ("imagenet_val", [f"n{i}" for i in range(5)], "has 5 class folders; ImageNet has 1000"),
+    ("imagenet_v2", [f"c{i}" for i in range(1000)], "named 0..999"),
+])
+def test_imagenet_folders_are_checked_before_the_run(tmp_path: Path, flag, layout, message) -> None:
+    from naflexclip.train.config import TrainConfig
+
+    root = _imagenet_layout(tmp_path / "in", layout, {0: (1, 2, 3), 1: (4, 5, 6)})
+    with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} .*{message}"):
+        TrainConfig(model="tiny", **{flag: str(root)})

@@ -234,3 +234,46 @@ def save_results(results: dict[str, Any], output: Path) -> list[str]:
         lines.append(f"{len(skipped)} files skipped: listed in {log}")
     output.write_text(json.dumps(results, indent=1) + "\n")
     return [*lines, f"wrote {output}"]
+
+
+# OpenCLIP's --imagenet-val / --imagenet-v2: the flag, the metric folder name, and how the folders are laid out
+IMAGENET_SETS = {"imagenet_val": ("--imagenet-val", "imagenet-val"), "imagenet_v2": ("--imagenet-v2", "imagenet-v2")}
+IMAGENET_V2_FOLDER = "ImageNetV2-matched-frequency"  # what imagenetv2_pytorch's ImageNetV2Dataset reads under its root
+
+
+@dataclass(frozen=True)
+class ImageNetSet:
+    """An ImageNet zero-shot set as OpenCLIP reads it: the ImageFolder `root`, the class name of each of its class
+    folders in sorted folder order (`classnames`, OpenCLIP's `IMAGENET_CLASSNAMES`), and OpenCLIP's 80 ImageNet
+    prompt templates (`OPENAI_IMAGENET_TEMPLATES`)."""
+
+    root: Path
+    classnames: list[str]
+    templates: list[str]
+    empty: list[str]  # class folders without images (no candidates)
+
+
+def imagenet_set(path: str | Path, key: str) -> ImageNetSet:
+    """The ImageNet set of `--imagenet-val` (key "imagenet_val": torchvision's ImageFolder of the 1000 synset
+    folders, class i = the i-th folder in sorted order) or `--imagenet-v2` (key "imagenet_v2": imagenetv2_pytorch's
+    layout, folders named 0..999 by class index, in `ImageNetV2-matched-frequency/` under `path` or at `path`).
+    Errors are one line naming the flag."""
+    from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES
+
+    flag = IMAGENET_SETS[key][0]
+    root = Path(path)
+    if key == "imagenet_v2" and (root / IMAGENET_V2_FOLDER).is_dir():
+        root = root / IMAGENET_V2_FOLDER
+    folder = read_image_folder(root, flag=flag)
+    if len(folder.folders) != len(IMAGENET_CLASSNAMES):
+        raise ValueError(f"{flag} {str(path)!r} has {len(folder.folders)} class folders; ImageNet has "
+                         f"{len(IMAGENET_CLASSNAMES)} (OpenCLIP's class names)")
+    if key == "imagenet_v2":
+        numbers = sorted(int(name) for name in folder.folders if name.isdigit())
+        if numbers != list(range(len(IMAGENET_CLASSNAMES))):
+            raise ValueError(f"{flag} {str(path)!r}: ImageNetV2's class folders are named 0..999 (its class index)")
+        classnames = [IMAGENET_CLASSNAMES[int(name)] for name in folder.folders]
+    else:
+        classnames = list(IMAGENET_CLASSNAMES)
+    templates = [template("{}") for template in OPENAI_IMAGENET_TEMPLATES]
+    return ImageNetSet(root.resolve(), classnames, templates, folder.empty)

@@ -139,6 +139,13 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     z.add_argument("--zeroshot-frequency", type=int, default=argparse.SUPPRESS,
                    help="classify --zeroshot-data every N epochs (also before training and at the end); 0: never "
                         f"(default: {_default('zeroshot_frequency')})")
+    # OpenCLIP's ImageNet zero-shot (issue 22): one more zero-shot set each, every --zeroshot-frequency epochs
+    z.add_argument("--imagenet-val", default=None,
+                   help="ImageNet's validation ImageFolder (1000 synset folders): zero-shot with OpenCLIP's class "
+                        "names and 80 templates, logged as zeroshot/imagenet-val/top1 and top5")
+    z.add_argument("--imagenet-v2", default=None,
+                   help="ImageNetV2 (imagenetv2_pytorch's folder: ImageNetV2-matched-frequency/0..999), likewise "
+                        "zeroshot/imagenet-v2/...")
     r.add_argument("--no-plot", action="store_true", help="do not write curves.png")
     d = parser.add_argument_group("devices")
     d.add_argument("--device", default=None,
@@ -297,6 +304,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         zero_shot_samples=args.zero_shot_samples, zeroshot_data=args.zeroshot_data,
         zeroshot_classnames=args.zeroshot_classnames, zeroshot_templates=args.zeroshot_templates,
         zeroshot_frequency=getattr(args, "zeroshot_frequency", _default("zeroshot_frequency")),
+        imagenet_val=getattr(args, "imagenet_val", None), imagenet_v2=getattr(args, "imagenet_v2", None),
         pretrained=args.pretrained, cache_dir=getattr(args, "cache_dir", None),
         grad_checkpointing=args.grad_checkpointing, torchcompile=args.torchcompile, **Locks.pick(args).as_dict(),
         openclip_built_in=tuple(getattr(args, "openclip_built_in", ())), **optimizer_config(args), **run_config(args),

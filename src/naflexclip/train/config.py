@@ -26,7 +26,7 @@ from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES, MULTI_POSITIVE_WEIGHTINGS
 from naflexclip.model import PRESETS
 from naflexclip.train.report import report_to_names
 from naflexclip.window import METHODS, SCALE_MODES
-from naflexclip.zeroshot import read_classnames, read_image_folder, read_templates
+from naflexclip.zeroshot import IMAGENET_SETS, imagenet_set, read_classnames, read_image_folder, read_templates
 
 PRECISIONS = ("fp32", "amp_bf16", "amp")
 
@@ -153,6 +153,8 @@ class TrainConfig:
     zeroshot_classnames: str | None = None  # its class names file (one line per class folder)
     zeroshot_templates: str | None = None  # its prompt templates file
     zeroshot_frequency: int = 2  # OpenCLIP's: every N epochs (before training and at the end too); 0: never
+    imagenet_val: str | None = None  # OpenCLIP's: ImageNet val ImageFolder, zero-shot as `zeroshot/imagenet-val/...`
+    imagenet_v2: str | None = None  # OpenCLIP's: ImageNetV2 (imagenetv2_pytorch's layout), `zeroshot/imagenet-v2/...`
     device: str | None = None
     max_skipped_steps: int = 10
     fsdp: bool = False
@@ -332,6 +334,10 @@ class TrainConfig:
 
     def _check_zeroshot(self) -> None:
         """The ImageFolder, class names and templates of --zeroshot-data, read before the run starts."""
+        for key in IMAGENET_SETS:  # --imagenet-val / --imagenet-v2: 1000 class folders in OpenCLIP's layout
+            if getattr(self, key) is not None:
+                imagenet_set(getattr(self, key), key)
+                setattr(self, key, os.path.abspath(getattr(self, key)))
         if self.zeroshot_data is None:
             for flag, value in (("--zeroshot-classnames", self.zeroshot_classnames),
                                 ("--zeroshot-templates", self.zeroshot_templates)):

@@ -29,8 +29,10 @@ from naflexclip.parallel import unwrap_model
 from naflexclip.train.config import TrainConfig
 from naflexclip.train.report import Reporter, folder_zeroshot_keys
 from naflexclip.zeroshot import (
+    IMAGENET_SETS,
     empty_classes_line,
     ensemble_embeddings,
+    imagenet_set,
     read_classnames,
     read_image_folder,
     read_templates,
@@ -108,30 +110,43 @@ def evaluation_tasks(data: DataConfig, device: torch.device, autocast: Callable[
     return tasks
 
 
-def folder_zero_shot_task(cfg: TrainConfig, device: torch.device, autocast: Callable[[], ContextManager[Any]],
-                          notify: Callable[[str], None]) -> EvalTask | None:
-    """Zero-shot classification of the ImageFolder --zeroshot-data (`folder_zero_shot_metrics`) at the largest
-    --naflex-seq-lens, every --zeroshot-frequency epochs (0: never, as OpenCLIP's; None then). Class folders
-    without images are said through `notify` now, as `eval --zero-shot-data` says them."""
-    if cfg.zeroshot_data is None or not cfg.zeroshot_frequency:
-        return None
-    folder = cfg.zeroshot_data
-    image_folder = read_image_folder(folder, flag="--zeroshot-data")
-    if image_folder.empty:
-        notify(f"--zeroshot-data {folder!r}: {empty_classes_line(image_folder.empty)}")
-    folders = image_folder.folders
-    classnames = (read_classnames(cfg.zeroshot_classnames, folders, flag="--zeroshot-classnames")
-                  if cfg.zeroshot_classnames is not None else None)
-    templates = (read_templates(cfg.zeroshot_templates, flag="--zeroshot-templates")
-                 if cfg.zeroshot_templates is not None else None)
+def folder_zero_shot_tasks(cfg: TrainConfig, device: torch.device, autocast: Callable[[], ContextManager[Any]],
+                           notify: Callable[[str], None]) -> list[EvalTask]:
+    """Zero-shot classification (`folder_zero_shot_metrics`) at the largest --naflex-seq-lens, every
+    --zeroshot-frequency epochs (0: never, as OpenCLIP's), of the ImageFolder --zeroshot-data
+    (`zeroshot/<folder name>/...`) and of OpenCLIP's --imagenet-val / --imagenet-v2 (`zeroshot/imagenet-val/...`,
+    `zeroshot/imagenet-v2/...`: OpenCLIP's ImageNet class names and 80 templates). Class folders without images
+    are said through `notify` now, as `eval --zero-shot-data` says them."""
+    if not cfg.zeroshot_frequency:
+        return []
     seq_len, hf_processor = max(cfg.data.naflex_seq_lens), cfg.data.hf_processor
+    sets: list[tuple[str, str, list[str] | None, list[str] | None]] = []  # (name, folder, classnames, templates)
+    if cfg.zeroshot_data is not None:
+        image_folder = read_image_folder(cfg.zeroshot_data, flag="--zeroshot-data")
+        if image_folder.empty:
+            notify(f"--zeroshot-data {cfg.zeroshot_data!r}: {empty_classes_line(image_folder.empty)}")
+        folders = image_folder.folders
+        classnames = (read_classnames(cfg.zeroshot_classnames, folders, flag="--zeroshot-classnames")
+                      if cfg.zeroshot_classnames is not None else None)
+        templates = (read_templates(cfg.zeroshot_templates, flag="--zeroshot-templates")
+                     if cfg.zeroshot_templates is not None else None)
+        sets.append((Path(cfg.zeroshot_data).name, cfg.zeroshot_data, classnames, templates))
+    for key, (_, name) in IMAGENET_SETS.items():
+        if getattr(cfg, key) is not None:
+            imagenet = imagenet_set(getattr(cfg, key), key)
+            if imagenet.empty:
+                notify(f"{IMAGENET_SETS[key][0]} {getattr(cfg, key)!r}: {empty_classes_line(imagenet.empty)}")
+            sets.append((name, str(imagenet.root), imagenet.classnames, imagenet.templates))
 
-    def run(model: nn.Module, skips: list[dict[str, Any]]) -> dict[str, float]:
-        return folder_zero_shot_metrics(model, folder, seq_len=seq_len, hf_processor=hf_processor,
-                                        classnames=classnames, templates=templates, device=device, autocast=autocast,
-                                        skip_records=skips)
+    def task(name: str, folder: str, classnames: list[str] | None, templates: list[str] | None) -> EvalTask:
+        def run(model: nn.Module, skips: list[dict[str, Any]]) -> dict[str, float]:
+            return folder_zero_shot_metrics(model, folder, seq_len=seq_len, hf_processor=hf_processor,
+                                            classnames=classnames, templates=templates, device=device,
+                                            autocast=autocast, skip_records=skips, name=name)
 
-    return EvalTask(f"zeroshot/{Path(folder).name}", cfg.zeroshot_frequency, run)
+        return EvalTask(f"zeroshot/{name}", cfg.zeroshot_frequency, run)
+
+    return [task(*s) for s in sets]
 
 
 @torch.no_grad()
@@ -193,9 +208,7 @@ class Evaluator:
         zero_shot = cfg.zero_shot_samples if has_builtin_tasks(cfg.data) else 0
         self.tasks = evaluation_tasks(cfg.data, env.device, autocast, zero_shot_samples=zero_shot,
                                       frequency=cfg.val_frequency)
-        folder = folder_zero_shot_task(cfg, env.device, autocast, reporter.message)
-        if folder is not None:
-            self.tasks.append(folder)
+        self.tasks += folder_zero_shot_tasks(cfg, env.device, autocast, reporter.message)
         self.history: list[dict[str, float]] = []  # [0]: the evaluation before the run's first step
 
     def due(self, epochs_done: int, last: bool) -> list[EvalTask]:
@@ -253,15 +266,15 @@ def zero_shot_metrics(model: nn.Module, data: DataConfig, device: torch.device,
 
 def folder_zero_shot_metrics(model: nn.Module, folder: str, *, seq_len: int, hf_processor: str | None,
                              classnames: list[str] | None, templates: list[str] | None, device: torch.device,
-                             autocast: Callable[[], ContextManager[Any]], skip_records: list[dict[str, Any]]
-                             ) -> dict[str, float]:
-    """`zeroshot/<folder name>/top1`, `top5` (top-k of fewer classes: all of them) and `chance` (top-1's) of
-    `eval --zero-shot-data`'s classification of the ImageFolder `folder`; files that do not decode go to
-    `skip_records`."""
+                             autocast: Callable[[], ContextManager[Any]], skip_records: list[dict[str, Any]],
+                             name: str | None = None) -> dict[str, float]:
+    """`zeroshot/<name>/top1`, `top5` (top-k of fewer classes: all of them) and `chance` (top-1's) of
+    `eval --zero-shot-data`'s classification of the ImageFolder `folder` (`name`: default the folder's name); files
+    that do not decode go to `skip_records`."""
     results = zero_shot_classify(model, folder, seq_len=seq_len, hf_processor=hf_processor, classnames=classnames,
                                  templates=templates, device=device, autocast=autocast)
     skip_records.extend(results["skipped_samples"])
-    name = Path(folder).name
+    name = name or Path(folder).name
     return {f"zeroshot/{name}/top1": results["top1"],
             f"zeroshot/{name}/top5": results[f"top{min(5, results['num_classes'])}"],
             f"zeroshot/{name}/chance": results["chance"]}

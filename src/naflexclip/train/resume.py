@@ -60,6 +60,10 @@ POLICY: dict[str, tuple[str, str]] = {
                                      "dist_timeout", "plot", "report_to", "wandb_project_name", "wandb_notes",
                                      "cache_dir")},
     **{key: (IGNORE, "") for key in ("dist_url", "dist_backend", "no_set_device_rank")},  # how the job forms
+    # ---- data recipes (issue 22): which samples and shards make an epoch, so what a saved position means;
+    # --json-text-key-probs (which caption), --max-image-pixels (skipped when read) and --imagenet-* apply ----
+    **{f"data.{key}": (REFUSE, _DATA_ORDER) for key in (
+        "dataset_resampled", "train_data_upsampling_factors", "image_key", "text_key", "json_text_key")},
     # ---- OpenCLIP's flags (issue 22) ----
     "openclip_built_in": (IGNORE, ""),  # OpenCLIP's flags that change nothing here
 }
