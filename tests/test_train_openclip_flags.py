@@ -113,3 +113,42 @@ def test_help_groups_the_flags_as_openclips_and_naflexclips() -> None:
     text = " ".join(parser.format_help().split())
     assert "--warmup WARMUP" in text and "(default: 10000, OpenCLIP's; on the built-in dataset: 20)" in text
     assert "--coca-caption-loss-weight" in text.split("OpenCLIP's flags refused here")[1]
+
+
+def test_force_flags_override_the_model_as_openclip(tmp_path) -> None:
+    """--force-context-length: the text position table and the tokenized captions; --force-patch-dropout: the
+    image tower drops patches while training (a resume may change it); --force-image-size: the NaFlex position
+    grid (size // patch per side)."""
+    import torch
+    from test_train_loop import tiny_config
+
+    from naflexclip.distributed import init_distributed
+    from naflexclip.train.loop import Trainer
+    from naflexclip.train.resume import architecture_changes
+
+    cfg = tiny_config(tmp_path, force_context_length=12, force_patch_dropout=0.5, force_image_size=(64, 96))
+    assert cfg.model_overrides(8) == {"context_length": 12, "patch_drop_rate": 0.5, "pos_embed_grid_size": (8, 12)}
+    trainer = Trainer(cfg, init_distributed("cpu"))
+    model = trainer.module
+    assert model.context_length == 12 and model.text.positional_embedding.shape[0] == 12
+    patch = model.image_patch_size
+    assert tuple(model.visual.embeds.pos_embed.shape[1:3]) == (64 // patch, 96 // patch)
+    batch = next(iter(trainer.loader))
+    assert batch["text"].shape[1] == 12
+    image = {k: v[:2] for k, v in batch["image"].items()}
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model.encode_image(image), model.encode_image(image))
+        model.train()
+        torch.manual_seed(0)
+        dropped = model.encode_image(image)
+        model.eval()
+        assert not torch.allclose(dropped, model.encode_image(image))
+    plain = trainer.checkpointer.run["model_config"]
+    other = {**plain, "image": {**plain["image"], "patch_drop_rate": 0.0}}
+    assert architecture_changes(plain, other) == []
+    assert architecture_changes(plain, {**plain, "text": {**plain["text"], "context_length": 16}})
+    with pytest.raises(ValueError, match="--force-image-size takes one size or height and width"):
+        _config("--force-image-size", "1", "2", "3")
+    assert _config("--force-context-length", "24").force_context_length == 24
+    assert POLICY["force_context_length"][0] == POLICY["force_image_size"][0] == "refuse"

@@ -104,6 +104,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                    help="SigLIP+'s positive weights α/k_i + β/k'_j: symmetric ½, ½; asymmetric 1, 0; soft: as labels")
     add_optimizer_args(parser)
     add_run_args(parser)
+    add_model_override_args(parser)
     r = parser.add_argument_group("run, logs and checkpoints")
     # --logs-dir: torchrun (torch >= 2.9) rejects `--logs` after the script as ambiguous with its --logs-specs
     r.add_argument("--logs", "--logs-dir", dest="logs", default=_default("logs"),
@@ -276,6 +277,23 @@ def run_config(args: argparse.Namespace) -> dict[str, object]:
 # ---- end of run flags ----
 
 
+# ---- model overrides (OpenCLIP's --force-* flags, issue 22) ----
+def add_model_override_args(parser: argparse.ArgumentParser) -> None:
+    f = parser.add_argument_group("model overrides")
+    f.add_argument("--force-context-length", type=int, default=None,
+                   help="the text tower's context length (captions are tokenized to it)")
+    f.add_argument("--force-patch-dropout", type=float, default=None,
+                   help="the image tower's patch dropout rate while training (0: none; a resume may change it)")
+    f.add_argument("--force-image-size", type=int, nargs="+", default=None,
+                   help="NaFlex: the image tower's position-embedding grid, SIZE / patch size per side (H W for "
+                        "a non-square table); the patches per image still come from --naflex-seq-lens")
+
+
+def model_override_config(args: argparse.Namespace) -> dict[str, object]:
+    return {key: getattr(args, key) for key in ("force_context_length", "force_patch_dropout", "force_image_size")}
+# ---- end of model overrides ----
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The one place flags become a TrainConfig (ValueError with a one-line, flag-naming message)."""
     refused = refused_message(args)
@@ -308,6 +326,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         pretrained=args.pretrained, cache_dir=getattr(args, "cache_dir", None),
         grad_checkpointing=args.grad_checkpointing, torchcompile=args.torchcompile, **Locks.pick(args).as_dict(),
         openclip_built_in=tuple(getattr(args, "openclip_built_in", ())), **optimizer_config(args), **run_config(args),
+        **model_override_config(args),
         **Distill.pick(args).as_dict(), multi_positive=args.multi_positive,
         multi_positive_weighting=args.multi_positive_weighting,
         **launcher_config(args),

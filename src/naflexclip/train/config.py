@@ -50,6 +50,7 @@ OPENCLIP_DEFAULTS: dict[str, Any] = {
     "lr_cooldown_power": 1.0, "skip_scheduler": False,
     "save_most_recent": False, "delete_previous_checkpoint": False, "remote_sync": None,
     "remote_sync_frequency": 300, "remote_sync_protocol": "s3", "log_local": False, "debug": False,
+    "force_context_length": None, "force_patch_dropout": None, "force_image_size": None,
 }
 # the built-in dataset's own values where they differ from OpenCLIP's (the demo: docs/demo.md); TrainConfig's
 # field defaults are these, the data ones are the CLI's defaults without --train-data
@@ -205,6 +206,10 @@ class TrainConfig:
     dist_url: str | None = None  # torch's init method; None: env://
     dist_backend: str | None = None  # None: nccl on CUDA, gloo on CPU
     no_set_device_rank: bool = False  # --device cuda is the first visible GPU, not cuda:<local rank>
+    # ---- model overrides (OpenCLIP's --force-* flags, issue 22; `model_overrides`) ----
+    force_context_length: int | None = None  # the text tower's context length (its position table)
+    force_patch_dropout: float | None = None  # the image tower's patch dropout rate while training
+    force_image_size: tuple[int, ...] | None = None  # NaFlex: the position table's grid, size / patch per side
 
     def __post_init__(self) -> None:
         self._check_choices()
@@ -222,6 +227,7 @@ class TrainConfig:
         self._check_run_flags()
         check_dist_url(self.dist_url)
         check_backend(self.dist_backend)
+        self._check_model_overrides()
 
     def default_name(self) -> str:
         """OpenCLIP-style run name, when and what; for a run without `--name`, decided on rank 0 only (the ranks
@@ -386,6 +392,36 @@ class TrainConfig:
             raise ValueError(f"--remote-sync-protocol: {self.remote_sync_protocol!r} is not one of {list(PROTOCOLS)}")
         if not self.remote_sync_frequency > 0:
             raise ValueError(f"--remote-sync-frequency must be > 0 seconds, got {self.remote_sync_frequency:g}")
+
+    def _check_model_overrides(self) -> None:
+        """OpenCLIP's --force-* flags (issue 22), one line naming the flag."""
+        if self.force_image_size is not None:
+            self.force_image_size = tuple(int(v) for v in self.force_image_size)
+            if len(self.force_image_size) not in (1, 2) or min(self.force_image_size) < 1:
+                raise ValueError(f"--force-image-size takes one size or height and width >= 1, got "
+                                 f"{' '.join(map(str, self.force_image_size))}")
+        if self.force_context_length is not None and self.force_context_length < 2:
+            raise ValueError(f"--force-context-length must be >= 2, got {self.force_context_length}")
+        if self.force_patch_dropout is not None and not 0.0 <= self.force_patch_dropout < 1.0:
+            raise ValueError(f"--force-patch-dropout must be in [0, 1), got {self.force_patch_dropout}")
+        for flag, value in (("--force-context-length", self.force_context_length),
+                            ("--force-image-size", self.force_image_size)):
+            if value is not None and self.pretrained:  # the checkpoint's position tables are fixed
+                raise ValueError(f"{flag} changes a position table, which --pretrained brings; drop one of them")
+
+    def model_overrides(self, patch_size: int) -> dict[str, Any]:
+        """The model fields the --force-* flags set (`patch_size`: the image tower's): the text context length,
+        the patch dropout rate, and for --force-image-size the position table's grid (size // patch per side;
+        NaFlex images still take --naflex-seq-lens patches, the table is resized to each image's grid)."""
+        overrides: dict[str, Any] = {}
+        if self.force_context_length is not None:
+            overrides["context_length"] = self.force_context_length
+        if self.force_patch_dropout is not None:
+            overrides["patch_drop_rate"] = self.force_patch_dropout
+        if self.force_image_size is not None:
+            height, width = (self.force_image_size * 2)[:2]
+            overrides["pos_embed_grid_size"] = (max(1, height // patch_size), max(1, width // patch_size))
+        return overrides
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form (saved with every checkpoint and at the top of the logs)."""

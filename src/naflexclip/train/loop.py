@@ -63,6 +63,11 @@ class Trainer:
         self.precision = create_precision(cfg.precision, env.device)
         # --model NAME with --pretrained weights (a preset with --pretrained DIR: the directory's architecture)
         model = create_model(cfg.model, pretrained=cfg.pretrained, cache_dir=cfg.cache_dir, loss=cfg.loss)
+        overrides = cfg.model_overrides(model.image_patch_size)  # --force-*: rebuilt with them
+        if overrides:
+            seed_everything(cfg.seed)  # the same initial weights as one build would draw
+            model = create_model(cfg.model, pretrained=cfg.pretrained, cache_dir=cfg.cache_dir, loss=cfg.loss,
+                                 **overrides)
         Locks.pick(cfg).apply(model)  # before wrapping (DDP registers the trainable parameters) and the optimizer
         model = model.to(env.device)
         if cfg.grad_checkpointing:

@@ -56,6 +56,8 @@ POLICY: dict[str, tuple[str, str]] = {
     # ---- run flags (issue 22): where and how the run saves and logs ----
     **{key: (IGNORE, "") for key in ("save_most_recent", "delete_previous_checkpoint", "remote_sync",
                                      "remote_sync_frequency", "remote_sync_protocol", "log_local", "debug")},
+    # ---- model overrides (issue 22) ----
+    **{key: (REFUSE, "the model") for key in ("force_context_length", "force_image_size")},
     **{key: (IGNORE, "") for key in ("name", "logs", "resume", "resume_fresh", "stop_after_steps", "device",
                                      "dist_timeout", "plot", "report_to", "wandb_project_name", "wandb_notes",
                                      "cache_dir")},
@@ -104,6 +106,11 @@ def changed_flags(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
             if _rule(key) in (APPLY, RESCHEDULE)]
 
 
+# regularisation rates of the architecture: they change no weight, so a resume may change them (OpenCLIP's
+# --force-patch-dropout: fine-tune without patch dropout near the end)
+_RATES = ("image.patch_drop_rate",)
+
+
 def architecture_changes(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:
     """The fields of two `config_to_dict` architectures that differ, as `name: old -> new`."""
     changes = []
@@ -111,7 +118,7 @@ def architecture_changes(saved: dict[str, Any], current: dict[str, Any], prefix:
         old, new = saved.get(key), current.get(key)
         if isinstance(old, dict) and isinstance(new, dict):
             changes += architecture_changes(old, new, f"{prefix}{key}.")
-        elif _plain(old) != _plain(new):
+        elif _plain(old) != _plain(new) and f"{prefix}{key}" not in _RATES:
             changes.append(f"{prefix}{key}: {old!r} -> {new!r}")
     return changes
 
