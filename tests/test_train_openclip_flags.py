@@ -152,3 +152,33 @@ def test_force_flags_override_the_model_as_openclip(tmp_path) -> None:
         _config("--force-image-size", "1", "2", "3")
     assert _config("--force-context-length", "24").force_context_length == 24
     assert POLICY["force_context_length"][0] == POLICY["force_image_size"][0] == "refuse"
+
+
+def test_image_mean_std_and_interpolation_reach_the_patches() -> None:
+    """--image-mean/--image-std normalise every patch with the given values (one value: every channel);
+    --image-interpolation resizes with timm's ResizeToSequence in that mode."""
+    import numpy as np
+    import torch
+    from PIL import Image
+    from timm.data.naflex_transforms import ResizeToSequence
+
+    from naflexclip.families import data_processing
+
+    cfg = _config("--image-mean", "0.5", "--image-std", "0.25", "0.5", "1", "--image-interpolation", "bilinear")
+    assert (cfg.data.image_mean, cfg.data.image_std) == ((0.5, 0.5, 0.5), (0.25, 0.5, 1.0))
+    processing = data_processing(None, 8, **cfg.data.image_overrides())
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (37, 53, 3), dtype=np.uint8))
+    patches, coord = processing.transform(image, 16)
+    expected = np.asarray(ResizeToSequence(8, 16, interpolation="bilinear")(image))
+    bicubic = np.asarray(ResizeToSequence(8, 16, interpolation="bicubic")(image))
+    rows = torch.from_numpy(expected.copy()).reshape(expected.shape[0] // 8, 8, -1, 8, 3).permute(0, 2, 1, 3, 4)
+    assert torch.equal(patches, rows.reshape(-1, 8 * 8 * 3)) and not np.array_equal(expected, bicubic)
+    batch = processing.collate([(patches, coord)], 16, 8)
+    raw = patches.double().view(patches.shape[0], -1, 3) / 255
+    normalised = (raw - torch.tensor([0.5, 0.5, 0.5], dtype=torch.float64)) / torch.tensor([0.25, 0.5, 1.0],
+                                                                                            dtype=torch.float64)
+    assert torch.allclose(batch["patches"][0, :patches.shape[0]].double().view_as(normalised), normalised, atol=1e-6)
+    assert data_processing(None, 8).collate([(patches, coord)], 16, 8)["patches"].abs().max() != batch[
+        "patches"].abs().max()
+    with pytest.raises(ValueError, match="--image-std takes 1 or 3 values > 0"):
+        _config("--image-std", "0", "1", "1")

@@ -153,17 +153,19 @@ def class_embeddings(model: nn.Module, classnames: list[str], templates: list[st
 def zero_shot_classify(model: nn.Module, data_dir: str | Path, *, seq_len: int, hf_processor: str | None = None,
                        classnames: list[str] | None = None, templates: list[str] | None = None,
                        device: str | torch.device = "cpu", batch_size: int = 32,
-                       autocast: Callable[[], ContextManager[Any]] = nullcontext) -> dict[str, Any]:
+                       autocast: Callable[[], ContextManager[Any]] = nullcontext,
+                       image_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Top-1/top-5 and per-class accuracy of `model` on the ImageFolder `data_dir` (images at a `seq_len`-patch
     budget). `classnames`: one per class folder in sorted order (None: the folder names); class folders without
     images are no candidates (`empty_classes`). Files that do not decode are left out and listed as skip records
     (`skipped_samples`, training's fields with split "zeroshot"). `hf_processor`: a SigLIP 2 directory whose
-    tokenizer and patching to use (None: ours)."""
+    tokenizer and patching to use (None: ours); `image_overrides`: the run's --image-mean/--image-std/
+    --image-interpolation (`DataConfig.image_overrides()`)."""
     device = torch.device(device)
     folder = read_image_folder(data_dir)
     named = dict(zip(folder.folders, classnames or folder.folders, strict=True))
     names = [named[name] for name in folder.classes]
-    processing = data_processing(hf_processor, model.image_patch_size)
+    processing = data_processing(hf_processor, model.image_patch_size, **(image_overrides or {}))
     model.eval()
     classes = class_embeddings(model, names, list(templates or DEFAULT_TEMPLATES), processing.tokenize, device,
                                autocast)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from naflexclip.data.readers import MemberKeys
 from naflexclip.data.samples import JsonCaption
@@ -71,8 +72,32 @@ class DataConfig:
     json_text_key: str | None = None
     json_text_key_probs: tuple[float, ...] | None = None
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    # ---- OpenCLIP's image processing overrides (issue 22; set by `train`, applied by `families.data_processing`)
+    image_mean: tuple[float, ...] | None = None  # per channel (None: the model's own, OpenAI CLIP's for ours)
+    image_std: tuple[float, ...] | None = None
+    image_interpolation: str | None = None  # bicubic or bilinear (None: the model's own)
+
+    def image_overrides(self) -> dict[str, Any]:
+        """The processing overrides set (`mean`, `std`, `interpolation`), for `families.data_processing`."""
+        values = {"mean": self.image_mean, "std": self.image_std, "interpolation": self.image_interpolation}
+        return {key: value for key, value in values.items() if value is not None}
+
+    def _check_image_overrides(self) -> None:
+        for flag, key in (("--image-mean", "image_mean"), ("--image-std", "image_std")):
+            value = getattr(self, key)
+            if value is not None:
+                value = tuple(float(v) for v in value)
+                value = value * 3 if len(value) == 1 else value  # OpenCLIP: one value for every channel
+                if len(value) != 3 or (key == "image_std" and min(value) <= 0):
+                    raise ValueError(f"{flag} takes 1 or 3 values{' > 0' if key == 'image_std' else ''}, got "
+                                     f"{' '.join(f'{v:g}' for v in getattr(self, key))}")
+                setattr(self, key, value)
+        if self.image_interpolation not in (None, "bicubic", "bilinear"):
+            raise ValueError(f"--image-interpolation: {self.image_interpolation!r} is not one of "
+                             f"['bicubic', 'bilinear'] (OpenCLIP's 'random' is not supported)")
 
     def __post_init__(self) -> None:
+        self._check_image_overrides()
         self.naflex_seq_lens = tuple(int(s) for s in self.naflex_seq_lens)
         if self.naflex_seq_len_probs is not None:
             self.naflex_seq_len_probs = tuple(float(p) for p in self.naflex_seq_len_probs)

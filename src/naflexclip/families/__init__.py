@@ -11,10 +11,12 @@ and `--pretrained`, `eval --checkpoint`, `export`) asks this table, and `data_pr
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from naflexclip.data.transform import Processing, default_processing
+from naflexclip.data.transform import NaFlexTransform, Processing, collate, default_processing
 from naflexclip.families import openclip, siglip2
 
 if TYPE_CHECKING:
@@ -92,13 +94,28 @@ def family_of(path: str | Path) -> PretrainedFamily:
     raise ValueError("; ".join(reasons))
 
 
-def data_processing(source: str | None, patch_size: int, augment: bool = False) -> Processing:
+def data_processing(source: str | None, patch_size: int, augment: bool = False, *,
+                    mean: tuple[float, ...] | None = None, std: tuple[float, ...] | None = None,
+                    interpolation: str | None = None) -> Processing:
     """The image transform, collation and tokenizer handed to the loaders for a model: those of the family of
     `source` (`DataConfig.hf_processor`, the pretrained directory the model came from), or our presets' own
-    (`source` None). `augment`: random crops (the train split with --augment)."""
-    if source is None:
-        return default_processing(patch_size, augment)
-    return family_of(source).processing(source, patch_size, augment)
+    (`source` None). `augment`: random crops (the train split with --augment). `mean`, `std`, `interpolation`:
+    OpenCLIP's --image-mean, --image-std, --image-interpolation (`DataConfig.image_overrides()`), for our NaFlex
+    transform and collation."""
+    processing = (default_processing(patch_size, augment) if source is None
+                  else family_of(source).processing(source, patch_size, augment))
+    if mean is None and std is None and interpolation is None:
+        return processing
+    base = processing.collate
+    if not isinstance(processing.transform, NaFlexTransform) or getattr(base, "func", base) is not collate:
+        raise ValueError(f"--image-mean/--image-std/--image-interpolation: {source!r} brings its own image processor")
+    kept = dict(getattr(base, "keywords", {}))
+    transform = processing.transform
+    if interpolation is not None:
+        transform = NaFlexTransform(patch_size, augment=transform.augment, interpolation=interpolation)
+    normalise = {**kept, **({"mean": tuple(mean)} if mean is not None else {}),
+                 **({"std": tuple(std)} if std is not None else {})}
+    return dataclasses.replace(processing, transform=transform, collate=functools.partial(collate, **normalise))
 
 
 def export_family(format: str) -> PretrainedFamily:

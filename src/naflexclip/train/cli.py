@@ -289,6 +289,21 @@ def add_model_override_args(parser: argparse.ArgumentParser) -> None:
                         "a non-square table); the patches per image still come from --naflex-seq-lens")
 
 
+    i = parser.add_argument_group("image processing overrides")
+    i.add_argument("--image-mean", type=float, nargs="+", default=None, metavar="MEAN",
+                   help="per-channel mean the patches are normalised with (1 or 3 values; default: the model's own, "
+                        "OpenAI CLIP's for the presets); train, validation and zero-shot alike")
+    i.add_argument("--image-std", type=float, nargs="+", default=None, metavar="STD", help="the same for the std")
+    i.add_argument("--image-interpolation", default=None, choices=("bicubic", "bilinear"),
+                   help="the resize to the patch budget (default: the model's own, bicubic for the presets)")
+
+
+def image_override_config(args: argparse.Namespace) -> dict[str, object]:
+    """DataConfig's fields of the image processing overrides."""
+    return {"image_mean": args.image_mean, "image_std": args.image_std,
+            "image_interpolation": args.image_interpolation}
+
+
 def model_override_config(args: argparse.Namespace) -> dict[str, object]:
     return {key: getattr(args, key) for key in ("force_context_length", "force_patch_dropout", "force_image_size")}
 # ---- end of model overrides ----
@@ -308,7 +323,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         raise ValueError(f"--zeroshot-frequency {args.zeroshot_frequency} goes with --zeroshot-data (the ImageFolder "
                          "to classify zero-shot during training)")
     return TrainConfig(
-        data=data_config_from_args(args), model=args.model, loss=args.loss, batch_size=args.batch_size,
+        data=dataclasses.replace(data_config_from_args(args), **image_override_config(args)),
+        model=args.model, loss=args.loss, batch_size=args.batch_size,
         accum_freq=args.accum_freq, accum_method=args.accum_method, naflex_loss_scale=args.naflex_loss_scale,
         lr=args.lr, wd=args.wd, warmup=args.warmup,
         epochs=args.epochs, precision=args.precision, grad_clip_norm=clip if clip is not None and clip > 0 else None,
@@ -400,8 +416,10 @@ def run_zero_shot(args: argparse.Namespace, model: torch.nn.Module, config: dict
     folders = read_image_folder(args.zero_shot_data).folders
     classnames = read_classnames(args.zero_shot_classnames, folders) if args.zero_shot_classnames else None
     templates = read_templates(args.zero_shot_templates) if args.zero_shot_templates else None
+    overrides = DataConfig(**data).image_overrides()  # the run's --image-mean/--image-std/--image-interpolation
     results = zero_shot_classify(model, args.zero_shot_data, seq_len=seq_len, hf_processor=data.get("hf_processor"),
-                                 classnames=classnames, templates=templates, device=device, autocast=autocast)
+                                 classnames=classnames, templates=templates, device=device, autocast=autocast,
+                                 image_overrides=overrides)
     results["seq_len"] = seq_len
     lines = save_results(results, output)
     print(format_results(results))

@@ -142,7 +142,8 @@ def folder_zero_shot_tasks(cfg: TrainConfig, device: torch.device, autocast: Cal
         def run(model: nn.Module, skips: list[dict[str, Any]]) -> dict[str, float]:
             return folder_zero_shot_metrics(model, folder, seq_len=seq_len, hf_processor=hf_processor,
                                             classnames=classnames, templates=templates, device=device,
-                                            autocast=autocast, skip_records=skips, name=name)
+                                            autocast=autocast, skip_records=skips, name=name,
+                                            image_overrides=cfg.data.image_overrides())
 
         return EvalTask(f"zeroshot/{name}", cfg.zeroshot_frequency, run)
 
@@ -179,7 +180,8 @@ def validation_retrieval(model: nn.Module, data: DataConfig, device: torch.devic
                          ) -> dict[str, float]:
     """`val/...` retrieval metrics of the validation split; its skipped samples go to `skip_records`."""
     val = build_loader(data, split="val", patch_size=model.image_patch_size, context_length=model.context_length,
-                       processing=data_processing(data.hf_processor, model.image_patch_size))
+                       processing=data_processing(data.hf_processor, model.image_patch_size,
+                                                  **data.image_overrides()))
     features = _features(model, val, device, autocast)
     skip_records.extend(val.skip_records)
     metrics = {f"val/{k}": v for k, v in retrieval_metrics(features["image"], features["text"]).items()}
@@ -250,7 +252,8 @@ class Evaluator:
 def zero_shot_metrics(model: nn.Module, data: DataConfig, device: torch.device,
                       autocast: Callable[[], ContextManager[Any]], num_samples: int) -> dict[str, float]:
     """Top-1 accuracy of nearest-prompt classification for each attribute, on single-object images."""
-    processing = data_processing(data.hf_processor, model.image_patch_size)  # the model's own
+    processing = data_processing(data.hf_processor, model.image_patch_size,  # the model's own
+                                 **data.image_overrides())
     loader = build_zero_shot_loader(data, patch_size=model.image_patch_size, context_length=model.context_length,
                                     num_samples=num_samples, processing=processing)
     features = _features(model, loader, device, autocast)
@@ -267,12 +270,14 @@ def zero_shot_metrics(model: nn.Module, data: DataConfig, device: torch.device,
 def folder_zero_shot_metrics(model: nn.Module, folder: str, *, seq_len: int, hf_processor: str | None,
                              classnames: list[str] | None, templates: list[str] | None, device: torch.device,
                              autocast: Callable[[], ContextManager[Any]], skip_records: list[dict[str, Any]],
-                             name: str | None = None) -> dict[str, float]:
+                             name: str | None = None, image_overrides: dict[str, Any] | None = None
+                             ) -> dict[str, float]:
     """`zeroshot/<name>/top1`, `top5` (top-k of fewer classes: all of them) and `chance` (top-1's) of
     `eval --zero-shot-data`'s classification of the ImageFolder `folder` (`name`: default the folder's name); files
     that do not decode go to `skip_records`."""
     results = zero_shot_classify(model, folder, seq_len=seq_len, hf_processor=hf_processor, classnames=classnames,
-                                 templates=templates, device=device, autocast=autocast)
+                                 templates=templates, device=device, autocast=autocast,
+                                 image_overrides=image_overrides)
     skip_records.extend(results["skipped_samples"])
     name = name or Path(folder).name
     return {f"zeroshot/{name}/top1": results["top1"],

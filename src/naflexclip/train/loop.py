@@ -97,7 +97,8 @@ class Trainer:
                                    context_length=self.module.context_length, rank=env.rank,
                                    world_size=env.world_size, device_pin=env.device.type == "cuda",
                                    processing=data_processing(cfg.data.hf_processor, self.module.image_patch_size,
-                                                              augment=cfg.data.augment))
+                                                              augment=cfg.data.augment,
+                                                              **cfg.data.image_overrides()))
         self.batches_per_epoch = self._plan_batches()
         self.schedule = LrSchedule(self.optimizer, cfg.lr, cfg.warmup, 1, kind=cfg.lr_scheduler)
         self.schedule.load_state_dict(self.schedule_plan(0, 0, 0))
