@@ -103,15 +103,18 @@ class GeneratedWindow(Sequence):
     """A window's NaFlex microbatches, each made on the device when it is read, from its index: the same tensors
     at every read (the window reads each microbatch more than once), so a window of 262,144 images never exists
     whole. Square grids of `seq_len` patches (a perfect square), random pixels, and random caption tokens that
-    fill the context and end in the highest id (open_clip's end-of-text); `rows` examples per microbatch."""
+    fill the context and end in the highest id (open_clip's end-of-text); `rows` images per microbatch, each with
+    `captions` captions (more than one: a grouped microbatch, `image_group` / `text_group` ids global over the
+    window)."""
 
     def __init__(self, num_examples: int, rows: int, seq_len: int, model: torch.nn.Module, device: torch.device,
-                 seed: int = 0) -> None:
+                 seed: int = 0, captions: int = 1) -> None:
         side = math.isqrt(seq_len)
         if side * side != seq_len:
             raise ValueError(f"--seq-len must be a perfect square (a square grid of patches), got {seq_len}")
         self.sizes = [len(part) for part in torch.arange(num_examples).split(rows)]
-        self.side, self.device, self.seed = side, device, seed
+        self.side, self.device, self.seed, self.captions = side, device, seed, captions
+        self.starts = [sum(self.sizes[:index]) for index in range(len(self.sizes))]
         self.patch_dim = model.image_patch_size**2 * 3
         self.context_length, self.vocab_size = model.context_length, model.vocab_size
         grid = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij"), -1)
@@ -126,8 +129,13 @@ class GeneratedWindow(Sequence):
         rows, seq_len = self.sizes[index], self.side * self.side
         gen = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + index)
         patches = torch.randn(rows, seq_len, self.patch_dim, generator=gen, device=self.device)
-        text = torch.randint(1, self.vocab_size - 1, (rows, self.context_length), generator=gen, device=self.device)
+        text = torch.randint(1, self.vocab_size - 1, (rows * self.captions, self.context_length), generator=gen,
+                             device=self.device)
         text[:, -1] = self.vocab_size - 1
         image = {"patches": patches, "patch_coord": self.coords.expand(rows, -1, -1),
                  "patch_valid": torch.ones(rows, seq_len, dtype=torch.bool, device=self.device)}
-        return {"image": image, "text": text}
+        if self.captions == 1:
+            return {"image": image, "text": text}
+        groups = torch.arange(self.starts[index], self.starts[index] + rows, device=self.device)
+        return {"image": image, "text": text, "image_group": groups,
+                "text_group": groups.repeat_interleave(self.captions)}

@@ -1,14 +1,14 @@
-"""The training objectives against the plain window on the same data: seconds and peak memory per pair.
+"""The training objectives against the plain window on the same data: seconds and peak memory per image.
 
 Every objective runs the same towers from the same initialisation (`--model`, its own loss, bf16 autocast,
-`cache`) on the same window (`--num-examples` pairs in microbatches of `--microbatch-tokens` image tokens, made on
-the device by `measure.GeneratedWindow`), once untimed, then `--repeats` timed (median) with the peak memory of
-the first over the state before it (CUDA max allocated, .grad buffers included). An objective is present when
-`naflexclip train` has its flag; one that is absent, or present without an adapter here yet, is skipped with one
-line saying which. Distillation's teacher is `--teacher` (default: an untrained copy of `--model`, so the teacher
-costs what the student's forward costs).
+`cache`) on the same images (`--num-examples` in microbatches of `--microbatch-tokens` image tokens, made on the
+device by `measure.GeneratedWindow`), once untimed, then `--repeats` timed (median) with the peak memory of the
+first over the state before it (CUDA max allocated, .grad buffers included). An objective is present when
+`naflexclip train` accepts its flag; one that is absent, or present without an adapter here yet, is skipped with
+one line saying which. Multi-positive windows hold the same images with 2 captions each. Distillation's teacher
+is `--teacher` (default: an untrained copy of `--model`, so the teacher costs what the student's forward costs).
 
-    python benchmarks/objectives.py --out OUT                                # GPU: siglip2-base, 4,096 pairs
+    python benchmarks/objectives.py --out OUT                                # GPU: siglip2-base, 2,048 pairs
     python benchmarks/objectives.py --model tiny --num-examples 128 --seq-len 16 --microbatch-tokens 512 --device cpu
 """
 
@@ -54,18 +54,29 @@ def _distilled(args: argparse.Namespace, device: torch.device) -> Built:
     return model, Distill(args.teacher or args.model).loss(model.config.loss, 1024), {"teacher": teacher.to(device)}
 
 
+def _multi_positive(args: argparse.Namespace, device: torch.device) -> Built:
+    """`--multi-positive`: every caption a text row with its image's group id; the loss is the multi-positive
+    InfoNCE (clip) or SigLIP+ (siglip), symmetric weighting."""
+    from naflexclip.loss import MultiPositiveLoss
+
+    model = create_model(args.model).to(device)
+    return model, MultiPositiveLoss(model.config.loss, "symmetric"), {}
+
+
 @dataclass(frozen=True)
 class Objective:
     name: str
     flag: str | None  # the `naflexclip train` flag that turns it on: present iff train accepts it
     build: Callable[[argparse.Namespace, torch.device], Built] | None  # None: no adapter here yet
+    captions: int = 1  # captions per image in its window (the same images)
 
 
 OBJECTIVES = (
     Objective("plain window", None, _plain),
     Objective("LiT (--lock-image)", "--lock-image", _locked_image),
     Objective("distillation (--distill-model)", "--distill-model", _distilled),
-    Objective("multi-positive (--multi-positive)", "--multi-positive", None),
+    Objective("multi-positive (--multi-positive, 2 captions per image)", "--multi-positive", _multi_positive,
+              captions=2),
     Objective("SigLIP 2 recipe (--recipe siglip2)", "--recipe", None),
 )
 
@@ -87,7 +98,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="siglip2-base")
     parser.add_argument("--teacher", default=None, help="the distillation teacher (default: --model, untrained)")
-    parser.add_argument("--num-examples", type=int, default=4096, help="pairs in the window")
+    parser.add_argument("--num-examples", type=int, default=2048, help="images in the window")
     parser.add_argument("--seq-len", type=int, default=256, help="patches per image (a square grid)")
     parser.add_argument("--microbatch-tokens", type=int, default=65536, help="image tokens per microbatch")
     parser.add_argument("--repeats", type=int, default=1)
@@ -108,7 +119,7 @@ def main() -> None:
     rows = max(1, args.microbatch_tokens // args.seq_len)
     results.line(f"\n### objectives: {args.model}, {args.num_examples} pairs in microbatches of {rows}, "
                  f"{args.seq_len} patches per image, cache, {precision}, {device}, median of {args.repeats}")
-    results.line("| objective | s / window | × plain | ms per pair | peak MiB | × plain |\n"
+    results.line("| objective | s / window | × plain | ms per image | peak MiB | × plain |\n"
                  "| --- | --- | --- | --- | --- | --- |")
     plain = None
     for objective in OBJECTIVES:
@@ -127,7 +138,7 @@ def main() -> None:
         torch.manual_seed(0)
         model, loss_fn, keywords = objective.build(args, device)
         model.train()
-        window = GeneratedWindow(args.num_examples, rows, args.seq_len, model, device)
+        window = GeneratedWindow(args.num_examples, rows, args.seq_len, model, device, captions=objective.captions)
 
         def step(model: NaFlexClip = model, loss_fn: Callable = loss_fn, window: GeneratedWindow = window,
                  keywords: dict = keywords) -> None:

@@ -54,7 +54,8 @@ def test_dry_run_runs_every_step_and_writes_each_ones_figures(tmp_path: Path) ->
     for peer in ("siglip-kernel", "Inf-CL", "memeff", "siglip-kernel SigLIP+"):
         assert "needs CUDA" in skipped[peer] or "not installed" in skipped[peer], skipped
     objectives = {r["objective"]: r for r in records if r["kind"] == "objective"}
-    assert set(objectives) >= {"plain window", "LiT (--lock-image)", "distillation (--distill-model)"}
+    assert set(objectives) >= {"plain window", "LiT (--lock-image)", "distillation (--distill-model)",
+                               "multi-positive (--multi-positive, 2 captions per image)"}
     windows = {r["pairs"]: r for r in records if r["kind"] == "window"}
     assert set(windows) == {512, 128} and all(r["status"] == "ok" for r in windows.values())
     markdown = (tmp_path / "out" / "results.md").read_text()
