@@ -259,6 +259,8 @@ def run_step(step: Step, args: argparse.Namespace, output: Output, fork: bool) -
         log.flush()
         sys.stdout.flush()
         proc: subprocess.Popen | ForkedStep
+        if fork and sys.modules["torch"].cuda.is_initialized():  # a fork would share this process's CUDA context
+            fork = False
         if fork:
             proc = ForkedStep(command, REPO, env)
         else:
