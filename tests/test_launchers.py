@@ -24,6 +24,7 @@ from naflexclip.distributed import (
     NODELIST_VARIABLES,
     RANK_VARIABLES,
     WORLD_SIZE_VARIABLES,
+    _resolve_device,
     check_backend,
     check_dist_url,
     expand_hostlist,
@@ -125,6 +126,25 @@ def test_a_launch_that_cannot_form_one_job_is_refused_in_one_line(variables: dic
     with pytest.raises(ValueError, match=message) as error:
         read_launch(variables)
     assert "\n" not in str(error.value)
+
+
+def test_the_gpu_is_the_local_ranks_unless_no_set_device_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--device cuda` (or none, with CUDA) is cuda:<local rank>; with --no-set-device-rank the first visible GPU
+    (OpenCLIP's meaning: CUDA_VISIBLE_DEVICES gives each process its own); `cuda:N` is used as given."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    srun = read_launch({"SLURM_PROCID": "13", "SLURM_NTASKS": "16", "SLURM_LOCALID": "5", "MASTER_ADDR": "h"})
+    assert _resolve_device("cuda", srun, False) == _resolve_device(None, srun, False) == torch.device("cuda", 5)
+    assert _resolve_device("cuda", srun, True) == torch.device("cuda", 0)
+    assert _resolve_device("cuda:3", srun, False) == torch.device("cuda", 3)
+    no_local_rank = read_launch({"PMI_RANK": "1", "PMI_SIZE": "2", "MASTER_ADDR": "h"})
+    with pytest.raises(ValueError, match=r"PMI_RANK=1 PMI_SIZE=2 but no local rank \(LOCAL_RANK, MPI_LOCALRANKID"):
+        _resolve_device("cuda", no_local_rank, False)
+    assert _resolve_device("cuda", no_local_rank, True) == torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="local rank 5 .* but only 1 CUDA devices are visible .* --no-set-device-rank"):
+        _resolve_device("cuda", srun, False)
 
 
 def test_dist_backend_and_dist_url_are_checked() -> None:
