@@ -182,3 +182,37 @@ def test_image_mean_std_and_interpolation_reach_the_patches() -> None:
         "patches"].abs().max()
     with pytest.raises(ValueError, match="--image-std takes 1 or 3 values > 0"):
         _config("--image-std", "0", "1", "1")
+
+
+def test_aug_cfg_shapes_the_train_crop_and_refuses_other_keys() -> None:
+    """--aug-cfg scale=(.25, .25) ratio=(1, 1): every train crop is a square quarter of the image (drawn from the
+    microbatch's rng as timm's RandomResizedCropToSequence draws); keys the NaFlex crop does not take: one line."""
+    import math
+    import random
+
+    import numpy as np
+    import torch
+    from PIL import Image
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms import functional as F
+
+    from naflexclip.families import data_processing
+
+    cfg = _config("--aug-cfg", "scale=(0.25,0.25)", "ratio=(1,1)", "use_timm=True")
+    assert cfg.data.augment and (cfg.data.aug_scale, cfg.data.aug_ratio) == ((0.25, 0.25), (1.0, 1.0))
+    transform = data_processing(None, 8, augment=True, **cfg.data.image_overrides()).transform
+    image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (64, 64, 3), dtype=np.uint8))
+    patches, _ = transform(image, 16, random.Random(7))
+    draws = random.Random(7)
+    draws.uniform(0.25, 0.25), draws.uniform(math.log(1), math.log(1))
+    top, left = draws.randint(0, 32), draws.randint(0, 32)
+    crop = np.asarray(F.resized_crop(image, top, left, 32, 32, [32, 32], interpolation=InterpolationMode.BICUBIC,
+                                     antialias=True))
+    expected = torch.from_numpy(crop.copy()).reshape(4, 8, 4, 8, 3).permute(0, 2, 1, 3, 4).reshape(16, -1)
+    assert torch.equal(patches, expected)
+    assert not _config().data.augment and _config().data.aug_scale is None
+    for item, message in (("color_jitter=0.4", "--aug-cfg color_jitter: not applied"),
+                          ("re_prob=0.2", "--aug-cfg re_prob: not applied"),
+                          ("scale=(0.5,2)", r"--aug-cfg scale=\(0.5, 2.0\): takes \(low, high\)")):
+        with pytest.raises(ValueError, match=message):
+            _config("--aug-cfg", item)

@@ -76,10 +76,14 @@ class DataConfig:
     image_mean: tuple[float, ...] | None = None  # per channel (None: the model's own, OpenAI CLIP's for ours)
     image_std: tuple[float, ...] | None = None
     image_interpolation: str | None = None  # bicubic or bilinear (None: the model's own)
+    aug_scale: tuple[float, float] | None = None  # --aug-cfg scale=: the train crop's area range (with --augment)
+    aug_ratio: tuple[float, float] | None = None  # --aug-cfg ratio=: its aspect range
 
     def image_overrides(self) -> dict[str, Any]:
-        """The processing overrides set (`mean`, `std`, `interpolation`), for `families.data_processing`."""
-        values = {"mean": self.image_mean, "std": self.image_std, "interpolation": self.image_interpolation}
+        """The processing overrides set (`mean`, `std`, `interpolation`, the crop's `scale` and `ratio`), for
+        `families.data_processing`."""
+        values = {"mean": self.image_mean, "std": self.image_std, "interpolation": self.image_interpolation,
+                  "scale": self.aug_scale, "ratio": self.aug_ratio}
         return {key: value for key, value in values.items() if value is not None}
 
     def _check_image_overrides(self) -> None:
@@ -91,6 +95,14 @@ class DataConfig:
                 if len(value) != 3 or (key == "image_std" and min(value) <= 0):
                     raise ValueError(f"{flag} takes 1 or 3 values{' > 0' if key == 'image_std' else ''}, got "
                                      f"{' '.join(f'{v:g}' for v in getattr(self, key))}")
+                setattr(self, key, value)
+        for key in ("aug_scale", "aug_ratio"):
+            value = getattr(self, key)
+            if value is not None:
+                value = tuple(float(v) for v in value)
+                if len(value) != 2 or not 0 < value[0] <= value[1] or (key == "aug_scale" and value[1] > 1):
+                    raise ValueError(f"--aug-cfg {key[4:]}={value!r}: takes (low, high) with 0 < low <= high"
+                                     f"{' <= 1' if key == 'aug_scale' else ''}")
                 setattr(self, key, value)
         if self.image_interpolation not in (None, "bicubic", "bilinear"):
             raise ValueError(f"--image-interpolation: {self.image_interpolation!r} is not one of "

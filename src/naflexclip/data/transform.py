@@ -61,16 +61,21 @@ class NaFlexTransform:
     """PIL RGB image + sequence length -> uint8 patches [N, P*P*3], patch_coord long [N, 2] (row, col).
 
     Without augmentation, timm's deterministic ResizeToSequence. `augment=True` is timm's
-    RandomResizedCropToSequence (scale 0.5-1, ratio 3/4-4/3 of the image's own aspect) with its crop drawn
+    RandomResizedCropToSequence (scale 0.5-1, ratio 3/4-4/3 of the image's own aspect, or `scale`/`ratio`: OpenCLIP's
+    --aug-cfg) with its crop drawn
     from the `rng` each call is given, never from the process's global `random`. N <= seq_len always.
     """
 
     scale = (0.5, 1.0)
     ratio = (3 / 4, 4 / 3)
 
-    def __init__(self, patch_size: int, augment: bool = False, interpolation: str = INTERPOLATION) -> None:
+    def __init__(self, patch_size: int, augment: bool = False, interpolation: str = INTERPOLATION,
+                 scale: tuple[float, float] | None = None, ratio: tuple[float, float] | None = None) -> None:
         self.patch_size = patch_size
         self.augment = augment
+        # the crop's area and aspect ranges (OpenCLIP's --aug-cfg scale=, ratio=; None: the class's)
+        self.scale = tuple(scale) if scale is not None else NaFlexTransform.scale
+        self.ratio = tuple(ratio) if ratio is not None else NaFlexTransform.ratio
         self.interpolation = interpolation  # "bicubic" or "bilinear" (a model's own, e.g. an OpenCLIP name's)
         self._resizers: dict[int, torch.nn.Module] = {}
 

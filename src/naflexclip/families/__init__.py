@@ -96,23 +96,27 @@ def family_of(path: str | Path) -> PretrainedFamily:
 
 def data_processing(source: str | None, patch_size: int, augment: bool = False, *,
                     mean: tuple[float, ...] | None = None, std: tuple[float, ...] | None = None,
-                    interpolation: str | None = None) -> Processing:
+                    interpolation: str | None = None, scale: tuple[float, float] | None = None,
+                    ratio: tuple[float, float] | None = None) -> Processing:
     """The image transform, collation and tokenizer handed to the loaders for a model: those of the family of
     `source` (`DataConfig.hf_processor`, the pretrained directory the model came from), or our presets' own
     (`source` None). `augment`: random crops (the train split with --augment). `mean`, `std`, `interpolation`:
-    OpenCLIP's --image-mean, --image-std, --image-interpolation (`DataConfig.image_overrides()`), for our NaFlex
-    transform and collation."""
+    OpenCLIP's --image-mean, --image-std, --image-interpolation, and the train crop's `scale` and `ratio` (--aug-cfg)
+    (`DataConfig.image_overrides()`), for our NaFlex transform and collation."""
     processing = (default_processing(patch_size, augment) if source is None
                   else family_of(source).processing(source, patch_size, augment))
-    if mean is None and std is None and interpolation is None:
+    if mean is None and std is None and interpolation is None and scale is None and ratio is None:
         return processing
     base = processing.collate
     if not isinstance(processing.transform, NaFlexTransform) or getattr(base, "func", base) is not collate:
-        raise ValueError(f"--image-mean/--image-std/--image-interpolation: {source!r} brings its own image processor")
+        raise ValueError(f"--image-mean/--image-std/--image-interpolation/--aug-cfg: {source!r} brings its own image "
+                         f"processor")
     kept = dict(getattr(base, "keywords", {}))
     transform = processing.transform
-    if interpolation is not None:
-        transform = NaFlexTransform(patch_size, augment=transform.augment, interpolation=interpolation)
+    if interpolation is not None or scale is not None or ratio is not None:
+        transform = NaFlexTransform(patch_size, augment=transform.augment,
+                                    interpolation=interpolation or transform.interpolation,
+                                    scale=scale or transform.scale, ratio=ratio or transform.ratio)
     normalise = {**kept, **({"mean": tuple(mean)} if mean is not None else {}),
                  **({"std": tuple(std)} if std is not None else {})}
     return dataclasses.replace(processing, transform=transform, collate=functools.partial(collate, **normalise))

@@ -296,12 +296,30 @@ def add_model_override_args(parser: argparse.ArgumentParser) -> None:
     i.add_argument("--image-std", type=float, nargs="+", default=None, metavar="STD", help="the same for the std")
     i.add_argument("--image-interpolation", default=None, choices=("bicubic", "bilinear"),
                    help="the resize to the patch budget (default: the model's own, bicubic for the presets)")
+    i.add_argument("--aug-cfg", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="the train crop (timm's RandomResizedCropToSequence; turns --augment on): scale=(lo, hi) of "
+                        "the image's area, ratio=(lo, hi) of its aspect; use_timm and naflex are accepted (always so "
+                        "here)")
+
+
+# --aug-cfg keys of OpenCLIP's AugmentationCfg: those timm's NaFlex train crop takes, those that change nothing here
+AUG_CFG_KEYS = ("scale", "ratio")
+AUG_CFG_IMPLIED = ("use_timm", "naflex")
 
 
 def image_override_config(args: argparse.Namespace) -> dict[str, object]:
-    """DataConfig's fields of the image processing overrides."""
-    return {"image_mean": args.image_mean, "image_std": args.image_std,
-            "image_interpolation": args.image_interpolation}
+    """DataConfig's fields of the image processing overrides (--aug-cfg: the crop's keys, one line for another)."""
+    aug = parse_kwargs(args.aug_cfg, "--aug-cfg")
+    for key in aug:
+        if key not in AUG_CFG_KEYS + AUG_CFG_IMPLIED:
+            raise ValueError(f"--aug-cfg {key}: not applied by naflexclip's NaFlex train crop, which takes "
+                             f"{', '.join(AUG_CFG_KEYS)}")
+    values: dict[str, object] = {"image_mean": args.image_mean, "image_std": args.image_std,
+                                 "image_interpolation": args.image_interpolation,
+                                 "aug_scale": aug.get("scale"), "aug_ratio": aug.get("ratio")}
+    if args.aug_cfg:
+        values["augment"] = True  # OpenCLIP's NaFlex training always crops; --aug-cfg shapes that crop
+    return values
 
 
 def model_override_config(args: argparse.Namespace) -> dict[str, object]:

@@ -51,7 +51,8 @@ OPENCLIP_DEFAULTS: dict[str, Any] = {
     "save_most_recent": False, "delete_previous_checkpoint": False, "remote_sync": None,
     "remote_sync_frequency": 300, "remote_sync_protocol": "s3", "log_local": False, "debug": False,
     "force_context_length": None, "force_patch_dropout": None, "force_image_size": None,
-    "data.image_mean": None, "data.image_std": None, "data.image_interpolation": None,
+    "data.image_mean": None, "data.image_std": None, "data.image_interpolation": None, "data.aug_scale": None,
+    "data.aug_ratio": None,
 }
 # the built-in dataset's own values where they differ from OpenCLIP's (the demo: docs/demo.md); TrainConfig's
 # field defaults are these, the data ones are the CLI's defaults without --train-data
