@@ -55,11 +55,12 @@ class Impl:
     fp32: bool = False  # takes float32 features instead of --dtype
     note: str = ""
     first_size_only: bool = False  # measured at the first N only
+    tf32: bool = False  # fp32 GEMMs on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32) while it runs
     quadratic_memory: bool = False  # holds N×N matrices: not tried where a smaller N's peak × (N/n)² cannot fit
 
     @property
     def label(self) -> str:
-        return f"{self.name}, fp32 features" if self.fp32 else self.name
+        return f"{self.name}, fp32 features" + (" + TF32" if self.tf32 else "") if self.fp32 else self.name
 
 
 def _import_peer(module: str, device: torch.device) -> Any:
@@ -137,11 +138,15 @@ def implementations() -> list[Impl]:
         # the precision the window computes the loss in (fp32 GEMMs: slow at large N; the window step measures
         # it at 262,144), and the reference of the first size's loss and gradient checks
         Impl("ours", "clip", _ours("clip"), fp32=True, note="the window's loss precision", first_size_only=True),
+        Impl("ours", "clip", _ours("clip"), fp32=True, tf32=True, note="what TF32 would give the window",
+             first_size_only=True),
         Impl("Inf-CL", "clip", _inf_cl, note="fp32 Triton"),
         Impl("memeff", "clip", _memeff, note="fixed temperature"),
         Impl("OpenCLIP ClipLoss", "clip", _open_clip("clip", chunked=False), note="dense", quadratic_memory=True),
         Impl("ours", "siglip", _ours("siglip")),
         Impl("ours", "siglip", _ours("siglip"), fp32=True, note="the window's loss precision", first_size_only=True),
+        Impl("ours", "siglip", _ours("siglip"), fp32=True, tf32=True, note="what TF32 would give the window",
+             first_size_only=True),
         Impl("siglip-kernel", "siglip", _siglip_kernel),
         Impl("OpenCLIP SigLipLoss", "siglip", _open_clip("siglip", chunked=False), note="dense",
              quadratic_memory=True),
@@ -245,10 +250,14 @@ class LossBench:
                                       tile=tile if key[0].startswith("ours") or "chunk" in key[0] else None,
                                       warmup=warmup, runs=repeats, device=str(self.device))
         failure = None
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = impl.tf32 or tf32
         try:
             seconds, peak = time_and_peak(step, self.device, repeats, warmup=warmup)
         except Exception as error:  # a peer's kernel may fail on this device or shape: one line, go on
             failure = "oom" if _is_oom(error) else f"error: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
         if failure is not None:  # out of the except block: its traceback no longer holds the step's tensors
             self.failed[key] = f"{failure} at N={n}, D={dim}"
             for leaf in leaves:
@@ -262,7 +271,7 @@ class LossBench:
             self.peaks[key] = (n, peak)
         record.update(status="ok", seconds=seconds, peak_bytes=peak, loss_value=float(values[-1].float()))
         checked = (impl.loss, n, dim)
-        if compare and n == self.args.sizes[0] and impl.name == "ours" and impl.fp32:
+        if compare and n == self.args.sizes[0] and impl.name == "ours" and impl.fp32 and not impl.tf32:
             self.reference[checked] = (record["loss_value"], image.grad.detach().float().clone())
         elif compare and checked in self.reference:
             value, grad = self.reference[checked]
