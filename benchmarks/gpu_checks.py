@@ -426,7 +426,8 @@ def main() -> int:
     chosen = [dataclasses.replace(step, limit_s=limits.get(step.name, step.limit_s))
               for step in (*STEPS, *OPTIONAL_STEPS) if step.name in names or ("all" in names and step in STEPS)]
     if chosen[0].name != "env" and not args.dry_run:
-        chosen.insert(0, by_name["env"])  # the packages the other steps import
+        chosen.insert(0, dataclasses.replace(by_name["env"], limit_s=limits.get("env", by_name["env"].limit_s)))
+        # (the env step first: the packages the other steps import)
     output = Output(args.out)
     output.line(f"# gpu_checks {'(dry run) ' if args.dry_run else ''}{time.strftime('%Y-%m-%d %H:%M:%S')}: "
                 f"{', '.join(step.name for step in chosen)}; limits add up to {sum(s.limit_s for s in chosen):.0f} s")
