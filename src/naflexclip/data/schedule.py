@@ -10,6 +10,7 @@ round-robin (worker w owns batches w, w+K, ...), which torch's DataLoader hands 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Iterator, Sequence
@@ -84,9 +85,12 @@ def samples_per_rank(num_samples: int, world_size: int) -> int:
 
 class SeqLenDraws:
     """The epoch's per-step sequence lengths, drawn in order from (seed, epoch) alone, so step i's length never
-    depends on where a plan starts. Drawn in vectorised chunks (the same values as one `choice` per step)."""
+    depends on where a plan starts. Drawn in vectorised chunks (the same values as one `choice` per step) and kept
+    as one byte per step: the index into `budget.seq_lens`."""
 
     def __init__(self, budget: TokenBudget, seed: int, epoch: int) -> None:
+        if len(budget.seq_lens) > 255:
+            raise ValueError(f"--naflex-seq-lens takes at most 255 lengths, got {len(budget.seq_lens)}")
         self.budget = budget
         self.lens = np.asarray(budget.seq_lens, dtype=np.int64)
         self.rows = np.asarray([budget.batch_size(s) for s in budget.seq_lens], dtype=np.int64)
@@ -96,45 +100,92 @@ class SeqLenDraws:
             weights = np.asarray(budget.probs, dtype=np.float64) / float(sum(budget.probs))
             self.cdf = weights.cumsum()
             self.cdf /= self.cdf[-1]
-        self.choices = np.zeros(0, dtype=np.int64)
+        self.choices = np.zeros(0, dtype=np.uint8)
 
     def first(self, n: int) -> np.ndarray:
-        """Indices into `budget.seq_lens` of steps [0, n)."""
+        """Indices (uint8) into `budget.seq_lens` of steps [0, n)."""
         if self.rng is None:
-            return np.zeros(n, dtype=np.int64)
+            return np.zeros(n, dtype=np.uint8)
         if len(self.choices) < n:
             k = max(n - len(self.choices), len(self.choices), 256)
             if self.cdf is None:
                 more = self.rng.integers(0, len(self.lens), size=k)
             else:
                 more = np.searchsorted(self.cdf, self.rng.random(k), side="right")
-            self.choices = np.concatenate([self.choices, more.astype(np.int64)])
+            self.choices = np.concatenate([self.choices, more.astype(np.uint8)])
         return self.choices[:n]
 
     def __call__(self, i: int) -> int:
         return int(self.lens[self.first(i + 1)[i]])
 
 
-def _steps_until(draws: SeqLenDraws, first: int, total: int, per_step: int) -> tuple[np.ndarray, np.ndarray]:
-    """(choices, cumulative samples) of steps first, first+1, ... until `per_step` x rows reach `total` (or one
-    more than the steps that fit)."""
-    n = int(total / (per_step * draws.rows.mean())) + 16
-    while True:
-        choices = draws.first(first + n)[first:]
-        consumed = np.cumsum(draws.rows[choices] * per_step)
-        if len(consumed) and consumed[-1] >= total:
-            return choices, consumed
-        n *= 2
+PREFIX_EVERY = 256  # a plan keeps the running row count every this many steps; offsets in between are summed
+
+
+@dataclass(frozen=True)
+class _Steps:
+    """Steps of one size rule, compactly: step i (0-based) runs at `lens[choice[i]]` with `rows[choice[i]]` rows per
+    rank; `prefix[k]` is the rows per rank of the steps before step k*PREFIX_EVERY; positions start at `start`,
+    `per_step` ranks share each step. O(1 byte) per step."""
+
+    choice: np.ndarray
+    prefix: np.ndarray
+    lens: np.ndarray
+    rows: np.ndarray
+    start: int
+    per_step: int
+
+    @classmethod
+    def build(cls, draws: SeqLenDraws, first: int, total: int, per_step: int, start: int) -> tuple[_Steps, int]:
+        """The steps from draw `first` on whose `per_step` x rows fit in `total` samples; also the samples left."""
+        chunks, prefix, done, n = [], [0], 0, first
+        chunk = max(4 * PREFIX_EVERY, int(total / (per_step * draws.rows.mean())) // 8 // PREFIX_EVERY * PREFIX_EVERY)
+        while True:
+            choice = draws.first(n + chunk)[n:]
+            consumed = done + np.cumsum(draws.rows[choice] * per_step)
+            fit = int(np.searchsorted(consumed, total, side="right"))
+            chunks.append(choice[:fit])
+            steps_so_far = sum(len(c) for c in chunks)
+            rows_before = np.concatenate([[done // per_step], consumed[:fit] // per_step])
+            base = steps_so_far - fit  # step number of this chunk's first step
+            for k in range(len(prefix), steps_so_far // PREFIX_EVERY + 1):
+                prefix.append(int(rows_before[k * PREFIX_EVERY - base]))
+            if fit < len(choice):
+                done = int(consumed[fit - 1]) if fit else done
+                break
+            done = int(consumed[-1])
+            n += chunk
+        choices = np.concatenate(chunks) if chunks else np.zeros(0, np.uint8)
+        return cls(choices, np.asarray(prefix, np.int64), draws.lens, draws.rows, start, per_step), total - done
+
+    def __len__(self) -> int:
+        return len(self.choice)
+
+    def rows_before(self, i: int) -> int:
+        """Rows per rank of steps [0, i)."""
+        k = i // PREFIX_EVERY
+        return int(self.prefix[k]) + int(self.rows[self.choice[k * PREFIX_EVERY: i]].sum())
+
+    def offset(self, i: int) -> int:
+        """Global position where step i starts."""
+        return self.start + self.per_step * self.rows_before(i)
+
+    def end(self) -> int:
+        return self.offset(len(self))
+
+    def total_rows(self) -> int:
+        return int(np.bincount(self.choice, minlength=len(self.rows)) @ self.rows)
 
 
 class Schedule(Sequence):
-    """One rank's planned microbatches as arrays (index = `first_index` + position): `ScheduledBatch` views."""
+    """One rank's planned microbatches (index = `first_index` + position) as `ScheduledBatch` views of a plan's
+    compact steps: `rank`'s rows of each regular step, then the explicit `tail` (seq_len, size, offset) steps."""
 
-    def __init__(self, first_index: int, seq_lens: np.ndarray, sizes: np.ndarray, offsets: np.ndarray) -> None:
-        self.first_index, self.seq_lens, self.sizes, self.offsets = first_index, seq_lens, sizes, offsets
+    def __init__(self, first_index: int, steps: _Steps, rank: int, tail: list[tuple[int, int, int]]) -> None:
+        self.first_index, self.steps, self.rank, self.tail = first_index, steps, rank, tail
 
     def __len__(self) -> int:
-        return len(self.sizes)
+        return len(self.steps) + len(self.tail)
 
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):
@@ -143,14 +194,20 @@ class Schedule(Sequence):
             i += len(self)
         if not 0 <= i < len(self):
             raise IndexError(i)
-        return ScheduledBatch(self.first_index + i, int(self.seq_lens[i]), int(self.sizes[i]), int(self.offsets[i]))
+        steps = self.steps
+        if i >= len(steps):
+            seq_len, size, offset = self.tail[i - len(steps)]
+            return ScheduledBatch(self.first_index + i, seq_len, size, offset)
+        c = steps.choice[i]
+        size = int(steps.rows[c])
+        return ScheduledBatch(self.first_index + i, int(steps.lens[c]), size, steps.offset(i) + self.rank * size)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Sequence) and len(self) == len(other) and list(self) == list(other)
 
     def total(self) -> int:
         """Planned samples (the sum of the batch sizes)."""
-        return int(self.sizes.sum())
+        return self.steps.total_rows() + sum(size for _, size, _ in self.tail)
 
     def strided(self, start: int, step: int) -> Iterator[ScheduledBatch]:
         """The batches with index start, start + step, ... (those in the schedule)."""
@@ -169,14 +226,9 @@ def build_schedule(num_samples: int, budget: TokenBudget, *, seed: int = 0, epoc
     if num_samples < 0:
         raise ValueError(f"num_samples must be >= 0, got {num_samples}")
     draws = SeqLenDraws(budget, seed, epoch)
-    if num_samples == 0:
-        return Schedule(0, *(np.zeros(0, np.int64),) * 3)
-    choices, consumed = _steps_until(draws, 0, num_samples, 1)
-    n = int(np.searchsorted(consumed, num_samples, side="left")) + 1
-    sizes = draws.rows[choices[:n]].copy()
-    offsets = np.concatenate([[0], consumed[: n - 1]]).astype(np.int64)
-    sizes[-1] = num_samples - offsets[-1]
-    return Schedule(0, draws.lens[choices[:n]], sizes, offsets)
+    steps, left = _Steps.build(draws, 0, num_samples, 1, 0)
+    tail = [(draws(len(steps)), left, num_samples - left)] if left else []
+    return Schedule(0, steps, 0, tail)
 
 
 def worker_batches(schedule: Sequence[ScheduledBatch], worker_id: int, num_workers: int, start_batch: int = 0
@@ -208,16 +260,14 @@ class PlannedStep:
 
 @dataclass(frozen=True)
 class GlobalPlan:
-    """An epoch's steps from step `start_step` and global sample position `start_sample` on, as arrays: step
-    `start_step + i` runs at `seq_lens[i]` from global position `offsets[i]`, every rank taking `rows[i]` rows,
-    except the last `len(tail)` steps, whose per-rank sizes are `tail` (the epoch's uneven end). `dropped`:
-    samples no step can take (an epoch, or a re-planned rest of one, with fewer samples than ranks). Its size
-    is O(steps), whatever the number of ranks; a rank's microbatches are computed from it arithmetically."""
+    """An epoch's steps from step `start_step` and global sample position `start_sample` on: the regular `steps`
+    (every rank `rows` rows at the step's length; about one byte per step), then the `tail`, the epoch's uneven
+    end as explicit (seq_len, per-rank sizes, offset) steps. `dropped`: samples no step can take (an epoch, or a
+    re-planned rest of one, with fewer samples than ranks). Its size does not grow with the number of ranks; a
+    rank's microbatches are computed from it arithmetically."""
 
-    seq_lens: np.ndarray
-    rows: np.ndarray
-    offsets: np.ndarray
-    tail: tuple[tuple[int, ...], ...]
+    regular: _Steps
+    tail: tuple[tuple[int, tuple[int, ...], int], ...]
     world_size: int
     num_samples: int
     start_sample: int
@@ -227,30 +277,31 @@ class GlobalPlan:
     @property
     def num_steps(self) -> int:
         """Steps of the whole epoch (one microbatch per rank each), also those before `start_step`."""
-        return self.start_step + len(self.seq_lens)
+        return self.start_step + len(self.regular) + len(self.tail)
 
     @functools.cached_property
     def steps(self) -> tuple[PlannedStep, ...]:
         """Every step as a `PlannedStep` (for inspection: O(steps x ranks))."""
-        n, regular = len(self.seq_lens), len(self.seq_lens) - len(self.tail)
-        return tuple(PlannedStep(self.start_step + i, int(self.seq_lens[i]),
-                                 (int(self.rows[i]),) * self.world_size if i < regular else self.tail[i - regular],
-                                 int(self.offsets[i])) for i in range(n))
+        regular = self.regular
+        out = [PlannedStep(self.start_step + i, int(regular.lens[regular.choice[i]]),
+                           (int(regular.rows[regular.choice[i]]),) * self.world_size, regular.offset(i))
+               for i in range(len(regular))]
+        out += [PlannedStep(self.start_step + len(regular) + j, seq_len, sizes, offset)
+                for j, (seq_len, sizes, offset) in enumerate(self.tail)]
+        return tuple(out)
 
     def rank_batches(self, rank: int) -> Schedule:
         """Rank `rank`'s microbatches; `offset` indexes the epoch's global order."""
-        sizes = self.rows.copy()
-        offsets = self.offsets + rank * self.rows
-        regular = len(self.rows) - len(self.tail)
-        for j, tail in enumerate(self.tail):
-            sizes[regular + j] = tail[rank]
-            offsets[regular + j] = self.offsets[regular + j] + sum(tail[:rank])
-        return Schedule(self.start_step, self.seq_lens, sizes, offsets)
+        tail = [(seq_len, sizes[rank], offset + sum(sizes[:rank])) for seq_len, sizes, offset in self.tail]
+        return Schedule(self.start_step, self.regular, rank, tail)
 
     def step_start(self, index: int) -> int:
         """Global sample position where microbatch `index` starts (the epoch's end for index == last + 1)."""
-        if self.start_step <= index < self.num_steps:
-            return int(self.offsets[index - self.start_step])
+        i = index - self.start_step
+        if 0 <= i < len(self.regular):
+            return self.regular.offset(i)
+        if 0 <= i - len(self.regular) < len(self.tail):
+            return self.tail[i - len(self.regular)][2]
         return self.num_samples - self.dropped
 
 
@@ -286,49 +337,29 @@ def build_global_plan(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     draws = SeqLenDraws(budget, seed, epoch)
-    left = num_samples - start_sample
-    empty = np.zeros(0, np.int64)
-    if left == 0:
-        return GlobalPlan(empty, empty, empty, (), world_size, num_samples, start_sample, 0, start_step)
-    choices, consumed = _steps_until(draws, start_step, left, world_size)
-    full = int(np.searchsorted(consumed, left, side="right"))  # steps every rank can fill
-    seq_lens = list(draws.lens[choices[:full]])
-    rows = list(draws.rows[choices[:full]])
-    offsets = list(start_sample + np.concatenate([[0], consumed[: full - 1]])) if full else []
-    rest = left - (int(consumed[full - 1]) if full else 0)
-    tail: list[tuple[int, ...]] = []
+    regular, rest = _Steps.build(draws, start_step, num_samples - start_sample, world_size, start_sample)
+    tail: list[tuple[int, tuple[int, ...], int]] = []
     dropped = 0
     if rest >= world_size:  # the epoch's tail, split evenly
-        seq_lens.append(draws.lens[choices[full]])
-        rows.append(0)
-        offsets.append(num_samples - rest)
-        tail.append(even_sizes(rest, world_size))
-    elif rest and full:  # fewer samples than ranks: fold them into the previous step
-        prev_len, prev_offset = int(seq_lens.pop()), int(offsets.pop())
-        total = int(rows.pop()) * world_size + rest
+        tail.append((draws(start_step + len(regular)), even_sizes(rest, world_size), num_samples - rest))
+    elif rest and len(regular):  # fewer samples than ranks: fold them into the previous step
+        last = len(regular) - 1
+        prev_len, prev_offset = int(regular.lens[regular.choice[last]]), regular.offset(last)
+        total = int(regular.rows[regular.choice[last]]) * world_size + rest
+        regular = dataclasses.replace(regular, choice=regular.choice[:last])
         fit = next((s for s in sorted(budget.seq_lens, reverse=True) if world_size * budget.batch_size(s) >= total),
                    None)
         if fit is not None:
-            seq_lens += [fit]
-            rows += [0]
-            offsets += [prev_offset]
-            tail.append(even_sizes(total, world_size))
+            tail.append((fit, even_sizes(total, world_size), prev_offset))
         elif total >= 2 * world_size:
             parts = even_sizes(total, 2 * world_size)
             first = tuple(parts[0::2])
-            seq_lens += [prev_len, prev_len]
-            rows += [0, 0]
-            offsets += [prev_offset, prev_offset + sum(first)]
-            tail += [first, tuple(parts[1::2])]
+            tail += [(prev_len, first, prev_offset), (prev_len, tuple(parts[1::2]), prev_offset + sum(first))]
         else:  # every length allows one row only: the last step's first ranks take a second row
-            seq_lens += [prev_len]
-            rows += [0]
-            offsets += [prev_offset]
-            tail.append(even_sizes(total, world_size))
+            tail.append((prev_len, even_sizes(total, world_size), prev_offset))
     elif rest:
         dropped = rest
-    return GlobalPlan(np.asarray(seq_lens, np.int64), np.asarray(rows, np.int64), np.asarray(offsets, np.int64),
-                      tuple(tail), world_size, num_samples, start_sample, dropped, start_step)
+    return GlobalPlan(regular, tuple(tail), world_size, num_samples, start_sample, dropped, start_step)
 
 
 def epoch_order(num_samples: int, *, seed: int, epoch: int, shuffle: bool, group_size: int = 1) -> np.ndarray:
