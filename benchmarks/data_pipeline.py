@@ -8,7 +8,15 @@ the images three ways: a CSV table of files, WebDataset shards indexed and read 
 `.tar`), and the same shards streamed (`pipe:cat`, the path for shards that cannot be indexed).
 Prints each rate and its ratio to timm's.
 
+`--recipes` measures OpenCLIP's data recipes instead, on one set of exported shards: today's loader (every shard
+indexed at startup, one permutation per epoch) against the same shards planned from their `sizes.json` (block
+order), `--dataset-resampled` and a `::` mixture with `--train-data-upsampling-factors 1::2` (samples/s and the
+ratio to today's); then the startup of a 100,000-shard `sizes.json` (10,000 samples each, LAION scale) per rank:
+seconds and peak MiB above the imports for `build_loader` and the next epoch's plan, at 1 and 8 simulated ranks
+(rank 0 of each, in a fresh process).
+
     python benchmarks/data_pipeline.py --num-images 2000 --workers 1
+    python benchmarks/data_pipeline.py --recipes --num-images 2000 --workers 2
 """
 
 from __future__ import annotations
@@ -16,7 +24,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -54,6 +65,78 @@ def time_loader(loader, num_images: int) -> float:
     return seen / elapsed
 
 
+STARTUP_CHILD = """
+import json, resource, sys, time
+from naflexclip.data import DataConfig, build_loader
+spec, world_size = sys.argv[1], int(sys.argv[2])
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+start = time.perf_counter()
+cfg = DataConfig(train_data=spec, naflex_seq_lens=(128, 256, 576, 784, 1024), naflex_max_tokens_per_batch=16384,
+                 naflex_batch_divisor=8, workers=2)
+loader = build_loader(cfg, split="train", patch_size=16, context_length=77, rank=0, world_size=world_size)
+built = time.perf_counter()
+loader.set_epoch(1)
+planned = time.perf_counter()
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"samples": loader.samples_per_epoch, "steps": loader.num_batches, "build_s": built - start,
+                  "next_epoch_s": planned - built, "peak_mib": (peak - base) / 1024}))
+"""
+
+
+def startup(tmp: str, num_shards: int, per_shard: int) -> None:
+    """Per-rank startup and memory of a `num_shards`-shard sizes.json at 1 and 8 simulated ranks."""
+    root = os.path.join(tmp, "laion")
+    os.makedirs(root)
+    export_synthetic(root, fmt="webdataset", count=2, shard_size=2)  # one real shard: the list must name a file
+    os.replace(os.path.join(root, "train-00000.tar"), os.path.join(root, "00000000.tar"))
+    with open(os.path.join(root, "sizes.json"), "w") as f:
+        json.dump({f"{i:08d}.tar": per_shard for i in range(num_shards)}, f)
+    spec = os.path.join(root, f"{{00000000..{num_shards - 1:08d}}}.tar")
+    print(f"startup: {num_shards} shards x {per_shard} samples in a sizes.json (seq_lens 128-1024, 16384 tokens, "
+          "divisor 8), rank 0, fresh process each")
+    for world_size in (1, 8):
+        out = subprocess.run([sys.executable, "-c", STARTUP_CHILD, spec, str(world_size)], capture_output=True,
+                             text=True, check=True).stdout
+        r = json.loads(out.strip().splitlines()[-1])
+        print(f"  {world_size} rank(s): build_loader {r['build_s']:.2f} s, next epoch's plan "
+              f"{r['next_epoch_s']:.2f} s, peak +{r['peak_mib']:.0f} MiB; {r['samples']} samples, "
+              f"{r['steps']} microbatches per rank")
+
+
+def recipes(args: argparse.Namespace, tmp: str) -> None:
+    """Today's loader, the sizes.json plan, resampled and mixture loaders on the same shards (samples/s)."""
+    sized = os.path.join(tmp, "sized")
+    shards = export_synthetic(sized, fmt="webdataset", count=args.num_images, image_format=args.image_format,
+                              shard_size=args.shard_size)
+    indexed = os.path.join(tmp, "indexed")  # the same files, no sizes.json: every shard indexed at startup
+    os.makedirs(indexed)
+    for path in shards:
+        os.symlink(path, os.path.join(indexed, os.path.basename(path)))
+    half = len(shards) // 2
+    common = dict(naflex_seq_lens=tuple(args.seq_lens), naflex_max_tokens_per_batch=args.max_tokens,
+                  workers=args.workers)
+    specs = {
+        "today (indexed)": DataConfig(train_data=shard_spec([os.path.join(indexed, os.path.basename(p))
+                                                             for p in shards]), **common),
+        "sizes.json plan": DataConfig(train_data=shard_spec(shards), **common),
+        "resampled": DataConfig(train_data=shard_spec(shards), dataset_resampled=True,
+                                train_num_samples=args.num_images, **common),
+        "mixture 1::2": DataConfig(train_data=f"{shard_spec(shards[:half])}::{shard_spec(shards[half:])}",
+                                   train_data_upsampling_factors="1::2", train_num_samples=args.num_images, **common),
+    }
+    loaders = {name: build_loader(cfg, split="train", patch_size=args.patch_size, context_length=77)
+               for name, cfg in specs.items()}
+    rates = dict.fromkeys(loaders, 0.0)
+    for _ in range(args.repeats):  # alternate, so background load hits all alike
+        for name, loader in loaders.items():
+            rates[name] = max(rates[name], time_loader(loader, args.num_images))
+    print(f"images={args.num_images} ({args.image_format}, 48-512 px) seq_lens={args.seq_lens} "
+          f"max_tokens={args.max_tokens} patch={args.patch_size} workers={args.workers} shard_size={args.shard_size}")
+    today = rates["today (indexed)"]
+    for name, rate in rates.items():
+        print(f"{name:<20}: {rate:8.1f} samples/s  {rate / today:.2f}x today's")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-images", type=int, default=2000)
@@ -64,8 +147,17 @@ def main() -> None:
     parser.add_argument("--image-format", default="jpg", choices=("jpg", "png", "webp"))
     parser.add_argument("--repeats", type=int, default=3, help="timed epochs per loader (best is kept)")
     parser.add_argument("--shard-size", type=int, default=250, help="samples per WebDataset shard")
+    parser.add_argument("--recipes", action="store_true",
+                        help="the resampled and mixture loaders against today's, and startup at 100,000 shards")
+    parser.add_argument("--startup-shards", type=int, default=100_000)
+    parser.add_argument("--startup-shard-size", type=int, default=10_000)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.recipes:
+        with tempfile.TemporaryDirectory() as tmp:
+            recipes(args, tmp)
+            startup(tmp, args.startup_shards, args.startup_shard_size)
+        return
 
     with tempfile.TemporaryDirectory() as tmp:
         table = export_synthetic(tmp, fmt="csv", count=args.num_images, image_format=args.image_format)[0]

@@ -52,16 +52,19 @@ def _map_source(cfg: DataConfig, split: str, kind: str, path: str | None, urls: 
     return source
 
 
-def source_ids(spec: str, urls: list[str]) -> list[int]:
-    """The `::`-joined source (0, 1, ...) of each expanded shard url of `spec`."""
-    ids = [s for s, part in enumerate(spec.split("::")) for _ in expand_shards(part)]
-    if len(ids) != len(urls):
-        raise DataError(f"the `::`-joined sources of {spec!r} do not expand to its {len(urls)} shards one by one")
-    return ids
+def expand_sources(spec: str) -> tuple[list[str], np.ndarray]:
+    """The shard urls of a `::`-joined spec, and the source (0, 1, ...) each comes from (one expansion each)."""
+    urls: list[str] = []
+    ids = []
+    for s, part in enumerate(spec.split("::")):
+        expanded = expand_shards(part)
+        urls += expanded
+        ids.append(np.full(len(expanded), s, np.int64))
+    return urls, np.concatenate(ids)
 
 
-def _shard_loader(cfg: DataConfig, path: str, urls: list[str], requested: int | None, flag: str, resampled: bool,
-                  factors: tuple[float, ...] | None, common: dict[str, Any]) -> MapLoader:
+def _shard_loader(cfg: DataConfig, path: str, urls: list[str], ids: np.ndarray, requested: int | None, flag: str,
+                  resampled: bool, factors: tuple[float, ...] | None, common: dict[str, Any]) -> MapLoader:
     """Local .tar shards. With a sizes.json listing every shard, nothing is read at startup (`SizedShardSource`,
     an O(shards) plan on every rank); else every shard is indexed. Mixtures, resampling and sized shards take
     their order from a `ShardRecipe`."""
@@ -76,7 +79,7 @@ def _shard_loader(cfg: DataConfig, path: str, urls: list[str], requested: int | 
     if len(source) == 0:
         raise DataError(f"data source {path!r} has no usable samples (sizes.json lists none)")
     sources = path.split("::")
-    shards = ShardSet(shard_sizes, np.asarray(source_ids(path, urls), np.int64), tuple(sources))
+    shards = ShardSet(shard_sizes, ids, tuple(sources))
     if requested is not None and requested > len(source) and not (resampled or factors is not None):
         # an epoch longer than the data would put copies of one pair into the same window, as each
         # other's negatives; a shorter one takes a fresh random subset of the usable samples each epoch
@@ -145,7 +148,7 @@ def build_loader(
                                   max_image_pixels=cfg.max_image_pixels, multi_caption=cfg.multi_caption and train),
         seed=cfg.seed, shuffle=train, workers=cfg.workers, rank=rank, world_size=world_size, pin_memory=device_pin,
     )
-    urls = expand_shards(path) if kind == "webdataset" and path is not None else []
+    urls, ids = expand_sources(path) if kind == "webdataset" and path is not None else ([], np.zeros(0, np.int64))
     if urls:
         check_shards(urls, path)
     loader: NaFlexLoader
@@ -160,12 +163,12 @@ def build_loader(
             logger.warning("data %s (%s): shards that cannot be indexed (pipe:, URLs, compressed) are streamed; an "
                            "epoch is %d samples split by (rank, worker) slot, so a sample can repeat or be missed in "
                            "it", split, path, num)
-        weights = None if factors is None else [factors[s] for s in source_ids(path, urls)]
+        weights = None if factors is None else [factors[s] for s in ids]
         loader = StreamLoader(urls, name=path, samples_per_epoch=num, shuffle_buffer=cfg.shuffle_buffer,
                               member_keys=cfg.member_keys(), resampled=resampled, shard_weights=weights, **common)
     elif kind == "webdataset":
         assert path is not None
-        loader = _shard_loader(cfg, path, urls, requested, flag, resampled, factors, common)
+        loader = _shard_loader(cfg, path, urls, ids, requested, flag, resampled, factors, common)
     else:
         source = _map_source(cfg, split, kind, path, urls)
         if requested is not None and requested > len(source):

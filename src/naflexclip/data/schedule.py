@@ -83,6 +83,9 @@ def samples_per_rank(num_samples: int, world_size: int) -> int:
     return math.ceil(num_samples / world_size)
 
 
+DRAW_CHUNK = 1 << 20  # sequence lengths drawn at a time
+
+
 class SeqLenDraws:
     """The epoch's per-step sequence lengths, drawn in order from (seed, epoch) alone, so step i's length never
     depends on where a plan starts. Drawn in vectorised chunks (the same values as one `choice` per step) and kept
@@ -107,12 +110,17 @@ class SeqLenDraws:
         if self.rng is None:
             return np.zeros(n, dtype=np.uint8)
         if len(self.choices) < n:
-            k = max(n - len(self.choices), len(self.choices), 256)
-            if self.cdf is None:
-                more = self.rng.integers(0, len(self.lens), size=k)
-            else:
-                more = np.searchsorted(self.cdf, self.rng.random(k), side="right")
-            self.choices = np.concatenate([self.choices, more.astype(np.uint8)])
+            parts, have = [self.choices], len(self.choices)
+            target = max(n, 2 * have, 256)
+            while have < target:  # in bounded chunks: the float draws never outgrow the byte per step
+                k = min(target - have, DRAW_CHUNK)
+                if self.cdf is None:
+                    more = self.rng.integers(0, len(self.lens), size=k)
+                else:
+                    more = np.searchsorted(self.cdf, self.rng.random(k), side="right")
+                parts.append(more.astype(np.uint8))
+                have += k
+            self.choices = np.concatenate(parts)
         return self.choices[:n]
 
     def __call__(self, i: int) -> int:
@@ -139,7 +147,8 @@ class _Steps:
     def build(cls, draws: SeqLenDraws, first: int, total: int, per_step: int, start: int) -> tuple[_Steps, int]:
         """The steps from draw `first` on whose `per_step` x rows fit in `total` samples; also the samples left."""
         chunks, prefix, done, n = [], [0], 0, first
-        chunk = max(4 * PREFIX_EVERY, int(total / (per_step * draws.rows.mean())) // 8 // PREFIX_EVERY * PREFIX_EVERY)
+        chunk = min(DRAW_CHUNK, max(4 * PREFIX_EVERY, int(total / (per_step * draws.rows.mean())) // 8
+                                    // PREFIX_EVERY * PREFIX_EVERY))
         while True:
             choice = draws.first(n + chunk)[n:]
             consumed = done + np.cumsum(draws.rows[choice] * per_step)
