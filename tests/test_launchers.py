@@ -318,3 +318,19 @@ def test_srun_tasks_without_a_master_each_stop_in_one_line(tmp_path: Path) -> No
                             "one of 2 processes, but where they meet is unknown: set MASTER_ADDR (and MASTER_PORT, "
                             "default 12802) to the host of rank 0, or pass --dist-url tcp://HOST:PORT")
     assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.slow
+def test_a_task_whose_peers_never_start_stops_after_the_timeout_in_one_line(tmp_path: Path) -> None:
+    """`python -m naflexclip train` alone in an sbatch script of 2 tasks: task 0 waits --dist-timeout for task 1,
+    then stops with one line naming where it waited (it does not train alone)."""
+    port = str(free_port())
+    (result,) = start_tasks(tmp_path, [{"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
+                                        "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": port}],
+                            "--name", "run", "--dist-timeout", "3")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith(f"naflexclip train: rank 0 of 2 (SLURM_PROCID=0 SLURM_NTASKS=2 SLURM_LOCALID=0) could "
+                               f"not form the job at localhost:{port} within 3 s (--dist-timeout): "), lines[0]
+    assert lines[0].endswith("; srun starts every task (the batch script alone is one)")
+    assert not (tmp_path / "logs").exists()

@@ -333,8 +333,10 @@ def init_distributed(device: str | None = None, timeout_s: float = 600.0, dist_u
             )
         except (RuntimeError, dist.DistError) as error:
             where = dist_url or f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            # e.g. `python -m naflexclip train` in an sbatch script: one process of SLURM_NTASKS, the rest never start
+            hint = "; srun starts every task (the batch script alone is one)" if "SLURM_" in launch.named else ""
             raise DistributedFault(f"rank {rank} of {world_size} ({launch.named}) could not form the job at {where} "
-                                   f"within {timeout_s:g} s (--dist-timeout): {one_line(error)}") from error
+                                   f"within {timeout_s:g} s (--dist-timeout): {one_line(error)}{hint}") from error
     elif dist.get_world_size() != world_size or dist.get_rank() != rank:
         raise RuntimeError(
             f"a process group is already initialised as rank {dist.get_rank()}/{dist.get_world_size()}, "
