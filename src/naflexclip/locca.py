@@ -1,0 +1,223 @@
+"""The LocCa decoder of SigLIP 2's recipe: captioning, referring expressions and grounded captioning from the image
+tower's un-pooled tokens.
+
+LocCa (Wan et al. 2024, https://arxiv.org/abs/2403.19596) attaches a transformer decoder that cross-attends to every
+token of the image tower and trains it on three tasks, boxes written as text tokens:
+  caption — the image's caption;
+  aref    — automatic referring expression: a region's caption in, the region's box out;
+  gcap    — grounded captioning: a region's box in, the region's caption out.
+SigLIP 2 (Tschannen et al. 2025, https://arxiv.org/abs/2502.14786, sec. 2.2) trains it beside the sigmoid loss, with
+half of the examples predicted in parallel (CapPa, Tschannen et al. 2023, https://arxiv.org/abs/2306.07915): the
+target positions all read a mask token and attend to each other without a causal mask. The decoder is dropped after
+training.
+
+Every example's loss is a sum over its target tokens (`DecoderOutput.token_loss_sum`), so the window normalises it
+by the target tokens of the whole window (docs/accumulation.md): a microbatch never divides by its own count.
+
+The decoder's blocks are open_clip's (`MultimodalTransformer`, CoCa's decoder: self-attention then cross-attention per
+layer), run with per-example masks (causal or parallel; padded image tokens hidden from cross-attention).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from open_clip.transformer import MultimodalTransformer
+from torch import nn
+
+TASKS = ("caption", "aref", "gcap")
+IGNORE = -100  # label of a position that is not a target token
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """The decoder's size; the text vocabulary is the text tower's, `box_bins` coordinate tokens are added after it."""
+
+    width: int = 512
+    layers: int = 6
+    heads: int = 8
+    max_length: int = 80  # task token + prefix + target, longest
+    box_bins: int = 1000  # quantisation of each box coordinate in [0, 1] (Pix2Seq's 1000 bins: Chen et al. 2022)
+
+
+# decoder size per model preset (our choice: SigLIP 2 does not restate LocCa's decoder size; a decoder narrower and
+# shallower than the text tower keeps its cost a fraction of the towers')
+DECODER_SIZES: dict[str, DecoderConfig] = {
+    "tiny": DecoderConfig(width=32, layers=1, heads=2, max_length=48),
+    "small": DecoderConfig(width=128, layers=2, heads=4, max_length=64),
+    "base": DecoderConfig(width=512, layers=6, heads=8),
+    "siglip2-base": DecoderConfig(width=768, layers=6, heads=12),
+    "siglip2-so400m": DecoderConfig(width=1152, layers=6, heads=16),
+}
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """Token ids of the decoder: the text tower's `text_vocab` ids, then `box_bins` coordinate tokens, then the three
+    task tokens, a start token and the mask token of parallel prediction."""
+
+    text_vocab: int
+    box_bins: int
+
+    @property
+    def output_size(self) -> int:  # what the decoder predicts: words and coordinates
+        return self.text_vocab + self.box_bins
+
+    def task(self, name: str) -> int:
+        return self.output_size + TASKS.index(name)
+
+    @property
+    def start(self) -> int:
+        return self.output_size + len(TASKS)
+
+    @property
+    def mask(self) -> int:
+        return self.start + 1
+
+    @property
+    def pad(self) -> int:
+        return self.mask + 1
+
+    @property
+    def input_size(self) -> int:
+        return self.pad + 1
+
+    def box_tokens(self, box: Sequence[float]) -> list[int]:
+        """A box `(x0, y0, x1, y1)` as fractions of the image's width and height → 4 coordinate tokens."""
+        if len(box) != 4:
+            raise ValueError(f"a box has 4 coordinates (x0, y0, x1, y1), got {list(box)}")
+        bins = self.box_bins - 1
+        return [self.text_vocab + int(round(min(max(float(c), 0.0), 1.0) * bins)) for c in box]
+
+    def box_of(self, tokens: Sequence[int]) -> tuple[float, ...] | None:
+        """Inverse of `box_tokens` (bin centres); None unless `tokens` starts with 4 coordinate tokens."""
+        coords = [int(t) - self.text_vocab for t in tokens[:4]]
+        if len(coords) != 4 or any(not 0 <= c < self.box_bins for c in coords):
+            return None
+        return tuple(c / (self.box_bins - 1) for c in coords)
+
+
+@dataclass(frozen=True)
+class DecoderBatch:
+    """The decoder's inputs for a microbatch: `input_ids [B, T]`, `labels [B, T]` (IGNORE off the target) and
+    `parallel [B]` (True: all-mask input, no causal mask)."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    parallel: torch.Tensor
+
+
+def decoder_example(vocab: Vocabulary, task: str, prefix: Sequence[int], target: Sequence[int], parallel: bool,
+                    max_length: int) -> tuple[list[int], list[int]]:
+    """One example's input ids and labels: `[task, *prefix, start, *target[:-1]]` (causal) or
+    `[task, *prefix, mask × len(target)]` (parallel), labels `target` at the last `len(target)` positions. The target
+    is cut to fit `max_length`; the prefix first gives way to it."""
+    if not target:
+        raise ValueError(f"a {task} example needs at least one target token")
+    room = max_length - 1
+    target = list(target)[: room - min(len(prefix), room // 2)]
+    prefix = list(prefix)[: room - len(target)]
+    body = [vocab.mask] * len(target) if parallel else [vocab.start, *target[:-1]]
+    ids = [vocab.task(task), *prefix, *body]
+    labels = [IGNORE] * (1 + len(prefix)) + list(target)
+    return ids, labels
+
+
+def collate_decoder(examples: Sequence[tuple[list[int], list[int], bool]], vocab: Vocabulary) -> DecoderBatch:
+    """Pad `(input_ids, labels, parallel)` examples to the longest one."""
+    length = max(len(ids) for ids, _, _ in examples)
+    input_ids = torch.full((len(examples), length), vocab.pad, dtype=torch.long)
+    labels = torch.full((len(examples), length), IGNORE, dtype=torch.long)
+    for row, (ids, labs, _) in enumerate(examples):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        labels[row, : len(labs)] = torch.tensor(labs)
+    parallel = torch.tensor([p for _, _, p in examples], dtype=torch.bool)
+    return DecoderBatch(input_ids, labels, parallel)
+
+
+@dataclass(frozen=True)
+class DecoderOutput:
+    logits: torch.Tensor  # [B, T, output_size]
+    token_loss_sum: torch.Tensor  # [B]: each example's cross-entropy summed over its target tokens
+    target_tokens: torch.Tensor  # [B]: each example's target tokens
+
+
+class LoccaDecoder(nn.Module):
+    """Transformer decoder over the image tower's tokens (open_clip's CoCa decoder blocks)."""
+
+    def __init__(self, config: DecoderConfig, *, image_width: int, text_vocab: int) -> None:
+        super().__init__()
+        self.config = config
+        self.vocab = Vocabulary(text_vocab=text_vocab, box_bins=config.box_bins)
+        self.token_embedding = nn.Embedding(self.vocab.input_size, config.width)
+        self.positional_embedding = nn.Parameter(torch.randn(config.max_length, config.width) * 0.01)
+        self.image_projection = nn.Linear(image_width, config.width)
+        self.transformer = MultimodalTransformer(width=config.width, layers=config.layers, heads=config.heads,
+                                                 context_length=config.max_length, output_dim=self.vocab.output_size)
+        nn.init.normal_(self.transformer.text_projection, std=config.width ** -0.5)
+
+    def _self_mask(self, batch: DecoderBatch) -> torch.Tensor:
+        length = batch.input_ids.shape[1]
+        device = batch.input_ids.device
+        causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+        allowed = torch.where(batch.parallel[:, None, None], torch.ones_like(causal), causal)
+        allowed = allowed & (batch.input_ids != self.vocab.pad)[:, None, :]
+        allowed = allowed | torch.eye(length, dtype=torch.bool, device=device)  # a padded query sees itself
+        return allowed
+
+    def _additive(self, allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`[B, Q, K]` booleans → the `[B·heads, Q, K]` additive mask `nn.MultiheadAttention` takes."""
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        mask = mask.masked_fill(~allowed, float("-inf"))
+        return mask.repeat_interleave(self.config.heads, dim=0)
+
+    def forward(self, image_tokens: torch.Tensor, image_valid: torch.Tensor, batch: DecoderBatch) -> DecoderOutput:
+        """image_tokens `[B, L, image_width]`: every token of the tower (prefix tokens too); image_valid `[B, L]`."""
+        length = batch.input_ids.shape[1]
+        if length > self.config.max_length:
+            raise ValueError(f"decoder input of {length} tokens exceeds max_length {self.config.max_length}")
+        x = self.token_embedding(batch.input_ids) + self.positional_embedding[:length]
+        memory = self.image_projection(image_tokens).to(x.dtype)
+        self_mask = self._additive(self._self_mask(batch), x.dtype)
+        cross_mask = self._additive(image_valid.bool()[:, None, :].expand(-1, length, -1), x.dtype)
+        blocks = self.transformer
+        for block, cross in zip(blocks.resblocks, blocks.cross_attn, strict=True):
+            x = block(x, attn_mask=self_mask)
+            x = cross(x, k_x=memory, v_x=memory, attn_mask=cross_mask)
+        logits = blocks.ln_final(x) @ blocks.text_projection
+        per_token = F.cross_entropy(logits.float().transpose(1, 2), batch.labels, ignore_index=IGNORE,
+                                    reduction="none")
+        return DecoderOutput(logits=logits, token_loss_sum=per_token.sum(dim=1),
+                             target_tokens=(batch.labels != IGNORE).sum(dim=1))
+
+    @torch.no_grad()
+    def generate(self, image_tokens: torch.Tensor, image_valid: torch.Tensor, task: str, prefixes: list[list[int]],
+                 max_new_tokens: int, stop_token: int | None = None) -> list[list[int]]:
+        """Greedy autoregressive decoding of `task` with each example's `prefix` (for BLEU and grounding evals)."""
+        vocab = self.vocab
+        rows = [[vocab.task(task), *prefix, vocab.start] for prefix in prefixes]
+        outputs: list[list[int]] = [[] for _ in rows]
+        done = [False] * len(rows)
+        for _ in range(max_new_tokens):
+            ids = [row + out for row, out in zip(rows, outputs, strict=True)]
+            length = max(len(i) for i in ids)
+            if length > self.config.max_length:
+                break
+            input_ids = torch.full((len(ids), length), vocab.pad, dtype=torch.long, device=image_tokens.device)
+            for r, seq in enumerate(ids):
+                input_ids[r, : len(seq)] = torch.tensor(seq, device=image_tokens.device)
+            labels = torch.full_like(input_ids, IGNORE)
+            parallel = torch.zeros(len(ids), dtype=torch.bool, device=image_tokens.device)
+            logits = self(image_tokens, image_valid, DecoderBatch(input_ids, labels, parallel)).logits
+            for r, seq in enumerate(ids):
+                if done[r]:
+                    continue
+                token = int(logits[r, len(seq) - 1].argmax())
+                outputs[r].append(token)
+                done[r] = stop_token is not None and token == stop_token
+            if all(done):
+                break
+        return outputs
