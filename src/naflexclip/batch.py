@@ -1,6 +1,7 @@
 """Microbatch helpers: size, kind (dense or NaFlex), device moves, concatenation and splitting.
 
-A microbatch is `{"image": dense [B, C, H, W] or NaFlex dict, "text": long [B, T], ...}`;
+A microbatch is `{"image": dense [B, C, H, W] or NaFlex dict, "text": long [B, T], ...}`, with
+`example_inputs` (row-aligned tensors of fixed width, e.g. decoder tokens) where the objective has per-example terms;
 NaFlex dicts hold `patches [B, L, P*P*C]`, `patch_coord [B, L, 2]` (row, col)
 and `patch_valid [B, L]` (True for real patches), `L` being that microbatch's padded length.
 
@@ -18,6 +19,7 @@ import torch
 
 NAFLEX_KEYS = ("patches", "patch_coord", "patch_valid")
 GROUP_KEYS = ("image_group", "text_group")
+EXAMPLE_INPUTS = "example_inputs"  # row-aligned tensors of per-example objective terms (decoder tokens), fixed width
 
 
 def is_naflex(image: Any) -> bool:
@@ -78,17 +80,23 @@ def to_device(
     image = microbatch["image"]
     moved_image = {k: move(v) for k, v in image.items()} if isinstance(image, dict) else move(image)
     groups = {key: move(microbatch[key]) for key in GROUP_KEYS if key in microbatch}
-    return {**microbatch, "image": moved_image, "text": move(microbatch["text"]), **groups}
+    moved = {**microbatch, "image": moved_image, "text": move(microbatch["text"]), **groups}
+    if EXAMPLE_INPUTS in microbatch:  # integer / bool rows (decoder tokens): device only
+        moved[EXAMPLE_INPUTS] = {k: v.to(device, non_blocking=True) for k, v in microbatch[EXAMPLE_INPUTS].items()}
+    return moved
 
 
 def concat_microbatches(microbatches: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One batch of all rows, in order; NaFlex sequences are padded to the longest `L`."""
     text = torch.cat([mb["text"] for mb in microbatches])
+    extra = ({EXAMPLE_INPUTS: {key: torch.cat([mb[EXAMPLE_INPUTS][key] for mb in microbatches])
+                               for key in microbatches[0][EXAMPLE_INPUTS]}}
+             if EXAMPLE_INPUTS in microbatches[0] else {})
     images = [mb["image"] for mb in microbatches]
     groups = ({key: torch.cat([mb[key] for mb in microbatches]) for key in GROUP_KEYS}
               if is_grouped(microbatches[0]) else {})
     if not is_naflex(images[0]):
-        return {"image": torch.cat(images), "text": text, **groups}
+        return {"image": torch.cat(images), "text": text, **groups, **extra}
     max_len = max(img["patches"].shape[1] for img in images)
 
     def pad(t: torch.Tensor) -> torch.Tensor:
@@ -99,7 +107,7 @@ def concat_microbatches(microbatches: Sequence[dict[str, Any]]) -> dict[str, Any
         return torch.cat([t, filler], dim=1)
 
     image = {key: torch.cat([pad(img[key]) for img in images]) for key in NAFLEX_KEYS}
-    return {"image": image, "text": text, **groups}
+    return {"image": image, "text": text, **groups, **extra}
 
 
 def split_batch(batch: dict[str, Any], sizes: Sequence[int]) -> list[dict[str, Any]]:
@@ -130,8 +138,11 @@ def split_batch(batch: dict[str, Any], sizes: Sequence[int]) -> list[dict[str, A
             piece_image = image[rows]
         if grouped:
             texts = (text_piece == len(pieces)).nonzero().flatten()
-            pieces.append({"image": piece_image, "text": batch["text"][texts],
-                           "image_group": batch["image_group"][rows], "text_group": batch["text_group"][texts]})
+            piece = {"image": piece_image, "text": batch["text"][texts],
+                     "image_group": batch["image_group"][rows], "text_group": batch["text_group"][texts]}
         else:
-            pieces.append({"image": piece_image, "text": batch["text"][rows]})
+            piece = {"image": piece_image, "text": batch["text"][rows]}
+        if EXAMPLE_INPUTS in batch:
+            piece[EXAMPLE_INPUTS] = {key: value[rows] for key, value in batch[EXAMPLE_INPUTS].items()}
+        pieces.append(piece)
     return pieces

@@ -126,9 +126,11 @@ def decoder_example(vocab: Vocabulary, task: str, prefix: Sequence[int], target:
     return ids, labels
 
 
-def collate_decoder(examples: Sequence[tuple[list[int], list[int], bool]], vocab: Vocabulary) -> DecoderBatch:
-    """Pad `(input_ids, labels, parallel)` examples to the longest one."""
-    length = max(len(ids) for ids, _, _ in examples)
+def collate_decoder(examples: Sequence[tuple[list[int], list[int], bool]], vocab: Vocabulary,
+                    length: int | None = None) -> DecoderBatch:
+    """Pad `(input_ids, labels, parallel)` examples to the longest one, or to `length` (a fixed width, so that
+    microbatches concatenate and split by rows)."""
+    length = length or max(len(ids) for ids, _, _ in examples)
     input_ids = torch.full((len(examples), length), vocab.pad, dtype=torch.long)
     labels = torch.full((len(examples), length), IGNORE, dtype=torch.long)
     for row, (ids, labs, _) in enumerate(examples):
@@ -221,3 +223,29 @@ class LoccaDecoder(nn.Module):
             if all(done):
                 break
         return outputs
+
+
+def random_decoder_inputs(num_examples: int, vocab: Vocabulary, max_length: int,
+                          generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    """Random decoder examples of every task and both modes, as a microbatch's `example_inputs` (for `verify` and
+    tests): `decoder_input_ids`, `decoder_labels`, `decoder_parallel`, padded to `max_length`."""
+    gen = generator or torch.Generator().manual_seed(0)
+
+    def draw(high: int, low: int = 0) -> int:
+        return int(torch.randint(low, high, (1,), generator=gen))
+
+    examples = []
+    for _ in range(num_examples):
+        task = TASKS[draw(len(TASKS))]
+        words = [draw(vocab.text_vocab) for _ in range(draw(max_length // 3, 1))]
+        box = vocab.box_tokens(torch.rand(4, generator=gen, dtype=torch.float64).tolist())
+        prefix, target = {"caption": ([], words), "aref": (words, box), "gcap": (box, words)}[task]
+        parallel = bool(draw(2))
+        examples.append((*decoder_example(vocab, task, prefix, target, parallel, max_length), parallel))
+    batch = collate_decoder(examples, vocab, length=max_length)
+    return {"decoder_input_ids": batch.input_ids, "decoder_labels": batch.labels, "decoder_parallel": batch.parallel}
+
+
+def target_tokens(microbatch: dict) -> int:
+    """A microbatch's decoder target tokens: its share of the decoder term's normaliser Z(W)."""
+    return int((microbatch["example_inputs"]["decoder_labels"] != IGNORE).sum())

@@ -23,6 +23,7 @@ from timm.models.naflexvit import NaFlexVit, NaFlexVitCfg
 from torch import nn
 
 from naflexclip import lock
+from naflexclip.locca import DecoderBatch, DecoderConfig, LoccaDecoder
 from naflexclip.loss import loss_choice
 
 VOCAB_SIZE = 49408  # open_clip's SimpleTokenizer vocabulary (shipped in its wheel)
@@ -97,6 +98,9 @@ class ModelConfig:
     init_logit_bias: float | None = None
     # the OpenCLIP model name this architecture is (`naflexclip.families.openclip`; export --format openclip)
     openclip_name: str | None = None
+    # SigLIP 2's LocCa decoder over the image tower's tokens (`naflexclip.locca`), trained beside the pair loss and
+    # dropped at export; None: no decoder
+    decoder: DecoderConfig | None = None
 
 
 def _text_activation(act: str) -> Any:
@@ -249,6 +253,8 @@ class NaFlexClip(nn.Module):
         if init_bias is not None and config.init_logit_bias is not None:
             init_bias = config.init_logit_bias
         self.logit_bias = None if init_bias is None else nn.Parameter(torch.tensor(float(init_bias)))
+        self.decoder = (None if config.decoder is None else
+                        LoccaDecoder(config.decoder, image_width=img.width, text_vocab=txt.vocab_size))
 
     def encode_image(self, image: torch.Tensor | dict[str, torch.Tensor], normalize: bool = True) -> torch.Tensor:
         """image: dense `[B, C, H, W]` or a NaFlex dict (`patches [B, L, P*P*C]`,
@@ -256,6 +262,19 @@ class NaFlexClip(nn.Module):
         pooled = self.visual(image)
         features = self.image_projection(pooled)
         return F.normalize(features, dim=-1) if normalize else features
+
+    def encode_image_tokens(self, image: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One forward of the image tower (a NaFlex dict) giving both its normalised features `[B, embed_dim]` and its
+        un-pooled tokens `[B, prefix + L, width]` with their validity `[B, prefix + L]` (what a decoder reads): the
+        same computation as `encode_image`, which timm's `NaFlexVit.forward` splits the same way."""
+        tokens = self.visual.forward_features(image["patches"], patch_coord=image["patch_coord"],
+                                              patch_valid=image["patch_valid"], attn_mask=image.get("attn_mask"))
+        valid = tokens["patch_valid"]
+        pooled = self.visual.forward_head(tokens["patches"], patch_valid=valid)
+        features = F.normalize(self.image_projection(pooled), dim=-1)
+        prefix = tokens["patches"].shape[1] - valid.shape[1]
+        valid = torch.cat([valid.new_ones(valid.shape[0], prefix), valid], dim=1)
+        return features, tokens["patches"], valid
 
     def encode_text(self, text: torch.Tensor, normalize: bool = True) -> torch.Tensor:
         """text: token ids `[B, T]` → features `[B, embed_dim]`."""
@@ -270,9 +289,21 @@ class NaFlexClip(nn.Module):
         self,
         image: torch.Tensor | dict[str, torch.Tensor] | None = None,
         text: torch.Tensor | None = None,
-    ) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {"logit_scale": self.logit_scale.exp()}
-        if image is not None:
+        decoder_input_ids: torch.Tensor | None = None,
+        decoder_labels: torch.Tensor | None = None,
+        decoder_parallel: torch.Tensor | None = None,
+    ) -> dict[str, Any]:
+        """OpenCLIP's output dict; given a NaFlex image and decoder inputs (a microbatch's `example_inputs`), also
+        each example's decoder loss summed over its target tokens, `example_terms["locca"]` (the window weighs it)."""
+        out: dict[str, Any] = {"logit_scale": self.logit_scale.exp()}
+        if image is not None and decoder_input_ids is not None:
+            if self.decoder is None:
+                raise ValueError("decoder inputs given to a model without a decoder (build it with a decoder config)")
+            out["image_features"], tokens, valid = self.encode_image_tokens(image)
+            assert decoder_labels is not None and decoder_parallel is not None
+            decoded = self.decoder(tokens, valid, DecoderBatch(decoder_input_ids, decoder_labels, decoder_parallel))
+            out["example_terms"] = {"locca": decoded.token_loss_sum}
+        elif image is not None:
             out["image_features"] = self.encode_image(image)
         if text is not None:
             out["text_features"] = self.encode_text(text)
@@ -282,7 +313,9 @@ class NaFlexClip(nn.Module):
 
     def sharding_units(self) -> list[nn.Module]:
         """The modules a sharded wrapper (FSDP2) gathers one at a time: every transformer block of both towers."""
-        return [*self.visual.blocks, *self.text.transformer.resblocks]
+        decoder = self.decoder.transformer if self.decoder is not None else None
+        decoder_blocks = [] if decoder is None else [*decoder.resblocks, *decoder.cross_attn]
+        return [*self.visual.blocks, *self.text.transformer.resblocks, *decoder_blocks]
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute each transformer block's activations in backward instead of keeping them (both towers).
@@ -379,7 +412,9 @@ def config_from_dict(values: dict[str, Any]) -> ModelConfig:
     values = dict(values)
     image = dict(values.pop("image"))
     image["pos_embed_grid_size"] = tuple(image["pos_embed_grid_size"])
-    return ModelConfig(image=ImageTowerConfig(**image), text=TextTowerConfig(**values.pop("text")), **values)
+    decoder = values.pop("decoder", None)
+    return ModelConfig(image=ImageTowerConfig(**image), text=TextTowerConfig(**values.pop("text")),
+                       decoder=None if decoder is None else DecoderConfig(**decoder), **values)
 
 
 def weights_mismatch(model: nn.Module, state: dict[str, torch.Tensor]) -> str | None:

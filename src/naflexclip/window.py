@@ -29,6 +29,10 @@ it as a whole, and `WindowStats.terms` reports each.
 Grouped microbatches (several captions per image: `image_group`, `text_group`, `naflexclip.batch`) may hold
 different numbers of images and texts; the window exchanges both counts and every rank's group ids, so a
 `MultiPositiveLoss` sees the ids of the whole window; a microbatch's size, and so `s(W)`, counts its images.
+Per-example terms (`ExampleTerm`: a decoder's caption tokens, SigLIP 2's local-crop and masked-patch terms) need
+the towers' un-pooled tokens, so the model computes them in each microbatch's grad forward, as each example's loss
+sum; the window weighs them by `s(W)·λ_k / Z_k(W)`, with `Z_k(W)` (the window's examples or target tokens, all
+ranks) counted from the microbatches' data before any forward — never a microbatch's own count.
 
 This module knows nothing of loaders, optimizers, logging or process groups: distributed feature
 exchange comes in as a `WindowExchange`, gradient-sync suppression as a `no_sync` context factory.
@@ -46,7 +50,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from naflexclip.batch import GROUP_KEYS, batch_size, is_grouped, is_naflex, text_rows
+from naflexclip.batch import EXAMPLE_INPUTS, GROUP_KEYS, batch_size, is_grouped, is_naflex, text_rows
 from naflexclip.loss import ShardedLoss
 from naflexclip.rng import RngState
 
@@ -58,6 +62,22 @@ SCALAR_KEYS = ("logit_scale", "logit_bias")
 TEACHER = "teacher_"  # prefix of the teacher's features and scalars in a window's feature dict
 # open_clip's `CLIP` / `CustomTextCLIP` with `output_dict=False` (their default) return a tuple in this order
 TUPLE_OUTPUT_KEYS = ("image_features", "text_features", "logit_scale", "logit_bias")
+
+
+EXAMPLE_TERMS = "example_terms"  # model output entry: {term name: each example's loss sum [B]}
+
+
+@dataclass(frozen=True)
+class ExampleTerm:
+    """A per-example term `λ · (1/Z(W)) · Σ_{i∈W} ℓ(i)` of the window objective (docs/accumulation.md).
+
+    The model's forward, given the microbatch's `example_inputs`, returns `out["example_terms"][name]`: `ℓ(i)` for
+    each of its examples (a sum over the example's tokens, crops or patches). `count(microbatch)` is the
+    microbatch's share of `Z(W)` (its examples, or its target tokens), read from its data."""
+
+    name: str
+    weight: float
+    count: Callable[[dict[str, Any]], int]
 
 
 def output_dict(out: Any) -> dict[str, Any]:
@@ -109,6 +129,7 @@ class WindowStats:
     num_microbatches: int  # R·n
     batch_sizes: tuple[int, ...]  # every microbatch in the window, rank-major
     terms: dict[str, float] | None = None  # a loss of several terms: each one's value (they sum to `loss`)
+    example_terms: dict[str, float] | None = None  # each ExampleTerm's value (1/Z(W)) Σ ℓ(i), before its weight
 
 
 class WindowExchange(Protocol):
@@ -233,6 +254,11 @@ class _Window:
     def rows_of(self, microbatch: dict[str, Any], key: str) -> int:
         """Rows of the feature `key` in one microbatch."""
         return text_rows(microbatch) if "text" in key else batch_size(microbatch)
+    example_terms: tuple[ExampleTerm, ...] = ()
+    # s(W)·λ_k/Z_k(W) of each per-example term, known before the first grad forward
+    term_coefficients: dict[str, float] | None = None
+    term_counts: dict[str, float] | None = None  # Z_k(W): the window's examples or target tokens, all ranks
+    term_sums: dict[str, torch.Tensor] | None = None  # this rank's Σ ℓ_k(i), accumulated over its grad forwards
 
     @property
     def live_keys(self) -> tuple[str, ...]:
@@ -246,6 +272,36 @@ class _Window:
             if key not in out:
                 raise ValueError(f"model output has no {key!r}; it returned keys {sorted(out)}")
         return out
+
+    def grad_forward(self, microbatch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """A microbatch's forward with grad (under its replayed RNG state): the live towers, and with per-example
+        terms the model reads the microbatch's `example_inputs` too and returns each example's term sums."""
+        if not self.example_terms:
+            return self.forward(microbatch, self.live)
+        inputs = {name: microbatch[name] for name in self.live}
+        with self.autocast():
+            out = output_dict(self.model(**inputs, **microbatch.get(EXAMPLE_INPUTS, {})))
+        terms = out.get(EXAMPLE_TERMS) or {}
+        missing = [term.name for term in self.example_terms if term.name not in terms]
+        if missing:
+            raise ValueError(f"model output has no per-example term {missing[0]!r} under {EXAMPLE_TERMS!r}; "
+                             f"it returned {sorted(terms)}")
+        return out
+
+    def term_part(self, out: dict[str, Any]) -> torch.Tensor | int:
+        """The per-example terms' share of the backward of one grad forward: Σ_k s·λ_k/Z_k · Σ_i ℓ_k(i), × R
+        (DDP/FSDP average the towers' gradients over ranks) and × the fp16 scaler's factor, if any."""
+        if not self.example_terms:
+            return 0
+        assert self.term_coefficients is not None and self.term_sums is not None
+        part: torch.Tensor | int = 0
+        for term in self.example_terms:
+            sums = _loss_precision(out[EXAMPLE_TERMS][term.name]).sum()
+            self.term_sums[term.name] = self.term_sums[term.name] + sums.detach().double()
+            part = part + sums * (self.term_coefficients[term.name] * self.exchange.world_size)
+        if self.grad_scaler is not None and isinstance(part, torch.Tensor):
+            part = self.grad_scaler.scale(part)
+        return part
 
     def gather(self, local_rows: torch.Tensor, key: str = "image_features") -> torch.Tensor:
         return self.exchange.gather_rows(local_rows, self.counts(key))
@@ -418,12 +474,12 @@ def _run_cache(window: _Window) -> torch.Tensor:
         sizes = {key: window.rows_of(mb, key) for key in FEATURE_KEYS}
         with window.sync(last=index == last_index):
             with state.replayed():
-                out = window.forward(mb, window.live)
+                out = window.grad_forward(mb)
             # d(surrogate)/d(features) is exactly the cached row gradient (already carrying s and R)
             surrogate = sum(
                 (_loss_precision(out[key]) * row_grads[key][start[key] : start[key] + sizes[key]]).sum()
                 for key in window.live_keys
-            )
+            ) + window.term_part(out)
             if index == last_index:
                 # logit_scale / logit_bias: their gradient was taken once in phase 2
                 surrogate = surrogate + sum((out[key] * grad).sum() for key, grad in scalar_grads.items())
@@ -462,7 +518,7 @@ def _run_replay(window: _Window) -> torch.Tensor:
         sizes = {key: window.rows_of(mb, key) for key in FEATURE_KEYS}
         with window.sync(last=index == last_index):
             with state.replayed():
-                out = window.forward(mb, window.live)
+                out = window.grad_forward(mb)
             # a locked tower's rows are the cached constants
             features = {key: cached[key] for key in FEATURE_KEYS if key not in window.live_keys}
             features.update(teacher)
@@ -477,7 +533,7 @@ def _run_replay(window: _Window) -> torch.Tensor:
                     # live in exactly one replay (the last), a constant in the others
                     features[key] = out[key] if index == last_index else out[key].detach()
             loss = window.window_loss(features)
-            _backward(window.scaled_for_backward(_total(loss)))
+            _backward(window.scaled_for_backward(_total(loss)) + window.term_part(out))
         start = {key: start[key] + sizes[key] for key in FEATURE_KEYS}
     assert loss is not None
     return loss.detach()
@@ -496,6 +552,7 @@ def accumulate_gradients(
     autocast: Callable[[], ContextManager[Any]] | None = None,
     grad_scaler: Any = None,
     teacher: nn.Module | None = None,
+    example_terms: Sequence[ExampleTerm] = (),
 ) -> WindowStats:
     """Add `s(W)·∇θ L(W)` for this window to the parameters' `.grad` (no optimizer step).
 
@@ -517,6 +574,9 @@ def accumulate_gradients(
     teacher: a model to distil from (`forward(image=, text=)` as `model`'s, on the same inputs), with a loss that
         takes its features (`naflexclip.loss.DistillLoss`); it is put in eval mode and run once per microbatch
         without gradient — its parameters get none.
+    example_terms: per-example terms of the objective (`ExampleTerm`), added as `s(W)·λ_k/Z_k(W)·Σ_i ℓ_k(i)`; the
+        model's grad forward gets each microbatch's `example_inputs` as keyword arguments and returns the sums
+        under `example_terms`. They need a trainable image tower.
     """
     if method not in METHODS:
         raise ValueError(f"unknown accumulation method {method!r}; choose one of {METHODS}")
@@ -557,7 +617,10 @@ def accumulate_gradients(
     )
     if takes_groups:
         _exchange_groups(window)
+    if example_terms:
+        _count_example_terms(window, tuple(example_terms))
     value = _run_cache(window) if method == "cache" else _run_replay(window)
+    example_values = _example_term_values(window) if example_terms else None
     names = getattr(loss_fn, "term_names", None)
     terms = ({name: float(term) for name, term in zip(names, value.reshape(-1).tolist(), strict=True)}
              if value.dim() > 0 and names else None)
@@ -568,4 +631,33 @@ def accumulate_gradients(
         num_microbatches=len(all_sizes),
         batch_sizes=tuple(all_sizes),
         terms=terms,
+        example_terms=example_values,
     )
+
+
+def _count_example_terms(window: _Window, terms: tuple[ExampleTerm, ...]) -> None:
+    """`Z_k(W)` of every per-example term, summed over ranks (one small collective), and the coefficients
+    `s(W)·λ_k/Z_k(W)` the grad forwards use — all before the first forward."""
+    if "image" not in window.live:
+        raise ValueError(f"per-example terms {[term.name for term in terms]} need the image tower's tokens, "
+                         "but the image tower is locked")
+    device = window.microbatches[0]["text"].device
+    local = torch.tensor([float(sum(term.count(mb) for mb in window.microbatches)) for term in terms],
+                         dtype=torch.float64, device=device)
+    counts = window.exchange.sum_over_ranks(local).tolist()
+    for term, count in zip(terms, counts, strict=True):
+        if count <= 0:
+            raise ValueError(f"per-example term {term.name!r} counts {count:g} in the window (nothing to normalise)")
+    window.example_terms = terms
+    window.term_counts = {term.name: count for term, count in zip(terms, counts, strict=True)}
+    window.term_coefficients = {term.name: window.scale * term.weight / count
+                                for term, count in zip(terms, counts, strict=True)}
+    window.term_sums = {term.name: torch.zeros((), dtype=torch.float64, device=device) for term in terms}
+
+
+def _example_term_values(window: _Window) -> dict[str, float]:
+    """Each per-example term's value over the window, `(1/Z_k) Σ_{i∈W} ℓ_k(i)` (unweighted, unscaled)."""
+    assert window.term_sums is not None and window.term_counts is not None
+    names = [term.name for term in window.example_terms]
+    sums = window.exchange.sum_over_ranks(torch.stack([window.term_sums[name] for name in names])).tolist()
+    return {name: total / window.term_counts[name] for name, total in zip(names, sums, strict=True)}

@@ -1,0 +1,90 @@
+"""Per-example terms in the window (SigLIP 2's LocCa decoder): the accumulated gradient equals
+s(W)·∇[L(W) + λ/Z(W)·Σ_i ℓ(i)] of the whole window, Z(W) the window's target tokens, for every split and method;
+normalising by a microbatch's own tokens (the per-microbatch rule) fails the same comparison."""
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from naflexclip.batch import EXAMPLE_INPUTS, concat_microbatches, split_batch
+from naflexclip.locca import DECODER_SIZES, random_decoder_inputs, target_tokens
+from naflexclip.loss import create_loss
+from naflexclip.model import NaFlexClip, model_config
+from naflexclip.verify import collect_gradients, random_naflex_batch, random_split_sizes
+from naflexclip.window import ExampleTerm, accumulate_gradients, window_loss_scale
+
+WEIGHT = 0.7
+TERM = ExampleTerm("locca", WEIGHT, target_tokens)
+
+
+def _model(loss: str) -> NaFlexClip:
+    torch.manual_seed(0)
+    config = dataclasses.replace(model_config("tiny", loss=loss), decoder=DECODER_SIZES["tiny"])
+    return NaFlexClip(config).double()
+
+
+def _batch(model: NaFlexClip, n: int, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    batch = random_naflex_batch(n, patch_size=4, context_length=16, generator=gen)
+    batch[EXAMPLE_INPUTS] = random_decoder_inputs(n, model.decoder.vocab, DECODER_SIZES["tiny"].max_length, gen)
+    return batch
+
+
+def _reference(model, loss_fn, batch, scale, normaliser=None):
+    model.zero_grad(set_to_none=True)
+    out = model(image=batch["image"], text=batch["text"], **batch[EXAMPLE_INPUTS])
+    pair = loss_fn(out["image_features"], out["text_features"], out["logit_scale"], out.get("logit_bias"))
+    tokens = normaliser if normaliser is not None else target_tokens(batch)
+    (scale * (pair + WEIGHT * out["example_terms"]["locca"].sum() / tokens)).backward()
+    return collect_gradients(model)
+
+
+def _worst(grads, reference):
+    return max((grads[k] - reference[k]).norm().item() / reference[k].norm().item() for k in reference
+               if "pos_embed" not in k)
+
+
+@pytest.mark.parametrize("loss", ["clip", "siglip"])
+@pytest.mark.parametrize("method", ["cache", "replay"])
+def test_the_window_with_a_decoder_term_equals_the_full_batch_objective(loss, method):
+    model = _model(loss)
+    loss_fn = create_loss(loss)
+    batch = _batch(model, 9)
+    rng = random.Random(0)
+    for _ in range(3):
+        sizes = random_split_sizes(9, 3, rng)
+        microbatches = split_batch(batch, sizes)
+        scale = window_loss_scale(sizes, 4, "linear")
+        reference = _reference(model, loss_fn, concat_microbatches(microbatches), scale)
+        model.zero_grad(set_to_none=True)
+        stats = accumulate_gradients(model, loss_fn, microbatches, loss_scale="linear", reference_batch_size=4,
+                                     method=method, example_terms=[TERM])
+        assert _worst(collect_gradients(model), reference) < 1e-10
+        assert set(stats.example_terms) == {"locca"} and stats.example_terms["locca"] > 0
+
+
+def test_normalising_by_each_microbatchs_own_tokens_fails_the_same_comparison():
+    model = _model("siglip")
+    loss_fn = create_loss("siglip")
+    batch = _batch(model, 9)
+    sizes = [2, 3, 4]
+    microbatches = split_batch(batch, sizes)
+    scale = window_loss_scale(sizes, 4, "linear")
+    reference = _reference(model, loss_fn, concat_microbatches(microbatches), scale)
+    # the per-microbatch rule: each microbatch's decoder loss divided by its own target tokens
+    model.zero_grad(set_to_none=True)
+    accumulate_gradients(model, loss_fn, microbatches, loss_scale="linear", reference_batch_size=4)
+    for mb in microbatches:
+        out = model(image=mb["image"], text=mb["text"], **mb[EXAMPLE_INPUTS])
+        (scale * WEIGHT * out["example_terms"]["locca"].sum() / target_tokens(mb)).backward()
+    assert _worst(collect_gradients(model), reference) > 1e-3
+
+
+def test_a_locked_image_tower_cannot_feed_a_decoder_term():
+    model = _model("clip")
+    model.lock_image_tower()
+    batch = _batch(model, 4)
+    with pytest.raises(ValueError, match="image tower is locked"):
+        accumulate_gradients(model, create_loss("clip"), split_batch(batch, [2, 2]), example_terms=[TERM])
