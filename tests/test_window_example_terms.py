@@ -51,10 +51,10 @@ def _worst(grads, reference):
 def test_the_window_with_a_decoder_term_equals_the_full_batch_objective(loss, method):
     model = _model(loss)
     loss_fn = create_loss(loss)
-    batch = _batch(model, 9)
+    batch = _batch(model, 7)
     rng = random.Random(0)
-    for _ in range(3):
-        sizes = random_split_sizes(9, 3, rng)
+    for _ in range(2):
+        sizes = random_split_sizes(7, 3, rng)
         microbatches = split_batch(batch, sizes)
         scale = window_loss_scale(sizes, 4, "linear")
         reference = _reference(model, loss_fn, concat_microbatches(microbatches), scale)
