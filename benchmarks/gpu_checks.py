@@ -73,11 +73,12 @@ def _towers(model: str, seq_lens: str, variants: str, dry_model: str, dry_varian
 # get their limit less a margin as `--budget-s` ({budget}), order their measurements cheapest first and skip, with
 # one line, what would not fit; `--limit STEP=SECONDS` gives a step more (a second run: `loss --limit loss=540`).
 STEPS = (
-    Step("env", 25, "versions, the GPU, and the packages it lacks installed from --wheels (else PyPI)",
+    # pip installing ~5 MB of wheels and importing torch: ~15 s; the steps after it import what it installs
+    Step("env", 40, "versions, the GPU, and the packages it lacks installed from --wheels (else PyPI)",
          ("benchmarks/gpu_checks.py", "--run-env", "--out", "{out}", "--site", "{site}", "--wheels", "{wheels}"),
          ("benchmarks/gpu_checks.py", "--run-env", "--out", "{out}", "--site", "{site}", "--wheels", "{wheels}",
           "--dry-run")),
-    Step("tests", 55, "the CUDA tests (pytest -m gpu)",
+    Step("tests", 50, "the CUDA tests (pytest -m gpu)",
          # the test files that mark tests gpu: others may import what the GPU machine lacks (wandb, ...)
          ("-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rfEs", "{gpu_test_files}"),
          ("-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rfEs", "tests/test_gpu.py")),
@@ -90,7 +91,7 @@ STEPS = (
                                      "± checkpointing, ± torch.compile, seq len 256 and 1024",
          *_towers("siglip2-base", "256 1024", "eager,checkpointing,compiled,compiled + checkpointing", "tiny",
                   "eager,checkpointing")),
-    Step("towers-base", 35, "the base preset's towers, seq len 576 (eager, checkpointing, compiled)",
+    Step("towers-base", 30, "the base preset's towers, seq len 576 (eager, checkpointing, compiled)",
          *_towers("base", "576", "eager,checkpointing,compiled", "tiny", "eager")),
     Step("towers-ViT-B-16", 25, "OpenCLIP's ViT-B-16 as a NaFlex model, seq len 576 (eager, checkpointing); "
                                 "skipped with one line where create_model does not know the name",
@@ -101,7 +102,7 @@ STEPS = (
          ("benchmarks/big_window.py", "--out", "{out}", "--budget-s", "{budget}"),
          ("benchmarks/big_window.py", "--out", "{out}", "--model", "tiny", "--sizes", "512", "128", "--seq-len", "16",
           "--microbatch-tokens", "1024", "--device", "cpu", "--threads", "1")),
-    Step("objectives", 40, "LiT, distillation, multi-positive, the SigLIP 2 recipe (those present) vs the plain "
+    Step("objectives", 35, "LiT, distillation, multi-positive, the SigLIP 2 recipe (those present) vs the plain "
                            "window: time and memory per pair",
          ("benchmarks/objectives.py", "--out", "{out}", "--budget-s", "{budget}"),
          ("benchmarks/objectives.py", "--out", "{out}", "--model", "tiny", "--num-examples", "128", "--seq-len", "16",
