@@ -367,10 +367,13 @@ class LossBench:
             with run_profiler(activities=activities) as prof:
                 step()
             events = prof.key_averages()
-            device_time = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+            device_time = "self_cpu_time_total"
+            if self.device.type == "cuda":  # torch < 2.4 named it after CUDA
+                device_time = next(name for name in ("self_device_time_total", "self_cuda_time_total")
+                                   if hasattr(events[0], name))
             top = sorted(events, key=lambda e: getattr(e, device_time, 0), reverse=True)[:12]
             total = sum(getattr(e, device_time, 0) for e in events)
-            launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel"))
+            launches = sum(e.count for e in events if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel")))
             self.results.line(f"\n### profile: ours ({kind}, tile {self.tile[kind]}), N = {n}, D = {dim}, one forward "
                               f"+ backward: {total / 1e3:.1f} ms of {'device' if self.device.type == 'cuda' else 'CPU'}"
                               f" time in {launches} kernel launches")
