@@ -153,7 +153,7 @@ class _Steps:
             choice = draws.first(n + chunk)[n:]
             consumed = done + np.cumsum(draws.rows[choice] * per_step)
             fit = int(np.searchsorted(consumed, total, side="right"))
-            chunks.append(choice[:fit])
+            chunks.append(choice[:fit].copy())  # a copy: the draws reallocate as they grow
             steps_so_far = sum(len(c) for c in chunks)
             rows_before = np.concatenate([[done // per_step], consumed[:fit] // per_step])
             base = steps_so_far - fit  # step number of this chunk's first step
