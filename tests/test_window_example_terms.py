@@ -88,3 +88,22 @@ def test_a_locked_image_tower_cannot_feed_a_decoder_term():
     batch = _batch(model, 4)
     with pytest.raises(ValueError, match="image tower is locked"):
         accumulate_gradients(model, create_loss("clip"), split_batch(batch, [2, 2]), example_terms=[TERM])
+
+
+def test_verify_recipe_siglip2_passes_and_its_per_microbatch_column_fails(capsys):
+    from naflexclip.cli import main
+
+    argv = ["verify", "--recipe", "siglip2", "--splits", "1", "--accum-freq", "3", "--batch-size", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "LocCa decoder loss / the window's target tokens" in out
+    decoder_rows = [line.split() for line in out.splitlines() if line.startswith("decoder.")]
+    assert decoder_rows and all(row[-2] == "ok" and float(row[-1]) > 1e-3 for row in decoder_rows)
+
+
+def test_verify_recipe_refuses_a_negative_weight_in_one_line(capsys):
+    from naflexclip.cli import main
+
+    assert main(["verify", "--locca-loss-weight", "-1"]) == 2
+    out = capsys.readouterr().out.strip()
+    assert "--locca-loss-weight must be a finite number >= 0, got -1.0" in out and out.count("\n") == 0

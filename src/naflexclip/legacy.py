@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from naflexclip.batch import GROUP_KEYS, batch_size, is_grouped
-from naflexclip.window import output_dict, window_loss_scale
+from naflexclip.batch import EXAMPLE_INPUTS, GROUP_KEYS, batch_size, is_grouped
+from naflexclip.window import EXAMPLE_TERMS, ExampleTerm, output_dict, window_loss_scale
 
 
 def per_microbatch_scale_gradients(
@@ -26,6 +26,7 @@ def per_microbatch_scale_gradients(
     loss_scale: str,
     reference_batch_size: int | None,
     teacher: nn.Module | None = None,
+    example_terms: Sequence[ExampleTerm] = (),
 ) -> None:
     """Accumulate gradients with OpenCLIP's rule: replay j backpropagates `s([b_j]) · L(W)` (with a teacher,
     `loss_fn` is a `DistillLoss` and L(W) the sum of its terms)."""
@@ -42,10 +43,13 @@ def per_microbatch_scale_gradients(
     cached_image = [out["image_features"] for out in outputs]
     cached_text = [out["text_features"] for out in outputs]
     for index, mb in enumerate(microbatches):
-        out = output_dict(model(image=mb["image"], text=mb["text"]))
+        out = output_dict(model(image=mb["image"], text=mb["text"],
+                                **(mb.get(EXAMPLE_INPUTS, {}) if example_terms else {})))
         image = torch.cat(cached_image[:index] + [out["image_features"]] + cached_image[index + 1 :])
         text = torch.cat(cached_text[:index] + [out["text_features"]] + cached_text[index + 1 :])
         loss = loss_fn(image, text, out["logit_scale"], out.get("logit_bias"), *extra_inputs).sum()
         # the bug: a coefficient per replay, from this microbatch's size alone
         own_scale = window_loss_scale([batch_size(mb)], reference_batch_size, loss_scale)
+        # and per-example terms normalised by the microbatch's own count (OpenCLIP's CoCa before #1209)
+        loss = loss + sum(term.weight * out[EXAMPLE_TERMS][term.name].sum() / term.count(mb) for term in example_terms)
         (own_scale * loss).backward()

@@ -263,6 +263,13 @@ class NaFlexClip(nn.Module):
         features = self.image_projection(pooled)
         return F.normalize(features, dim=-1) if normalize else features
 
+    def add_decoder(self, config: DecoderConfig) -> None:
+        """Attach a fresh LocCa decoder (SigLIP 2's recipe) on the model's device and dtype; the config records it."""
+        reference = self.logit_scale
+        self.decoder = LoccaDecoder(config, image_width=self.config.image.width,
+                                    text_vocab=self.config.text.vocab_size).to(reference.device, reference.dtype)
+        self.config = dataclasses.replace(self.config, decoder=config)
+
     def encode_image_tokens(self, image: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One forward of the image tower (a NaFlex dict) giving both its normalised features `[B, embed_dim]` and its
         un-pooled tokens `[B, prefix + L, width]` with their validity `[B, prefix + L]` (what a decoder reads): the

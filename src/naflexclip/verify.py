@@ -21,18 +21,36 @@ from typing import Any
 import torch
 from torch import nn
 
-from naflexclip.batch import GROUP_KEYS, batch_size, concat_microbatches, is_grouped, split_batch, to_device
+from naflexclip.batch import (
+    EXAMPLE_INPUTS,
+    GROUP_KEYS,
+    batch_size,
+    concat_microbatches,
+    is_grouped,
+    split_batch,
+    to_device,
+)
 from naflexclip.data import DataError, add_data_args, build_loader, data_config_from_args
 from naflexclip.distill import Distill, add_distill_args
 from naflexclip.distributed import DEVICE_CHOICES, check_device
 from naflexclip.factory import create_model
 from naflexclip.families import data_processing
 from naflexclip.legacy import per_microbatch_scale_gradients
+from naflexclip.locca import random_decoder_inputs
 from naflexclip.lock import Locks, add_lock_args, lock_summary
 from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES, MULTI_POSITIVE_WEIGHTINGS, MultiPositiveLoss, create_loss
 from naflexclip.model import PRESETS
+from naflexclip.recipe import Recipe, add_recipe_args
 from naflexclip.train.components import load_checkpoint_model
-from naflexclip.window import METHODS, SCALE_MODES, accumulate_gradients, output_dict, window_loss_scale
+from naflexclip.window import (
+    EXAMPLE_TERMS,
+    METHODS,
+    SCALE_MODES,
+    ExampleTerm,
+    accumulate_gradients,
+    output_dict,
+    window_loss_scale,
+)
 
 FLOAT64_TOLERANCE = 1e-10
 FLOAT32_TOLERANCE = 1e-4
@@ -128,12 +146,15 @@ def random_split_sizes(num_examples: int, num_microbatches: int, rng: random.Ran
 
 
 def full_batch_gradients(
-    model: nn.Module, loss_fn: nn.Module, batch: dict[str, Any], scale: float, teacher: nn.Module | None = None
+    model: nn.Module, loss_fn: nn.Module, batch: dict[str, Any], scale: float, teacher: nn.Module | None = None,
+    example_terms: Sequence[ExampleTerm] = (),
 ) -> dict[str, torch.Tensor]:
     """The reference: `scale · ∇θ L` of all rows as one batch, by one explicit backward (with a teacher: L the
-    sum of `loss_fn`'s terms, the teacher's features of the whole batch as constants)."""
+    sum of `loss_fn`'s terms, the teacher's features of the whole batch as constants; with per-example terms,
+    `+ Σ_k λ_k/Z_k Σ_i ℓ_k(i)`, Z_k the batch's count)."""
     model.zero_grad(set_to_none=True)
-    out = output_dict(model(image=batch["image"], text=batch["text"]))
+    out = output_dict(model(image=batch["image"], text=batch["text"],
+                            **(batch.get(EXAMPLE_INPUTS, {}) if example_terms else {})))
     taught: tuple[Any, ...] = ()
     if teacher is not None:
         with torch.no_grad():
@@ -143,7 +164,9 @@ def full_batch_gradients(
     if is_grouped(batch):  # several captions per image: the group ids of the whole batch
         taught = tuple(batch[key] for key in GROUP_KEYS)
     loss = loss_fn(out["image_features"], out["text_features"], out["logit_scale"], out.get("logit_bias"), *taught)
-    (scale * loss.sum()).backward()
+    loss = loss.sum() + sum(term.weight * out[EXAMPLE_TERMS][term.name].sum() / term.count(batch)
+                            for term in example_terms)
+    (scale * loss).backward()
     return collect_gradients(model)
 
 
@@ -202,6 +225,7 @@ def verify_window(
     first_split: list[int] | None = None,
     grad_checkpointing: bool = False,
     teacher: nn.Module | None = None,
+    example_terms: Sequence[ExampleTerm] = (),
 ) -> VerifyResult:
     """Compare accumulated gradients of splits of `batch` (`first_split`, e.g. the loader's own, then
     random ones) with its full-batch reference. `grad_checkpointing`: the windows recompute the towers'
@@ -214,7 +238,7 @@ def verify_window(
         splits = [list(first_split), *splits[:-1]]
     scale = window_loss_scale(splits[0], reference_batch_size, loss_scale)
     reference = full_batch_gradients(model, loss_fn, concat_microbatches(split_batch(batch, splits[0])), scale,
-                                     teacher)
+                                     teacher, example_terms)
     worst: dict[str, float] = {}
     legacy_worst: dict[str, float] = {}
     loss = math.nan
@@ -227,6 +251,7 @@ def verify_window(
             stats = accumulate_gradients(
                 model, loss_fn, microbatches, loss_scale=loss_scale,
                 reference_batch_size=reference_batch_size, method=method, teacher=teacher,
+                example_terms=example_terms,
             )
             loss = stats.loss
             for name, err in gradient_errors(model, collect_gradients(model), reference).items():
@@ -234,7 +259,7 @@ def verify_window(
         model.zero_grad(set_to_none=True)
         per_microbatch_scale_gradients(
             model, loss_fn, microbatches, loss_scale=loss_scale, reference_batch_size=reference_batch_size,
-            teacher=teacher,
+            teacher=teacher, example_terms=example_terms,
         )
         for name, err in gradient_errors(model, collect_gradients(model), reference).items():
             legacy_worst[name] = max(legacy_worst.get(name, 0.0), err)
@@ -304,6 +329,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="accumulate with activation checkpointing in both towers (the reference without)")
     add_lock_args(parser)
     add_distill_args(parser)
+    add_recipe_args(parser)
     g = parser.add_argument_group("several captions per image")
     g.add_argument("--multi-positive", action="store_true",
                    help="a random window of images with 1-3 captions each (group ids), under the multi-positive loss "
@@ -390,6 +416,12 @@ def run(args: argparse.Namespace) -> int:
         loss_fn = create_loss(setup.loss, tile_size=args.loss_tile_size)
         dtype = torch.float64 if args.dtype == "float64" else torch.float32
         distill, teacher = Distill.pick(args), None
+        recipe = Recipe.pick(args)
+        example_terms = recipe.example_terms()
+        if example_terms and (distill.enabled or args.multi_positive or _uses_loader(args)):
+            raise ValueError("--recipe / --locca-loss-weight check a random window with decoder examples: without "
+                             "--distill-model, --multi-positive, --train-data or --checkpoint's data")
+        recipe.prepare(setup.model)
         if args.multi_positive:
             if distill.enabled or _uses_loader(args):
                 raise ValueError("--multi-positive checks a random window of several captions per image: without "
@@ -412,6 +444,10 @@ def run(args: argparse.Namespace) -> int:
                 num_examples, patch_size=model.image_patch_size, context_length=model.context_length,
                 generator=torch.Generator().manual_seed(args.seed), dtype=dtype, vocab_size=model.vocab_size,
             )
+            if example_terms:  # every task, causal and parallel, at the decoder's full width
+                decoder = model.decoder
+                batch[EXAMPLE_INPUTS] = random_decoder_inputs(num_examples, decoder.vocab, decoder.config.max_length,
+                                                              torch.Generator().manual_seed(args.seed + 1))
             batch = to_device(batch, device)
     except (ValueError, FileNotFoundError, DataError) as err:
         print(f"naflexclip verify: error: {err}")
@@ -421,7 +457,7 @@ def run(args: argparse.Namespace) -> int:
         model, loss_fn, batch, accum_freq=setup.accum_freq,
         reference_batch_size=setup.reference_batch_size, loss_scale=setup.loss_scale, methods=methods,
         num_splits=args.splits, seed=args.seed, first_split=first_split, grad_checkpointing=args.grad_checkpointing,
-        teacher=teacher,
+        teacher=teacher, example_terms=example_terms,
     )
     source = "loader" if first_split else "random"
     print(
@@ -438,6 +474,9 @@ def run(args: argparse.Namespace) -> int:
     if teacher is not None:
         print(f"objective: contrastive + {distill.distill_loss_weight:g} · distill from --distill-model "
               f"{distill.distill_model} (the teacher's features constants of the window)")
+    if example_terms:
+        print(f"objective: {setup.loss} + {recipe.locca_weight:g} · LocCa decoder loss / the window's target tokens "
+              f"(captioning, referring expressions, grounded captions; causal and parallel)")
     locked = lock_summary(model)
     if locked:
         print(f"{locked}; the table lists the trainable parameters")
