@@ -4,7 +4,8 @@ an open_clip state dict that `open_clip.create_model(NAME, pretrained=FILE)` loa
 
 The directory holds `config.json`, `model.safetensors` and, for a run fine-tuned from an imported checkpoint,
 that checkpoint's tokenizer and image-processor files; `transformers.Siglip2Model.from_pretrained` loads it
-with the same outputs. A model transformers cannot express is refused in one line naming what does not map.
+with the same outputs. A model transformers cannot express is refused in one line naming what does not map (for a
+preset's run, adding that a new run starts from the checkpoint itself: `train --pretrained CHECKPOINT`).
 """
 
 from __future__ import annotations
@@ -13,18 +14,23 @@ import argparse
 import sys
 
 from naflexclip.families import EXPORT_FORMATS, export_family
+from naflexclip.model import PRESETS
 
 
 def run(args: argparse.Namespace) -> int:
     from naflexclip.train.components import load_checkpoint_model
 
+    config: dict = {}
     try:
         family = export_family(args.format)
         model, config = load_checkpoint_model(args.checkpoint)
         processor_dir = config.get("data", {}).get("hf_processor")
         out = family.export(model, args.out, processor_dir)
     except (ValueError, FileNotFoundError) as error:
-        print(f"naflexclip export: error: {str(error).splitlines()[0]}", file=sys.stderr)
+        # a preset has no other library's format; a new run needs none: it starts from the checkpoint itself
+        hint = (f"; to start a new run from it, no export is needed: train --pretrained {args.checkpoint}"
+                if config.get("model") in PRESETS and not config.get("pretrained") else "")
+        print(f"naflexclip export: error: {str(error).splitlines()[0]}{hint}", file=sys.stderr)
         return 2
     print(f"wrote {out}")
     for note in family.export_notes(out):

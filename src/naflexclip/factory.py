@@ -1,5 +1,6 @@
-"""Building and exporting models: a preset by name or a pretrained directory in (`create_model`), a pretrained
-family's directory out (`export_model`). The families are asked through their registry, `naflexclip.families`."""
+"""Building and exporting models: a preset by name, a pretrained directory or a naflexclip run's checkpoint in
+(`create_model`), a pretrained family's directory out (`export_model`). The families are asked through their
+registry, `naflexclip.families`; a run's checkpoint is read by `naflexclip.run_checkpoint`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 from naflexclip.families import export_family, family_of, find_family, named_family
 from naflexclip.model import PRESETS, NaFlexClip, model_config
+from naflexclip.run_checkpoint import is_run_checkpoint, load_run_model
 
 
 def _looks_like_path(name: str) -> bool:
@@ -22,20 +24,29 @@ def create_model(name: str, pretrained: str | None = None, cache_dir: str | None
     (`loss="siglip"`, `drop_path_rate=0.1`, ...), an OpenCLIP model name (`ViT-B-16`, `ViT-B-16-SigLIP2`, ...;
     `pretrained`: an open_clip checkpoint file, a pretrained tag or `hf-hub:org/name` in a local cache, e.g. under
     `cache_dir`), or load the model of a pretrained directory (a transformers SigLIP 2 directory) when `name` is
-    one; ValueError in one line naming the preset, the name or the path otherwise."""
+    one; ValueError in one line naming the preset, the name or the path otherwise.
+
+    A naflexclip run's checkpoint (its `checkpoints/` folder, one `step_N`/`epoch_N` in it, or a file inside one),
+    as `name` or as `pretrained`, gives a new model with its architecture and weights only
+    (`naflexclip.run_checkpoint`); a `name` beside it must fit that architecture."""
+    if pretrained is not None and is_run_checkpoint(pretrained):
+        return load_run_model(pretrained, name, **overrides)
+    if os.path.exists(name) and is_run_checkpoint(name):
+        return load_run_model(name, **overrides)
     family = named_family(name)
     if family is not None:
         return family.build(name, pretrained=pretrained, cache_dir=cache_dir, **overrides)
     if pretrained is not None:
         if name in PRESETS or os.path.isdir(pretrained):  # `train --pretrained DIR`: the directory's architecture
             return create_model(pretrained, **overrides)
-        raise ValueError(f"pretrained={pretrained!r} goes with an OpenCLIP model name, not {name!r}")
+        raise ValueError(f"pretrained={pretrained!r} goes with an OpenCLIP model name, not {name!r} (or is a "
+                         "naflexclip checkpoint or a pretrained model directory)")
     if os.path.isdir(name):
         return family_of(name).load(name, **overrides)
     if name in PRESETS or not (os.path.exists(name) or _looks_like_path(name)):
         return NaFlexClip(model_config(name, **overrides))  # an unknown name: "unknown model preset"
-    takes = (f"create_model takes a preset name ({', '.join(sorted(PRESETS))}), an OpenCLIP model name or a "
-             "pretrained model directory")
+    takes = (f"create_model takes a preset name ({', '.join(sorted(PRESETS))}), an OpenCLIP model name, a "
+             "pretrained model directory or a naflexclip checkpoint")
     if os.path.exists(name):
         parent = os.path.dirname(os.path.abspath(name))
         hint = f"; pass its directory {parent!r}" if find_family(parent) else ""

@@ -22,7 +22,7 @@ from naflexclip.loss import LOSSES
 from naflexclip.model import PRESETS
 from naflexclip.window import METHODS, SCALE_MODES
 
-from .config import DEMO_DEFAULTS, OPENCLIP_DEFAULTS, PRECISIONS, TrainConfig, parse_kwargs, shown_value
+from .config import DEFAULT_MODEL, DEMO_DEFAULTS, OPENCLIP_DEFAULTS, PRECISIONS, TrainConfig, parse_kwargs, shown_value
 from .openclip_flags import HelpFormatter, add_openclip_flags, group_by_origin, refused_message
 
 DEFAULT_ZERO_SHOT_OUTPUT = "zeroshot_results.json"
@@ -53,9 +53,10 @@ def _optional_int(text: str) -> int | None:
 def add_train_args(parser: argparse.ArgumentParser) -> None:
     """The training flags (data flags come from `add_data_args`)."""
     g = parser.add_argument_group("model and window")
-    g.add_argument("--model", default=_default("model"),
+    g.add_argument("--model", default=None,
                    help=f"model preset ({', '.join(sorted(PRESETS))}) or an OpenCLIP model name (ViT-B-16, "
-                        "ViT-B-16-SigLIP2, naflex_ViT-B-16, ...: open_clip.list_models(); docs/openclip.md)")
+                        "ViT-B-16-SigLIP2, naflex_ViT-B-16, ...: open_clip.list_models(); docs/openclip.md); default: "
+                        f"{DEFAULT_MODEL}, or with --pretrained a naflexclip checkpoint that checkpoint's model")
     g.add_argument("--loss", default=None, choices=sorted(LOSSES),
                    help="contrastive loss: clip (softmax) or siglip (sigmoid, the model gets a logit_bias); default: "
                         "the model's own (clip for tiny, small and base; siglip for siglip2-*, SigLIP names and "
@@ -90,7 +91,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                    help="with an OpenCLIP --model name: its weights, an open_clip checkpoint (.pt, .bin, "
                         ".safetensors, an open_clip_train epoch_N.pt), a pretrained tag (laion2b_s34b_b79k) or "
                         "hf-hub:org/name found in a local cache; otherwise a transformers SigLIP 2 directory, whose "
-                        "architecture replaces --model and whose tokenizer and patching the data's")
+                        "architecture replaces --model and whose tokenizer and patching the data's; or a naflexclip "
+                        "run's checkpoint (logs/RUN/checkpoints, or one step_N/epoch_N in it): its model's "
+                        "architecture and weights only, a new run from step 0 with its own schedule")
     g.add_argument("--cache-dir", default=None,
                    help="where --pretrained tags and hf-hub: names are looked up (a Hugging Face hub cache or "
                         "open_clip's download folder), besides the default caches; nothing is downloaded")

@@ -24,11 +24,13 @@ from naflexclip.families import family_of, named_family
 from naflexclip.lock import Locks
 from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES, MULTI_POSITIVE_WEIGHTINGS
 from naflexclip.model import PRESETS
+from naflexclip.run_checkpoint import is_run_checkpoint, model_name_conflict, read_run_weights
 from naflexclip.train.report import report_to_names
 from naflexclip.window import METHODS, SCALE_MODES
 from naflexclip.zeroshot import IMAGENET_SETS, imagenet_set, read_classnames, read_image_folder, read_templates
 
 PRECISIONS = ("fp32", "amp_bf16", "amp")
+DEFAULT_MODEL = "small"
 
 # ---- OpenCLIP's defaults (issue 22) -------------------------------------------------------------------------
 # open_clip_train/params.py (and get_default_params for a ViT) for every flag naflexclip shares with it, as config
@@ -122,7 +124,7 @@ class TrainConfig:
     the rows of each microbatch come from the token budget (`--naflex-max-tokens-per-batch`)."""
 
     data: DataConfig = field(default_factory=DataConfig)
-    model: str = "small"
+    model: str | None = None  # None: `small`, or with --pretrained a naflexclip checkpoint that checkpoint's model
     loss: str | None = None  # a name of LOSSES; None: the model's own (clip for tiny/small/base, siglip for SigLIP 2)
     batch_size: int | None = None
     accum_freq: int = 2
@@ -166,7 +168,9 @@ class TrainConfig:
     dist_timeout: float = 1800.0
     plot: bool = True
     # a transformers SigLIP 2 directory (architecture, weights, tokenizer, patching), or with an OpenCLIP --model
-    # name that model's weights: a checkpoint file, a pretrained tag or hf-hub:org/name in a local cache
+    # name that model's weights: a checkpoint file, a pretrained tag or hf-hub:org/name in a local cache; or a
+    # naflexclip checkpoint (a run's checkpoints/ or one step_N/epoch_N in it: its architecture and weights only,
+    # `naflexclip.run_checkpoint`)
     pretrained: str | None = None
     cache_dir: str | None = None  # OpenCLIP's --cache-dir: where pretrained tags are looked up (besides HF's cache)
     # locked towers (OpenCLIP's flags; `naflexclip.lock.Locks`)
@@ -214,6 +218,9 @@ class TrainConfig:
     force_image_size: tuple[int, ...] | None = None  # NaFlex: the position table's grid, size / patch per side
 
     def __post_init__(self) -> None:
+        self._check_run_checkpoint()
+        if self.model is None:
+            self.model = DEFAULT_MODEL
         self._check_choices()
         self._check_counts()
         self._check_scale()
@@ -234,7 +241,8 @@ class TrainConfig:
     def default_name(self) -> str:
         """OpenCLIP-style run name, when and what; for a run without `--name`, decided on rank 0 only (the ranks
         of a job start in different seconds)."""
-        model = family_of(self.pretrained).NAME if self.pretrained and not self.named_family else self.model
+        from_family = self.pretrained and not self.named_family and not self._from_run
+        model = family_of(self.pretrained).NAME if from_family else self.model
         return f"{time.strftime('%Y_%m_%d-%H_%M_%S')}-model_{model}-lr_{self.lr:g}-p_{self.precision}"
 
     @property
@@ -294,7 +302,32 @@ class TrainConfig:
                 f"--naflex-loss-scale {self.naflex_loss_scale} needs --batch-size (the reference batch size B_ref)"
             )
 
+    def _check_run_checkpoint(self) -> None:
+        """--pretrained a naflexclip checkpoint: the model, loss and data processing of the run that wrote it
+        (resolved to the one checkpoint directory read, so that a resume reads the same); --model and --loss
+        that name another architecture are refused in one line."""
+        self._from_run = self.pretrained is not None and is_run_checkpoint(self.pretrained)
+        if not self._from_run:
+            return
+        try:
+            found = read_run_weights(str(self.pretrained))
+        except (ValueError, FileNotFoundError) as error:
+            raise ValueError(f"--pretrained: {str(error).splitlines()[0]}") from None
+        conflict = model_name_conflict(self.model, found)
+        if conflict is not None:
+            raise ValueError(conflict)
+        self.model = self.model or found.model_name or DEFAULT_MODEL
+        if self.loss is not None and self.loss != found.config.loss:
+            raise ValueError(f"--loss {self.loss}: the --pretrained checkpoint {str(found.path)!r} is a model trained "
+                             f"with --loss {found.config.loss}; drop --loss")
+        self.loss = found.config.loss
+        self.pretrained = str(found.path.resolve())
+        if self.data.hf_processor is None:  # the tokenizer and patching the checkpoint's model was trained with
+            self.data.hf_processor = found.run_config.get("data", {}).get("hf_processor")
+
     def _check_pretrained(self) -> None:
+        if self._from_run:
+            return  # the checkpoint's model, weights and processing (`_check_run_checkpoint`)
         family = self.named_family
         if family is not None:  # an OpenCLIP name: its architecture, its weights from --pretrained, its tokenizer
             try:
@@ -319,6 +352,8 @@ class TrainConfig:
             self.data.hf_processor = self.pretrained
 
     def _check_loss(self) -> None:
+        if self._from_run:
+            return  # the checkpoint's (`_check_run_checkpoint`)
         if self.named_family is not None:
             own = self.named_family.model_config(self.model).loss
         else:
