@@ -344,7 +344,7 @@ class _TiledDistillClip(torch.autograd.Function):
                 z = _logits(image_rows[i0:i1], text_features[j0:j1], scale, bias)
                 targets = _teacher_softmaxes(teacher_image_rows[i0:i1], teacher_text_features[j0:j1], teacher_scale,
                                              row_lse[1, i0:i1], column_lse[1, j0:j1])
-                weighted += (targets * z).sum()
+                weighted += torch.dot(targets.view(-1), z.view(-1))  # no third block
         normalisers = row_lse[0].sum() + column_lse[0, row_offset : row_offset + num_rows].sum()
         terms = torch.stack([normalisers - 2 * diagonal, weight * (normalisers - weighted)]) / (2 * num_all)
         ctx.save_for_backward(image_rows, text_features, logit_scale, logit_bias, teacher_image_rows,
@@ -366,7 +366,8 @@ class _TiledDistillClip(torch.autograd.Function):
             for j0, j1 in _tiles(num_all, ctx.tile):
                 y = text_features[j0:j1]
                 z = _logits(x, y, scale, bias)
-                student = (z - row_lse[0, i0:i1, None]).exp_().add_((z - column_lse[0, None, j0:j1]).exp_())
+                # P + Q in two blocks: Q is computed in z's own buffer (blocks held: these two and the teacher's two)
+                student = (z - row_lse[0, i0:i1, None]).exp_().add_(z.sub_(column_lse[0, None, j0:j1]).exp_())
                 targets = _teacher_softmaxes(teacher_image_rows[i0:i1], teacher_text_features[j0:j1],
                                              ctx.teacher_scale, row_lse[1, i0:i1], column_lse[1, j0:j1])
                 dz = student.mul_(contrastive + distill).sub_(targets, alpha=distill)  # 2N·dz off the diagonal
@@ -386,7 +387,7 @@ def _teacher_softmaxes(u: torch.Tensor, v: torch.Tensor, teacher_scale: float, r
                        column_lse: torch.Tensor) -> torch.Tensor:
     """`P' + Q'` of one block: the teacher's row softmax plus its column softmax, from their log-sum-exps."""
     w = _logits(u, v, teacher_scale, 0.0)
-    return (w - row_lse[:, None]).exp_().add_((w - column_lse[None, :]).exp_())
+    return (w - row_lse[:, None]).exp_().add_(w.sub_(column_lse[None, :]).exp_())
 
 
 class _TiledDistillSigLip(torch.autograd.Function):
@@ -415,8 +416,8 @@ class _TiledDistillSigLip(torch.autograd.Function):
                 p = _logits(teacher_image_rows[i0:i1], teacher_text_features[j0:j1], teacher_scale,
                             teacher_bias).sigmoid_()
                 diagonal += _diagonal_sum(z, row_offset + i0, j0)
-                softplus -= F.logsigmoid(-z).sum()  # exact for every z (see _TiledSigLip)
-                weighted += (p * z).sum()
+                weighted += torch.dot(p.view(-1), z.view(-1))
+                softplus -= F.logsigmoid(z.neg_()).sum()  # exact for every z (see _TiledSigLip); z's buffer
         terms = torch.stack([softplus - diagonal, weight * (softplus - weighted)]) / num_all
         ctx.save_for_backward(image_rows, text_features, logit_scale, logit_bias, teacher_image_rows,
                               teacher_text_features)
