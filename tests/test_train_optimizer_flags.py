@@ -149,3 +149,22 @@ def test_a_resume_refuses_another_optimizer_and_reschedules_another_schedule() -
         assert message is not None and message.startswith(f"{flag}: the checkpoint has")
     const = TrainConfig(model="tiny", name="x", lr_scheduler="const", opt_kwargs={"amsgrad": True}).to_dict()
     assert refusal(saved, const) is None
+
+
+def test_opt_fallback_list_routes_matching_parameters_to_a_muon_fallback() -> None:
+    """timm/muon: parameters matching --opt-fallback-list are in groups flagged use_fallback (timm's AdamW
+    fallback), the others not; a torch optimizer refuses the flag in one line."""
+    model = create_model("tiny")
+    names = {id(p): n for n, p in model.named_parameters()}
+    patterns = ("visual.blocks.0.*", "*text_projection")
+    optimizer = create_optimizer(model, lr=1e-3, weight_decay=0.1, betas=(None, None), eps=None, opt="timm/muon",
+                                 fallback=patterns)
+    flagged = {names[id(p)] for g in optimizer.param_groups if g.get("use_fallback") for p in g["params"]}
+    expected = {n for n in names.values() if n.startswith("visual.blocks.0.") or n.endswith("text_projection")}
+    assert flagged == expected and expected
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    assert _config("--opt", "timm/muon", "--opt-fallback-list", "*bias").opt_fallback_list == ("*bias",)
+    with pytest.raises(ValueError, match="--opt-fallback-list goes with a Muon-family timm optimizer"):
+        _config("--opt-fallback-list", "*bias")

@@ -223,6 +223,9 @@ def add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--momentum", type=float, default=None, help="momentum of a timm optimizer")
     o.add_argument("--wd-exclude", nargs="*", default=[], metavar="PATTERN",
                    help="parameter-name globs (fnmatch) that get no weight decay, besides norms, biases, embeddings")
+    o.add_argument("--opt-fallback-list", nargs="*", default=[], metavar="PATTERN",
+                   help="parameter-name globs a Muon-family timm optimizer (timm/muon, ...) updates with its AdamW "
+                        "fallback")
     o.add_argument("--image-layer-decay", "--visual-layer-decay", type=float, default=None,
                    help="layer-wise lr decay of the image tower: lr * decay ** (layer groups above; the projection "
                         "at full lr), in (0, 1]; unset or 1: off")
@@ -245,7 +248,8 @@ def optimizer_config(args: argparse.Namespace) -> dict[str, object]:
     return {
         **{key: getattr(args, key) if getattr(args, key) is not None or timm else value for key, value in own.items()},
         "opt": args.opt, "opt_kwargs": parse_kwargs(args.opt_kwargs, "--opt-kwargs"), "momentum": args.momentum,
-        "wd_exclude": tuple(args.wd_exclude), "image_layer_decay": args.image_layer_decay,
+        "wd_exclude": tuple(args.wd_exclude), "opt_fallback_list": tuple(args.opt_fallback_list),
+        "image_layer_decay": args.image_layer_decay,
         "text_layer_decay": args.text_layer_decay, "lr_scheduler": args.lr_scheduler,
         "epochs_cooldown": args.epochs_cooldown, "lr_cooldown_end": args.lr_cooldown_end,
         "lr_cooldown_power": args.lr_cooldown_power, "skip_scheduler": args.skip_scheduler,

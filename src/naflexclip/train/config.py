@@ -47,7 +47,8 @@ OPENCLIP_DEFAULTS: dict[str, Any] = {
     "data.naflex_max_tokens_per_batch": 16384, "data.naflex_batch_divisor": 8, "data.workers": 4,
     "data.train_num_samples": None, "data.dataset_type": "auto", "data.csv_img_key": "filepath",
     "data.csv_caption_key": "title", "data.csv_separator": "\t",
-    "opt": "adamw", "opt_kwargs": {}, "momentum": None, "wd_exclude": (), "image_layer_decay": None,
+    "opt": "adamw", "opt_kwargs": {}, "momentum": None, "wd_exclude": (), "opt_fallback_list": (),
+    "image_layer_decay": None,
     "text_layer_decay": None, "lr_scheduler": "cosine", "epochs_cooldown": None, "lr_cooldown_end": 0.0,
     "lr_cooldown_power": 1.0, "skip_scheduler": False,
     "save_most_recent": False, "delete_previous_checkpoint": False, "remote_sync": None,
@@ -193,6 +194,7 @@ class TrainConfig:
     opt_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the optimizer last
     momentum: float | None = None  # timm optimizers only
     wd_exclude: tuple[str, ...] = ()  # parameter-name globs that get no weight decay
+    opt_fallback_list: tuple[str, ...] = ()  # globs of parameters a Muon-family timm optimizer's fallback updates
     image_layer_decay: float | None = None  # layer-wise lr decay of the image tower, in (0, 1]
     text_layer_decay: float | None = None
     lr_scheduler: str = "cosine"  # cosine, const, const-cooldown
@@ -420,6 +422,10 @@ class TrainConfig:
             raise ValueError(f"--lr-cooldown-power must be > 0, got {self.lr_cooldown_power}")
         self.opt_kwargs = dict(self.opt_kwargs)
         self.wd_exclude = tuple(self.wd_exclude)
+        self.opt_fallback_list = tuple(self.opt_fallback_list)
+        if self.opt_fallback_list and not self.opt.startswith("timm/"):
+            raise ValueError(f"--opt-fallback-list goes with a Muon-family timm optimizer (timm/muon, timm/adamuon, "
+                             f"timm/nadamuon), not --opt {self.opt}")
 
     def _check_run_flags(self) -> None:
         """The run flags (issue 22), one line naming the flag."""

@@ -92,7 +92,8 @@ class Trainer:
         self.optimizer = create_optimizer(
             self.model, lr=cfg.lr, weight_decay=cfg.wd, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, opt=cfg.opt,
             opt_kwargs=cfg.opt_kwargs, momentum=cfg.momentum, wd_exclude=cfg.wd_exclude,
-            image_layer_decay=cfg.image_layer_decay, text_layer_decay=cfg.text_layer_decay)
+            image_layer_decay=cfg.image_layer_decay, text_layer_decay=cfg.text_layer_decay,
+            fallback=cfg.opt_fallback_list)
         self.loader = build_loader(cfg.data, split="train", patch_size=self.module.image_patch_size,
                                    context_length=self.module.context_length, rank=env.rank,
                                    world_size=env.world_size, device_pin=env.device.type == "cuda",

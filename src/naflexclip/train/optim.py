@@ -29,22 +29,27 @@ def decays(name: str, param: nn.Parameter) -> bool:
 
 
 def param_groups(model: nn.Module, weight_decay: float, *, wd_exclude: Sequence[str] = (),
-                 lr_scales: dict[int, float] | None = None) -> list[dict[str, Any]]:
+                 lr_scales: dict[int, float] | None = None, fallback: Sequence[str] = ()) -> list[dict[str, Any]]:
     """The optimizer's groups: decayed matrices and everything else (wd 0; also the parameters whose name matches a
     `wd_exclude` glob, OpenCLIP's `--wd-exclude`). With `lr_scales` (parameter id -> scale, `layer_lr_scales`) one
-    pair of groups per scale, each with its `lr_scale`, largest first (OpenCLIP's layer-decay groups)."""
-    buckets: dict[tuple[float, bool], list[nn.Parameter]] = {}
+    pair of groups per scale, each with its `lr_scale`, largest first (OpenCLIP's layer-decay groups). Parameters
+    whose name matches a `fallback` glob (OpenCLIP's `--opt-fallback-list`) go to groups flagged `use_fallback`
+    (a Muon-family timm optimizer's AdamW fallback)."""
+    buckets: dict[tuple[float, bool, bool], list[nn.Parameter]] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         decayed = decays(name, param) and not any(fnmatch.fnmatchcase(name, p) for p in wd_exclude)
         scale = (lr_scales or {}).get(id(param), 1.0)
-        buckets.setdefault((scale, decayed), []).append(param)
-    if lr_scales is None:
-        return [{"params": buckets.get((1.0, True), []), "weight_decay": weight_decay},
-                {"params": buckets.get((1.0, False), []), "weight_decay": 0.0}]
-    return [{"params": params, "weight_decay": weight_decay if decayed else 0.0, "lr_scale": scale}
-            for (scale, decayed), params in sorted(buckets.items(), key=lambda item: (-item[0][0], not item[0][1]))]
+        falls_back = any(fnmatch.fnmatchcase(name, p) for p in fallback)
+        buckets.setdefault((scale, decayed, falls_back), []).append(param)
+    if lr_scales is None and not fallback:
+        return [{"params": buckets.get((1.0, True, False), []), "weight_decay": weight_decay},
+                {"params": buckets.get((1.0, False, False), []), "weight_decay": 0.0}]
+    return [{"params": params, "weight_decay": weight_decay if decayed else 0.0, "lr_scale": scale,
+             **({"use_fallback": True} if falls_back else {})}
+            for (scale, decayed, falls_back), params in sorted(
+                buckets.items(), key=lambda item: (-item[0][0], not item[0][1], item[0][2]))]
 
 
 def layer_lr_scales(model: nn.Module, image_layer_decay: float | None, text_layer_decay: float | None
@@ -104,14 +109,19 @@ def create_optimizer(
     model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float | None, float | None],
     eps: float | None, opt: str = "adamw", opt_kwargs: dict[str, Any] | None = None, momentum: float | None = None,
     wd_exclude: Sequence[str] = (), image_layer_decay: float | None = None, text_layer_decay: float | None = None,
+    fallback: Sequence[str] = (),
 ) -> torch.optim.Optimizer:
     """The --opt optimizer over `param_groups` (OpenCLIP's `create_optimizer`): AdamW (fused or foreach, see
     `adamw_implementation`), torch's NAdam with decoupled weight decay (`nadamw`), or `timm/<name>` through
     `timm.optim.create_optimizer_v2` (betas, eps and momentum passed only when set: else the optimizer's own).
-    `opt_kwargs` are passed last. `lr` is the peak the schedule warms up to; each group starts at `lr · lr_scale`."""
+    `opt_kwargs` are passed last. `lr` is the peak the schedule warms up to; each group starts at `lr · lr_scale`.
+    `fallback`: --opt-fallback-list (a timm optimizer only)."""
     check_optimizer_name(opt)
+    if fallback and not opt.startswith("timm/"):
+        raise ValueError(f"--opt-fallback-list goes with a Muon-family timm optimizer (timm/muon, timm/adamuon, "
+                         f"timm/nadamuon), not --opt {opt}")
     scales = layer_lr_scales(model, image_layer_decay, text_layer_decay)
-    groups = param_groups(model, weight_decay, wd_exclude=wd_exclude, lr_scales=scales)
+    groups = param_groups(model, weight_decay, wd_exclude=wd_exclude, lr_scales=scales, fallback=fallback)
     params = [p for group in groups for p in group["params"]]
     extra = dict(opt_kwargs or {})
     if opt.startswith("timm/"):

@@ -50,7 +50,7 @@ POLICY: dict[str, tuple[str, str]] = {
     # ---- optimizer and schedule flags (issue 22) ----
     # another optimizer's state, or other parameter groups (layer decay, --wd-exclude), cannot be loaded
     **{key: (REFUSE, "the optimizer or its parameter groups") for key in (
-        "opt", "wd_exclude", "image_layer_decay", "text_layer_decay")},
+        "opt", "wd_exclude", "opt_fallback_list", "image_layer_decay", "text_layer_decay")},
     **{key: (RESCHEDULE, "") for key in ("lr_scheduler", "epochs_cooldown", "lr_cooldown_end", "lr_cooldown_power",
                                          "skip_scheduler")},  # opt_kwargs, momentum: applied as --wd, --beta1
     # ---- run flags (issue 22): where and how the run saves and logs ----
