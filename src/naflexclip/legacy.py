@@ -27,6 +27,7 @@ def per_microbatch_scale_gradients(
     reference_batch_size: int | None,
     teacher: nn.Module | None = None,
     example_terms: Sequence[ExampleTerm] = (),
+    example_teacher: Callable[..., dict[str, Any]] | None = None,
 ) -> None:
     """Accumulate gradients with OpenCLIP's rule: replay j backpropagates `s([b_j]) · L(W)` (with a teacher,
     `loss_fn` is a `DistillLoss` and L(W) the sum of its terms)."""
@@ -43,8 +44,12 @@ def per_microbatch_scale_gradients(
     cached_image = [out["image_features"] for out in outputs]
     cached_text = [out["text_features"] for out in outputs]
     for index, mb in enumerate(microbatches):
+        targets = {}
+        if example_teacher is not None:
+            with torch.no_grad():
+                targets = {"teacher_targets": example_teacher(image=mb["image"])}
         out = output_dict(model(image=mb["image"], text=mb["text"],
-                                **(mb.get(EXAMPLE_INPUTS, {}) if example_terms else {})))
+                                **(mb.get(EXAMPLE_INPUTS, {}) if example_terms else {}), **targets))
         image = torch.cat(cached_image[:index] + [out["image_features"]] + cached_image[index + 1 :])
         text = torch.cat(cached_text[:index] + [out["text_features"]] + cached_text[index + 1 :])
         loss = loss_fn(image, text, out["logit_scale"], out.get("logit_bias"), *extra_inputs).sum()

@@ -25,6 +25,7 @@ from torch import nn
 from naflexclip import lock
 from naflexclip.locca import DecoderBatch, DecoderConfig, LoccaDecoder
 from naflexclip.loss import loss_choice
+from naflexclip.selfdistill import SelfDistillConfig, SelfDistillHeads, student_terms
 
 VOCAB_SIZE = 49408  # open_clip's SimpleTokenizer vocabulary (shipped in its wheel)
 MAX_LOGIT_SCALE = math.log(100.0)
@@ -101,6 +102,9 @@ class ModelConfig:
     # SigLIP 2's LocCa decoder over the image tower's tokens (`naflexclip.locca`), trained beside the pair loss and
     # dropped at export; None: no decoder
     decoder: DecoderConfig | None = None
+    # SigLIP 2's self-distillation and masked-prediction heads and mask token (`naflexclip.selfdistill`), trained beside
+    # the pair loss and dropped at export; None: none
+    self_distill: SelfDistillConfig | None = None
 
 
 def _text_activation(act: str) -> Any:
@@ -255,6 +259,7 @@ class NaFlexClip(nn.Module):
         self.logit_bias = None if init_bias is None else nn.Parameter(torch.tensor(float(init_bias)))
         self.decoder = (None if config.decoder is None else
                         LoccaDecoder(config.decoder, image_width=img.width, text_vocab=txt.vocab_size))
+        self.self_distill = (None if config.self_distill is None else SelfDistillHeads(img.width, config.self_distill))
 
     def encode_image(self, image: torch.Tensor | dict[str, torch.Tensor], normalize: bool = True) -> torch.Tensor:
         """image: dense `[B, C, H, W]` or a NaFlex dict (`patches [B, L, P*P*C]`,
@@ -269,6 +274,12 @@ class NaFlexClip(nn.Module):
         self.decoder = LoccaDecoder(config, image_width=self.config.image.width,
                                     text_vocab=self.config.text.vocab_size).to(reference.device, reference.dtype)
         self.config = dataclasses.replace(self.config, decoder=config)
+
+    def add_self_distill(self, config: SelfDistillConfig) -> None:
+        """Attach fresh self-distillation heads and mask token (SigLIP 2's recipe) on the model's device and dtype."""
+        reference = self.logit_scale
+        self.self_distill = SelfDistillHeads(self.config.image.width, config).to(reference.device, reference.dtype)
+        self.config = dataclasses.replace(self.config, self_distill=config)
 
     def encode_image_tokens(self, image: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One forward of the image tower (a NaFlex dict) giving both its normalised features `[B, embed_dim]` and its
@@ -299,9 +310,13 @@ class NaFlexClip(nn.Module):
         decoder_input_ids: torch.Tensor | None = None,
         decoder_labels: torch.Tensor | None = None,
         decoder_parallel: torch.Tensor | None = None,
+        view_seed: torch.Tensor | None = None,
+        teacher_targets: dict[str, torch.Tensor] | None = None,
     ) -> dict[str, Any]:
         """OpenCLIP's output dict; given a NaFlex image and decoder inputs (a microbatch's `example_inputs`), also
-        each example's decoder loss summed over its target tokens, `example_terms["locca"]` (the window weighs it)."""
+        each example's decoder loss summed over its target tokens, `example_terms["locca"]` (the window weighs it);
+        given `view_seed` and the EMA teacher's `teacher_targets` of the microbatch, each example's `self_distill` and
+        `masked_prediction` terms (`naflexclip.selfdistill`)."""
         out: dict[str, Any] = {"logit_scale": self.logit_scale.exp()}
         if image is not None and decoder_input_ids is not None:
             if self.decoder is None:
@@ -312,6 +327,12 @@ class NaFlexClip(nn.Module):
             out["example_terms"] = {"locca": decoded.token_loss_sum}
         elif image is not None:
             out["image_features"] = self.encode_image(image)
+        if image is not None and view_seed is not None:
+            if self.self_distill is None or teacher_targets is None:
+                raise ValueError("view seeds need the self-distillation heads (Recipe.prepare) and the EMA teacher's "
+                                 "targets (accumulate_gradients(example_teacher=...))")
+            terms = student_terms(self.visual, self.self_distill, image, view_seed, teacher_targets)
+            out["example_terms"] = {**out.get("example_terms", {}), **terms}
         if text is not None:
             out["text_features"] = self.encode_text(text)
         if self.logit_bias is not None:
@@ -420,8 +441,10 @@ def config_from_dict(values: dict[str, Any]) -> ModelConfig:
     image = dict(values.pop("image"))
     image["pos_embed_grid_size"] = tuple(image["pos_embed_grid_size"])
     decoder = values.pop("decoder", None)
+    self_distill = values.pop("self_distill", None)
     return ModelConfig(image=ImageTowerConfig(**image), text=TextTowerConfig(**values.pop("text")),
-                       decoder=None if decoder is None else DecoderConfig(**decoder), **values)
+                       decoder=None if decoder is None else DecoderConfig(**decoder),
+                       self_distill=None if self_distill is None else SelfDistillConfig(**self_distill), **values)
 
 
 def weights_mismatch(model: nn.Module, state: dict[str, torch.Tensor]) -> str | None:

@@ -148,13 +148,18 @@ def random_split_sizes(num_examples: int, num_microbatches: int, rng: random.Ran
 def full_batch_gradients(
     model: nn.Module, loss_fn: nn.Module, batch: dict[str, Any], scale: float, teacher: nn.Module | None = None,
     example_terms: Sequence[ExampleTerm] = (),
+    example_teacher: Any = None,
 ) -> dict[str, torch.Tensor]:
     """The reference: `scale · ∇θ L` of all rows as one batch, by one explicit backward (with a teacher: L the
     sum of `loss_fn`'s terms, the teacher's features of the whole batch as constants; with per-example terms,
     `+ Σ_k λ_k/Z_k Σ_i ℓ_k(i)`, Z_k the batch's count)."""
     model.zero_grad(set_to_none=True)
+    targets = {}
+    if example_teacher is not None:  # the EMA teacher's targets of the whole batch, constants
+        with torch.no_grad():
+            targets = {"teacher_targets": example_teacher(image=batch["image"])}
     out = output_dict(model(image=batch["image"], text=batch["text"],
-                            **(batch.get(EXAMPLE_INPUTS, {}) if example_terms else {})))
+                            **(batch.get(EXAMPLE_INPUTS, {}) if example_terms else {}), **targets))
     taught: tuple[Any, ...] = ()
     if teacher is not None:
         with torch.no_grad():
@@ -226,6 +231,7 @@ def verify_window(
     grad_checkpointing: bool = False,
     teacher: nn.Module | None = None,
     example_terms: Sequence[ExampleTerm] = (),
+    example_teacher: Any = None,
 ) -> VerifyResult:
     """Compare accumulated gradients of splits of `batch` (`first_split`, e.g. the loader's own, then
     random ones) with its full-batch reference. `grad_checkpointing`: the windows recompute the towers'
@@ -238,7 +244,7 @@ def verify_window(
         splits = [list(first_split), *splits[:-1]]
     scale = window_loss_scale(splits[0], reference_batch_size, loss_scale)
     reference = full_batch_gradients(model, loss_fn, concat_microbatches(split_batch(batch, splits[0])), scale,
-                                     teacher, example_terms)
+                                     teacher, example_terms, example_teacher)
     worst: dict[str, float] = {}
     legacy_worst: dict[str, float] = {}
     loss = math.nan
@@ -251,7 +257,7 @@ def verify_window(
             stats = accumulate_gradients(
                 model, loss_fn, microbatches, loss_scale=loss_scale,
                 reference_batch_size=reference_batch_size, method=method, teacher=teacher,
-                example_terms=example_terms,
+                example_terms=example_terms, example_teacher=example_teacher,
             )
             loss = stats.loss
             for name, err in gradient_errors(model, collect_gradients(model), reference).items():
@@ -259,7 +265,7 @@ def verify_window(
         model.zero_grad(set_to_none=True)
         per_microbatch_scale_gradients(
             model, loss_fn, microbatches, loss_scale=loss_scale, reference_batch_size=reference_batch_size,
-            teacher=teacher, example_terms=example_terms,
+            teacher=teacher, example_terms=example_terms, example_teacher=example_teacher,
         )
         for name, err in gradient_errors(model, collect_gradients(model), reference).items():
             legacy_worst[name] = max(legacy_worst.get(name, 0.0), err)

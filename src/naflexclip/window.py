@@ -33,6 +33,9 @@ Per-example terms (`ExampleTerm`: a decoder's caption tokens, SigLIP 2's local-c
 the towers' un-pooled tokens, so the model computes them in each microbatch's grad forward, as each example's loss
 sum; the window weighs them by `s(W)·λ_k / Z_k(W)`, with `Z_k(W)` (the window's examples or target tokens, all
 ranks) counted from the microbatches' data before any forward — never a microbatch's own count.
+An example teacher (SigLIP 2's EMA teacher, `naflexclip.selfdistill.EmaTeacher`) feeds per-example terms: frozen, one
+no-grad forward per microbatch in the cache phase (never replayed), its output dict handed to that microbatch's grad
+forward as `teacher_targets=`.
 
 This module knows nothing of loaders, optimizers, logging or process groups: distributed feature
 exchange comes in as a `WindowExchange`, gradient-sync suppression as a `no_sync` context factory.
@@ -259,6 +262,9 @@ class _Window:
     term_coefficients: dict[str, float] | None = None
     term_counts: dict[str, float] | None = None  # Z_k(W): the window's examples or target tokens, all ranks
     term_sums: dict[str, torch.Tensor] | None = None  # this rank's Σ ℓ_k(i), accumulated over its grad forwards
+    # frozen, eval: run once per microbatch in the cache phase; its outputs go to the grad forward of that microbatch
+    example_teacher: Callable[..., dict[str, Any]] | None = None
+    example_targets: list[dict[str, Any]] | None = None
 
     @property
     def live_keys(self) -> tuple[str, ...]:
@@ -273,12 +279,15 @@ class _Window:
                 raise ValueError(f"model output has no {key!r}; it returned keys {sorted(out)}")
         return out
 
-    def grad_forward(self, microbatch: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def grad_forward(self, microbatch: dict[str, Any], index: int) -> dict[str, torch.Tensor]:
         """A microbatch's forward with grad (under its replayed RNG state): the live towers, and with per-example
-        terms the model reads the microbatch's `example_inputs` too and returns each example's term sums."""
+        terms the model reads the microbatch's `example_inputs` too (and the example teacher's targets of microbatch
+        `index`, as `teacher_targets`) and returns each example's term sums."""
         if not self.example_terms:
             return self.forward(microbatch, self.live)
-        inputs = {name: microbatch[name] for name in self.live}
+        inputs: dict[str, Any] = {name: microbatch[name] for name in self.live}
+        if self.example_targets is not None:
+            inputs["teacher_targets"] = self.example_targets[index]
         with self.autocast():
             out = output_dict(self.model(**inputs, **microbatch.get(EXAMPLE_INPUTS, {})))
         terms = out.get(EXAMPLE_TERMS) or {}
@@ -333,6 +342,10 @@ class _Window:
                 out = self.forward(mb, sources) if sources else {}
                 if self.teacher is not None:
                     out.update(self.teacher_forward(mb))
+                if self.example_teacher is not None:  # constants of the window: computed here once, never replayed
+                    with self.autocast():
+                        targets = self.example_teacher(image=mb["image"])
+                    self.example_targets.append({key: value.detach() for key, value in targets.items()})
                 states.append(RngState(devices))
                 if self.live:
                     out.update(self.forward(mb, self.live))
@@ -474,7 +487,7 @@ def _run_cache(window: _Window) -> torch.Tensor:
         sizes = {key: window.rows_of(mb, key) for key in FEATURE_KEYS}
         with window.sync(last=index == last_index):
             with state.replayed():
-                out = window.grad_forward(mb)
+                out = window.grad_forward(mb, index)
             # d(surrogate)/d(features) is exactly the cached row gradient (already carrying s and R)
             surrogate = sum(
                 (_loss_precision(out[key]) * row_grads[key][start[key] : start[key] + sizes[key]]).sum()
@@ -518,7 +531,7 @@ def _run_replay(window: _Window) -> torch.Tensor:
         sizes = {key: window.rows_of(mb, key) for key in FEATURE_KEYS}
         with window.sync(last=index == last_index):
             with state.replayed():
-                out = window.grad_forward(mb)
+                out = window.grad_forward(mb, index)
             # a locked tower's rows are the cached constants
             features = {key: cached[key] for key in FEATURE_KEYS if key not in window.live_keys}
             features.update(teacher)
@@ -553,6 +566,7 @@ def accumulate_gradients(
     grad_scaler: Any = None,
     teacher: nn.Module | None = None,
     example_terms: Sequence[ExampleTerm] = (),
+    example_teacher: Callable[..., dict[str, Any]] | None = None,
 ) -> WindowStats:
     """Add `s(W)·∇θ L(W)` for this window to the parameters' `.grad` (no optimizer step).
 
@@ -577,6 +591,9 @@ def accumulate_gradients(
     example_terms: per-example terms of the objective (`ExampleTerm`), added as `s(W)·λ_k/Z_k(W)·Σ_i ℓ_k(i)`; the
         model's grad forward gets each microbatch's `example_inputs` as keyword arguments and returns the sums
         under `example_terms`. They need a trainable image tower.
+    example_teacher: a frozen model feeding per-example terms (`naflexclip.selfdistill.EmaTeacher`): called as
+        `example_teacher(image=)` once per microbatch without gradient in the cache phase (never replayed); its output
+        dict goes to that microbatch's grad forward as `teacher_targets=`.
     """
     if method not in METHODS:
         raise ValueError(f"unknown accumulation method {method!r}; choose one of {METHODS}")
@@ -593,6 +610,8 @@ def accumulate_gradients(
         raise ValueError(f"group ids (several captions per image) go with a multi-positive loss: microbatches "
                          f"{'with' if any(grouped) else 'without'} image_group/text_group "
                          f"({sum(grouped)} of {len(grouped)}) and {type(loss_fn).__name__}")
+    if example_teacher is not None and not example_terms:
+        raise ValueError("an example teacher feeds per-example terms: give example_terms with it")
     if takes_groups and teacher is not None:
         raise ValueError("distillation with several captions per image is not supported yet")
     exchange = exchange or LocalExchange()
@@ -614,6 +633,8 @@ def accumulate_gradients(
         sharded=exchange.world_size > 1 and isinstance(loss_fn, ShardedLoss),
         live=tuple(name for name in TOWER_FEATURES if name not in feature_sources(model)),
         teacher=teacher,
+        example_teacher=example_teacher,
+        example_targets=None if example_teacher is None else [],
     )
     if takes_groups:
         _exchange_groups(window)

@@ -1,0 +1,290 @@
+"""Self-distillation (SILC) and masked prediction (TIPS) of SigLIP 2's recipe, with an EMA teacher.
+
+SigLIP 2 (Tschannen et al. 2025, https://arxiv.org/abs/2502.14786, sec. 2.3) adds two terms for the last 20% of
+training:
+  self_distill       — SILC (Naeem et al. 2023, https://arxiv.org/abs/2310.13355): the student sees local views of
+                       the image (8 of them; "a single global (teacher) view and 8 local (student) views") and matches
+                       the EMA teacher's representation of the full image, in a high-dimensional space computed by a
+                       separate MLP head;
+  masked_prediction  — TIPS (Maninis et al. 2024, https://arxiv.org/abs/2410.16512): 50% of the student's embedded
+                       patches are replaced by a mask token and the student matches the teacher's per-patch features at
+                       the masked positions, with the same loss applied per patch; teacher and student see the same
+                       view (up to the mask).
+
+On a NaFlex tower a local view is a sub-rectangle of an image's patch grid re-indexed as a shorter sequence: timm
+resamples the learned position table to the crop's grid as it does for every image's grid (a local crop is a
+smaller image of the same content, as DINO's 96-pixel local crops are). A mask is a boolean over the sequence; the
+mask token replaces the masked patches' embeddings (a hook on `visual.embeds.proj`, before the position table is
+added). Crops and masks are drawn from each example's `view_seed` (an `example_inputs` column), so every split of a
+window, every replay and the full-batch reference see the same views.
+
+The loss is DINO's (Caron et al. 2021, https://arxiv.org/abs/2104.14294), which SILC follows: a projection head
+(MLP → L2-normalised bottleneck → cosine logits against learned prototypes), the teacher's logits centred (the
+centre is run state, an EMA of the teacher's mean logits, updated after the optimizer step) and sharpened by a low
+temperature, the student's a softmax at a higher one, cross-entropy between the two. Every example's term is a sum
+(over its crops) or a mean (over its masked patches), and the window normalises both by its examples
+(docs/accumulation.md); a microbatch never divides by its own size.
+
+Simplifications (ours): one global view — the full image the pair loss sees — for the teacher, where SILC uses two
+augmented global crops; local crops are patch-grid rectangles of SILC's area range, without colour or blur
+augmentation; the masked-prediction head is a second head of the same shape (iBOT's separate patch head).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SELF_DISTILL = "self_distill"
+MASKED_PREDICTION = "masked_prediction"
+VIEW_SEED = "view_seed"  # example_inputs column: each example's seed of its crops and mask
+TEACHER_TARGETS = "teacher_targets"  # the model's keyword for the EMA teacher's outputs of its microbatch
+
+# SILC's local views cover 5–40% of the image area (its global views 40–100%; DINO's multi-crop)
+LOCAL_CROP_SCALE = (0.05, 0.4)
+LOCAL_CROP_RATIO = (3 / 4, 4 / 3)  # torchvision's RandomResizedCrop aspect range, which DINO's crops use
+# DINO's temperatures and centre momentum (SILC follows DINO's loss; SigLIP 2 follows SILC's hyperparameters)
+STUDENT_TEMPERATURE = 0.1
+TEACHER_TEMPERATURE = 0.04
+CENTER_MOMENTUM = 0.9
+MASK_STREAM = 1_000_003  # the mask's generator is seeded with view_seed + this: crops and mask are independent draws
+
+
+@dataclass(frozen=True)
+class SelfDistillConfig:
+    """The heads' size and the views: `local_crops` student views per image, `mask_ratio` of its patches masked."""
+
+    local_crops: int = 8
+    mask_ratio: float = 0.5
+    hidden: int = 2048  # DINO's head: 3-layer MLP of width 2048, bottleneck 256, 65536 prototypes
+    bottleneck: int = 256
+    prototypes: int = 65536
+
+
+def head_config(width: int, local_crops: int, mask_ratio: float) -> SelfDistillConfig:
+    """DINO's head for towers of width ≥ 512; a proportionally smaller one for the tiny and small presets (ours)."""
+    if width >= 512:
+        return SelfDistillConfig(local_crops=local_crops, mask_ratio=mask_ratio)
+    return SelfDistillConfig(local_crops=local_crops, mask_ratio=mask_ratio, hidden=4 * width,
+                             bottleneck=max(8, width // 2), prototypes=16 * width)
+
+
+class ProjectionHead(nn.Module):
+    """DINO's head: MLP → L2-normalised bottleneck → logits against L2-normalised prototypes (DINO's weight-normalised
+    last layer with its norm fixed to 1)."""
+
+    def __init__(self, in_dim: int, config: SelfDistillConfig) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(in_dim, config.hidden), nn.GELU(), nn.Linear(config.hidden, config.hidden),
+                                 nn.GELU(), nn.Linear(config.hidden, config.bottleneck))
+        self.prototypes = nn.Parameter(torch.randn(config.prototypes, config.bottleneck) * config.bottleneck ** -0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.normalize(self.mlp(x), dim=-1), F.normalize(self.prototypes, dim=-1))
+
+
+class SelfDistillHeads(nn.Module):
+    """What the recipe trains beside the image tower: the mask token, the image-level and the per-patch heads. They
+    start fresh (SigLIP 2: "the remaining additional parameters (heads, mask token ...) randomly")."""
+
+    def __init__(self, width: int, config: SelfDistillConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.mask_token = nn.Parameter(torch.randn(width) * 0.02)
+        self.global_head = ProjectionHead(width, config)
+        self.patch_head = ProjectionHead(width, config)
+
+
+def _grid_lookup(coord: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """`[H, W]` sequence index of every patch of one image's grid (its valid patches must fill the rectangle)."""
+    index = valid.nonzero().reshape(-1)
+    yx = coord[index]
+    height, width = int(yx[:, 0].max()) + 1, int(yx[:, 1].max()) + 1
+    lookup = torch.full((height, width), -1, dtype=torch.long)
+    lookup[yx[:, 0].cpu(), yx[:, 1].cpu()] = index.cpu()
+    if bool((lookup < 0).any()):
+        raise ValueError(f"an image's valid patches do not fill its {height}x{width} grid; local crops need NaFlex "
+                         "images whose patches cover a rectangle")
+    return lookup
+
+
+def crop_boxes(seed: int, height: int, width: int, count: int) -> list[tuple[int, int, int, int]]:
+    """`count` crops `(y0, x0, h, w)` of a `height × width` patch grid, each of a random area in `LOCAL_CROP_SCALE`
+    and aspect in `LOCAL_CROP_RATIO` (log-uniform), at least one patch, drawn from `seed` alone."""
+    gen = torch.Generator().manual_seed(int(seed))
+    boxes = []
+    for _ in range(count):
+        u = torch.rand(4, generator=gen, dtype=torch.float64).tolist()
+        area = (LOCAL_CROP_SCALE[0] + u[0] * (LOCAL_CROP_SCALE[1] - LOCAL_CROP_SCALE[0])) * height * width
+        ratio = math.exp(math.log(LOCAL_CROP_RATIO[0]) + u[1] * math.log(LOCAL_CROP_RATIO[1] / LOCAL_CROP_RATIO[0]))
+        h = min(height, max(1, round(math.sqrt(area / ratio))))
+        w = min(width, max(1, round(math.sqrt(area * ratio))))
+        y0, x0 = int(u[2] * (height - h + 1)), int(u[3] * (width - w + 1))
+        boxes.append((min(y0, height - h), min(x0, width - w), h, w))
+    return boxes
+
+
+def local_crops(image: dict[str, torch.Tensor], view_seed: torch.Tensor, count: int) -> dict[str, torch.Tensor]:
+    """The `count` local crops of every image as one NaFlex batch of `B·count` shorter sequences (example-major), each
+    crop's patches in row-major order with coordinates relative to the crop."""
+    patches, coord, valid = image["patches"], image["patch_coord"], image["patch_valid"]
+    rows: list[torch.Tensor] = []
+    coords: list[torch.Tensor] = []
+    for i in range(patches.shape[0]):
+        lookup = _grid_lookup(coord[i], valid[i])
+        for y0, x0, h, w in crop_boxes(int(view_seed[i]), *lookup.shape, count):
+            rows.append(lookup[y0 : y0 + h, x0 : x0 + w].reshape(-1))
+            grid = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+            coords.append(torch.stack(grid, -1).reshape(-1, 2))
+    length = max(len(r) for r in rows)
+    out_patches = patches.new_zeros(len(rows), length, patches.shape[-1])
+    out_coord = coord.new_zeros(len(rows), length, 2)
+    out_valid = valid.new_zeros(len(rows), length)
+    for n, (src, yx) in enumerate(zip(rows, coords, strict=True)):
+        out_patches[n, : len(src)] = patches[n // count, src.to(patches.device)]
+        out_coord[n, : len(src)] = yx.to(coord.device)
+        out_valid[n, : len(src)] = True
+    return {"patches": out_patches, "patch_coord": out_coord, "patch_valid": out_valid}
+
+
+def patch_mask(patch_valid: torch.Tensor, view_seed: torch.Tensor, ratio: float) -> torch.Tensor:
+    """`[B, L]`: `round(ratio · n)` (≥ 1) of each image's `n` valid patches, chosen uniformly from its seed alone."""
+    mask = torch.zeros(patch_valid.shape, dtype=torch.bool)
+    for i in range(patch_valid.shape[0]):
+        index = patch_valid[i].nonzero().reshape(-1).cpu()
+        if ratio <= 0 or len(index) == 0:
+            continue
+        gen = torch.Generator().manual_seed(int(view_seed[i]) + MASK_STREAM)
+        chosen = torch.randperm(len(index), generator=gen)[: max(1, round(ratio * len(index)))]
+        mask[i, index[chosen]] = True
+    return mask.to(patch_valid.device)
+
+
+@contextlib.contextmanager
+def masked_embeddings(visual: nn.Module, mask_token: torch.Tensor, mask: torch.Tensor) -> Iterator[None]:
+    """Within the block, the tower's patch embeddings at `mask` are the mask token (before the position table)."""
+    def replace(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        return torch.where(mask[..., None], mask_token.to(output.dtype), output)
+
+    handle = visual.embeds.proj.register_forward_hook(replace)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _upcast(t: torch.Tensor) -> torch.Tensor:
+    # the loss in at least float32 when the towers run in bf16/fp16 (float64 stays float64)
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def _tower(visual: nn.Module, image: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tower's pooled output `[B, width]` and its patch tokens `[B, L, width]` (prefix tokens dropped)."""
+    tokens = visual.forward_features(image["patches"], patch_coord=image["patch_coord"],
+                                     patch_valid=image["patch_valid"], attn_mask=image.get("attn_mask"))
+    pooled = visual.forward_head(tokens["patches"], patch_valid=tokens["patch_valid"])
+    prefix = tokens["patches"].shape[1] - image["patch_valid"].shape[1]
+    return pooled, tokens["patches"][:, prefix:]
+
+
+def student_terms(visual: nn.Module, heads: SelfDistillHeads, image: dict[str, torch.Tensor],
+                  view_seed: torch.Tensor, targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each example's `self_distill` (cross-entropy of the teacher's full-image distribution against the student's on
+    each local crop, summed over the crops) and `masked_prediction` (the same per patch, at the masked patches,
+    averaged over them) — `[B]` each, for the window to weigh."""
+    config = heads.config
+    count = config.local_crops
+    batch = image["patches"].shape[0]
+    crops = local_crops(image, view_seed, count)
+    pooled, _ = _tower(visual, crops)
+    log_p = F.log_softmax(_upcast(heads.global_head(pooled)) / STUDENT_TEMPERATURE, dim=-1)
+    owner = torch.arange(batch, device=log_p.device).repeat_interleave(count)
+    crop_ce = -(targets["global"][owner].to(log_p.dtype) * log_p).sum(-1)
+    mask = patch_mask(image["patch_valid"], view_seed, config.mask_ratio)
+    with masked_embeddings(visual, heads.mask_token, mask):
+        _, patches = _tower(visual, image)
+    log_q = F.log_softmax(_upcast(heads.patch_head(patches)) / STUDENT_TEMPERATURE, dim=-1)
+    patch_ce = -(targets["patches"][:, : patches.shape[1]].to(log_q.dtype) * log_q).sum(-1)
+    masked = mask.to(patch_ce.dtype)
+    return {SELF_DISTILL: crop_ce.reshape(batch, count).sum(1),
+            MASKED_PREDICTION: (patch_ce * masked).sum(1) / masked.sum(1).clamp(min=1)}
+
+
+class EmaTeacher(nn.Module):
+    """The EMA teacher: a frozen copy of the student's image tower and heads, and the centres of its two heads.
+
+    `forward(image=)` (no grad; the window runs it once per microbatch in the cache phase, never replayed) returns the
+    teacher's distributions `{"global": [B, P], "patches": [B, L, P]}` — centred and sharpened — and records its
+    logits' sums for the centre. `update(student)` after the optimizer step: every teacher parameter
+    `t ← m·t + (1 − m)·s`, each centre `c ← 0.9·c + 0.1·mean(logits)` over the step's teacher forwards (this
+    process's; ranks are not reduced — under DDP each rank's centre follows its own rows). Run state: save and resume
+    it through `state_dict()` / `load_state_dict()` (its parameters and centres; the momentum is a flag). Build it
+    at the switch (`--self-distill-start`) from the student: SigLIP 2 initialises the teacher with the student's
+    parameters there."""
+
+    def __init__(self, student: nn.Module, momentum: float) -> None:
+        super().__init__()
+        if not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"--ema-momentum must be in [0, 1], got {momentum}")
+        model = getattr(student, "module", student)
+        if getattr(model, "self_distill", None) is None:
+            raise ValueError("the EMA teacher needs the student's self-distillation heads (Recipe.prepare adds them)")
+        self.momentum = momentum
+        self.visual = copy.deepcopy(model.visual)
+        self.heads = copy.deepcopy(model.self_distill)
+        for p in self.parameters():
+            p.requires_grad_(False)
+        prototypes = self.heads.config.prototypes
+        reference = model.self_distill.mask_token
+        self.register_buffer("global_center", torch.zeros(prototypes, dtype=reference.dtype, device=reference.device))
+        self.register_buffer("patch_center", torch.zeros(prototypes, dtype=reference.dtype, device=reference.device))
+        self._sums: dict[str, list[torch.Tensor]] = {"global": [], "patches": []}
+        self.eval()
+
+    def train(self, mode: bool = True) -> EmaTeacher:
+        return super().train(False)  # always eval: no dropout, drop-path or patch dropout
+
+    @torch.no_grad()
+    def forward(self, image: dict[str, torch.Tensor], **unused: Any) -> dict[str, torch.Tensor]:
+        pooled, patches = _tower(self.visual, image)
+        global_logits = _upcast(self.heads.global_head(pooled))
+        patch_logits = _upcast(self.heads.patch_head(patches))
+        valid = image["patch_valid"][:, : patches.shape[1]]
+        self._sums["global"].append(torch.stack([global_logits.sum(0).double(),
+                                                 torch.full_like(global_logits[0], len(global_logits)).double()]))
+        self._sums["patches"].append(torch.stack([patch_logits[valid].sum(0).double(),
+                                                  torch.full_like(patch_logits[0, 0], int(valid.sum())).double()]))
+        return {
+            "global": F.softmax((global_logits - self.global_center) / TEACHER_TEMPERATURE, dim=-1),
+            "patches": F.softmax((patch_logits - self.patch_center) / TEACHER_TEMPERATURE, dim=-1),
+        }
+
+    def student_parameters(self, student: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        model = getattr(student, "module", student)
+        pairs = [*zip(self.visual.parameters(), model.visual.parameters(), strict=True),
+                 *zip(self.heads.parameters(), model.self_distill.parameters(), strict=True)]
+        return [(t, s) for t, s in pairs]
+
+    @torch.no_grad()
+    def update(self, student: nn.Module) -> None:
+        """After the optimizer step: the EMA of the student's parameters, and the centres from this step's logits."""
+        for teacher_p, student_p in self.student_parameters(student):
+            teacher_p.mul_(self.momentum).add_(student_p.detach().to(teacher_p.dtype), alpha=1.0 - self.momentum)
+        for key, center in (("global", self.global_center), ("patches", self.patch_center)):
+            if self._sums[key]:
+                total = torch.stack(self._sums[key]).sum(0)
+                mean = total[0] / total[1].clamp(min=1)
+                center.mul_(CENTER_MOMENTUM).add_(mean.to(center.dtype), alpha=1.0 - CENTER_MOMENTUM)
+        self.discard_pending()
+
+    def discard_pending(self) -> None:
+        """Forget the logits recorded since the last update (a skipped step, or forwards outside training)."""
+        self._sums = {"global": [], "patches": []}

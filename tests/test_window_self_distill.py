@@ -1,0 +1,148 @@
+"""SigLIP 2's self-distillation and masked prediction in the window: the accumulated gradient equals
+s(W)·∇[L(W) + Σ_k λ_k/N(W)·Σ_i ℓ_k(i)] of the whole window (N(W) its examples) for every split and method, the EMA
+teacher running once per microbatch; normalising by a microbatch's own examples fails; crops and masks depend on the
+example's seed alone; the EMA update and its state round-trip exactly."""
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from naflexclip.batch import EXAMPLE_INPUTS, batch_size, concat_microbatches, split_batch
+from naflexclip.legacy import per_microbatch_scale_gradients
+from naflexclip.loss import create_loss
+from naflexclip.model import NaFlexClip, model_config
+from naflexclip.selfdistill import (
+    MASKED_PREDICTION,
+    SELF_DISTILL,
+    EmaTeacher,
+    head_config,
+    local_crops,
+    patch_mask,
+)
+from naflexclip.verify import collect_gradients, full_batch_gradients, random_naflex_batch, random_split_sizes
+from naflexclip.window import ExampleTerm, accumulate_gradients, window_loss_scale
+
+TERMS = [ExampleTerm(SELF_DISTILL, 0.7, batch_size), ExampleTerm(MASKED_PREDICTION, 0.3, batch_size)]
+
+
+def _model(loss: str) -> NaFlexClip:
+    torch.manual_seed(0)
+    config = dataclasses.replace(model_config("tiny", loss=loss), self_distill=head_config(32, 3, 0.5))
+    return NaFlexClip(config).double().eval()
+
+
+def _batch(n: int, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    batch = random_naflex_batch(n, patch_size=4, context_length=16, generator=gen)
+    batch[EXAMPLE_INPUTS] = {"view_seed": torch.randint(0, 2**31, (n,), generator=gen)}
+    return batch
+
+
+def _teacher(model: NaFlexClip) -> EmaTeacher:
+    teacher = EmaTeacher(model, momentum=0.9)
+    with torch.no_grad():  # a teacher that differs from the student, as after some EMA steps
+        for p in teacher.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+        teacher.global_center.normal_()
+    return teacher
+
+
+def _worst(grads, reference):
+    return max((grads[k] - reference[k]).norm().item() / reference[k].norm().item() for k in reference
+               if "pos_embed" not in k)
+
+
+@pytest.mark.parametrize("loss", ["clip", "siglip"])
+@pytest.mark.parametrize("method", ["cache", "replay"])
+def test_the_window_with_self_distillation_equals_the_full_batch_objective(loss, method):
+    model = _model(loss)
+    teacher = _teacher(model)
+    loss_fn = create_loss(loss)
+    batch = _batch(6)
+    sizes = random_split_sizes(6, 3, random.Random(1))
+    microbatches = split_batch(batch, sizes)
+    scale = window_loss_scale(sizes, 4, "linear")
+    reference = full_batch_gradients(model, loss_fn, concat_microbatches(microbatches), scale,
+                                     example_terms=TERMS, example_teacher=teacher)
+    assert any(name.startswith("self_distill.") for name in reference)
+    model.zero_grad(set_to_none=True)
+    stats = accumulate_gradients(model, loss_fn, microbatches, loss_scale="linear", reference_batch_size=4,
+                                 method=method, example_terms=TERMS, example_teacher=teacher)
+    assert _worst(collect_gradients(model), reference) < 1e-10
+    assert set(stats.example_terms) == {SELF_DISTILL, MASKED_PREDICTION}
+    assert all(value > 0 for value in stats.example_terms.values())
+
+
+def test_normalising_by_each_microbatchs_own_examples_fails_the_same_comparison():
+    model = _model("siglip")
+    teacher = _teacher(model)
+    loss_fn = create_loss("siglip")
+    microbatches = split_batch(_batch(7), [1, 2, 4])
+    scale = window_loss_scale([1, 2, 4], 4, "linear")
+    reference = full_batch_gradients(model, loss_fn, concat_microbatches(microbatches), scale,
+                                     example_terms=TERMS, example_teacher=teacher)
+    model.zero_grad(set_to_none=True)
+    per_microbatch_scale_gradients(model, loss_fn, microbatches, loss_scale="linear", reference_batch_size=4,
+                                   example_terms=TERMS, example_teacher=teacher)
+    grads = collect_gradients(model)
+    heads = {k: v for k, v in reference.items() if k.startswith("self_distill.")}
+    assert _worst(grads, heads) > 1e-3
+
+
+def test_the_teacher_runs_once_per_microbatch_and_never_in_a_replay():
+    model = _model("clip")
+    teacher = _teacher(model)
+    calls = []
+    teacher.register_forward_hook(lambda module, args, out: calls.append(torch.is_grad_enabled()))
+    for method in ("cache", "replay"):
+        calls.clear()
+        accumulate_gradients(model, create_loss("clip"), split_batch(_batch(6), [1, 2, 3]), method=method,
+                             example_terms=TERMS, example_teacher=teacher)
+        assert calls == [False, False, False]
+    assert not any(p.grad is not None for p in teacher.parameters())
+
+
+def test_crops_and_masks_depend_on_each_examples_seed_alone():
+    batch = _batch(6, seed=3)
+    whole_crops = local_crops(batch["image"], batch[EXAMPLE_INPUTS]["view_seed"], 3)
+    whole_mask = patch_mask(batch["image"]["patch_valid"], batch[EXAMPLE_INPUTS]["view_seed"], 0.5)
+    start = 0
+    for piece in split_batch(batch, [2, 1, 3]):
+        n = batch_size(piece)
+        crops = local_crops(piece["image"], piece[EXAMPLE_INPUTS]["view_seed"], 3)
+        rows = slice(3 * start, 3 * (start + n))
+        for key in crops:
+            width = crops[key].shape[1]
+            assert torch.equal(crops[key], whole_crops[key][rows, :width])
+            assert not whole_crops["patch_valid"][rows, width:].any()
+        mask = patch_mask(piece["image"]["patch_valid"], piece[EXAMPLE_INPUTS]["view_seed"], 0.5)
+        assert torch.equal(mask, whole_mask[start : start + n, : mask.shape[1]])
+        start += n
+    valid = batch["image"]["patch_valid"]
+    assert not (whole_mask & ~valid).any()
+    counts = whole_mask.sum(1).tolist()
+    assert counts == [max(1, round(0.5 * int(v))) for v in valid.sum(1).tolist()]
+
+
+def test_ema_update_math_and_state_dict_round_trip_are_exact():
+    model = _model("siglip")
+    teacher = EmaTeacher(model, momentum=0.75)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    before = [t.clone() for t, _ in teacher.student_parameters(model)]
+    batch = _batch(4)
+    logits = teacher.heads.global_head(teacher.visual.forward_head(teacher.visual.forward_features(
+        batch["image"]["patches"].double(), patch_coord=batch["image"]["patch_coord"],
+        patch_valid=batch["image"]["patch_valid"])["patches"], patch_valid=batch["image"]["patch_valid"]))
+    teacher(image=batch["image"])
+    teacher.update(model)
+    for (t, s), old in zip(teacher.student_parameters(model), before, strict=True):
+        assert torch.equal(t, 0.75 * old + 0.25 * s)
+    assert torch.allclose(teacher.global_center, 0.1 * logits.mean(0).detach(), rtol=0, atol=1e-12)
+    restored = EmaTeacher(_model("siglip"), momentum=0.75)
+    restored.load_state_dict(teacher.state_dict())
+    for key, value in teacher.state_dict().items():
+        assert torch.equal(value, restored.state_dict()[key])
