@@ -7,11 +7,12 @@
     it) against open_clip's fixed-size model on the same images and captions: time and peak resident memory over
     the state before the step.
 
-Each variant runs in its own spawned process (its peak memory is its own), variants alternate, the median of
-`--repeats` is reported with the ratio ours / open_clip. CPU, `--threads` threads. The checkpoint is open_clip's
+Loads and memory: each variant in its own spawned process (its peak memory is its own), loads alternating; step
+times: both models in one process, their steps alternating (a shared machine's load hits both alike). Medians of
+`--repeats`, with the ratio ours / open_clip. CPU, `--threads` threads. The checkpoint is open_clip's
 random-init model of NAME (the file's size, not its values, is what loading costs); nothing is downloaded.
 
-    python benchmarks/openclip_models.py --model ViT-B-16 --batch-size 8 --threads 2
+    python benchmarks/openclip_models.py --model ViT-B-16 --batch-size 4 --threads 2
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure import in_subprocess  # noqa: E402
+
+VARIANTS = ("naflexclip", "open_clip")
 
 
 def _rss() -> int:
@@ -101,23 +104,22 @@ def _as_naflex(pixels: Any, patch: int) -> dict[str, Any]:
     return {"patches": patches.contiguous(), "patch_coord": coord, "patch_valid": torch.ones(b, gh * gw, dtype=bool)}
 
 
-def _step(variant: str, name: str, batch: int, threads: int, repeats: int, queue: Any) -> None:
+def _build(variant: str, name: str, batch: int) -> Any:
+    """The model (train mode) and a closure running one forward + backward of the CLIP loss on a fixed batch."""
+    import open_clip
     import torch
     import torch.nn.functional as F
 
-    torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    import open_clip
-
     import naflexclip
 
+    torch.manual_seed(0)
     if variant == "naflexclip":
         model = naflexclip.create_model(name)
         image_size = model.config.image.pos_embed_grid_size[0] * model.image_patch_size
     else:
         model = open_clip.create_model(name, output_dict=True)
-        image_size = model.visual.image_size[0] if isinstance(model.visual.image_size, tuple) else \
-            model.visual.image_size
+        size = model.visual.image_size
+        image_size = size[0] if isinstance(size, (tuple, list)) else size
     model.train()
     pixels, tokens = _inputs(batch, image_size, model.context_length, model.vocab_size)
     image = _as_naflex(pixels, model.image_patch_size) if variant == "naflexclip" else pixels
@@ -129,17 +131,37 @@ def _step(variant: str, name: str, batch: int, threads: int, repeats: int, queue
         logits = out["logit_scale"] * out["image_features"] @ out["text_features"].T
         ((F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2).backward()
 
-    step()  # warm-up: .grad buffers and allocator caches exist before the measured steps
-    model.zero_grad(set_to_none=True)
-    seconds, growth = [], []
+    return model, step
+
+
+def _step_time(name: str, batch: int, threads: int, repeats: int, queue: Any) -> None:
+    """Both models in one process, their steps alternating: a load change on a shared machine hits both alike."""
+    import torch
+
+    torch.set_num_threads(threads)
+    steps = {variant: _build(variant, name, batch)[1] for variant in VARIANTS}
+    for step in steps.values():
+        step()  # warm-up: .grad buffers and allocator caches
+    seconds: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
     for _ in range(repeats):
-        with PeakRss() as memory:
+        for variant, step in steps.items():
             start = time.perf_counter()
             step()
-            seconds.append(time.perf_counter() - start)
-        growth.append(memory.growth)
-        model.zero_grad(set_to_none=True)
-    queue.put((statistics.median(seconds), max(growth)))
+            seconds[variant].append(time.perf_counter() - start)
+    queue.put({variant: statistics.median(values) for variant, values in seconds.items()})
+
+
+def _step_memory(variant: str, name: str, batch: int, threads: int, queue: Any) -> None:
+    """Peak resident memory of one step over the state before it (model, inputs and warm .grad buffers)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    model, step = _build(variant, name, batch)
+    step()
+    model.zero_grad(set_to_none=True)
+    with PeakRss() as memory:
+        step()
+    queue.put(memory.growth)
 
 
 def _gib(value: float) -> str:
@@ -149,14 +171,14 @@ def _gib(value: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="ViT-B-16", help="an OpenCLIP model name")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="load runs per variant; timed steps per process")
     args = parser.parse_args()
     import open_clip
     import torch
 
-    variants = ("naflexclip", "open_clip")
+    variants = VARIANTS
     with tempfile.TemporaryDirectory() as tmp:
         file = str(Path(tmp) / f"{args.model}.pt")
         torch.save(open_clip.create_model(args.model).state_dict(), file)
@@ -165,8 +187,11 @@ def main() -> None:
         for _ in range(args.repeats):
             for variant in variants:
                 loads[variant].append(in_subprocess(_load, variant, args.model, file, args.threads))
-    steps = {variant: in_subprocess(_step, variant, args.model, args.batch_size, args.threads, args.repeats)
-             for variant in variants}
+    print("loads measured; timing the steps", file=sys.stderr, flush=True)
+    step_time = in_subprocess(_step_time, args.model, args.batch_size, args.threads, args.repeats)
+    print("steps timed; measuring their memory", file=sys.stderr, flush=True)
+    step_memory = {variant: in_subprocess(_step_memory, variant, args.model, args.batch_size, args.threads)
+                   for variant in variants}
     load = {v: (statistics.median(s for s, _ in runs), statistics.median(m for _, m in runs))
             for v, runs in loads.items()}
     print(f"{args.model}: checkpoint {_gib(size)}; CPU, {args.threads} threads; forward+backward batch "
@@ -175,8 +200,8 @@ def main() -> None:
     rows = [
         ("load time (--pretrained FILE)", load["naflexclip"][0], load["open_clip"][0], "s"),
         ("load peak memory growth", load["naflexclip"][1], load["open_clip"][1], "GiB"),
-        ("forward+backward time", steps["naflexclip"][0], steps["open_clip"][0], "s"),
-        ("forward+backward peak memory", steps["naflexclip"][1], steps["open_clip"][1], "GiB"),
+        ("forward+backward time", step_time["naflexclip"], step_time["open_clip"], "s"),
+        ("forward+backward peak memory", step_memory["naflexclip"], step_memory["open_clip"], "GiB"),
     ]
     for label, ours, theirs, unit in rows:
         shown = (f"{ours:.2f} s", f"{theirs:.2f} s") if unit == "s" else (_gib(ours), _gib(theirs))

@@ -209,3 +209,30 @@ def test_names_map_to_the_configs_of_open_clip() -> None:
     assert family.patch_budget(family.processor_spec("ViT-B-16-SigLIP2-naflex"), 16) == 576
     assert family.patch_budget(family.processor_spec("ViT-B-16"), 16) == 196
     assert math.isclose(b32.init_logit_scale, math.log(1 / 0.07), rel_tol=1e-6)
+
+
+def test_a_hugging_face_tokenizer_is_read_from_the_local_cache_only(tmp_path: Path) -> None:
+    """SigLIP names tokenize with their Hugging Face tokenizer, found in the hub cache's layout (never downloaded),
+    as open_clip's HFTokenizer gives the ids; a missing tokenizer is one line naming where it looked."""
+    pytest.importorskip("transformers")
+    from siglip2_cases import tokenizer_vocab
+    from transformers.models.siglip2.tokenization_siglip2 import Siglip2Tokenizer
+
+    from naflexclip.data.processing import make_processing
+
+    tiny = tiny_name("ViT-B-16-SigLIP2")
+    with pytest.raises(OpenClipError, match=r"tokenizer 'timm/ViT-B-16-SigLIP2' .*not in a local directory") as error:
+        family.tokenizer_dir(tiny, cache_dir=str(tmp_path / "empty"))
+    assert "\n" not in str(error.value)
+    snapshot = tmp_path / "hub" / "models--timm--ViT-B-16-SigLIP2" / "snapshots" / "abc"
+    Siglip2Tokenizer(vocab=tokenizer_vocab(), merges=[], padding_side="right").save_pretrained(snapshot)
+    directory = family.tokenizer_dir(tiny, cache_dir=str(tmp_path / "hub"))
+    assert directory == str(snapshot)
+    processing = make_processing(family.processor_spec(tiny, directory), patch_size=8)
+    ids = processing.tokenize(["a red circle", "x"], 16)
+    from open_clip.tokenizer import HFTokenizer
+
+    expected = HFTokenizer(directory, context_length=16, clean="canonicalize", local_files_only=True)(
+        ["a red circle", "x"])
+    assert ids.shape == (2, 16) and torch.equal(ids, expected.to(torch.long))
+    assert ids[0, 0] != ids[1, 0]
