@@ -14,6 +14,7 @@ from openclip_cases import openclip_model, randomize_, tiny_name
 from safetensors.torch import save_file
 
 from naflexclip import create_model
+from naflexclip.families import data_processing
 from naflexclip.families import openclip as family
 from naflexclip.families.openclip import OpenClipError
 from naflexclip.model import NaFlexClip
@@ -218,8 +219,6 @@ def test_a_hugging_face_tokenizer_is_read_from_the_local_cache_only(tmp_path: Pa
     from siglip2_cases import tokenizer_vocab
     from transformers.models.siglip2.tokenization_siglip2 import Siglip2Tokenizer
 
-    from naflexclip.data.processing import make_processing
-
     tiny = tiny_name("ViT-B-16-SigLIP2")
     with pytest.raises(OpenClipError, match=r"tokenizer 'timm/ViT-B-16-SigLIP2' .*not in a local directory") as error:
         family.tokenizer_dir(tiny, cache_dir=str(tmp_path / "empty"))
@@ -228,7 +227,7 @@ def test_a_hugging_face_tokenizer_is_read_from_the_local_cache_only(tmp_path: Pa
     Siglip2Tokenizer(vocab=tokenizer_vocab(), merges=[], padding_side="right").save_pretrained(snapshot)
     directory = family.tokenizer_dir(tiny, cache_dir=str(tmp_path / "hub"))
     assert directory == str(snapshot)
-    processing = make_processing(family.processor_spec(tiny, directory), patch_size=8)
+    processing = data_processing(family.processor_spec(tiny, directory), patch_size=8)
     ids = processing.tokenize(["a red circle", "x"], 16)
     from open_clip.tokenizer import HFTokenizer
 
