@@ -210,3 +210,18 @@ def test_a_mixture_run_reports_each_sources_samples_per_epoch(tmp_path, capsys):
     assert [(r["data/source/0"], r["data/source/1"], r["data/trained_samples"]) for r in data] == [(6, 2, 8)] * 2
     assert "epoch 1: trained 8 samples (source 0: 6, source 1: 2 planned)" in out.out
     assert f"source 1 ({specs[1]}): 2 samples" in out.err
+
+
+@pytest.mark.slow
+def test_two_ranks_with_one_sample_stop_in_one_line_without_a_checkpoint(tmp_path):
+    """torchrun, 2 processes, a table of one usable pair: it trained 0 samples, exited 0 and saved a checkpoint."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "naflexclip", "train", *RUN, "--no-plot", "--epochs", "1", "--train-data", _one_row_table(tmp_path),
+           "--dist-timeout", "60", "--logs-dir", str(tmp_path), "--name", "one"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode != 0
+    assert "has 1 usable sample for 2 ranks: a contrastive step needs at least 2" in result.stderr
+    assert result.stderr.count("naflexclip train: error: training data") == 2  # one line per rank, no traceback
+    assert "naflexclip/data" not in result.stderr  # (torchrun's own failure report follows)
+    assert not (tmp_path / "one" / "checkpoints").exists()
