@@ -366,10 +366,6 @@ def _tag_cfg(name: str, tag: str) -> dict[str, Any]:
     return dict(open_clip.get_pretrained_cfg(name, tag) or SHIPPED_TAGS.get(name, {}).get(tag) or {})
 
 
-def is_tag(name: str, pretrained: str) -> bool:
-    return bool(_tag_cfg(name, pretrained))
-
-
 def resolve_pretrained(name: str, pretrained: str, cache_dir: str | None = None) -> Path:
     """The local file of a `--pretrained` weight source for the name: a file, an OpenCLIP pretrained tag or
     `hf-hub:org/name` found in a local cache (nothing downloads); one-line OpenClipError naming where it looked."""
@@ -629,7 +625,6 @@ def build(name: str, pretrained: str | None = None, cache_dir: str | None = None
     file = resolve_pretrained(name, pretrained, cache_dir)
     model = _uninitialised(config)
     model.load_state_dict(import_state_dict(model, read_state_dict(file), str(file)))  # strict: every tensor
-    model.source_file = str(file)  # where a Hugging Face tokenizer may live beside it
     return model
 
 
@@ -777,7 +772,3 @@ def export(model: torch.nn.Module, path: str | Path, processor_dir: str | Path |
 
 def export_notes(path: Path) -> list[str]:
     return ["load it with open_clip.create_model(NAME, pretrained=FILE) (the position table at the native grid)"]
-
-
-def exported_name(model: NaFlexClip) -> str | None:
-    return model.config.openclip_name
