@@ -18,7 +18,7 @@ from naflexclip.cli import main
 # with --train-data the defaults are OpenCLIP's: these tests keep the demo's (fp32, accum 2, divisor 1, ...)
 RUN = ["--model", "tiny", "--warmup", "1", "--device", "cpu", "--naflex-seq-lens", "16", "32",
        "--naflex-max-tokens-per-batch", "32", "--workers", "0", "--precision", "fp32", "--accum-freq", "2",
-       "--naflex-batch-divisor", "1", "--log-every-n-steps", "1", "--grad-clip-norm", "1", "--lr", "1e-3",
+       "--naflex-batch-divisor", "1", "--log-metric-every-n-steps", "1", "--grad-clip-norm", "1", "--lr", "1e-3",
        "--wd", "0.1"]
 
 

@@ -180,7 +180,7 @@ RUN_FLAGS = [
     "train", "--model", "tiny", "--epochs", "1", "--accum-freq", "2", "--warmup", "1", "--device", "cpu",
     "--synthetic-train-size", "64", "--synthetic-val-size", "8", "--naflex-seq-lens", "16", "32",
     "--naflex-max-tokens-per-batch", "128", "--workers", "0", "--zero-shot-samples", "8", "--no-plot",
-    "--val-frequency", "0", "--dist-timeout", "60", "--precision", "fp32", "--log-every-n-steps", "1",
+    "--val-frequency", "0", "--dist-timeout", "60", "--precision", "fp32", "--log-metric-every-n-steps", "1",
 ]
 SAMPLES = 64
 # `naflexclip train`; with LATE=1 this process's clock reads an hour later (a rank that starts in another second

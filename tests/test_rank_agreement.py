@@ -238,7 +238,7 @@ def _train_two_ranks_one_pair_per_microbatch(
            "train", "--model", "tiny", "--epochs", "1", "--accum-freq", "3", "--warmup", "1", "--device", "cpu",
            "--train-data", str(train_data), "--naflex-seq-lens", "16", "--naflex-max-tokens-per-batch", "16",
            "--workers", "0", "--zero-shot-samples", "8", "--no-plot", "--dist-timeout", str(timeout),
-           "--precision", "fp32", "--naflex-batch-divisor", "1", "--log-every-n-steps", "1",  # not OpenCLIP's
+           "--precision", "fp32", "--naflex-batch-divisor", "1", "--log-metric-every-n-steps", "1",  # not OpenCLIP's
            "--logs-dir", str(tmp_path / "logs"), "--name", "run"]
     start = time.monotonic()
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout * 3,

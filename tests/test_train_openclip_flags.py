@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from unittest import mock
 
 import pytest
@@ -216,3 +217,25 @@ def test_aug_cfg_shapes_the_train_crop_and_refuses_other_keys() -> None:
                           ("scale=(0.5,2)", r"--aug-cfg scale=\(0.5, 2.0\): takes \(low, high\)")):
         with pytest.raises(ValueError, match=message):
             _config("--aug-cfg", item)
+
+
+def _train_steps(run_dir) -> list[int]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in records if r["kind"] == "train"]
+
+
+@pytest.mark.slow
+def test_metrics_reach_the_sinks_every_log_metric_every_n_steps_the_console_every_log_every_n_steps(
+        tmp_path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["train", "--model", "tiny", "--device", "cpu", "--zero-shot-samples", "4", "--synthetic-train-size",
+                 "64", "--synthetic-val-size", "4", "--naflex-seq-lens", "16", "--naflex-max-tokens-per-batch", "64",
+                 "--workers", "0", "--accum-freq", "1", "--epochs", "1", "--no-plot", "--save-frequency", "0",
+                 "--logs", str(tmp_path), "--name", "run", "--log-metric-every-n-steps", "3",
+                 "--log-every-n-steps", "1000"]) == 0
+    logged = _train_steps(tmp_path / "run")  # 16 steps of 4 images
+    assert logged == [3, 6, 9, 12, 15], logged
+    assert "loss=" not in capsys.readouterr().err  # no console line within the run's 16 steps
+    # OpenCLIP's cadence with --train-data, the demo's (every step) on the built-in data; neither is a resume's concern
+    assert _config("--train-data", "x.csv").log_metric_every_n_steps == 10 == OPENCLIP_DEFAULTS[
+        "log_metric_every_n_steps"]
+    assert _config().log_metric_every_n_steps == 1 and POLICY["log_metric_every_n_steps"][0] == "ignore"

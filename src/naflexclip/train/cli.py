@@ -126,7 +126,10 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                    help="also log to these, comma-separated: tensorboard, wandb (metrics.jsonl is always written)")
     r.add_argument("--wandb-project-name", default=None, help="W&B project (default: $WANDB_PROJECT, else naflexclip)")
     r.add_argument("--wandb-notes", default=_default("wandb_notes"), help="notes of the W&B run")
-    r.add_argument("--log-every-n-steps", type=int, default=_default("log_every_n_steps"))
+    r.add_argument("--log-every-n-steps", type=int, default=_default("log_every_n_steps"),
+                   help="the console line (the progress bar's loss, lr, throughput) every N steps")
+    r.add_argument("--log-metric-every-n-steps", type=int, default=_default("log_metric_every_n_steps"),
+                   help="the metrics to metrics.jsonl, tensorboard and wandb every N steps (and every skipped step)")
     r.add_argument("--val-frequency", type=int, default=_default("val_frequency"),
                    help="evaluate every N epochs (and at the end); 0: only before training and at the end")
     r.add_argument("--zero-shot-samples", type=int, default=_default("zero_shot_samples"),
@@ -357,7 +360,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         save_every_n_steps=args.save_every_n_steps, stop_after_steps=args.stop_after_steps, resume=args.resume,
         resume_fresh=args.resume_fresh,
         report_to=args.report_to, wandb_project_name=args.wandb_project_name, wandb_notes=args.wandb_notes,
-        log_every_n_steps=args.log_every_n_steps, val_frequency=args.val_frequency,
+        log_every_n_steps=args.log_every_n_steps, log_metric_every_n_steps=args.log_metric_every_n_steps,
+        val_frequency=args.val_frequency,
         device=args.device, max_skipped_steps=args.max_skipped_steps, fsdp=args.fsdp,
         dist_timeout=args.dist_timeout, plot=not args.no_plot, loss_tile_size=args.loss_tile_size,
         zero_shot_samples=args.zero_shot_samples, zeroshot_data=args.zeroshot_data,

@@ -39,7 +39,8 @@ DEFAULT_MODEL = "small"
 OPENCLIP_DEFAULTS: dict[str, Any] = {
     "precision": "amp_bf16", "warmup": 10000, "epochs": 32, "accum_freq": 1, "grad_clip_norm": None,
     "lr": 5e-4, "wd": 0.2, "beta1": 0.9, "beta2": 0.98, "eps": 1e-6, "batch_size": 64, "seed": 0,
-    "log_every_n_steps": 100, "save_frequency": 1, "val_frequency": 1, "zeroshot_frequency": 2,
+    "log_every_n_steps": 100, "log_metric_every_n_steps": 10, "save_frequency": 1, "val_frequency": 1,
+    "zeroshot_frequency": 2,
     "naflex_loss_scale": "none", "fsdp": False, "grad_checkpointing": False, "torchcompile": False,
     "lock_image": False, "lock_image_unlocked_groups": 0, "lock_text": False, "lock_text_unlocked_layers": 0,
     "lock_text_freeze_layer_norm": False,
@@ -61,7 +62,7 @@ OPENCLIP_DEFAULTS: dict[str, Any] = {
 # field defaults are these, the data ones are the CLI's defaults without --train-data
 DEMO_DEFAULTS: dict[str, Any] = {
     "precision": "fp32", "warmup": 20, "epochs": 3, "accum_freq": 2, "grad_clip_norm": 1.0, "lr": 1e-3, "wd": 0.1,
-    "batch_size": None, "log_every_n_steps": 1,
+    "batch_size": None, "log_every_n_steps": 1, "log_metric_every_n_steps": 1,
     "data.naflex_seq_lens": (36, 64, 100), "data.naflex_max_tokens_per_batch": 1024, "data.naflex_batch_divisor": 1,
     "data.workers": 2,
 }
@@ -152,7 +153,8 @@ class TrainConfig:
     report_to: str = ""  # sinks besides metrics.jsonl, comma-separated ("wandb,tensorboard")
     wandb_project_name: str | None = None  # None: $WANDB_PROJECT, else "naflexclip"
     wandb_notes: str = ""
-    log_every_n_steps: int = 1
+    log_every_n_steps: int = 1  # OpenCLIP's: the console line (the progress bar's figures) every N steps
+    log_metric_every_n_steps: int = 1  # OpenCLIP's: the metrics to the sinks (metrics.jsonl, ...) every N steps
     val_frequency: int = 1
     zero_shot_samples: int = 300
     zeroshot_data: str | None = None  # an ImageFolder classified zero-shot during training (`zeroshot/<name>/...`)
@@ -273,6 +275,7 @@ class TrainConfig:
             ("--warmup", self.warmup, 0),
             ("--save-frequency", self.save_frequency, 0),
             ("--log-every-n-steps", self.log_every_n_steps, 1),
+            ("--log-metric-every-n-steps", self.log_metric_every_n_steps, 1),
             ("--val-frequency", self.val_frequency, 0),
             ("--zero-shot-samples", self.zero_shot_samples, 1),
             ("--zeroshot-frequency", self.zeroshot_frequency, 0),

@@ -303,21 +303,25 @@ class Trainer:
             )
 
     def log_step(self, result: StepResult, tokens: tuple[int, int], seconds: float, bar: Any) -> None:
-        """Progress bar every step; the sinks every --log-every-n-steps. tokens: (valid image patches, padded
-        slots) of this step's window, all ranks. No collective in here: logging may be main-rank only."""
+        """OpenCLIP's cadences: the progress bar advances every step and shows its figures every
+        --log-every-n-steps (the console line); the sinks get the metrics every --log-metric-every-n-steps, and
+        every skipped step. tokens: (valid image patches, padded slots) of this step's window, all ranks. No
+        collective in here: logging may be main-rank only."""
         metrics = step_metrics(result, tokens, seconds)
         metrics.update({"train/skipped_steps": self.progress.num_skipped_steps,
                         "data/skipped_samples": sum(self.loader.skip_counts.values())})
+        step = self.progress.step
+        if step % self.cfg.log_every_n_steps == 0 or result.skipped:
+            bar.set_postfix(loss=f"{result.stats.loss:.3f}", lr=f"{result.lr:.2e}", N=result.stats.num_examples,
+                            s=f"{result.stats.scale:.2f}", sps=f"{metrics['train/samples_per_s']:.0f}",
+                            tps=f"{metrics['train/image_tokens_per_s']:.0f}",
+                            pad=f"{metrics['train/padding_fraction']:.2f}", refresh=False)
         bar.update(1)
-        bar.set_postfix(loss=f"{result.stats.loss:.3f}", lr=f"{result.lr:.2e}", N=result.stats.num_examples,
-                        s=f"{result.stats.scale:.2f}", sps=f"{metrics['train/samples_per_s']:.0f}",
-                        tps=f"{metrics['train/image_tokens_per_s']:.0f}",
-                        pad=f"{metrics['train/padding_fraction']:.2f}", refresh=False)
-        if self.progress.step % self.cfg.log_every_n_steps == 0 or result.skipped:
+        if step % self.cfg.log_metric_every_n_steps == 0 or result.skipped:
             epoch = self.progress.epoch + self.progress.next_batch / max(1, self.loader.num_batches)
             # read from the device only at the logging interval (a host sync)
             metrics["train/logit_scale"] = float(self.module.logit_scale.detach().exp())
-            self.reporter.log("train", self.progress.step, epoch, metrics)
+            self.reporter.log("train", step, epoch, metrics)
 
     def check_stop_signal(self) -> None:
         """After a step (or the epoch's end): when SIGINT/SIGTERM reached any rank before this window's size

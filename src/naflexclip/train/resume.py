@@ -60,7 +60,7 @@ POLICY: dict[str, tuple[str, str]] = {
     **{key: (REFUSE, "the model") for key in ("force_context_length", "force_image_size")},
     **{key: (IGNORE, "") for key in ("name", "logs", "resume", "resume_fresh", "stop_after_steps", "device",
                                      "dist_timeout", "plot", "report_to", "wandb_project_name", "wandb_notes",
-                                     "cache_dir")},
+                                     "cache_dir", "log_every_n_steps", "log_metric_every_n_steps")},
     **{key: (IGNORE, "") for key in ("dist_url", "dist_backend", "no_set_device_rank")},  # how the job forms
     # ---- data recipes (issue 22): which samples and shards make an epoch, so what a saved position means;
     # --json-text-key-probs (which caption), --max-image-pixels (skipped when read) and --imagenet-* apply ----
