@@ -24,6 +24,7 @@ from naflexclip.data.readers import (
     expand_shards,
     read_sizes,
 )
+from naflexclip.data.regions import DecoderExamples
 from naflexclip.data.samples import reasons_line
 from naflexclip.data.shard_index import IndexedShardSource, SizedShardSource, is_indexable
 from naflexclip.data.shard_order import ShardRecipe, ShardSet
@@ -121,6 +122,7 @@ def build_loader(
     start_batch: int = 0,
     device_pin: bool = False,
     processing: Processing | None = None,
+    decoder: DecoderExamples | None = None,
 ) -> NaFlexLoader:
     """The loader for `split` ("train": sequence lengths drawn per step, shuffled, optional augment;
     "val": every microbatch at max(--naflex-seq-lens), source order, deterministic eval transform).
@@ -128,7 +130,8 @@ def build_loader(
     `start_batch` resumes mid-epoch: the loader yields exactly the microbatches from that position on that
     an uninterrupted epoch would have yielded. `processing`: the model's transform, collation and tokenizer for
     this split (an augmenting one for "train" with `cfg.augment`), handed in by the model's family
-    (`naflexclip.families.data_processing`); None: our own (`default_processing`).
+    (`naflexclip.families.data_processing`); None: our own (`default_processing`). `decoder`: a run with a LocCa
+    term builds each sample's decoder example into its microbatch's `example_inputs` (`naflexclip.data.regions`).
     """
     resolved = cfg.source(split)
     if resolved is None:
@@ -145,7 +148,8 @@ def build_loader(
         split=split, budget=cfg.token_budget() if train else cfg.token_budget().at_longest(),
         builder=MicrobatchBuilder(patch_size=patch_size, context_length=context_length, processing=processing,
                                   augment=cfg.augment and train, json_caption=cfg.json_caption(),
-                                  max_image_pixels=cfg.max_image_pixels, multi_caption=cfg.multi_caption and train),
+                                  max_image_pixels=cfg.max_image_pixels, multi_caption=cfg.multi_caption and train,
+                                  decoder=decoder),
         seed=cfg.seed, shuffle=train, workers=cfg.workers, rank=rank, world_size=world_size, pin_memory=device_pin,
     )
     urls, ids = expand_sources(path) if kind == "webdataset" and path is not None else ([], np.zeros(0, np.int64))

@@ -14,7 +14,7 @@ import os
 
 from webdataset.writer import TarWriter
 
-from naflexclip.data.synthetic import synthetic_sample
+from naflexclip.data.synthetic import synthetic_scene
 
 EXPORT_FORMATS = ("webdataset", "csv", "folder")
 IMAGE_FORMATS = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}
@@ -40,9 +40,10 @@ def export_synthetic(
 ) -> list[str]:
     """Write samples [start, start + count) of `split` to `out_dir`; returns the files a reader takes.
 
-    webdataset: `{split}-{00000..}.tar` shards of `shard_size` samples (key.jpg/png + key.txt);
-    csv: `images/{key}.{ext}` and `{split}.csv` with columns filepath, title (relative paths);
-    folder: `{key}.{ext}` + `{key}.txt` pairs.
+    webdataset: `{split}-{00000..}.tar` shards of `shard_size` samples (key.jpg/png + key.txt + key.json);
+    csv: `images/{key}.{ext}` (+ `images/{key}.json`) and `{split}.csv` with columns filepath, title (relative paths);
+    folder: `{key}.{ext}` + `{key}.txt` + `{key}.json`. Each `.json` holds the scene's regions
+    (`{"regions": [{"bbox": [x0, y0, x1, y1], "caption": ...}]}`, pixels; `naflexclip.data.regions`).
     """
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"--format must be one of {EXPORT_FORMATS}, got {fmt!r}")
@@ -51,7 +52,7 @@ def export_synthetic(
     if count < 1 or start < 0 or shard_size < 1:
         raise ValueError(f"need count >= 1, start >= 0, shard_size >= 1; got {count}, {start}, {shard_size}")
     os.makedirs(out_dir, exist_ok=True)
-    samples = ((f"{split}{i:08d}", *synthetic_sample(seed, split, i)) for i in range(start, start + count))
+    samples = ((f"{split}{i:08d}", *synthetic_scene(seed, split, i)) for i in range(start, start + count))
     if fmt == "webdataset":
         return _write_shards(out_dir, split, samples, image_format, shard_size, count)
     if fmt == "csv":
@@ -60,18 +61,25 @@ def export_synthetic(
         with open(table, "w", newline="", encoding="utf-8") as f:
             writer = csv.writer(f, delimiter=csv_separator)
             writer.writerow(["filepath", "title"])
-            for key, img, caption in samples:
+            for key, img, caption, regions in samples:
                 rel = os.path.join("images", f"{key}.{image_format}")
                 with open(os.path.join(out_dir, rel), "wb") as imf:
                     imf.write(_encode(img, image_format))
+                _write_regions(os.path.join(out_dir, "images", key), regions)
                 writer.writerow([rel, caption])
         return [table]
-    for key, img, caption in samples:
+    for key, img, caption, regions in samples:
         with open(os.path.join(out_dir, f"{key}.{image_format}"), "wb") as f:
             f.write(_encode(img, image_format))
         with open(os.path.join(out_dir, f"{key}.txt"), "w", encoding="utf-8") as f:
             f.write(caption)
+        _write_regions(os.path.join(out_dir, key), regions)
     return [out_dir]
+
+
+def _write_regions(stem: str, regions: list) -> None:
+    with open(f"{stem}.json", "w", encoding="utf-8") as f:
+        json.dump({"regions": regions}, f)
 
 
 def _write_shards(out_dir, split, samples, image_format, shard_size, count) -> list[str]:
@@ -83,9 +91,9 @@ def _write_shards(out_dir, split, samples, image_format, shard_size, count) -> l
         path = os.path.join(out_dir, name)
         n = 0
         with TarWriter(path) as writer:
-            for key, img, caption in samples:
+            for key, img, caption, regions in samples:
                 writer.write({"__key__": key, image_format: _encode(img, image_format),
-                              "txt": caption.encode("utf-8")})
+                              "txt": caption.encode("utf-8"), "json": json.dumps({"regions": regions}).encode()})
                 n += 1
                 if n == shard_size:
                     break

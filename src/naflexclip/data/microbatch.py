@@ -7,6 +7,7 @@ microbatch whose samples are all bad comes back as an empty item, covered later 
 from __future__ import annotations
 
 import hashlib
+import io
 import itertools
 import random
 from typing import Any
@@ -14,7 +15,9 @@ from typing import Any
 import torch
 from PIL import Image
 
+from naflexclip.batch import EXAMPLE_INPUTS
 from naflexclip.data.readers import RawSample, skip_record
+from naflexclip.data.regions import DecoderExamples, Region, parse_regions
 from naflexclip.data.samples import JsonCaption, SkipSample, decode_captions, decode_image, one_caption
 from naflexclip.data.schedule import ScheduledBatch, even_sizes
 from naflexclip.data.transform import Processing
@@ -37,11 +40,20 @@ class MicrobatchBuilder:
     `multi_caption`: every caption of a sample with several becomes a text row, and the item is grouped
     (`image_group`, `text_group`: a sample's group id is a hash of its key, the same on every rank and in every
     window); otherwise a sample with several captions takes one per epoch (`one_caption`).
+    `decoder` (a run with a LocCa term): each sample's decoder example (`naflexclip.data.regions`) from its caption
+    and regions, collated into the item's `example_inputs`; a bad region is a skip record of its own, not the
+    sample's.
     """
 
     def __init__(self, *, patch_size: int, context_length: int, processing: Processing, augment: bool = False,
                  json_caption: JsonCaption | None = None, max_image_pixels: int = 0,
-                 multi_caption: bool = False) -> None:
+                 multi_caption: bool = False, decoder: DecoderExamples | None = None) -> None:
+        if decoder is not None and (augment or multi_caption):
+            raise ValueError("a LocCa term (--recipe siglip2 / --locca-loss-weight) with "
+                             f"{'--augment' if augment else '--multi-positive'} is not supported: "
+                             + ("a crop would move the regions' boxes" if augment else "one decoder example per "
+                                "image needs one caption"))
+        self.decoder = decoder
         self.patch_size, self.context_length, self.augment = patch_size, context_length, augment
         self.processing = processing
         self.json_caption, self.max_image_pixels = json_caption, max_image_pixels
@@ -55,7 +67,7 @@ class MicrobatchBuilder:
         transform = self.processing.transform
         draft = lambda hw: transform.target_hw(hw, planned.seq_len)
         records = list(records)
-        pixels, texts, labels, keys, captions_per_image = [], [], [], [], []
+        pixels, texts, labels, keys, captions_per_image, examples = [], [], [], [], [], []
         for raw, (source, key, line) in samples:
             try:
                 if isinstance(raw, SkipSample):
@@ -72,6 +84,12 @@ class MicrobatchBuilder:
             except SkipSample as skip:
                 records.append(skip_record(source, key, line, skip.reason, str(skip)))
                 continue
+            if self.decoder is not None:
+                regions: list[Region] = []
+                if raw.regions is not None:
+                    regions, bad = parse_regions(raw.regions, *original_size(raw.image, image))
+                    records += [skip_record(source, key, line, reason, detail) for reason, detail in bad]
+                examples.append(self.decoder.example(captions[0], regions, seed_key[0], seed_key[1], raw.key))
             texts.extend(captions)
             captions_per_image.append(len(captions))
             keys.append(raw.key)
@@ -84,6 +102,8 @@ class MicrobatchBuilder:
         item["image"] = self.processing.collate(pixels, planned.seq_len, self.patch_size)
         item["text"] = self.processing.tokenize(texts, self.context_length)
         item["keys"] = keys
+        if self.decoder is not None:
+            item[EXAMPLE_INPUTS] = self.decoder.collate(examples)
         if self.multi_caption:
             item["image_group"] = torch.tensor([group_id(key) for key in keys], dtype=torch.int64)
             item["text_group"] = torch.repeat_interleave(item["image_group"], torch.tensor(captions_per_image))
@@ -92,6 +112,13 @@ class MicrobatchBuilder:
         if labels:
             item["labels"] = {k: torch.tensor([lab[k] for lab in labels]) for k in labels[0]}
         return item
+
+
+def original_size(data: bytes | Image.Image | None, decoded: Image.Image) -> tuple[int, int]:
+    """(width, height) of the stored image, from its header: a JPEG decoded in draft mode is smaller."""
+    if isinstance(data, bytes):
+        return Image.open(io.BytesIO(data)).size
+    return decoded.size
 
 
 def group_id(sample_key: str) -> int:
@@ -115,6 +142,8 @@ def split_rows(item: dict[str, Any], parts: int) -> list[dict[str, Any]]:
                  "num_tokens": int(image["patch_valid"].sum())}
         if grouped:
             piece["image_group"], piece["text_group"] = item["image_group"][lo:hi], item["text_group"][texts]
+        if EXAMPLE_INPUTS in item:
+            piece[EXAMPLE_INPUTS] = {k: v[lo:hi] for k, v in item[EXAMPLE_INPUTS].items()}
         if "labels" in item:
             piece["labels"] = {k: v[lo:hi] for k, v in item["labels"].items()}
         pieces.append(piece)

@@ -22,7 +22,7 @@ from webdataset.shardlists import expand_urls
 from webdataset.tariterators import base_plus_ext
 
 from naflexclip.data.samples import IMAGE_EXTENSIONS, read_image_file
-from naflexclip.data.synthetic import synthetic_captions, synthetic_sample, zero_shot_sample
+from naflexclip.data.synthetic import synthetic_scene, zero_shot_sample
 
 CAPTION_EXTENSIONS = ("txt", "text", "caption")
 # suffixes that end a member's key (see `member_key`): images, captions and the json metadata
@@ -70,6 +70,7 @@ class RawSample:
     caption: bytes | str | list[str] | None
     labels: dict[str, int] | None = None
     key: str = ""
+    regions: Any = None  # the sample's regions: its .json (bytes, str or parsed; `naflexclip.data.regions`)
 
 
 class Source(Protocol):
@@ -114,9 +115,8 @@ class SyntheticSource:
         return self.name, str(index), None
 
     def load(self, index: int) -> RawSample:
-        sample = synthetic_captions if self.multi_caption else synthetic_sample
-        img, caption = sample(self.seed, self.split, index, self.group_size)
-        return RawSample(img, caption, None, str(index))
+        img, caption, regions = synthetic_scene(self.seed, self.split, index, self.group_size, self.multi_caption)
+        return RawSample(img, caption, None, str(index), {"regions": regions})
 
 
 class ZeroShotSource:
@@ -262,7 +262,7 @@ class CsvSource:
 
     def load(self, index: int) -> RawSample:
         image = read_image_file(self.paths[index])
-        return RawSample(image, self.captions[index], None, self.keys[index])
+        return RawSample(image, self.captions[index], None, self.keys[index], sidecar_regions(self.paths[index]))
 
 
 def walk_folder(root: str) -> Iterator[tuple[str, list[str]]]:
@@ -327,7 +327,16 @@ class FolderSource:
         image = read_image_file(image_path)
         with open(caption_path, "rb") as f:
             caption = f.read()
-        return RawSample(image, caption, None, image_path)
+        return RawSample(image, caption, None, image_path, sidecar_regions(image_path))
+
+
+def sidecar_regions(image_path: str) -> bytes | None:
+    """The `.json` beside an image file (same stem: `a.jpg` -> `a.json`), which may hold its regions; None if none."""
+    try:
+        with open(os.path.splitext(image_path)[0] + ".json", "rb") as f:
+            return f.read()
+    except OSError:
+        return None
 
 
 def expand_shards(urls: str) -> list[str]:
@@ -477,4 +486,4 @@ def same_sample(key: str, current: str | None) -> bool:
 
 def _raw_sample(url: str, sample: dict, keys: MemberKeys) -> RawSample:
     image, caption = keys.pick(sample)
-    return RawSample(image, caption, None, f"{url}:{sample['__key__']}")
+    return RawSample(image, caption, None, f"{url}:{sample['__key__']}", sample.get("json"))

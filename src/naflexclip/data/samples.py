@@ -17,6 +17,13 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+# a bad region of a sample's .json (`naflexclip.data.regions`): the region is skipped, the sample trains
+REGION_REASONS = (
+    "region_malformed",  # not {"bbox": [4 numbers], "caption": str}, or a .json that is not JSON
+    "region_outside_image",  # a coordinate outside [0, width] x [0, height] of the original image
+    "region_empty_box",  # x1 <= x0 or y1 <= y0
+    "region_no_caption",  # a missing or empty caption
+)
 SKIP_REASONS = (
     "missing_file",  # CSV row / folder entry whose image file does not exist
     "missing_image",  # WebDataset sample with no image member
@@ -36,9 +43,10 @@ SKIP_REASONS = (
     "epoch_remainder",  # an epoch with fewer samples than ranks: no rank can be given one without the others
     "duplicate_key",  # a key that names several samples of one shard: noted, each of them trains
     "shard_size_mismatch",  # sizes.json lists more samples for a shard than it holds (each missing one counted)
+    *REGION_REASONS,
 )
 # reasons about whole shards, the plan or the packing, reported apart from bad samples
-NOT_SAMPLE_REASONS = ("truncated_shard", "missing_shard", "epoch_remainder", "duplicate_key")
+NOT_SAMPLE_REASONS = ("truncated_shard", "missing_shard", "epoch_remainder", "duplicate_key", *REGION_REASONS)
 
 
 def reasons_line(counts: Mapping[str, int]) -> str:

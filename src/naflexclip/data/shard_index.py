@@ -36,7 +36,7 @@ from naflexclip.data.readers import (
 )
 from naflexclip.data.samples import SkipSample
 
-INDEX_VERSION = 3
+INDEX_VERSION = 4  # 4: the .json member's offset and size (a sample's regions)
 INDEX_SUFFIX = ".naflexclip-index.json"
 
 
@@ -56,7 +56,7 @@ class ShardIndex:
     url: str
     status: str
     keys: list[str]
-    offsets: np.ndarray  # int64 [num_samples, 4]: image offset, image size, caption offset, caption size
+    offsets: np.ndarray  # int64 [num_samples, 6]: image, caption and .json member offset and size (-1, -1: none)
     cut: str | None = None
     duplicates: list[str] = field(default_factory=list)  # keys that name several samples (each trains)
 
@@ -69,7 +69,7 @@ def scan_shard(url: str, keys: MemberKeys = DEFAULT_MEMBER_KEYS) -> ShardIndex:
     try:
         file_size = os.path.getsize(url)
     except OSError:
-        return ShardIndex(url, "missing", [], np.zeros((0, 4), np.int64))
+        return ShardIndex(url, "missing", [], np.zeros((0, 6), np.int64))
     members: list[tuple[str, int, int]] = []
     truncated, cut_member = False, None
     try:
@@ -100,7 +100,7 @@ def scan_shard(url: str, keys: MemberKeys = DEFAULT_MEMBER_KEYS) -> ShardIndex:
         key, ext = member_key(name)
         if not sample_keys or new_sample(key, ext, sample_keys[-1], exts):
             sample_keys.append(key)
-            rows.append([-1, -1, -1, -1])
+            rows.append([-1, -1, -1, -1, -1, -1])
             ranks.append([len(image_rank), len(caption_rank)])
             exts = set()
         exact = key == sample_keys[-1]
@@ -110,6 +110,8 @@ def scan_shard(url: str, keys: MemberKeys = DEFAULT_MEMBER_KEYS) -> ShardIndex:
             rows[-1][0:2], ranks[-1][0] = [offset, size], image_rank[ext]
         elif exact and ext in caption_rank and caption_rank[ext] < ranks[-1][1]:
             rows[-1][2:4], ranks[-1][1] = [offset, size], caption_rank[ext]
+        if exact and ext == "json":  # regions (`naflexclip.data.regions`); also the caption with --json-text-key
+            rows[-1][4:6] = [offset, size]
     cut = None
     if cut_member is not None:  # only the sample the cut member belongs to is lost
         cut = member_key(cut_member)[0]
@@ -117,7 +119,7 @@ def scan_shard(url: str, keys: MemberKeys = DEFAULT_MEMBER_KEYS) -> ShardIndex:
             cut = sample_keys.pop()
             rows.pop()
     return ShardIndex(url, "truncated" if truncated else "ok", sample_keys,
-                      np.asarray(rows, dtype=np.int64).reshape(-1, 4), cut, repeated_keys(sample_keys))
+                      np.asarray(rows, dtype=np.int64).reshape(-1, 6), cut, repeated_keys(sample_keys))
 
 
 def repeated_keys(sample_keys: list[str]) -> list[str]:
@@ -154,7 +156,7 @@ def load_shard_index(url: str, cache_dir: str | None = None, keys: MemberKeys = 
             cached = json.load(f)
         if all(cached.get(k) == v for k, v in stamp.items()):
             return ShardIndex(url, cached["status"], cached["keys"],
-                              np.asarray(cached["offsets"], dtype=np.int64).reshape(-1, 4), cached["cut"],
+                              np.asarray(cached["offsets"], dtype=np.int64).reshape(-1, 6), cached["cut"],
                               cached["duplicates"])
     except (OSError, ValueError, KeyError):
         pass
@@ -206,7 +208,7 @@ class IndexedShardSource:
                 offsets.append(row)
         self.shard_ids = np.asarray(shard_ids, dtype=np.int64)
         self.keys = keys
-        self.offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 4)
+        self.offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 6)
         self._fds: dict[int, int] = {}
         self._pid = -1
 
@@ -225,11 +227,12 @@ class IndexedShardSource:
 
     def load(self, index: int) -> RawSample:
         shard_id = int(self.shard_ids[index])
-        img_off, img_size, cap_off, cap_size = (int(v) for v in self.offsets[index])
+        img_off, img_size, cap_off, cap_size, json_off, json_size = (int(v) for v in self.offsets[index])
         fd = self._fd(shard_id)
         image = os.pread(fd, img_size, img_off)  # pread: no shared file position between threads or forks
         caption = os.pread(fd, cap_size, cap_off)
-        return RawSample(image, caption, None, f"{self.urls[shard_id]}:{self.keys[index]}")
+        regions = os.pread(fd, json_size, json_off) if json_off >= 0 else None
+        return RawSample(image, caption, None, f"{self.urls[shard_id]}:{self.keys[index]}", regions)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_fds": {}, "_pid": -1}
@@ -281,7 +284,7 @@ class SizedShardSource:
                 raise SkipSample("truncated_shard", f"sample {j} of {url}: the shard ends before it")
             raise SkipSample("shard_size_mismatch",
                              f"sizes.json lists {int(self.sizes[shard])} samples, {url} holds {len(shard_index)}")
-        img_off, img_size, cap_off, cap_size = (int(v) for v in shard_index.offsets[j])
+        img_off, img_size, cap_off, cap_size, json_off, json_size = (int(v) for v in shard_index.offsets[j])
         reason = ("missing_image" if img_off < 0 else "empty_image" if img_size == 0
                   else "missing_caption" if cap_off < 0 else None)
         if reason is not None:
@@ -289,7 +292,8 @@ class SizedShardSource:
         with open(url, "rb") as f:
             image = os.pread(f.fileno(), img_size, img_off)
             caption = os.pread(f.fileno(), cap_size, cap_off)
-        return RawSample(image, caption, None, f"{url}:{shard_index.keys[j]}")
+            regions = os.pread(f.fileno(), json_size, json_off) if json_off >= 0 else None
+        return RawSample(image, caption, None, f"{url}:{shard_index.keys[j]}", regions)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_indexes": collections.OrderedDict()}

@@ -50,11 +50,12 @@ COUNT_WORDS = ("one shape", "two shapes", "three shapes")
 
 @dataclass(frozen=True)
 class SceneObject:
-    """One drawn object: indices into SHAPES, COLOURS, SIZES."""
+    """One drawn object: indices into SHAPES, COLOURS, SIZES; `box`: where it was drawn, (x0, y0, x1, y1) pixels."""
 
     shape: int
     colour: int
     size: int
+    box: tuple[float, float, float, float] | None = None
 
     def phrase(self) -> str:
         return f"a {SIZES[self.size]} {COLOURS[self.colour]} {SHAPES[self.shape]}"
@@ -158,7 +159,9 @@ def render_scene(
         across = short_side / 2 + rng.uniform(-1, 1) * max(0.0, short_side / 2 - r)
         cx, cy = (along, across) if wide else (across, along)
         _draw(draw, obj, cx, cy, r)
-        objects.append(obj)
+        # the drawing's bounding square, inside the image (every shape spans its square's width or height)
+        box = (max(0.0, cx - r), max(0.0, cy - r), min(float(width), cx + r), min(float(height), cy + r))
+        objects.append(replace(obj, box=box))
     return img, objects, background, wide
 
 
@@ -198,15 +201,36 @@ def synthetic_sample(seed: int, split: str, index: int, shape_group_size: int = 
     return img, caption_for(rng, objects, background, wide)
 
 
+def object_regions(objects: list[SceneObject]) -> list[dict[str, Any]]:
+    """A scene's regions as a sample's .json holds them: each object's box (pixels) and caption ("a small red
+    circle")."""
+    return [{"bbox": [round(c, 2) for c in obj.box or ()], "caption": obj.phrase()} for obj in objects]
+
+
+def synthetic_scene(seed: int, split: str, index: int, shape_group_size: int = 1, multi_caption: bool = False
+                    ) -> tuple[Image.Image, str | list[str], list[dict[str, Any]]]:
+    """`synthetic_sample`'s (or, `multi_caption`, `synthetic_captions`') image and caption(s), with its regions."""
+    rng, (img, objects, background, wide) = _scene(seed, split, index, shape_group_size)
+    caption = caption_for(rng, objects, background, wide)
+    if multi_caption:
+        return img, _more_captions(seed, split, index, caption, objects, background, wide), object_regions(objects)
+    return img, caption, object_regions(objects)
+
+
 def synthetic_captions(seed: int, split: str, index: int, shape_group_size: int = 1) -> tuple[Image.Image, list[str]]:
     """`synthetic_sample`'s image with 2 to 5 captions of it (the multi-caption mode): its own caption first, then
     captions in other templates and object orders, drawn from a stream of their own (image and first caption are
     `synthetic_sample`'s)."""
     rng, (img, objects, background, wide) = _scene(seed, split, index, shape_group_size)
-    first = caption_for(rng, objects, background, wide)
+    return img, _more_captions(seed, split, index, caption_for(rng, objects, background, wide), objects, background,
+                               wide)
+
+
+def _more_captions(seed: int, split: str, index: int, first: str, objects: list[SceneObject], background: str,
+                   wide: bool) -> list[str]:
     extra = np.random.default_rng(np.random.SeedSequence([seed & 0xFFFFFFFF, SPLIT_STREAMS[split], index, 2]))
     more = [caption_for(extra, objects, background, wide) for _ in range(int(extra.integers(1, 5)))]
-    return img, [first, *more]
+    return [first, *more]
 
 
 def zero_shot_sample(seed: int, index: int) -> tuple[Image.Image, str, dict[str, int]]:

@@ -20,6 +20,7 @@ from naflexclip.distributed import DEVICE_CHOICES, DistributedFault, check_devic
 from naflexclip.lock import Locks, add_lock_args
 from naflexclip.loss import LOSSES
 from naflexclip.model import PRESETS
+from naflexclip.recipe import Recipe, add_recipe_args
 from naflexclip.window import METHODS, SCALE_MODES
 
 from .config import DEFAULT_MODEL, DEMO_DEFAULTS, OPENCLIP_DEFAULTS, PRECISIONS, TrainConfig, parse_kwargs, shown_value
@@ -99,6 +100,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
                         "open_clip's download folder), besides the default caches; nothing is downloaded")
     add_lock_args(parser)
     add_distill_args(parser)
+    add_recipe_args(parser)
     m = parser.add_argument_group("several captions per image")
     m.add_argument("--multi-positive", action="store_true",
                    help="every caption of an image is a text row and a positive of it (group ids over the window): "
@@ -372,7 +374,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         grad_checkpointing=args.grad_checkpointing, torchcompile=args.torchcompile, **Locks.pick(args).as_dict(),
         openclip_built_in=tuple(getattr(args, "openclip_built_in", ())), **optimizer_config(args), **run_config(args),
         **model_override_config(args),
-        **Distill.pick(args).as_dict(), multi_positive=args.multi_positive,
+        **Distill.pick(args).as_dict(), **Recipe.pick(args).as_dict(), multi_positive=args.multi_positive,
         multi_positive_weighting=args.multi_positive_weighting,
         **launcher_config(args),
     )

@@ -24,6 +24,7 @@ from naflexclip.families import family_of, named_family
 from naflexclip.lock import Locks
 from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES, MULTI_POSITIVE_WEIGHTINGS
 from naflexclip.model import PRESETS
+from naflexclip.recipe import Recipe
 from naflexclip.run_checkpoint import is_run_checkpoint, model_name_conflict, read_run_weights
 from naflexclip.train.report import report_to_names
 from naflexclip.window import METHODS, SCALE_MODES
@@ -188,6 +189,9 @@ class TrainConfig:
     distill_model: str | None = None
     distill_pretrained: str | None = None
     distill_loss_weight: float = 1.0
+    # SigLIP 2's recipe (`naflexclip.recipe.Recipe`): the LocCa decoder's per-example term beside the pair loss
+    recipe: str | None = None
+    locca_loss_weight: float | None = None  # None: the recipe's weight, else 0 (no decoder)
     # several captions per image as several positives (`naflexclip.loss.MultiPositiveLoss`)
     multi_positive: bool = False
     multi_positive_weighting: str = "symmetric"
@@ -232,6 +236,7 @@ class TrainConfig:
         self._check_loss()
         Locks.pick(self)  # one-line errors for lock flags that cannot go together
         self._check_multi_positive()
+        self._check_recipe()
         if Distill.pick(self).enabled and self.distill_pretrained is None and self.distill_model in PRESETS:
             raise ValueError(f"--distill-model {self.distill_model} is a preset: give the teacher's weights with "
                              f"--distill-pretrained (a naflexclip checkpoint)")
@@ -379,6 +384,19 @@ class TrainConfig:
             raise ValueError("--multi-positive with --distill-model is not supported yet")
         if self.multi_positive:  # every caption of a sample becomes a text row with its group id
             self.data.multi_caption = True
+
+    def _check_recipe(self) -> None:
+        """A LocCa term trains the decoder on the image tower's tokens, one example per image (`data.regions`)."""
+        if not Recipe.pick(self).example_terms():
+            return
+        what = "a LocCa term (--recipe siglip2 / --locca-loss-weight > 0)"
+        if self.lock_image and self.lock_image_unlocked_groups == 0:
+            raise ValueError(f"--lock-image with {what}: the decoder's loss trains the image tower; unlock some "
+                             f"groups (--lock-image-unlocked-groups) or drop --lock-image")
+        for flag, given in (("--distill-model", self.distill_model is not None),
+                            ("--multi-positive", self.multi_positive), ("--augment", self.data.augment)):
+            if given:
+                raise ValueError(f"{flag} with {what} is not supported yet")
 
     def _check_zeroshot(self) -> None:
         """The ImageFolder, class names and templates of --zeroshot-data, read before the run starts."""

@@ -20,6 +20,8 @@ from typing import Any
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from naflexclip.data import build_loader
+from naflexclip.data.regions import CaptionTokens, DecoderExamples
+from naflexclip.data.transform import Processing
 from naflexclip.distill import Distill
 from naflexclip.distributed import DistributedEnv, barrier, cleanup, init_distributed, run_on_main, share_from_main
 from naflexclip.exchange import window_exchange
@@ -27,8 +29,9 @@ from naflexclip.factory import create_model
 from naflexclip.families import data_processing
 from naflexclip.lock import Locks, lock_summary
 from naflexclip.loss import MultiPositiveLoss, create_loss
-from naflexclip.model import config_to_dict
+from naflexclip.model import NaFlexClip, config_to_dict
 from naflexclip.parallel import unwrap_model, wrap_model
+from naflexclip.recipe import Recipe
 from naflexclip.train import checkpoint as ckpt
 from naflexclip.train.components import (
     Checkpointer,
@@ -68,6 +71,9 @@ class Trainer:
             seed_everything(cfg.seed)  # the same initial weights as one build would draw
             model = create_model(cfg.model, pretrained=cfg.pretrained, cache_dir=cfg.cache_dir, loss=cfg.loss,
                                  **overrides)
+        # SigLIP 2's recipe: a fresh LocCa decoder beside the towers (also with --pretrained towers), drawn after them
+        recipe = Recipe.pick(cfg)
+        model = recipe.prepare(model)
         Locks.pick(cfg).apply(model)  # before wrapping (DDP registers the trainable parameters) and the optimizer
         model = model.to(env.device)
         if cfg.grad_checkpointing:
@@ -94,17 +100,19 @@ class Trainer:
             opt_kwargs=cfg.opt_kwargs, momentum=cfg.momentum, wd_exclude=cfg.wd_exclude,
             image_layer_decay=cfg.image_layer_decay, text_layer_decay=cfg.text_layer_decay,
             fallback=cfg.opt_fallback_list)
+        processing = data_processing(cfg.data.hf_processor, self.module.image_patch_size, augment=cfg.data.augment,
+                                     **cfg.data.image_overrides())
+        example_terms = recipe.example_terms()
         self.loader = build_loader(cfg.data, split="train", patch_size=self.module.image_patch_size,
                                    context_length=self.module.context_length, rank=env.rank,
                                    world_size=env.world_size, device_pin=env.device.type == "cuda",
-                                   processing=data_processing(cfg.data.hf_processor, self.module.image_patch_size,
-                                                              augment=cfg.data.augment,
-                                                              **cfg.data.image_overrides()))
+                                   processing=processing,
+                                   decoder=decoder_examples(self.module, processing) if example_terms else None)
         self.batches_per_epoch = self._plan_batches()
         self.schedule = LrSchedule(self.optimizer, cfg.lr, cfg.warmup, 1, kind=cfg.lr_scheduler)
         self.schedule.load_state_dict(self.schedule_plan(0, 0, 0))
         self.window_step = WindowStep(cfg, env, self.model, loss_fn, self.optimizer, self.schedule, self.precision,
-                                      self.exchange, teacher)
+                                      self.exchange, teacher, example_terms)
         self.progress = Progress()
         self.run_dir = Path(cfg.logs) / str(cfg.name)
         local_log = self.run_dir / f"out-{env.rank}.log" if cfg.log_local and env.local_rank == 0 else None
@@ -134,6 +142,10 @@ class Trainer:
             self.reporter.message(f"distilling from --distill-model {cfg.distill_model} (frozen, one forward per "
                                   f"microbatch without gradient): loss = contrastive + {cfg.distill_loss_weight:g}"
                                   f" · distill, logged as loss/contrastive and loss/distill")
+        if example_terms:
+            self.reporter.message(f"SigLIP 2's LocCa decoder ({self.module.config.decoder}) trains beside the pair "
+                                  f"loss: loss = {cfg.loss} + {recipe.locca_weight:g} · locca (per target token of "
+                                  f"the window), logged as loss/locca")
         locked = lock_summary(self.module)
         if locked:
             self.reporter.message(locked)
@@ -330,6 +342,14 @@ class Trainer:
         the step in progress."""
         if self.exchange.should_stop(self.stop.number is not None):
             raise self.stop.stopped(self.progress.step, self.checkpointer.save_step(), show=self.env.is_main)
+
+
+def decoder_examples(model: NaFlexClip, processing: Processing) -> DecoderExamples:
+    """What the data pipeline builds each sample's LocCa example with: the model's decoder vocabulary and width, and
+    the text tower's tokenizer (the processing's)."""
+    assert model.decoder is not None
+    return DecoderExamples(model.decoder.vocab, model.decoder.config.max_length,
+                           CaptionTokens(processing.tokenize, model.context_length))
 
 
 def train(cfg: TrainConfig) -> dict[str, float]:

@@ -39,6 +39,9 @@ POLICY: dict[str, tuple[str, str]] = {
     "model": (REFUSE, "the model"),
     "pretrained": (REFUSE, "the model"),
     "loss": (REFUSE, "the loss"),
+    # the recipe decides the objectives and the model's decoder; --locca-loss-weight is a weight (applied: the
+    # decoder, in the checkpoint, continues; 0 <-> > 0 adds or drops the decoder, refused as an architecture change)
+    "recipe": (REFUSE, "the objectives and the model (the recipe's decoder)"),
     # the optimizer state holds the trainable parameters only (a run unlocking more is a new run)
     **{key: (REFUSE, "which parameters train") for key in Locks().as_dict()},
     # what the saved data position means: the sample order and the batch plan of every epoch

@@ -11,7 +11,7 @@ window, skipped or not, so the schedule and the data position stay in step).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,7 @@ from naflexclip.train.config import TrainConfig
 from naflexclip.train.grouping import window_sizes
 from naflexclip.train.optim import LrSchedule
 from naflexclip.train.precision import Precision
-from naflexclip.window import WindowStats, accumulate_gradients
+from naflexclip.window import ExampleTerm, WindowStats, accumulate_gradients
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,8 @@ def step_metrics(result: StepResult, tokens: tuple[int, int], seconds: float) ->
     """What a step shows on every step (no device read); `tokens`: (valid image patches, padded patch slots) of
     the window on all ranks, `seconds`: since the previous step."""
     stats, (valid, slots) = result.stats, tokens
-    terms = {f"loss/{name}": value for name, value in (stats.terms or {}).items()}  # e.g. contrastive, distill
+    # e.g. contrastive, distill; and each per-example term's value before its weight (locca)
+    terms = {f"loss/{name}": value for name, value in {**(stats.terms or {}), **(stats.example_terms or {})}.items()}
     return {**terms,
         "train/loss": stats.loss, "train/lr": result.lr, "train/scale": stats.scale,
         "train/window_examples": stats.num_examples, "train/num_microbatches": stats.num_microbatches,
@@ -88,8 +89,9 @@ class WindowStep:
 
     def __init__(self, cfg: TrainConfig, env: DistributedEnv, model: nn.Module, loss_fn: nn.Module,
                  optimizer: torch.optim.Optimizer, schedule: LrSchedule, precision: Precision, exchange: Any,
-                 teacher: nn.Module | None = None) -> None:
+                 teacher: nn.Module | None = None, example_terms: Sequence[ExampleTerm] = ()) -> None:
         self.cfg, self.env, self.model, self.loss_fn, self.teacher = cfg, env, model, loss_fn, teacher
+        self.example_terms = tuple(example_terms)  # per-example terms of the objective (the LocCa decoder's)
         self.optimizer, self.schedule, self.precision, self.exchange = optimizer, schedule, precision, exchange
 
     def __call__(self, microbatches: list[dict[str, Any]], step: int) -> StepResult:
@@ -105,7 +107,7 @@ class WindowStep:
                 self.model, self.loss_fn, batches, loss_scale=cfg.naflex_loss_scale,
                 reference_batch_size=cfg.batch_size, method=cfg.accum_method, exchange=self.exchange,
                 no_sync=no_sync_context(self.model), autocast=self.precision.autocast,
-                grad_scaler=self.precision.scaler, teacher=self.teacher,
+                grad_scaler=self.precision.scaler, teacher=self.teacher, example_terms=self.example_terms,
             )
             grad_norm = self._unscale_and_clip()
         # the same on every rank, so every rank skips alike: the loss is L(W) of the whole window, the norm that of

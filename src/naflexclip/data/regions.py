@@ -1,0 +1,129 @@
+"""Regions of a sample (boxes with captions) and the LocCa decoder example each sample trains in an epoch.
+
+A sample may carry regions: a `.json` with `"regions": [{"bbox": [x0, y0, x1, y1], "caption": "..."}]`, pixel
+coordinates of the original image. A box is normalised by the original width and height: the NaFlex resize scales
+the whole image (it keeps the aspect ratio, and no resize without a crop moves a fraction), so the fraction is where
+the object lands in the resized patches too. Crop augmentation would move boxes: a LocCa term refuses `--augment`.
+
+A bad region (not a box of 4 numbers, outside the image, x1 <= x0 or y1 <= y0, no caption) is skipped by name
+(`naflexclip.data.samples.REGION_REASONS`), never the sample.
+
+`DecoderExamples` builds each sample's decoder example (SigLIP 2 sec. 2.2, LocCa): a sample without regions trains
+the caption task; one with regions draws caption / aref / gcap uniformly and one region; half of the examples are
+parallel (CapPa). Every draw comes from (seed, epoch, sample key) alone, so a resume and any split of the data see
+the same examples.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from naflexclip.locca import TASKS, Vocabulary, collate_decoder, decoder_example
+
+
+@dataclass(frozen=True)
+class Region:
+    """A box as fractions of the image's width and height `(x0, y0, x1, y1)`, and its caption."""
+
+    box: tuple[float, float, float, float]
+    caption: str
+
+
+def parse_regions(data: Any, width: int, height: int) -> tuple[list[Region], list[tuple[str, str]]]:
+    """The usable regions of a sample's `.json` (bytes, str or the parsed object) for an original image of
+    `width` x `height` pixels, and (reason, detail) of each region skipped."""
+    if isinstance(data, bytes | str):
+        try:
+            data = json.loads(data)
+        except (ValueError, UnicodeDecodeError):
+            return [], [("region_malformed", "the .json is not JSON")]
+    entries = data.get("regions") if isinstance(data, dict) else None
+    if entries is None:
+        return [], []
+    if not isinstance(entries, list):
+        return [], [("region_malformed", f"\"regions\" is a {type(entries).__name__}, not a list")]
+    regions, skipped = [], []
+    for n, entry in enumerate(entries):
+        bbox = entry.get("bbox") if isinstance(entry, dict) else None
+        if (not isinstance(bbox, list | tuple) or len(bbox) != 4
+                or not all(isinstance(c, int | float) and not isinstance(c, bool) and math.isfinite(c) for c in bbox)):
+            skipped.append(("region_malformed", f"region {n}: bbox {bbox!r} is not [x0, y0, x1, y1]"))
+            continue
+        x0, y0, x1, y1 = (float(c) for c in bbox)
+        if min(x0, y0, x1, y1) < 0 or max(x0, x1) > width or max(y0, y1) > height:
+            skipped.append(("region_outside_image", f"region {n}: bbox {list(bbox)} outside {width}x{height}"))
+            continue
+        if x1 <= x0 or y1 <= y0:
+            skipped.append(("region_empty_box", f"region {n}: bbox {list(bbox)} has x1 <= x0 or y1 <= y0"))
+            continue
+        caption = entry.get("caption")
+        if not isinstance(caption, str) or not caption.strip():
+            skipped.append(("region_no_caption", f"region {n}: caption {caption!r}"))
+            continue
+        regions.append(Region((x0 / width, y0 / height, x1 / width, y1 / height), caption.strip()))
+    return regions, skipped
+
+
+class CaptionTokens:
+    """A caption's word tokens from the text tower's tokenizer (`tokenize(texts, context_length) -> [B, T]`), with
+    its start, end and padding stripped; `end` is the tokenizer's end token (the last token of an empty text)."""
+
+    def __init__(self, tokenize: Callable[[list[str], int], torch.Tensor], context_length: int) -> None:
+        self.tokenize, self.context_length = tokenize, context_length
+        empty = tokenize([""], context_length)[0].tolist()
+        self.pad = empty[-1]
+        used = empty[: len(empty) - next(i for i, t in enumerate(reversed(empty)) if t != self.pad)]
+        if not used:
+            raise ValueError("the tokenizer gives an empty text no tokens: its end token is unknown")
+        self.start, self.end = used[:-1], used[-1]
+
+    def __call__(self, texts: Sequence[str]) -> list[list[int]]:
+        rows = self.tokenize(list(texts), self.context_length).tolist()
+        words = []
+        for row in rows:
+            while row and row[-1] == self.pad:
+                row.pop()
+            if row and row[-1] == self.end:
+                row.pop()
+            if row[: len(self.start)] == self.start:
+                row = row[len(self.start):]
+            words.append(row)
+        return words
+
+
+@dataclass(frozen=True)
+class DecoderExamples:
+    """Each sample's decoder example, collated at the decoder's fixed width into a microbatch's `example_inputs`."""
+
+    vocab: Vocabulary
+    max_length: int
+    tokens: CaptionTokens
+
+    def draw(self, seed: int, epoch: int, sample_key: str, has_regions: bool, num_regions: int
+             ) -> tuple[str, int, bool]:
+        """(task, region index, parallel) of a sample in an epoch: a function of (seed, epoch, key) alone."""
+        rng = random.Random(f"{seed}:{epoch}:{sample_key}:locca")  # str seeds hash with SHA-512: stable
+        task = TASKS[rng.randrange(len(TASKS))] if has_regions else "caption"
+        region = rng.randrange(num_regions) if has_regions else 0
+        return task, region, rng.random() < 0.5
+
+    def example(self, caption: str, regions: Sequence[Region], seed: int, epoch: int, sample_key: str
+                ) -> tuple[list[int], list[int], bool]:
+        task, r, parallel = self.draw(seed, epoch, sample_key, bool(regions), len(regions))
+        text = caption if task == "caption" else regions[r].caption
+        words = [*self.tokens([text])[0], self.tokens.end]
+        box = self.vocab.box_tokens(regions[r].box) if regions else []
+        prefix, target = {"caption": ([], words), "aref": (words[:-1], box), "gcap": (box, words)}[task]
+        return (*decoder_example(self.vocab, task, prefix, target, parallel, self.max_length), parallel)
+
+    def collate(self, examples: Sequence[tuple[list[int], list[int], bool]]) -> dict[str, torch.Tensor]:
+        batch = collate_decoder(examples, self.vocab, length=self.max_length)
+        return {"decoder_input_ids": batch.input_ids, "decoder_labels": batch.labels,
+                "decoder_parallel": batch.parallel}
