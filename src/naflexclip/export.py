@@ -6,6 +6,7 @@ The directory holds `config.json`, `model.safetensors` and, for a run fine-tuned
 that checkpoint's tokenizer and image-processor files; `transformers.Siglip2Model.from_pretrained` loads it
 with the same outputs. A model transformers cannot express is refused in one line naming what does not map (for a
 preset's run, adding that a new run starts from the checkpoint itself: `train --pretrained CHECKPOINT`).
+Either format writes the towers only: a LocCa decoder (`--recipe siglip2`) stays in the run's checkpoint.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {out}")
     for note in family.export_notes(out):
         print(note)
+    if getattr(model, "decoder", None) is not None:  # SigLIP 2's recipe drops the decoder after training
+        print("note: the LocCa decoder is not exported (the towers only); it stays in the run's checkpoint")
     return 0
 
 

@@ -1,0 +1,92 @@
+"""`naflexclip train --recipe siglip2`: the LocCa decoder trains beside the pair loss, is logged, checkpointed and
+resumed bit-exactly; the towers export without it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from siglip2_cases import make_checkpoint
+from test_train_loop import TINY_DATA_FLAGS, tiny_config
+
+from naflexclip.cli import main
+from naflexclip.factory import create_model
+from naflexclip.families import export_family
+from naflexclip.recipe import Recipe
+from naflexclip.train.checkpoint import find_latest, load_checkpoint
+from naflexclip.train.loop import train
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_a_recipe_run_logs_locca_and_resumes_bit_exactly(tmp_path: Path) -> None:
+    """3 steps straight == 1 step, stop, resume, 2 more: weights (the decoder's too) and optimizer state."""
+    assert main(["train", "--model", "tiny", "--recipe", "siglip2", "--epochs", "1", "--stop-after-steps", "3",
+                 "--device", "cpu", "--logs", str(tmp_path), "--name", "straight", "--val-frequency", "0",
+                 "--zero-shot-samples", "16", "--accum-freq", "2", *TINY_DATA_FLAGS]) == 0
+    records = [r for r in _records(tmp_path / "straight") if r["kind"] == "train"]
+    assert len(records) == 3 and all(5 < r["loss/locca"] < 20 for r in records)  # ~ln(vocab) at the start
+    straight_state = load_checkpoint(find_latest(tmp_path / "straight" / "checkpoints")).states
+    assert any(key.startswith("decoder.") for key in straight_state["model"])
+    assert straight_state["run"]["config"]["recipe"] == "siglip2"
+    assert straight_state["run"]["model_config"]["decoder"] is not None
+
+    cfg = dict(recipe="siglip2", epochs=1, val_frequency=0)
+    train(tiny_config(tmp_path, "split", stop_after_steps=1, **cfg))
+    halfway = load_checkpoint(find_latest(tmp_path / "split" / "checkpoints")).states
+    assert halfway["progress"]["step"] == 1 and halfway["progress"]["next_batch"] > 0  # mid-epoch
+    train(tiny_config(tmp_path, "split", stop_after_steps=3, resume="latest", **cfg))
+    split_state = load_checkpoint(find_latest(tmp_path / "split" / "checkpoints")).states
+    for key, value in straight_state["model"].items():
+        assert torch.equal(value, split_state["model"][key]), key
+    for a, b in zip(straight_state["optimizer"]["state"].values(), split_state["optimizer"]["state"].values(),
+                    strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["loss/locca"] for r in _records(tmp_path / "split") if r["kind"] == "train"] == [
+        r["loss/locca"] for r in records]
+
+
+def test_changing_the_recipe_on_resume_is_refused(tmp_path: Path) -> None:
+    from naflexclip.train.resume import refusal
+
+    saved, current = tiny_config(tmp_path, recipe="siglip2").to_dict(), tiny_config(tmp_path).to_dict()
+    assert "--recipe" in refusal(saved, current)
+    weighted = tiny_config(tmp_path, recipe="siglip2", locca_loss_weight=0.5).to_dict()
+    assert refusal(saved, weighted) is None  # a weight: applied
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lock-image"], "--lock-image with a LocCa term"),
+    (["--augment"], "--augment with a LocCa term"),
+    (["--locca-loss-weight", "-1"], "--locca-loss-weight must be a finite number >= 0"),
+])
+def test_recipe_combinations_it_cannot_train_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                          flags: list[str], message: str) -> None:
+    assert main(["train", "--model", "tiny", "--recipe", "siglip2", "--device", "cpu", "--logs", str(tmp_path),
+                 *flags, *TINY_DATA_FLAGS]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_export_writes_the_towers_without_the_decoder(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    source = make_checkpoint(tmp_path / "siglip2", seed=1)
+    plain = create_model("tiny", pretrained=str(source))
+    torch.manual_seed(0)
+    with_decoder = Recipe(recipe="siglip2").prepare(create_model("tiny", pretrained=str(source)))
+    assert with_decoder.decoder is not None
+    family = export_family("transformers")
+    from safetensors.torch import load_file
+    a = load_file(str(family.export(plain, tmp_path / "plain") / "model.safetensors"))
+    b = load_file(str(family.export(with_decoder, tmp_path / "decoder") / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    import naflexclip.train.components as components
+    monkeypatch.setattr(components, "load_checkpoint_model", lambda path: (with_decoder, {}))
+    assert main(["export", "--checkpoint", "unused", "--format", "transformers", "--out", str(tmp_path / "cli")]) == 0
+    assert "the LocCa decoder is not exported" in capsys.readouterr().out
