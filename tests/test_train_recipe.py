@@ -16,7 +16,6 @@ from naflexclip.factory import create_model
 from naflexclip.families import export_family
 from naflexclip.recipe import Recipe
 from naflexclip.train.checkpoint import find_latest, load_checkpoint
-from naflexclip.train.loop import train
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -26,9 +25,12 @@ def _records(run_dir: Path) -> list[dict]:
 @pytest.mark.slow
 def test_a_recipe_run_logs_locca_and_resumes_bit_exactly(tmp_path: Path) -> None:
     """3 steps straight == 1 step, stop, resume, 2 more: weights (the decoder's too) and optimizer state."""
-    assert main(["train", "--model", "tiny", "--recipe", "siglip2", "--epochs", "1", "--stop-after-steps", "3",
-                 "--device", "cpu", "--logs", str(tmp_path), "--name", "straight", "--val-frequency", "0",
-                 "--zero-shot-samples", "16", "--accum-freq", "2", *TINY_DATA_FLAGS]) == 0
+    def run(name: str, steps: int, *flags: str) -> None:
+        assert main(["train", "--model", "tiny", "--recipe", "siglip2", "--epochs", "1", "--stop-after-steps",
+                     str(steps), "--device", "cpu", "--logs", str(tmp_path), "--name", name, "--val-frequency", "0",
+                     "--zero-shot-samples", "16", "--accum-freq", "2", *flags, *TINY_DATA_FLAGS]) == 0
+
+    run("straight", 3)
     records = [r for r in _records(tmp_path / "straight") if r["kind"] == "train"]
     assert len(records) == 3 and all(5 < r["loss/locca"] < 20 for r in records)  # ~ln(vocab) at the start
     straight_state = load_checkpoint(find_latest(tmp_path / "straight" / "checkpoints")).states
@@ -36,11 +38,10 @@ def test_a_recipe_run_logs_locca_and_resumes_bit_exactly(tmp_path: Path) -> None
     assert straight_state["run"]["config"]["recipe"] == "siglip2"
     assert straight_state["run"]["model_config"]["decoder"] is not None
 
-    cfg = dict(recipe="siglip2", epochs=1, val_frequency=0)
-    train(tiny_config(tmp_path, "split", stop_after_steps=1, **cfg))
+    run("split", 1)
     halfway = load_checkpoint(find_latest(tmp_path / "split" / "checkpoints")).states
     assert halfway["progress"]["step"] == 1 and halfway["progress"]["next_batch"] > 0  # mid-epoch
-    train(tiny_config(tmp_path, "split", stop_after_steps=3, resume="latest", **cfg))
+    run("split", 3, "--resume", "latest")
     split_state = load_checkpoint(find_latest(tmp_path / "split" / "checkpoints")).states
     for key, value in straight_state["model"].items():
         assert torch.equal(value, split_state["model"][key]), key
