@@ -306,7 +306,7 @@ def test_sigint_saves_the_step_and_the_resume_is_bit_exact_with_dropout(
     assert code == 130 and "Traceback" not in err and "KeyboardInterrupt" not in err
     assert err.strip().splitlines()[-1] == (f"naflexclip train: stopped by SIGINT after step 2; saved "
                                             f"{tmp_path / 'split' / 'checkpoints' / 'step_00000002'} "
-                                            f"(continue with --resume latest)")
+                                            f"(continue with --name split --resume latest)")
     checkpoints = tmp_path / "split" / "checkpoints"
     assert not [p for p in checkpoints.iterdir() if p.name.startswith(".")]
     monkeypatch.setattr(Trainer, "train_step", real_step)
@@ -383,7 +383,7 @@ def test_sigterm_to_a_training_process_saves_and_exits_with_one_line(tmp_path: P
     assert "Traceback" not in err
     saved = tmp_path / "run" / "checkpoints" / "step_00000002"
     assert err.strip().splitlines()[-1] == (f"naflexclip train: stopped by SIGTERM after step 2; saved {saved} "
-                                            f"(continue with --resume latest)")
+                                            f"(continue with --name run --resume latest)")
     assert ckpt.find_latest(tmp_path / "run" / "checkpoints") == saved
 
 

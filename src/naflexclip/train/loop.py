@@ -118,8 +118,6 @@ class Trainer:
         local_log = self.run_dir / f"out-{env.rank}.log" if cfg.log_local and env.local_rank == 0 else None
         self.reporter = Reporter(self.run_dir, rank=env.rank, report_to=cfg.report_to, config=cfg.to_dict(),
                                  name=str(cfg.name), log_file=local_log)
-        for line in first_lines(cfg.to_dict()):  # what differs from OpenCLIP's defaults, built-in flags
-            self.reporter.message(line)
         self.evaluator = Evaluator(cfg, env, self.precision.autocast, self.reporter)
         optimizer_state = OptimizerState(self.model, self.optimizer, env)
         components = {"model": ModelState(self.model, env), "optimizer": optimizer_state,
@@ -208,6 +206,9 @@ class Trainer:
         if self.cfg.remote_sync:  # a target that cannot be written stops every rank before training
             run_on_main(self.env, "--remote-sync", self.remote_sync.start if self.remote_sync else lambda: None)
         resumed = self.resume()
+        # what differs from OpenCLIP's defaults, built-in flags: after the resume check, so a refused resume is one line
+        for line in first_lines(self.cfg.to_dict()):
+            self.reporter.message(line)
         if resumed and nothing_left(self.cfg, self.progress, self.reporter.message):
             return {}
         self.warn_long_warmup()
@@ -341,7 +342,8 @@ class Trainer:
         (a signal may reach one rank only, or a step apart): all stop at the same step. One process stops after
         the step in progress."""
         if self.exchange.should_stop(self.stop.number is not None):
-            raise self.stop.stopped(self.progress.step, self.checkpointer.save_step(), show=self.env.is_main)
+            raise self.stop.stopped(self.progress.step, self.checkpointer.save_step(), show=self.env.is_main,
+                                        name=str(self.cfg.name))
 
 
 def decoder_examples(model: NaFlexClip, processing: Processing) -> DecoderExamples:

@@ -151,7 +151,15 @@ def add_openclip_flags(parser: argparse.ArgumentParser) -> None:
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults shown; the epilog's flag list kept as wrapped (argparse would break the names at hyphens)."""
+    """Defaults shown once — not where the help already states its default, nor an empty or None one (a default
+    that depends on the data is said in the help); the epilog's flag list kept as wrapped (argparse would break the
+    names at hyphens)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text.lower() or action.default in (None, "", argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
 
 
 def refused_message(args: argparse.Namespace) -> str | None:
@@ -178,7 +186,8 @@ def group_by_origin(parser: argparse.ArgumentParser) -> None:
         for target, keep, origin in ((theirs, True, "OpenCLIP's flags"), (ours, False, "naflexclip's flags")):
             picked = [a for a in actions if bool(set(a.option_strings) & openclip) == keep]
             if picked:
-                new = argparse._ArgumentGroup(parser, f"{origin}: {group.title}")
+                title = (group.title or "").replace(" (OpenCLIP's flags)", "")
+                new = argparse._ArgumentGroup(parser, f"{origin}: {title}")
                 new._group_actions = picked
                 target.append(new)
     parser._action_groups = fixed + theirs + ours + tail

@@ -54,11 +54,12 @@ class StopSignals:
             for number, handler in previous.items():
                 signal.signal(number, handler)
 
-    def stopped(self, step: int, saved: Path, show: bool) -> TrainingInterrupted:
-        """The clean stop after `step` (a signal reached this rank or another: SIGTERM then)."""
+    def stopped(self, step: int, saved: Path, show: bool, name: str) -> TrainingInterrupted:
+        """The clean stop after `step` (a signal reached this rank or another: SIGTERM then); the hint names the run,
+        whose generated name a bare `--resume latest` would not find."""
         number = self.number or signal.SIGTERM
         return TrainingInterrupted(f"stopped by {signal.Signals(number).name} after step {step}; saved {saved} "
-                                   f"(continue with --resume latest)", number, show=show)
+                                   f"(continue with --name {name} --resume latest)", number, show=show)
 
     def interrupted(self, latest: Path | None, show: bool) -> TrainingInterrupted:
         """The stop at once (a second signal, or Ctrl-C outside the loop)."""
