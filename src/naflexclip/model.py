@@ -59,6 +59,9 @@ class ImageTowerConfig:
     pre_norm: bool = False
     norm_after_pool: bool = False
     ls_init_value: float | None = None
+    # timm's PatchEmbedInterpolator: patches of another size ([B, N, Ph, Pw, C]) resample the patch embedding's
+    # weights to it (OpenCLIP's --naflex-patch-sizes); off, the embedding takes patch_size patches only
+    patch_interpolator: bool = False
     patch_bias: bool | None = None  # None: timm's rule, a bias unless pre_norm (OpenCLIP's conv1 never has one)
 
 
@@ -205,6 +208,7 @@ class NaFlexClip(nn.Module):
                 final_norm=True,
                 fc_norm=img.norm_after_pool,
                 init_values=img.ls_init_value,
+                enable_patch_interpolator=img.patch_interpolator,
                 # dense [B, C, H, W] inputs whose sides are not multiples of the patch size are padded
                 dynamic_img_pad=True,
             ),
