@@ -146,3 +146,40 @@ def test_ema_update_math_and_state_dict_round_trip_are_exact():
     restored.load_state_dict(teacher.state_dict())
     for key, value in teacher.state_dict().items():
         assert torch.equal(value, restored.state_dict()[key])
+
+
+def test_verify_self_distillation_passes_and_its_per_microbatch_column_fails(capsys):
+    from naflexclip.cli import main
+
+    argv = ["verify", "--self-distill-loss-weight", "1", "--masked-prediction-loss-weight", "0.25", "--local-crops",
+            "2", "--splits", "1", "--accum-freq", "3", "--batch-size", "2", "--naflex-loss-scale", "none"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "2 local crops vs the EMA teacher's full image" in out
+    head_rows = [line.split() for line in out.splitlines() if line.startswith("self_distill.")]
+    assert len(head_rows) == 3 and all(row[-2] == "ok" and float(row[-1]) > 1e-3 for row in head_rows)
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--mask-ratio", "1.5", "--mask-ratio must be in [0, 1], got 1.5"),
+    ("--local-crops", "0", "--local-crops must be >= 1, got 0"),
+    ("--self-distill-loss-weight", "-1", "--self-distill-loss-weight must be a finite number >= 0, got -1.0"),
+])
+def test_verify_refuses_bad_self_distillation_flags_in_one_line(capsys, flag, value, message):
+    from naflexclip.cli import main
+
+    assert main(["verify", flag, value]) == 2
+    out = capsys.readouterr().out.strip()
+    assert message in out and out.count("\n") == 0
+
+
+def test_the_recipe_switches_the_terms_on_at_self_distill_start():
+    from naflexclip.recipe import Recipe
+
+    recipe = Recipe(recipe="siglip2")
+    assert [term.name for term in recipe.example_terms(progress=0.79)] == ["locca"]
+    on = {term.name: term.weight for term in recipe.example_terms(progress=0.8)}
+    assert on == {"locca": 1.0, SELF_DISTILL: 1.0, MASKED_PREDICTION: 0.25}
+    assert [term.name for term in recipe.example_terms()] == ["locca"]  # a caller that does not schedule them
+    assert not Recipe().self_distill_enabled
+    assert Recipe(self_distill_start=0.5, masked_prediction_loss_weight=0.1).self_distill_active(0.5)

@@ -423,11 +423,14 @@ def run(args: argparse.Namespace) -> int:
         dtype = torch.float64 if args.dtype == "float64" else torch.float32
         distill, teacher = Distill.pick(args), None
         recipe = Recipe.pick(args)
-        example_terms = recipe.example_terms()
+        # the window after --self-distill-start: every term of the recipe on
+        example_terms = recipe.example_terms(progress=1.0)
+        self_distill = recipe.self_distill_active(1.0)
         if example_terms and (distill.enabled or args.multi_positive or _uses_loader(args)):
-            raise ValueError("--recipe / --locca-loss-weight check a random window with decoder examples: without "
-                             "--distill-model, --multi-positive, --train-data or --checkpoint's data")
-        recipe.prepare(setup.model)
+            raise ValueError("--recipe / --locca-loss-weight / --self-distill-loss-weight / "
+                             "--masked-prediction-loss-weight check a random window with decoder examples and view "
+                             "seeds: without --distill-model, --multi-positive, --train-data or --checkpoint's data")
+        recipe.prepare(setup.model, self_distill=self_distill)
         if args.multi_positive:
             if distill.enabled or _uses_loader(args):
                 raise ValueError("--multi-positive checks a random window of several captions per image: without "
@@ -439,6 +442,8 @@ def run(args: argparse.Namespace) -> int:
         torch.manual_seed(args.seed)
         # eval: dropout would make the full batch and the splits draw different masks
         model = setup.model.to(device, dtype).eval()
+        # the EMA teacher as at the switch: a copy of the student (its centres at zero)
+        example_teacher = recipe.ema_teacher(model) if self_distill else None
         first_split = None
         if _uses_loader(args):
             batch, first_split = loader_window(args, setup)
@@ -450,10 +455,13 @@ def run(args: argparse.Namespace) -> int:
                 num_examples, patch_size=model.image_patch_size, context_length=model.context_length,
                 generator=torch.Generator().manual_seed(args.seed), dtype=dtype, vocab_size=model.vocab_size,
             )
-            if example_terms:  # every task, causal and parallel, at the decoder's full width
+            if recipe.locca_weight > 0:  # every task, causal and parallel, at the decoder's full width
                 decoder = model.decoder
                 batch[EXAMPLE_INPUTS] = random_decoder_inputs(num_examples, decoder.vocab, decoder.config.max_length,
                                                               torch.Generator().manual_seed(args.seed + 1))
+            if self_distill:  # each example's seed of its local crops and patch mask
+                seeds = torch.randint(0, 2**31 - 1, (num_examples,), generator=torch.Generator().manual_seed(args.seed))
+                batch.setdefault(EXAMPLE_INPUTS, {})["view_seed"] = seeds
             batch = to_device(batch, device)
     except (ValueError, FileNotFoundError, DataError) as err:
         print(f"naflexclip verify: error: {err}")
@@ -463,7 +471,7 @@ def run(args: argparse.Namespace) -> int:
         model, loss_fn, batch, accum_freq=setup.accum_freq,
         reference_batch_size=setup.reference_batch_size, loss_scale=setup.loss_scale, methods=methods,
         num_splits=args.splits, seed=args.seed, first_split=first_split, grad_checkpointing=args.grad_checkpointing,
-        teacher=teacher, example_terms=example_terms,
+        teacher=teacher, example_terms=example_terms, example_teacher=example_teacher,
     )
     source = "loader" if first_split else "random"
     print(
@@ -480,9 +488,15 @@ def run(args: argparse.Namespace) -> int:
     if teacher is not None:
         print(f"objective: contrastive + {distill.distill_loss_weight:g} · distill from --distill-model "
               f"{distill.distill_model} (the teacher's features constants of the window)")
-    if example_terms:
+    if recipe.locca_weight > 0:
         print(f"objective: {setup.loss} + {recipe.locca_weight:g} · LocCa decoder loss / the window's target tokens "
               f"(captioning, referring expressions, grounded captions; causal and parallel)")
+    if self_distill:
+        print(f"objective: + {recipe.value('self_distill_loss_weight'):g} · self-distillation "
+              f"({recipe.value('local_crops')} local crops vs the EMA teacher's full image) / the window's examples "
+              f"+ {recipe.value('masked_prediction_loss_weight'):g} · masked prediction "
+              f"({recipe.value('mask_ratio'):g} of the patches masked) / the window's examples; the EMA teacher run "
+              f"once per microbatch")
     locked = lock_summary(model)
     if locked:
         print(f"{locked}; the table lists the trainable parameters")
