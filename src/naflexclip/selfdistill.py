@@ -200,6 +200,9 @@ def student_terms(visual: nn.Module, heads: SelfDistillHeads, image: dict[str, t
     """Each example's `self_distill` (cross-entropy of the teacher's full-image distribution against the student's on
     each local crop, summed over the crops) and `masked_prediction` (the same per patch, at the masked patches,
     averaged over them) — `[B]` each, for the window to weigh."""
+    if image["patches"].dim() != 3:  # timm's patch interpolator bypasses embeds.proj, where the mask token goes in
+        raise ValueError(f"self-distillation needs flattened [B, L, P*P*C] patches, got shape "
+                         f"{tuple(image['patches'].shape)} (--naflex-patch-sizes)")
     config = heads.config
     count = config.local_crops
     batch = image["patches"].shape[0]
