@@ -192,6 +192,14 @@ class TrainConfig:
     # SigLIP 2's recipe (`naflexclip.recipe.Recipe`): the LocCa decoder's per-example term beside the pair loss
     recipe: str | None = None
     locca_loss_weight: float | None = None  # None: the recipe's weight, else 0 (no decoder)
+    # its self-distillation / masked-prediction flags (`naflexclip.selfdistill`): checked by `naflexclip verify`; not
+    # trained yet (a given weight > 0 is refused; --recipe siglip2 trains the LocCa term only)
+    self_distill_loss_weight: float | None = None
+    masked_prediction_loss_weight: float | None = None
+    local_crops: int | None = None
+    mask_ratio: float | None = None
+    ema_momentum: float | None = None
+    self_distill_start: float | None = None
     # several captions per image as several positives (`naflexclip.loss.MultiPositiveLoss`)
     multi_positive: bool = False
     multi_positive_weighting: str = "symmetric"
@@ -387,6 +395,10 @@ class TrainConfig:
 
     def _check_recipe(self) -> None:
         """A LocCa term trains the decoder on the image tower's tokens, one example per image (`data.regions`)."""
+        for flag in ("self_distill_loss_weight", "masked_prediction_loss_weight"):
+            if (getattr(self, flag) or 0) > 0:
+                raise ValueError(f"--{flag.replace('_', '-')} is not trained yet (naflexclip verify checks the term; "
+                                 f"--recipe siglip2 trains the LocCa term only)")
         if not Recipe.pick(self).example_terms():
             return
         what = "a LocCa term (--recipe siglip2 / --locca-loss-weight > 0)"
