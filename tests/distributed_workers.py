@@ -940,6 +940,57 @@ def scenario_distill(env: Any) -> dict[str, Any]:
     return results
 
 
+def scenario_self_distill(env: Any) -> dict[str, Any]:
+    """SigLIP 2's self-distillation and masked prediction under DDP: the EMA teacher runs once per local microbatch,
+    the terms are normalised by the window's examples on every rank (Z counted over ranks)."""
+    import dataclasses
+
+    from naflexclip.batch import EXAMPLE_INPUTS, batch_size, concat_microbatches, split_batch
+    from naflexclip.exchange import window_exchange
+    from naflexclip.loss import create_loss
+    from naflexclip.model import NaFlexClip, model_config
+    from naflexclip.parallel import no_sync_context, wrap_model
+    from naflexclip.selfdistill import MASKED_PREDICTION, SELF_DISTILL, EmaTeacher, head_config
+    from naflexclip.verify import full_batch_gradients, random_naflex_batch
+    from naflexclip.window import ExampleTerm, accumulate_gradients, window_loss_scale
+
+    world = env.world_size
+    batch = random_naflex_batch(NUM_EXAMPLES, patch_size=4, context_length=16,
+                                generator=torch.Generator().manual_seed(13))
+    batch[EXAMPLE_INPUTS] = {"view_seed": torch.arange(NUM_EXAMPLES) * 7919 + 1}
+    terms = [ExampleTerm(SELF_DISTILL, 0.7, batch_size), ExampleTerm(MASKED_PREDICTION, 0.3, batch_size)]
+    results: dict[str, Any] = {"exact": {}, "forwards": {}}
+    calls: list[int] = []
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)  # the same initialisation on every rank
+        config = dataclasses.replace(model_config("tiny", loss="siglip"), self_distill=head_config(32, 2, 0.5))
+        return NaFlexClip(config).double().eval()
+
+    teacher = EmaTeacher(build(), momentum=0.9)
+    with torch.no_grad():  # a teacher that differs from the student
+        for p in teacher.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=p.dtype) * 0.05)
+    teacher.register_forward_hook(lambda *_: calls.append(1))
+    for split, method, mode in ((SPLITS[world][0], "cache", "linear"), (UNEVEN_COUNT_SPLIT[world], "replay", "none")):
+        sizes = [size for rank_sizes in split for size in rank_sizes]
+        scale = window_loss_scale(sizes, REFERENCE_BATCH_SIZE, mode)
+        reference = full_batch_gradients(build(), create_loss("siglip"), concat_microbatches(split_batch(batch, sizes)),
+                                         scale, example_terms=terms, example_teacher=teacher)
+        _log(env, f"self_distill {method} {mode} {split}")
+        model = wrap_model(build(), env, fsdp=False)
+        microbatches = _local_microbatches(batch, split, env.rank)
+        calls.clear()
+        accumulate_gradients(model, create_loss("siglip"), microbatches, loss_scale=mode,
+                             reference_batch_size=REFERENCE_BATCH_SIZE, method=method,
+                             exchange=window_exchange(env, model), no_sync=no_sync_context(model),
+                             example_terms=terms, example_teacher=teacher)
+        name = f"ddp/{method}/{mode}/{sizes}"
+        results["exact"][name] = _errors(_gradients(model), reference)
+        results["forwards"][name] = [len(calls), len(microbatches)]
+    return results
+
+
 def scenario_multi_positive(env: Any) -> dict[str, Any]:
     from naflexclip.batch import concat_microbatches, split_batch
     from naflexclip.exchange import window_exchange
@@ -999,6 +1050,8 @@ def main() -> None:
         result = scenario_locked(env)
     elif scenario == "distill":
         result = scenario_distill(env)
+    elif scenario == "self_distill":
+        result = scenario_self_distill(env)
     elif scenario == "multi_positive":
         result = scenario_multi_positive(env)
     elif scenario == "trainer_faults":

@@ -201,6 +201,23 @@ def test_distillation_across_three_ranks_is_exact_and_the_teacher_runs_once(tmp_
             assert errors["params"] > TEETH_MIN_ERROR, (rank, loss, errors)
 
 
+# ------------------------------------------------------------------------- self-distillation, 3 ranks
+
+
+def test_self_distillation_across_three_ranks_is_exact_and_the_ema_teacher_runs_once(tmp_path_factory) -> None:
+    """DDP, cache (uneven sizes) and replay (unequal microbatch counts): with the self-distillation and
+    masked-prediction terms over the window's examples, every gradient equals the single-process full batch's; the EMA
+    teacher runs once per local microbatch."""
+    for rank, result in enumerate(_run("self_distill", 3, tmp_path_factory)):
+        assert len(result["exact"]) == 2
+        for name, errors in result["exact"].items():
+            assert errors["missing"] == 0, f"rank {rank} {name}: gradients missing or unexpected"
+            assert errors["params"] <= FLOAT64_TOLERANCE, f"rank {rank} {name}: {errors}"
+            assert errors["pos_embed"] <= POS_EMBED_TOLERANCE, f"rank {rank} {name}: {errors}"
+        for name, (forwards, microbatches) in result["forwards"].items():
+            assert forwards == microbatches, (rank, name)
+
+
 # ------------------------------------------------------------------------- several captions per image, 3 ranks
 
 
