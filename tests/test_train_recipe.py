@@ -91,3 +91,46 @@ def test_export_writes_the_towers_without_the_decoder(tmp_path: Path, capsys: py
     monkeypatch.setattr(components, "load_checkpoint_model", lambda path: (with_decoder, {}))
     assert main(["export", "--checkpoint", "unused", "--format", "transformers", "--out", str(tmp_path / "cli")]) == 0
     assert "the LocCa decoder is not exported" in capsys.readouterr().out
+
+
+def test_decoder_eval_scores_a_perfect_decoder_1_and_a_shifted_box_0(monkeypatch: pytest.MonkeyPatch) -> None:
+    from contextlib import nullcontext
+
+    from naflexclip.data.config import DataConfig
+    from naflexclip.train.evaluate import box_iou, decoder_metrics
+
+    assert box_iou((0, 0, 1, 1), (0, 0, 1, 1)) == 1 and box_iou((0, 0, 0.5, 1), (0.5, 0, 1, 1)) == 0
+    assert box_iou((0, 0, 1, 1), (0, 0, 0.5, 1)) == 0.5
+    torch.manual_seed(0)
+    model = Recipe(recipe="siglip2").prepare(create_model("tiny")).eval()
+    vocab = model.decoder.vocab
+    data = DataConfig(synthetic_val_size=6, naflex_seq_lens=(16,), naflex_max_tokens_per_batch=64, workers=0)
+    seen: dict[str, list] = {}
+
+    def oracle(shift: int):  # the true target of each example (read from the labels), boxes moved by `shift` bins
+        def generate(image_tokens, image_valid, task, prefixes, max_new_tokens, stop_token=None):
+            out = seen[task].pop(0)
+            return [[t + shift if task == "aref" else t for t in row] for row in out]
+        return generate
+
+    original = decoder_metrics.__globals__["build_loader"]
+
+    def recording_loader(*args, **kwargs):  # keep each example's target for the oracle
+        loader = original(*args, **kwargs)
+        task = kwargs["decoder"].task
+        from naflexclip.locca import IGNORE
+        seen[task] = [[[t for t in row.tolist() if t != IGNORE]
+                       for row, ids in zip(item["example_inputs"]["decoder_labels"],
+                                           item["example_inputs"]["decoder_input_ids"], strict=True)
+                       if int(ids[0]) == vocab.task(task)] for item in loader]
+        return original(*args, **kwargs)
+
+    monkeypatch.setitem(decoder_metrics.__globals__, "build_loader", recording_loader)
+    monkeypatch.setattr(model.decoder, "generate", oracle(0))
+    with torch.no_grad():
+        perfect = decoder_metrics(model, data, torch.device("cpu"), nullcontext, [])
+    assert perfect["decoder/caption_bleu4"] > 0.99 and perfect["decoder/aref_acc"] == 1
+    assert perfect["decoder/aref_num"] == 6
+    monkeypatch.setattr(model.decoder, "generate", oracle(600))  # every box moved by 0.6 of the image, or off the bins
+    with torch.no_grad():
+        assert decoder_metrics(model, data, torch.device("cpu"), nullcontext, [])["decoder/aref_acc"] == 0

@@ -105,6 +105,7 @@ class DecoderExamples:
     vocab: Vocabulary
     max_length: int
     tokens: CaptionTokens
+    task: str | None = None  # evaluation: this task (a sample without regions: caption), causal
 
     def draw(self, seed: int, epoch: int, sample_key: str, has_regions: bool, num_regions: int
              ) -> tuple[str, int, bool]:
@@ -112,7 +113,10 @@ class DecoderExamples:
         rng = random.Random(f"{seed}:{epoch}:{sample_key}:locca")  # str seeds hash with SHA-512: stable
         task = TASKS[rng.randrange(len(TASKS))] if has_regions else "caption"
         region = rng.randrange(num_regions) if has_regions else 0
-        return task, region, rng.random() < 0.5
+        parallel = rng.random() < 0.5
+        if self.task is not None:
+            return (self.task if has_regions else "caption"), region, False
+        return task, region, parallel
 
     def example(self, caption: str, regions: Sequence[Region], seed: int, epoch: int, sample_key: str
                 ) -> tuple[list[int], list[int], bool]:

@@ -26,6 +26,7 @@ from naflexclip.data.synthetic import ATTRIBUTES, zero_shot_prompt_ensemble
 from naflexclip.distributed import DistributedEnv, barrier, run_on_main
 from naflexclip.families import data_processing
 from naflexclip.parallel import unwrap_model
+from naflexclip.recipe import Recipe
 from naflexclip.train.config import TrainConfig
 from naflexclip.train.report import Reporter, folder_zeroshot_keys
 from naflexclip.zeroshot import (
@@ -40,10 +41,11 @@ from naflexclip.zeroshot import (
 )
 
 RECALL_AT = (1, 5, 10)
+DECODER_EVAL_SAMPLES = 64  # validation samples per decoder task (greedy decoding is a forward per token)
 ZERO_SHOT_ATTRIBUTES = ("shape", "colour")
 # the metrics of the one-line message after each evaluation
 BRIEF_KEYS = ("val/image_to_text_R@1", "val/text_to_image_R@1", "val/image_to_text_R@10", "zeroshot/shape_top1",
-              "zeroshot/colour_top1")
+              "zeroshot/colour_top1", "decoder/caption_bleu4", "decoder/aref_acc")
 
 
 def _features(model: nn.Module, loader: Iterable[dict[str, Any]], device: torch.device,
@@ -189,6 +191,87 @@ def validation_retrieval(model: nn.Module, data: DataConfig, device: torch.devic
     return metrics
 
 
+def box_iou(a: tuple[float, ...], b: tuple[float, ...]) -> float:
+    """Intersection over union of two `(x0, y0, x1, y1)` boxes (a degenerate union: 0)."""
+    w = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    h = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - w * h
+    return w * h / union if union > 0 else 0.0
+
+
+def decoder_metrics(model: nn.Module, data: DataConfig, device: torch.device,
+                    autocast: Callable[[], ContextManager[Any]], skip_records: list[dict[str, Any]],
+                    limit: int = DECODER_EVAL_SAMPLES) -> dict[str, float]:
+    """The LocCa decoder on the first `limit` samples of the validation split, greedy (`LoccaDecoder.generate`):
+    `decoder/caption_bleu4`, BLEU-4 (pycocoevalcap's) of the generated caption against the sample's caption, over
+    the text tower's tokens; and
+    `decoder/aref_acc` (with `decoder/aref_num` examples), the fraction of regions whose box generated from their
+    caption has IoU >= 0.5 with the true box (samples with regions only). A caption is generated up to 2 tokens past
+    its batch's longest reference (greedy decoding re-runs the decoder per token)."""
+    import contextlib
+    import io
+
+    from pycocoevalcap.bleu.bleu import Bleu
+
+    from naflexclip.batch import EXAMPLE_INPUTS
+    from naflexclip.data.regions import CaptionTokens, DecoderExamples
+    from naflexclip.locca import IGNORE
+
+    decoder = model.decoder
+    processing = data_processing(data.hf_processor, model.image_patch_size, **data.image_overrides())
+    tokens = CaptionTokens(processing.tokenize, model.context_length)
+    generated: dict[int, list[str]] = {}
+    references: dict[int, list[str]] = {}
+    hits, boxes = 0, 0
+    for task in ("caption", "aref"):
+        seen = 0
+        examples = DecoderExamples(decoder.vocab, decoder.config.max_length, tokens, task=task)
+        val = build_loader(data, split="val", patch_size=model.image_patch_size, context_length=model.context_length,
+                           processing=processing, decoder=examples)
+        for batch in val:
+            if seen >= limit:
+                break
+            batch = to_device(batch, device)
+            with autocast():
+                _, image_tokens, valid = model.encode_image_tokens(batch["image"])
+            ids, labels = batch[EXAMPLE_INPUTS]["decoder_input_ids"], batch[EXAMPLE_INPUTS]["decoder_labels"]
+            rows, prefixes, targets = [], [], []
+            for row in range(min(ids.shape[0], limit - seen)):
+                seen += 1
+                if int(ids[row, 0]) != decoder.vocab.task(task):
+                    continue  # a sample without regions (aref falls back to its caption)
+                first = int((labels[row] != IGNORE).nonzero()[0])  # the start token's position
+                rows.append(row)
+                prefixes.append(ids[row, 1:first].tolist())
+                targets.append([t for t in labels[row].tolist() if t != IGNORE])
+            if not rows:
+                continue
+            with autocast():
+                outputs = decoder.generate(image_tokens[rows], valid[rows], task, prefixes,
+                                           max_new_tokens=4 if task == "aref" else 2 + max(map(len, targets)),
+                                           stop_token=tokens.end)
+            for output, target in zip(outputs, targets, strict=True):
+                if task == "aref":
+                    box, true_box = decoder.vocab.box_of(output), decoder.vocab.box_of(target)
+                    hits += int(box is not None and true_box is not None and box_iou(box, true_box) >= 0.5)
+                    boxes += 1
+                else:
+                    words = [str(t) for t in output if t != tokens.end]
+                    key = len(generated)
+                    generated[key] = [" ".join(words) or "<empty>"]
+                    references[key] = [" ".join(str(t) for t in target if t != tokens.end)]
+        skip_records.extend(val.skip_records)
+    metrics: dict[str, float] = {}
+    if generated:
+        with contextlib.redirect_stdout(io.StringIO()):  # pycocoevalcap prints its counts
+            bleu, _ = Bleu(4).compute_score(references, generated)
+        metrics["decoder/caption_bleu4"] = float(bleu[3])
+    if boxes:
+        metrics["decoder/aref_acc"] = hits / boxes
+        metrics["decoder/aref_num"] = float(boxes)
+    return metrics
+
+
 def brief(metrics: dict[str, float]) -> str:
     """The headline metrics of an evaluation, in one line."""
     keys = [*BRIEF_KEYS, *(k for k in folder_zeroshot_keys(metrics) if k.endswith("/top1"))]
@@ -211,6 +294,14 @@ class Evaluator:
         self.tasks = evaluation_tasks(cfg.data, env.device, autocast, zero_shot_samples=zero_shot,
                                       frequency=cfg.val_frequency)
         self.tasks += folder_zero_shot_tasks(cfg, env.device, autocast, reporter.message)
+        if Recipe.pick(cfg).example_terms() and cfg.data.source("val") is not None:
+            if cfg.fsdp:  # generate() runs the decoder's own modules, outside the root forward FSDP gathers around
+                reporter.message("the LocCa decoder is not evaluated under --fsdp (its greedy decoding runs "
+                                 "outside the sharded forward)")
+            else:
+                data = cfg.data
+                self.tasks.append(EvalTask("decoder", cfg.val_frequency, lambda model, skips: decoder_metrics(
+                    model, data, env.device, autocast, skips)))
         self.history: list[dict[str, float]] = []  # [0]: the evaluation before the run's first step
 
     def due(self, epochs_done: int, last: bool) -> list[EvalTask]:
