@@ -159,3 +159,15 @@ def test_exported_regions_are_read_back(tmp_path, fmt):
         raw = source.load(i)
         index = int(raw.key.rsplit("train", 1)[1].split(".")[0])
         assert json.loads(raw.regions)["regions"] == synthetic_scene(0, "train", index)[2]
+
+
+def test_a_tokenizer_without_start_or_end_tokens_ends_targets_with_its_padding():
+    def padded_only(texts: list[str], context_length: int) -> torch.Tensor:  # SigLIP 2's: words, then padding 0
+        rows = torch.zeros(len(texts), context_length, dtype=torch.long)
+        for r, text in enumerate(texts):
+            ids = [len(word) + 2 for word in text.split()][:context_length]
+            rows[r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        return rows
+
+    tokens = CaptionTokens(padded_only, 8)
+    assert (tokens.start, tokens.end, tokens(["a red circle"])) == ([], 0, [[3, 5, 8]])

@@ -73,16 +73,19 @@ def parse_regions(data: Any, width: int, height: int) -> tuple[list[Region], lis
 
 class CaptionTokens:
     """A caption's word tokens from the text tower's tokenizer (`tokenize(texts, context_length) -> [B, T]`), with
-    its start, end and padding stripped; `end` is the tokenizer's end token (the last token of an empty text)."""
+    its start, end and padding stripped; `end` is the tokenizer's end token (the last token of an empty text; the
+    padding id when an empty text has no token)."""
 
     def __init__(self, tokenize: Callable[[list[str], int], torch.Tensor], context_length: int) -> None:
         self.tokenize, self.context_length = tokenize, context_length
         empty = tokenize([""], context_length)[0].tolist()
         self.pad = empty[-1]
-        used = empty[: len(empty) - next(i for i, t in enumerate(reversed(empty)) if t != self.pad)]
-        if not used:
-            raise ValueError("the tokenizer gives an empty text no tokens: its end token is unknown")
-        self.start, self.end = used[:-1], used[-1]
+        used = list(empty)
+        while used and used[-1] == self.pad:
+            used.pop()
+        # a tokenizer that marks no start or end (SigLIP 2's: the text is followed by padding) ends a target with
+        # its padding id, where its text tower reads the end of a text
+        self.start, self.end = (used[:-1], used[-1]) if used else ([], self.pad)
 
     def __call__(self, texts: Sequence[str]) -> list[list[int]]:
         rows = self.tokenize(list(texts), self.context_length).tolist()
