@@ -1,11 +1,12 @@
 """Distillation from a teacher (OpenCLIP's `--distill-model`, `--distill-pretrained`; `--distill-loss-weight`).
 
-The teacher is anything `create_model` builds (a preset, a pretrained directory such as SigLIP 2's), with the
-weights of a naflexclip checkpoint when `--distill-pretrained` names one. It is frozen (no parameter requires a
-gradient) and in eval mode; the window (`accumulate_gradients(teacher=...)`) runs it once per microbatch without
-gradient and feeds its features, exchanged like the student's, to `naflexclip.loss.DistillLoss`. As in OpenCLIP,
-the teacher reads the student's inputs, so it must take the same patches and tokens: the same patch size, text
-context length and tokenizer/patching (`hf_processor`).
+The teacher is anything `create_model` builds (a preset, a pretrained directory such as SigLIP 2's, an OpenCLIP
+name), with the weights of a naflexclip checkpoint when `--distill-pretrained` names one, or for an OpenCLIP name
+whatever `--pretrained` takes with it (an open_clip_train checkpoint, a state dict, a tag in a local cache). It is
+frozen (no parameter requires a gradient) and in eval mode; the window (`accumulate_gradients(teacher=...)`) runs
+it once per microbatch without gradient and feeds its features, exchanged like the student's, to
+`naflexclip.loss.DistillLoss`. As in OpenCLIP, the teacher reads the student's inputs, so it must take the same
+patches and tokens: the same patch size, text context length and tokenizer/patching (`hf_processor`).
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from naflexclip.factory import create_model
-from naflexclip.families import find_family
+from naflexclip.families import data_processing, find_family, named_family
 from naflexclip.loss import DistillLoss
+from naflexclip.run_checkpoint import is_run_checkpoint
 
 
 @dataclass(frozen=True)
@@ -53,12 +56,13 @@ class Distill:
         """The window's loss for a `kind` (`clip`/`siglip`) student."""
         return DistillLoss(kind, weight=self.distill_loss_weight, tile_size=tile_size)
 
-    def teacher(self, student: nn.Module, student_processor: str | None, kind: str) -> nn.Module:
-        """The frozen teacher in eval mode, checked to read `student`'s inputs (its data processed by the
-        pretrained directory `student_processor`, or by the default pipeline when None) and, for a `siglip`
-        student, to give pair probabilities (a `logit_bias`)."""
+    def teacher(self, student: nn.Module, student_processor: str | None, kind: str,
+                cache_dir: str | None = None) -> nn.Module:
+        """The frozen teacher in eval mode (its tags looked up under `cache_dir` too), checked to read `student`'s
+        inputs (its data processed by `student_processor`, a `DataConfig.hf_processor`, or by the default pipeline
+        when None) and, for a `siglip` student, to give pair probabilities (a `logit_bias`)."""
         assert self.distill_model is not None
-        model, processor = load_teacher(self.distill_model, self.distill_pretrained)
+        model, processor = load_teacher(self.distill_model, self.distill_pretrained, cache_dir)
         check_teacher_inputs(model, processor, student, student_processor, self.distill_model)
         if kind == "siglip" and getattr(model, "logit_bias", None) is None:
             raise ValueError(f"--distill-model {self.distill_model!r}: a siglip student distils from a sigmoid "
@@ -66,56 +70,120 @@ class Distill:
         return model
 
 
-def load_teacher(name: str, pretrained: str | None) -> tuple[nn.Module, str | None]:
-    """The teacher `create_model(name)` builds, with `pretrained`'s weights (a naflexclip checkpoint directory, or a
-    run's checkpoints/: its latest) when given; frozen and in eval mode. Also the pretrained directory whose
-    tokenizer and patching it reads (None: the default pipeline)."""
-    from naflexclip.train.components import load_checkpoint_model  # train imports the window: only when asked
-
-    if pretrained is None:
+def load_teacher(name: str, pretrained: str | None, cache_dir: str | None = None) -> tuple[nn.Module, str | None]:
+    """The teacher `create_model(name, pretrained, cache_dir)` builds, frozen and in eval mode, and the processor
+    spec whose tokenizer and patching it reads (`DataConfig.hf_processor`; None: the default pipeline).
+    `pretrained`: a naflexclip checkpoint directory (or a run's checkpoints/: its latest) for any `name`; for an
+    OpenCLIP name also everything `--pretrained` takes with it (an open_clip_train checkpoint, a state dict file, a
+    pretrained tag or `hf-hub:org/name` in a local cache, e.g. under `cache_dir`)."""
+    family = named_family(name)
+    if family is not None and (pretrained is None or not is_run_checkpoint(pretrained)):
+        model, processor = _openclip_teacher(family, name, pretrained, cache_dir)
+    elif pretrained is None:
         try:
             model = create_model(name)
         except ValueError as error:
             raise ValueError(f"--distill-model: {error}") from None
         processor = str(Path(name).resolve()) if Path(name).is_dir() and find_family(name) else None
     else:
-        try:
-            model, trained = load_checkpoint_model(pretrained)
-        except (ValueError, FileNotFoundError) as error:
-            raise ValueError(f"--distill-pretrained {pretrained!r}: {error}") from None
-        built_from = trained.get("pretrained") or trained.get("model")
-        same = (Path(name).resolve() == Path(str(built_from)).resolve() if trained.get("pretrained")
-                else name == built_from)
-        if not same:
-            raise ValueError(f"--distill-pretrained {pretrained!r} holds a {built_from!r} model, not --distill-model "
-                             f"{name!r}")
-        processor = trained.get("data", {}).get("hf_processor")
+        model, processor = _run_checkpoint_teacher(name, pretrained)
     for param in model.parameters():
         param.requires_grad_(False)
     return model.eval(), processor
 
 
+def _openclip_teacher(family: Any, name: str, pretrained: str | None, cache_dir: str | None
+                      ) -> tuple[nn.Module, str]:
+    """An OpenCLIP name's teacher with the weights of a file, a tag or `hf-hub:` (none: random), and its spec."""
+    try:
+        model = family.build(name, pretrained=pretrained, cache_dir=cache_dir)
+        file = None if pretrained is None else family.resolve_pretrained(name, pretrained, cache_dir)
+        processor = family.processor_spec(name, family.tokenizer_dir(name, file, cache_dir))
+    except ValueError as error:
+        message = str(error)
+        for prefix in (f"--pretrained {pretrained!r}: ", f"--pretrained {pretrained}: ", f"--model {name}: ",
+                       "--model: "):
+            message = message.removeprefix(prefix)
+        flag = "--distill-model" if pretrained is None or str(error).startswith("--model") else "--distill-pretrained"
+        value = name if flag == "--distill-model" else pretrained
+        raise ValueError(f"{flag} {value!r}: {message}") from None
+    return model, processor
+
+
+def _run_checkpoint_teacher(name: str, pretrained: str) -> tuple[nn.Module, str | None]:
+    """The model of a naflexclip checkpoint, which must be a `name` model, and the processing it was trained with."""
+    from naflexclip.train.components import load_checkpoint_model  # train imports the window: only when asked
+
+    try:
+        model, trained = load_checkpoint_model(pretrained)
+    except (ValueError, FileNotFoundError) as error:
+        raise ValueError(f"--distill-pretrained {pretrained!r}: {error}") from None
+    trained_model = str(trained.get("model") or "")
+    if named_family(trained_model) is not None:  # an OpenCLIP name's run: its `pretrained` is a weight file
+        same = name == trained_model
+        built_from = trained_model
+    else:
+        built_from = trained.get("pretrained") or trained_model
+        same = (Path(name).resolve() == Path(str(built_from)).resolve() if trained.get("pretrained")
+                else name == built_from)
+    if not same:
+        raise ValueError(f"--distill-pretrained {pretrained!r} holds a {built_from!r} model, not --distill-model "
+                         f"{name!r}")
+    return model, trained.get("data", {}).get("hf_processor")
+
+
+# what the teacher and the student are fed, compared when their processor specs differ (e.g. the same tokenizer
+# read from two directories): uppercase, punctuation, digits, accents and CJK, and a text longer than the context
+_PROBE_TEXTS = ("a photo of a Red Circle.", "Two blue squares, 3 green triangles!", "café déjà-vu", "画像の猫",
+                "x", " ".join(["the quick brown fox jumps over the lazy dog"] * 12))
+
+
+def _probe_inputs(processor: str | None, patch_size: int, context_length: int) -> tuple[torch.Tensor, ...]:
+    """The patches of a fixed non-square image and the tokens of `_PROBE_TEXTS` under `processor`."""
+    from PIL import Image
+
+    processing = data_processing(processor, patch_size)
+    rows = torch.arange(29 * 41 * 3, dtype=torch.int64).reshape(29, 41, 3)
+    image = Image.fromarray(((rows * 37 + rows // 7) % 256).to(torch.uint8).numpy(), "RGB")
+    seq_len = 12
+    pixels = processing.collate([processing.transform(image, seq_len)], seq_len, patch_size)
+    tokens = processing.tokenize(list(_PROBE_TEXTS), context_length)
+    return pixels["patches"], pixels["patch_coord"], pixels["patch_valid"], tokens
+
+
+def _same_inputs(teacher_processor: str | None, student_processor: str | None, patch_size: int,
+                 context_length: int) -> bool:
+    if teacher_processor == student_processor:
+        return True
+    theirs = _probe_inputs(teacher_processor, patch_size, context_length)
+    ours = _probe_inputs(student_processor, patch_size, context_length)
+    return all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(theirs, ours, strict=True))
+
+
 def check_teacher_inputs(teacher: nn.Module, teacher_processor: str | None, student: nn.Module,
                          student_processor: str | None, name: str) -> None:
-    """One line when the teacher cannot read the student's microbatches."""
+    """One line when the teacher cannot read the student's microbatches: another patch size or context length, or
+    another tokenizer or image normalisation (processor specs that differ are compared by what they produce)."""
     for what, ours, theirs in (("patch size", student.image_patch_size, teacher.image_patch_size),
                                ("text context length", student.context_length, teacher.context_length)):
         if ours != theirs:
             raise ValueError(f"--distill-model {name!r}: the teacher reads the student's inputs, but its {what} is "
                              f"{theirs} and the student's {ours}")
-    if teacher_processor != student_processor:
+    if not _same_inputs(teacher_processor, student_processor, student.image_patch_size, student.context_length):
         raise ValueError(f"--distill-model {name!r}: the teacher reads the student's inputs, but it tokenizes and "
                          f"patches with {teacher_processor or 'the default pipeline'} and the student with "
-                         f"{student_processor or 'the default pipeline'}")
+                         f"{student_processor or 'the default pipeline'} (they differ)")
 
 
 def add_distill_args(parser: argparse.ArgumentParser) -> None:
     """OpenCLIP's distillation flags."""
     g = parser.add_argument_group("distillation")
     g.add_argument("--distill-model", default=None,
-                   help="teacher: a preset or a pretrained model directory (create_model); frozen, run once per "
-                        "microbatch without gradient")
+                   help="teacher: a preset, a pretrained model directory or an OpenCLIP model name "
+                        "(create_model); frozen, run once per microbatch without gradient")
     g.add_argument("--distill-pretrained", default=None,
-                   help="the teacher's weights: a naflexclip checkpoint, or a run's checkpoints/ (its latest)")
+                   help="the teacher's weights: a naflexclip checkpoint, or a run's checkpoints/ (its latest); for "
+                        "an OpenCLIP name also an open_clip_train checkpoint, a state dict file, a pretrained tag or "
+                        "hf-hub:org/name in a local cache (--cache-dir)")
     g.add_argument("--distill-loss-weight", type=float, default=1.0,
                    help="λ of the window objective contrastive + λ·distill (default 1, OpenCLIP's)")

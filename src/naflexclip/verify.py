@@ -380,7 +380,8 @@ def _setup(args: argparse.Namespace) -> VerifySetup:
     Locks(**{key: pick(getattr(args, key), key, default) for key, default in Locks().as_dict().items()}).apply(model)
     processor = trained.get("data", {}).get("hf_processor")
     name = model.config.openclip_name
-    if processor is None and name is not None and _uses_loader(args):  # an OpenCLIP name's tokenizer and mean/std
+    # an OpenCLIP name's tokenizer and mean/std: for its data, and for a teacher's to be compared with
+    if processor is None and name is not None and (_uses_loader(args) or args.distill_model is not None):
         from naflexclip.families import openclip
 
         processor = openclip.processor_spec(name, openclip.tokenizer_dir(name, args.pretrained, args.cache_dir))
@@ -438,7 +439,7 @@ def run(args: argparse.Namespace) -> int:
             loss_fn = MultiPositiveLoss(setup.loss, args.multi_positive_weighting, tile_size=args.loss_tile_size)
         if distill.enabled:  # the window objective: contrastive + λ·distill, the teacher's features constants
             loss_fn = distill.loss(setup.loss, args.loss_tile_size)
-            teacher = distill.teacher(setup.model, setup.hf_processor, setup.loss).to(device, dtype)
+            teacher = distill.teacher(setup.model, setup.hf_processor, setup.loss, args.cache_dir).to(device, dtype)
         torch.manual_seed(args.seed)
         # eval: dropout would make the full batch and the splits draw different masks
         model = setup.model.to(device, dtype).eval()

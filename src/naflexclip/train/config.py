@@ -248,6 +248,9 @@ class TrainConfig:
         if Distill.pick(self).enabled and self.distill_pretrained is None and self.distill_model in PRESETS:
             raise ValueError(f"--distill-model {self.distill_model} is a preset: give the teacher's weights with "
                              f"--distill-pretrained (a naflexclip checkpoint)")
+        if Distill.pick(self).enabled and self.distill_pretrained is None and named_family(self.distill_model):
+            raise ValueError(f"--distill-model {self.distill_model} is an OpenCLIP name: give the teacher's weights "
+                             f"with --distill-pretrained (a checkpoint file, a tag, hf-hub:org/name)")
         self._check_zeroshot()
         self._check_optimizer()
         self._check_run_flags()

@@ -92,7 +92,7 @@ class Trainer:
             loss_fn = MultiPositiveLoss(cfg.loss, cfg.multi_positive_weighting, tile_size=cfg.loss_tile_size)
         if distill.enabled:
             loss_fn = distill.loss(cfg.loss, cfg.loss_tile_size)
-            teacher = distill.teacher(self.module, cfg.data.hf_processor, cfg.loss).to(env.device)
+            teacher = distill.teacher(self.module, cfg.data.hf_processor, cfg.loss, cfg.cache_dir).to(env.device)
         # every window's size exchange also checks that the ranks agree on step, epoch and having data
         self.exchange = window_exchange(env, self.model)
         self.optimizer = create_optimizer(
