@@ -12,6 +12,7 @@ import open_clip
 import pytest
 import torch
 from openclip_cases import openclip_model, tiny_name
+from test_train_loop import tiny_config
 
 from naflexclip import create_model
 from naflexclip.cli import main
@@ -72,11 +73,9 @@ def test_a_missing_tag_or_file_of_an_openclip_teacher_is_one_line(tmp_path: Path
     assert out.count("\n") == 0 and "--distill-pretrained 'no-such-tag': not a file, nor a pretrained tag" in out
 
 
-def test_train_needs_an_openclip_teachers_weights(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    code = main(["train", "--model", "tiny", "--device", "cpu", "--logs", str(tmp_path), "--workers", "0",
-                 "--distill-model", "ViT-B-16"])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and "--distill-model ViT-B-16 is an OpenCLIP name: give the teacher's weights" in err, err
+def test_train_needs_an_openclip_teachers_weights(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--distill-model ViT-B-16 is an OpenCLIP name: give the teacher's weights"):
+        tiny_config(tmp_path, "student", distill_model="ViT-B-16")
 
 
 def _fake_siglip2_tokenizer(directory: Path) -> None:
@@ -115,3 +114,18 @@ def test_the_teacher_input_check_compares_tokenizers_not_directory_names(tmp_pat
     vocab_file.write_text(vocab_file.read_text().replace('"a": 6', '"a": 7').replace('"b": 7', '"b": 6'))
     with pytest.raises(ValueError, match="tokenizes and patches with"):
         distill.teacher(student, family.processor_spec(siglip2, str(other)), "siglip", cache_dir=str(hub))
+
+
+@pytest.mark.slow
+def test_an_openclip_teacher_from_a_naflexclip_run_of_that_name(tmp_path: Path) -> None:
+    """A run of an OpenCLIP name records its weight file as `pretrained`: the teacher's name is the run's --model
+    (this was refused as "holds a '.../epoch_3.pt' model" before)."""
+    from naflexclip.train.loop import train
+
+    tiny = tiny_name("ViT-B-16")
+    _, file = _open_clip_train_checkpoint(tmp_path, tiny, seed=2)
+    train(tiny_config(tmp_path, "teacher", model=tiny, pretrained=str(file), stop_after_steps=1, val_frequency=0))
+    teacher, processor = load_teacher(tiny, str(tmp_path / "teacher" / "checkpoints"))
+    assert processor == f"open_clip:{tiny}" and not any(p.requires_grad for p in teacher.parameters())
+    with pytest.raises(ValueError, match=r"holds a 'ViT-B-16-tiny' model, not --distill-model 'tiny'"):
+        load_teacher("tiny", str(tmp_path / "teacher" / "checkpoints"))
