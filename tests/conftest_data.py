@@ -96,7 +96,7 @@ def write_wds_corpus(root) -> tuple[str, list[str], dict[str, int]]:
 
 def write_csv_corpus(root) -> tuple[str, list[str], dict[str, int]]:
     """A TSV with a UTF-8 BOM, quoting traps, a malformed row, a missing file and bad images/captions."""
-    images = {f"ok{i}.png": image_bytes(20 + 3 * i, 30, "PNG", seed=i) for i in range(8)}
+    images = {f"ok{i}.png": image_bytes(20 + 3 * i, 30, "PNG", seed=i) for i in range(9)}
     images["dark16.png"] = image_bytes(20, 20, "PNG", "I;16")
     images["fake.jpg"] = b"<html>not found</html>"
     images["cut.jpg"] = image_bytes(40, 30, "JPEG")[:200]
@@ -118,7 +118,8 @@ def write_csv_corpus(root) -> tuple[str, list[str], dict[str, int]]:
         "",
         "ok7.png\tlast row",
     ]
-    data = "\n".join(rows).encode("utf-8") + b"\n" + b"ok0.png\tcaf\xe9\n"  # caption_not_utf8
+    # caption_not_utf8, on its own image (rows naming one image are one sample with several captions)
+    data = "\n".join(rows).encode("utf-8") + b"\n" + b"ok8.png\tcaf\xe9\n"
     (root / "data.tsv").write_bytes(data)
     usable = ["ok0.png", "ok1.png", "ok2.png", "ok3.png", "ok4.png", "dark16.png", "ok7.png"]
     skips = {"missing_file": 1, "malformed_row": 1, "not_an_image": 1, "corrupt_image": 1, "empty_caption": 1,

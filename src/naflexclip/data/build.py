@@ -149,6 +149,7 @@ def build_loader(
         builder=MicrobatchBuilder(patch_size=patch_size, context_length=context_length, processing=processing,
                                   augment=cfg.augment and train, json_caption=cfg.json_caption(),
                                   max_image_pixels=cfg.max_image_pixels, multi_caption=cfg.multi_caption and train,
+                                  caption_per_line=cfg.caption_per_line,
                                   decoder=decoder),
         seed=cfg.seed, shuffle=train, workers=cfg.workers, rank=rank, world_size=world_size, pin_memory=device_pin,
     )

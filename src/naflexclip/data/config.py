@@ -56,6 +56,8 @@ class DataConfig:
     # several captions per image become several text rows with group ids (train --multi-positive); without it a
     # sample with several captions trains on one of them, drawn per (seed, epoch, sample)
     multi_caption: bool = False
+    # a caption file (a folder's .txt, a shard's text member) holds one caption per non-empty line
+    caption_per_line: bool = False
     train_num_samples: int | None = None
     val_num_samples: int | None = None
     shuffle_buffer: int = 1000
@@ -154,6 +156,9 @@ class DataConfig:
                                  f"--json-text-key {self.json_text_key!r}")
             if any(p < 0 or not math.isfinite(p) for p in probs):
                 raise ValueError(f"--json-text-key-probs must be finite and >= 0, got {list(probs)}")
+        if self.caption_per_line and self.json_text_key is not None:
+            raise ValueError("--caption-per-line reads caption files (.txt); with --json-text-key captions come from "
+                             "the .json (a list field is several captions already): drop one of them")
         if self.max_image_pixels < 0:
             raise ValueError(f"--max-image-pixels must be >= 0 (0: no limit), got {self.max_image_pixels}")
         recipe = [flag for flag, on in (("--dataset-resampled", self.dataset_resampled),
@@ -280,6 +285,9 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
                             "(hard negatives within a window; 1-8)")
     group.add_argument("--synthetic-multi-caption", action="store_true",
                        help="built-in train scenes with 2-5 captions each (one per epoch; all with --multi-positive)")
+    group.add_argument("--caption-per-line", action="store_true",
+                       help="a caption file (a folder's .txt, a shard's --text-key member) holds one caption per "
+                            "non-empty line: several captions of its image (one per epoch; all with --multi-positive)")
     group.add_argument("--synthetic-seed", type=int, default=0,
                        help="seed of the built-in dataset's content (independent of --seed)")
     group.add_argument("--augment", action="store_true",
@@ -307,6 +315,7 @@ def data_config_from_args(args: argparse.Namespace) -> DataConfig:
         synthetic_shape_group_size=args.synthetic_shape_group_size,
         synthetic_val_size=args.synthetic_val_size,
         synthetic_multi_caption=args.synthetic_multi_caption,
+        caption_per_line=args.caption_per_line,
         train_num_samples=args.train_num_samples,
         val_num_samples=args.val_num_samples,
         shuffle_buffer=args.shuffle_buffer,

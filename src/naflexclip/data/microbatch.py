@@ -39,7 +39,9 @@ class MicrobatchBuilder:
     the first two entries of `seed_key`; `max_image_pixels` > 0: larger images are skipped before decoding.
     `multi_caption`: every caption of a sample with several becomes a text row, and the item is grouped
     (`image_group`, `text_group`: a sample's group id is a hash of its key, the same on every rank and in every
-    window); otherwise a sample with several captions takes one per epoch (`one_caption`).
+    window); otherwise a sample with several captions takes one per epoch (`one_caption`). `caption_per_line`
+    (--caption-per-line): a caption file's (a folder's `.txt`, a shard's text member) non-empty lines are several
+    captions of its image.
     `decoder` (a run with a LocCa term): each sample's decoder example (`naflexclip.data.regions`) from its caption
     and regions, collated into the item's `example_inputs`; a bad region is a skip record of its own, not the
     sample's.
@@ -47,7 +49,8 @@ class MicrobatchBuilder:
 
     def __init__(self, *, patch_size: int, context_length: int, processing: Processing, augment: bool = False,
                  json_caption: JsonCaption | None = None, max_image_pixels: int = 0,
-                 multi_caption: bool = False, decoder: DecoderExamples | None = None) -> None:
+                 multi_caption: bool = False, caption_per_line: bool = False,
+                 decoder: DecoderExamples | None = None) -> None:
         if decoder is not None and (augment or multi_caption):
             raise ValueError("a LocCa term (--recipe siglip2 / --locca-loss-weight) with "
                              f"{'--augment' if augment else '--multi-positive'} is not supported: "
@@ -57,7 +60,7 @@ class MicrobatchBuilder:
         self.patch_size, self.context_length, self.augment = patch_size, context_length, augment
         self.processing = processing
         self.json_caption, self.max_image_pixels = json_caption, max_image_pixels
-        self.multi_caption = multi_caption
+        self.multi_caption, self.caption_per_line = multi_caption, caption_per_line
 
     def build(self, planned: ScheduledBatch, samples: list[tuple[RawSample | SkipSample, Where]],
               records: list[dict[str, Any]], seed_key: tuple[int, ...]) -> dict[str, Any]:
@@ -74,7 +77,7 @@ class MicrobatchBuilder:
                     raise raw
                 image = (raw.image if isinstance(raw.image, Image.Image)
                          else decode_image(raw.image, draft, self.max_image_pixels))
-                caption = (decode_captions(raw.caption) if self.json_caption is None
+                caption = (decode_captions(raw.caption, self.caption_per_line) if self.json_caption is None
                            else self.json_caption(raw.caption, seed_key[0], seed_key[1], raw.key))
                 captions = [caption] if isinstance(caption, str) else caption
                 if not self.multi_caption:

@@ -21,7 +21,7 @@ from webdataset.gopen import gopen
 from webdataset.shardlists import expand_urls
 from webdataset.tariterators import base_plus_ext
 
-from naflexclip.data.samples import IMAGE_EXTENSIONS, read_image_file
+from naflexclip.data.samples import IMAGE_EXTENSIONS, SkipSample, decode_caption, read_image_file
 from naflexclip.data.synthetic import synthetic_scene, zero_shot_sample
 
 CAPTION_EXTENSIONS = ("txt", "text", "caption")
@@ -197,6 +197,11 @@ class CsvSource:
     the header's columns and rows whose image file does not exist are found when the table is read
     (one stat per row) and listed in `index_skips` with their line numbers; the epoch plan holds the
     others. Relative image paths are looked up next to the table first, then from the working directory.
+
+    Rows naming the same image file (wherever they are in the table) are one sample with several captions, at its
+    first row's place: an epoch visits every image once (`MicrobatchBuilder` takes one caption per epoch, or all of
+    them with --multi-positive). Of such rows, one whose caption is empty or not UTF-8 is left out and listed in
+    `index_skips`; the image trains with the others (if none is usable, it keeps its first and is skipped when read).
     """
 
     group_size = 1
@@ -210,9 +215,11 @@ class CsvSource:
         self.root = os.path.dirname(os.path.abspath(path))
         self.index_skips: list[dict[str, Any]] = []
         self.paths: list[str] = []
-        self.captions: list[str] = []
+        self.captions: list[list[str]] = []  # each image's captions, one per row in table order
+        self.caption_lines: list[list[int]] = []
         self.keys: list[str] = []
         self.lines: list[int] = []
+        sample_of: dict[str, int] = {}  # image file -> its sample
         # surrogateescape keeps non-UTF-8 caption bytes around so the row is skipped, not the file
         with open(path, newline="", encoding="utf-8-sig", errors="surrogateescape") as f:
             header = f.readline().rstrip("\r\n").lstrip("\ufeff")
@@ -239,10 +246,33 @@ class CsvSource:
                     self.index_skips.append(skip_record(path, image_path, lineno, "missing_file",
                                                         f"not found beside {path} nor from {os.getcwd()}"))
                     continue
-                self.paths.append(resolved)
-                self.captions.append(fields[cap_col])
-                self.keys.append(image_path)
-                self.lines.append(lineno)
+                index = sample_of.setdefault(os.path.normpath(os.path.abspath(resolved)), len(self.paths))
+                if index == len(self.paths):
+                    self.paths.append(resolved)
+                    self.captions.append([])
+                    self.caption_lines.append([])
+                    self.keys.append(image_path)
+                    self.lines.append(lineno)
+                self.captions[index].append(fields[cap_col])
+                self.caption_lines[index].append(lineno)
+        for index, captions in enumerate(self.captions):
+            if len(captions) > 1:
+                self.captions[index] = self._usable_captions(path, self.keys[index], captions,
+                                                             self.caption_lines[index])
+
+    def _usable_captions(self, path: str, key: str, captions: list[str], lines: list[int]) -> list[str]:
+        """The captions of an image's rows that decode; each one that does not is an index skip of its row."""
+        usable = []
+        for caption, lineno in zip(captions, lines, strict=True):
+            try:
+                decode_caption(caption)
+                usable.append(caption)
+            except SkipSample as skip:
+                self.index_skips.append(skip_record(path, key, lineno, skip.reason, str(skip)))
+        if not usable:  # the first row stays: reading the sample skips it, by its reason
+            self.index_skips.pop(-len(captions))
+            return captions[:1]
+        return usable
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -262,7 +292,9 @@ class CsvSource:
 
     def load(self, index: int) -> RawSample:
         image = read_image_file(self.paths[index])
-        return RawSample(image, self.captions[index], None, self.keys[index], sidecar_regions(self.paths[index]))
+        captions = self.captions[index]
+        return RawSample(image, captions[0] if len(captions) == 1 else captions, None, self.keys[index],
+                         sidecar_regions(self.paths[index]))
 
 
 def walk_folder(root: str) -> Iterator[tuple[str, list[str]]]:

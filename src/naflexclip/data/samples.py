@@ -198,10 +198,13 @@ def one_caption(captions: str | list[str], seed: int, epoch: int, sample_key: st
     return random.Random(f"{seed}:{epoch}:{sample_key}:caption").choice(captions)
 
 
-def decode_captions(data: bytes | str | list[str] | None) -> str | list[str]:
-    """`decode_caption`, or each of several captions (a list; the empty ones left out, SkipSample if none is left)."""
+def decode_captions(data: bytes | str | list[str] | None, per_line: bool = False) -> str | list[str]:
+    """`decode_caption`, or each of several captions (a list; the empty ones left out, SkipSample if none is left).
+    `per_line` (--caption-per-line): a caption text's non-empty lines are several captions (one line: one caption)."""
     if not isinstance(data, list):
-        return decode_caption(data)
+        text = decode_caption(data)
+        lines = [line.strip() for line in text.splitlines() if line.strip()] if per_line else []
+        return lines if len(lines) > 1 else text
     captions = [caption.strip() for caption in data if isinstance(caption, str) and caption.strip()]
     if not captions:
         raise SkipSample("empty_caption")
