@@ -55,9 +55,10 @@ def test_a_recipe_run_logs_locca_and_resumes_bit_exactly(tmp_path: Path) -> None
 def test_changing_the_recipe_on_resume_is_refused(tmp_path: Path) -> None:
     from naflexclip.train.resume import refusal
 
-    saved, current = tiny_config(tmp_path, recipe="siglip2").to_dict(), tiny_config(tmp_path).to_dict()
+    saved = tiny_config(tmp_path, recipe="siglip2", loss="clip").to_dict()
+    current = tiny_config(tmp_path).to_dict()
     assert "--recipe" in refusal(saved, current)
-    weighted = tiny_config(tmp_path, recipe="siglip2", locca_loss_weight=0.5).to_dict()
+    weighted = tiny_config(tmp_path, recipe="siglip2", loss="clip", locca_loss_weight=0.5).to_dict()
     assert refusal(saved, weighted) is None  # a weight: applied
 
 
@@ -134,3 +135,9 @@ def test_decoder_eval_scores_a_perfect_decoder_1_and_a_shifted_box_0(monkeypatch
     monkeypatch.setattr(model.decoder, "generate", oracle(600))  # every box moved by 0.6 of the image, or off the bins
     with torch.no_grad():
         assert decoder_metrics(model, data, torch.device("cpu"), nullcontext, [])["decoder/aref_acc"] == 0
+
+
+def test_the_siglip2_recipe_trains_the_sigmoid_loss_unless_told_otherwise(tmp_path: Path) -> None:
+    assert tiny_config(tmp_path, recipe="siglip2").loss == "siglip"
+    assert tiny_config(tmp_path, recipe="siglip2", loss="clip").loss == "clip"
+    assert tiny_config(tmp_path, locca_loss_weight=1.0).loss == "clip"  # the decoder alone keeps the model's own

@@ -41,6 +41,9 @@ RECIPES: dict[str, dict[str, Any]] = {
     "siglip2": {"locca_loss_weight": 1.0, "self_distill_loss_weight": 1.0, "masked_prediction_loss_weight": 0.25,
                 "local_crops": 8, "mask_ratio": 0.5, "ema_momentum": 0.996, "self_distill_start": 0.8},
 }
+# the pair loss a recipe trains with when --loss is not given (a model built from scratch; pretrained weights keep
+# their own): SigLIP 2 is a sigmoid-loss model
+RECIPE_LOSS: dict[str, str] = {"siglip2": "siglip"}
 # without --recipe: no self-distillation terms; the views and teacher flags take these
 DEFAULTS: dict[str, Any] = {"locca_loss_weight": 0.0, "self_distill_loss_weight": 0.0,
                             "masked_prediction_loss_weight": 0.0, "local_crops": 8, "mask_ratio": 0.5,

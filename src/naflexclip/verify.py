@@ -40,7 +40,7 @@ from naflexclip.locca import random_decoder_inputs
 from naflexclip.lock import Locks, add_lock_args, lock_summary
 from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES, MULTI_POSITIVE_WEIGHTINGS, MultiPositiveLoss, create_loss
 from naflexclip.model import PRESETS
-from naflexclip.recipe import Recipe, add_recipe_args
+from naflexclip.recipe import RECIPE_LOSS, Recipe, add_recipe_args
 from naflexclip.train.components import load_checkpoint_model
 from naflexclip.window import (
     EXAMPLE_TERMS,
@@ -363,6 +363,8 @@ class VerifySetup:
 def _setup(args: argparse.Namespace) -> VerifySetup:
     """Model and window settings: flags first, then the checkpoint's training config, then defaults."""
     trained: dict[str, Any] = {}
+    if args.loss is None and args.recipe in RECIPE_LOSS and not (args.checkpoint or args.pretrained):
+        args.loss = RECIPE_LOSS[args.recipe]  # --recipe siglip2: a model from scratch trains the sigmoid loss
     if args.checkpoint:
         model, trained = load_checkpoint_model(args.checkpoint)
     else:

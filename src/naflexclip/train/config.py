@@ -24,7 +24,7 @@ from naflexclip.families import family_of, named_family
 from naflexclip.lock import Locks
 from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES, MULTI_POSITIVE_WEIGHTINGS
 from naflexclip.model import PRESETS
-from naflexclip.recipe import Recipe
+from naflexclip.recipe import RECIPE_LOSS, Recipe
 from naflexclip.run_checkpoint import is_run_checkpoint, model_name_conflict, read_run_weights
 from naflexclip.train.report import report_to_names
 from naflexclip.window import METHODS, SCALE_MODES
@@ -380,7 +380,8 @@ class TrainConfig:
         else:
             own = family_of(self.pretrained).LOSS if self.pretrained else PRESETS[self.model].loss
         if self.loss is None:
-            self.loss = own
+            # --recipe siglip2 from scratch trains the sigmoid loss; pretrained weights keep their own
+            self.loss = own if self.pretrained else RECIPE_LOSS.get(self.recipe or "", own)
         elif self.loss not in LOSSES:
             raise ValueError(f"--loss: {self.loss!r} is not one of {sorted(LOSSES)}")
         elif self.pretrained and self.loss != own:
