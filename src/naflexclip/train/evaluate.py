@@ -201,17 +201,16 @@ def box_iou(a: tuple[float, ...], b: tuple[float, ...]) -> float:
 
 def decoder_metrics(model: nn.Module, data: DataConfig, device: torch.device,
                     autocast: Callable[[], ContextManager[Any]], skip_records: list[dict[str, Any]],
-                    limit: int = DECODER_EVAL_SAMPLES) -> dict[str, float]:
+                    limit: int = DECODER_EVAL_SAMPLES, bleu: bool = True) -> dict[str, float]:
     """The LocCa decoder on the first `limit` samples of the validation split, greedy (`LoccaDecoder.generate`):
     `decoder/caption_bleu4`, BLEU-4 (pycocoevalcap's) of the generated caption against the sample's caption, over
     the text tower's tokens; and
     `decoder/aref_acc` (with `decoder/aref_num` examples), the fraction of regions whose box generated from their
     caption has IoU >= 0.5 with the true box (samples with regions only). A caption is generated up to 2 tokens past
-    its batch's longest reference (greedy decoding re-runs the decoder per token)."""
+    its batch's longest reference (greedy decoding re-runs the decoder per token). `bleu=False` (pycocoevalcap not
+    installed): no captions are generated, no `decoder/caption_bleu4`."""
     import contextlib
     import io
-
-    from pycocoevalcap.bleu.bleu import Bleu
 
     from naflexclip.batch import EXAMPLE_INPUTS
     from naflexclip.data.regions import CaptionTokens, DecoderExamples
@@ -223,7 +222,7 @@ def decoder_metrics(model: nn.Module, data: DataConfig, device: torch.device,
     generated: dict[int, list[str]] = {}
     references: dict[int, list[str]] = {}
     hits, boxes = 0, 0
-    for task in ("caption", "aref"):
+    for task in ("caption", "aref") if bleu else ("aref",):
         seen = 0
         examples = DecoderExamples(decoder.vocab, decoder.config.max_length, tokens, task=task)
         val = build_loader(data, split="val", patch_size=model.image_patch_size, context_length=model.context_length,
@@ -263,9 +262,11 @@ def decoder_metrics(model: nn.Module, data: DataConfig, device: torch.device,
         skip_records.extend(val.skip_records)
     metrics: dict[str, float] = {}
     if generated:
+        from pycocoevalcap.bleu.bleu import Bleu
+
         with contextlib.redirect_stdout(io.StringIO()):  # pycocoevalcap prints its counts
-            bleu, _ = Bleu(4).compute_score(references, generated)
-        metrics["decoder/caption_bleu4"] = float(bleu[3])
+            scores, _ = Bleu(4).compute_score(references, generated)
+        metrics["decoder/caption_bleu4"] = float(scores[3])
     if boxes:
         metrics["decoder/aref_acc"] = hits / boxes
         metrics["decoder/aref_num"] = float(boxes)
@@ -300,8 +301,17 @@ class Evaluator:
                                  "outside the sharded forward)")
             else:
                 data = cfg.data
+                try:  # not a core dependency (~100 MB): the siglip2 and benchmark extras bring it
+                    import pycocoevalcap  # noqa: F401
+
+                    bleu = True
+                except ImportError:
+                    bleu = False
+                if not bleu:
+                    reporter.message("decoder/caption_bleu4 needs pycocoevalcap (pip install 'naflexclip[siglip2]'); "
+                                     "the LocCa decoder is evaluated on aref only")
                 self.tasks.append(EvalTask("decoder", cfg.val_frequency, lambda model, skips: decoder_metrics(
-                    model, data, env.device, autocast, skips)))
+                    model, data, env.device, autocast, skips, bleu=bleu)))
         self.history: list[dict[str, float]] = []  # [0]: the evaluation before the run's first step
 
     def due(self, epochs_done: int, last: bool) -> list[EvalTask]:
