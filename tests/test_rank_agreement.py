@@ -317,8 +317,10 @@ def test_a_rank_whose_loader_raises_stops_every_rank_in_seconds_naming_it(tmp_pa
     """2 ranks, one pair per microbatch, one image that does not decode: one rank's loader raises a DataError
     (it has fewer usable samples than microbatches) while the other waits at the next window's size exchange.
     The failing rank prints its own error; the other names it, in one line, long before --dist-timeout. Its 4
-    microbatches at --accum-freq 3 are one window (the epoch's tail joins the last window), so it is step 1."""
-    timeout = 60
+    microbatches at --accum-freq 3 are one window (the epoch's tail joins the last window), so it is step 1.
+    The bound is half the timeout: a wait for the timeout would take all of it (35 s of start-up on a busy 2-core
+    machine made a 60 s timeout too tight)."""
+    timeout = 120
     train_data = _tsv_with_one_corrupt_image(tmp_path)
     result, elapsed = _train_two_ranks_one_pair_per_microbatch(tmp_path, train_data, timeout)
     assert result.returncode != 0 and elapsed < timeout / 2, f"{elapsed:.0f}s:\n{result.stderr[-3000:]}"

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -270,6 +271,10 @@ def test_steps_wandb_had_not_written_at_a_kill_are_logged_by_the_resume(tmp_path
         resumed.log("train", step, step / 10, {"train/loss": 10.0 - step})
     resumed.sinks["wandb"].close()
     [own] = set((tmp_path / "wandb").glob("offline-run-*/run-*.wandb")) - {killed}
+    # wandb's service may still be writing the offline file when close() returns (seen under a loaded -n 2 run)
+    deadline = time.monotonic() + 60
+    while history_steps(own) != list(range(1, 13)) and time.monotonic() < deadline:
+        time.sleep(1)
     assert history_steps(own) == list(range(1, 13))
     [records] = read_back_files([own])
     assert [row["train/loss"] for row in _history([records])] == [10.0 - s for s in range(1, 13)]

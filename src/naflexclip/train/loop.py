@@ -133,20 +133,27 @@ class Trainer:
         self.remote_sync = (RemoteSync(self.run_dir, cfg.remote_sync, cfg.remote_sync_frequency,
                                        cfg.remote_sync_protocol, self.reporter.message)
                             if cfg.remote_sync and env.is_main else None)
+        self.opening: list[str] = []  # announced after the resume check (`announce`)
         if cfg.debug:  # --debug: more information is logged (OpenCLIP's)
             logging.getLogger("naflexclip").setLevel(logging.DEBUG)
-            self.reporter.message(describe_param_groups(self.optimizer))
+            self.opening.append(describe_param_groups(self.optimizer))
         if teacher is not None:
-            self.reporter.message(f"distilling from --distill-model {cfg.distill_model} (frozen, one forward per "
-                                  f"microbatch without gradient): loss = contrastive + {cfg.distill_loss_weight:g}"
-                                  f" · distill, logged as loss/contrastive and loss/distill")
+            self.opening.append(f"distilling from --distill-model {cfg.distill_model} (frozen, one forward per "
+                                f"microbatch without gradient): loss = contrastive + {cfg.distill_loss_weight:g}"
+                                f" · distill, logged as loss/contrastive and loss/distill")
         if example_terms:
-            self.reporter.message(f"SigLIP 2's LocCa decoder ({self.module.config.decoder}) trains beside the pair "
-                                  f"loss: loss = {cfg.loss} + {recipe.locca_weight:g} · locca (per target token of "
-                                  f"the window), logged as loss/locca")
+            self.opening.append(f"SigLIP 2's LocCa decoder ({self.module.config.decoder}) trains beside the pair "
+                                f"loss: loss = {cfg.loss} + {recipe.locca_weight:g} · locca (per target token of "
+                                f"the window), logged as loss/locca")
         locked = lock_summary(self.module)
         if locked:
-            self.reporter.message(locked)
+            self.opening.append(locked)
+
+    def announce(self) -> None:
+        """The run's first lines, after the resume check (a refused resume is its one line): the settings that differ
+        from OpenCLIP's defaults and the built-in flags, then what the run was built with (`self.opening`)."""
+        for line in [*first_lines(self.cfg.to_dict()), *self.opening]:
+            self.reporter.message(line)
 
     def _plan_batches(self) -> list[int]:
         """Planned microbatches of each epoch (the same on every rank)."""
@@ -206,9 +213,7 @@ class Trainer:
         if self.cfg.remote_sync:  # a target that cannot be written stops every rank before training
             run_on_main(self.env, "--remote-sync", self.remote_sync.start if self.remote_sync else lambda: None)
         resumed = self.resume()
-        # what differs from OpenCLIP's defaults, built-in flags: after the resume check, so a refused resume is one line
-        for line in first_lines(self.cfg.to_dict()):
-            self.reporter.message(line)
+        self.announce()
         if resumed and nothing_left(self.cfg, self.progress, self.reporter.message):
             return {}
         self.warn_long_warmup()
