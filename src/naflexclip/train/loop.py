@@ -210,10 +210,10 @@ class Trainer:
 
     def fit(self) -> dict[str, float]:
         """Resume if asked, evaluate, train every remaining epoch, report; returns the last evaluation."""
-        if self.cfg.remote_sync:  # a target that cannot be written stops every rank before training
-            run_on_main(self.env, "--remote-sync", self.remote_sync.start if self.remote_sync else lambda: None)
         resumed = self.resume()
         self.announce()
+        if self.cfg.remote_sync:  # a target that cannot be written stops every rank before training
+            run_on_main(self.env, "--remote-sync", self.remote_sync.start if self.remote_sync else lambda: None)
         if resumed and nothing_left(self.cfg, self.progress, self.reporter.message):
             return {}
         self.warn_long_warmup()
