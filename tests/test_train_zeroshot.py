@@ -264,3 +264,12 @@ def test_imagenet_folders_are_checked_before_the_run(tmp_path: Path, flag, layou
     root = _imagenet_layout(tmp_path / "in", layout, {0: (1, 2, 3), 1: (4, 5, 6)})
     with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} .*{message}"):
         TrainConfig(model="tiny", **{flag: str(root)})
+
+
+def test_zeroshot_frequency_0_without_zeroshot_data_is_accepted() -> None:
+    """Turning zero-shot off is consistent with having no zero-shot data (an OpenCLIP command may say it)."""
+    from naflexclip.cli import build_parser
+    from naflexclip.train.cli import config_from_args
+
+    args = build_parser().parse_args(["train", "--model", "tiny", "--zeroshot-frequency", "0"])
+    assert config_from_args(args).zeroshot_frequency == 0

@@ -348,8 +348,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     clip = args.grad_clip_norm
     check_device(args.device)
     # OpenCLIP's --imagenet-val / --imagenet-v2 feed zero-shot too, once this parser has them
-    if "zeroshot_frequency" in args and not any(getattr(args, zero_shot_data, None) for zero_shot_data in
-                                                ("zeroshot_data", "imagenet_val", "imagenet_v2")):
+    zero_shot_given = any(getattr(args, key, None) for key in ("zeroshot_data", "imagenet_val", "imagenet_v2"))
+    # a frequency other than 0 (never) asks for zero-shot data
+    if "zeroshot_frequency" in args and args.zeroshot_frequency != 0 and not zero_shot_given:
         raise ValueError(f"--zeroshot-frequency {args.zeroshot_frequency} goes with --zeroshot-data (the ImageFolder "
                          "to classify zero-shot during training)")
     return TrainConfig(
