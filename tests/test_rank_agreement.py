@@ -324,7 +324,8 @@ def test_a_rank_whose_loader_raises_stops_every_rank_in_seconds_naming_it(tmp_pa
     train_data = _tsv_with_one_corrupt_image(tmp_path)
     result, elapsed = _train_two_ranks_one_pair_per_microbatch(tmp_path, train_data, timeout)
     assert result.returncode != 0 and elapsed < timeout / 2, f"{elapsed:.0f}s:\n{result.stderr[-3000:]}"
-    ours = [line for line in result.stderr.splitlines() if line.startswith("naflexclip train:")]
+    # each rank's line, wherever it starts: rank 0's progress bar (no newline until it closes) may precede it
+    ours = ["naflexclip train:" + rest.split("\n")[0] for rest in result.stderr.split("naflexclip train:")[1:]]
     own = [line for line in ours if line.startswith("naflexclip train: error: ")]
     assert len(own) == 1 and len(ours) == 2, result.stderr[-3000:]
     failed = int(own[0].split(": rank ")[1].split()[0])

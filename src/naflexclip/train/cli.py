@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -381,8 +382,20 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     )
 
 
+def _say(line: str) -> None:
+    """One line to stderr in one write: ranks share the launcher's stderr pipe, and a write of a whole line
+    (under the pipe's atomic size) is never split by another rank's line."""
+    sys.stderr.flush()
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a replaced stderr without a file (a test's capture)
+        print(line, file=sys.stderr)
+        return
+    os.write(fd, (line + "\n").encode())
+
+
 def _error(command: str, message: str) -> int:
-    print(f"naflexclip {command}: error: {message}", file=sys.stderr)
+    _say(f"naflexclip {command}: error: {message}")
     return 2
 
 
@@ -404,11 +417,11 @@ def run_train(args: argparse.Namespace) -> int:
         train(cfg)
     except TrainingInterrupted as stop:  # the shell's convention: 128 + the signal's number
         if stop.show:
-            print(f"naflexclip train: {stop}", file=sys.stderr)
+            _say(f"naflexclip train: {stop}")
         return 128 + stop.signal_number
     except (TrainingStopped, DistributedFault) as stop:
         # a rank that failed, died or disagreed: one line (the same on every rank), no traceback
-        print(f"naflexclip train: {str(stop).splitlines()[0]}", file=sys.stderr)
+        _say(f"naflexclip train: {str(stop).splitlines()[0]}")
         return 1
     except (ValueError, DataError, FileNotFoundError) as error:
         return _error("train", str(error).splitlines()[0] if str(error) else type(error).__name__)
