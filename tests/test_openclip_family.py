@@ -14,7 +14,7 @@ from openclip_cases import openclip_model, randomize_, tiny_name
 from safetensors.torch import save_file
 
 from naflexclip import create_model
-from naflexclip.families import data_processing
+from naflexclip.families import data_processing, openclip_sources
 from naflexclip.families import openclip as family
 from naflexclip.families.openclip import OpenClipError
 from naflexclip.model import NaFlexClip
@@ -125,8 +125,8 @@ def test_pretrained_tag_and_hf_hub_resolve_from_a_local_cache_only(tmp_path: Pat
     repo = tmp_path / "hub" / "models--timm--ViT-B-16-SigLIP2" / "snapshots" / "0123abc"
     repo.mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in theirs.state_dict().items()}, str(repo / "open_clip_model.safetensors"))
-    monkeypatch.setattr(family, "_tag_cfg", lambda name, tag: {"hf_hub": "timm/ViT-B-16-SigLIP2/"} if tag == "webli"
-                        else {})
+    monkeypatch.setattr(openclip_sources, "pretrained_cfg",
+                        lambda name, tag: {"hf_hub": "timm/ViT-B-16-SigLIP2/"} if tag == "webli" else {})
     for source in ("webli", "hf-hub:timm/ViT-B-16-SigLIP2"):
         ours = create_model(tiny, pretrained=source, cache_dir=str(tmp_path / "hub"))
         errors = _compare(theirs, ours, torch.float32)
