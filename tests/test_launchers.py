@@ -17,14 +17,14 @@ import torch
 from conftest_data import image_bytes
 
 from naflexclip.cli import build_parser
-from naflexclip.distributed import (
+from naflexclip.distributed import _resolve_device
+from naflexclip.launch import (
     DEFAULT_MASTER_PORT,
     LOCAL_RANK_VARIABLES,
     LOCAL_WORLD_SIZE_VARIABLES,
     NODELIST_VARIABLES,
     RANK_VARIABLES,
     WORLD_SIZE_VARIABLES,
-    _resolve_device,
     check_backend,
     check_dist_url,
     expand_hostlist,
