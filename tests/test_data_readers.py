@@ -16,8 +16,8 @@ from PIL import Image
 
 from naflexclip.cli import main as cli_main
 from naflexclip.data import DataConfig, DataError, build_loader, tokenize
-from naflexclip.data.readers import CsvSource, split_row
 from naflexclip.data.samples import to_rgb
+from naflexclip.data.tables import CsvSource, split_row
 
 PATCH, CONTEXT = 8, 24
 

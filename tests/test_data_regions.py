@@ -13,12 +13,14 @@ from naflexclip.batch import EXAMPLE_INPUTS
 from naflexclip.data import build_loader
 from naflexclip.data.config import DataConfig
 from naflexclip.data.export import export_synthetic
+from naflexclip.data.folders import FolderSource
 from naflexclip.data.microbatch import MicrobatchBuilder
-from naflexclip.data.readers import CsvSource, FolderSource, RawSample
 from naflexclip.data.regions import CaptionTokens, DecoderExamples, parse_regions
 from naflexclip.data.schedule import ScheduledBatch
 from naflexclip.data.shard_index import IndexedShardSource
+from naflexclip.data.source import RawSample
 from naflexclip.data.synthetic import COLOUR_RGB, COLOURS, SHAPES, _scene, synthetic_scene
+from naflexclip.data.tables import CsvSource
 from naflexclip.data.transform import NaFlexTransform, default_processing, tokenize
 from naflexclip.locca import IGNORE, TASKS, Vocabulary
 

@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from naflexclip.data.readers import skip_record, walk_folder
+from naflexclip.data.folders import walk_folder
 from naflexclip.data.samples import IMAGE_EXTENSIONS, SkipSample, decode_image, read_image_file
+from naflexclip.data.source import skip_record
 from naflexclip.families import data_processing
 
 MAX_SKIP_LINES = 20  # skipped files printed; all of them are in the JSON lines file

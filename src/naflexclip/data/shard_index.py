@@ -4,7 +4,7 @@ Indexing reads tar headers only (no member data, no decoding). The index of a sh
 JSON beside it (`<shard>.naflexclip-index.json`), or under a cache directory when the shard's folder
 is not writable or `--shard-index-dir` is set; a cached index is used only while the shard's size and
 modification time are the ones it was built from. Streams that cannot be indexed (`pipe:`, URLs,
-compressed tars) are read by `readers.shard_samples` instead.
+compressed tars) are read by `shards.shard_samples` instead.
 
 Grouping follows WebDataset (consecutive members with the same key are one sample), with one change:
 when a member's last suffix is an image or caption extension, its key is everything before that suffix,
@@ -24,17 +24,16 @@ from typing import Any
 
 import numpy as np
 
-from naflexclip.data.readers import (
+from naflexclip.data.samples import SkipSample
+from naflexclip.data.shards import (
     DEFAULT_MEMBER_KEYS,
     DUPLICATE_DETAIL,
     MemberKeys,
-    RawSample,
     member_key,
     new_sample,
     same_sample,
-    skip_record,
 )
-from naflexclip.data.samples import SkipSample
+from naflexclip.data.source import RawSample, skip_record
 
 INDEX_VERSION = 4  # 4: the .json member's offset and size (a sample's regions)
 INDEX_SUFFIX = ".naflexclip-index.json"
