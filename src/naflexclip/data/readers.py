@@ -38,44 +38,43 @@ __all__ = [
 ]
 
 
-class SyntheticSource:
+class _GeneratedSource:
+    """Samples 0..size-1 generated from a seed: every index is readable, named by its number in the skip log."""
+
+    group_size = 1
+
+    def __init__(self, seed: int, size: int, name: str) -> None:
+        self.seed, self.size, self.name = seed, size, name
+        self.index_skips: list[dict[str, Any]] = []
+
+    def __len__(self) -> int:
+        return self.size
+
+    def describe(self, index: int) -> tuple[str, str, int | None]:
+        return self.name, str(index), None
+
+
+class SyntheticSource(_GeneratedSource):
     """The built-in dataset's `split` ("train"/"val") as a map-style source of `size` samples.
 
     `group_size` > 1: scenes come in shape groups of that many consecutive indices, which the loader's
     shuffle keeps together (see `synthetic_sample`)."""
 
     def __init__(self, seed: int, split: str, size: int, group_size: int = 1, multi_caption: bool = False) -> None:
-        self.seed, self.split, self.size, self.group_size = seed, split, size, group_size
+        super().__init__(seed, size, f"synthetic:{split}[{size}]")
+        self.split, self.group_size = split, group_size
         self.multi_caption = multi_caption  # 2-5 captions per scene (`synthetic_captions`)
-        self.name = f"synthetic:{split}[{size}]"
-        self.index_skips: list[dict[str, Any]] = []
-
-    def __len__(self) -> int:
-        return self.size
-
-    def describe(self, index: int) -> tuple[str, str, int | None]:
-        return self.name, str(index), None
 
     def load(self, index: int) -> RawSample:
         img, caption, regions = synthetic_scene(self.seed, self.split, index, self.group_size, self.multi_caption)
         return RawSample(img, caption, None, str(index), {"regions": regions})
 
 
-class ZeroShotSource:
+class ZeroShotSource(_GeneratedSource):
     """Single-object synthetic validation images with shape/colour/size labels."""
 
-    group_size = 1
-
     def __init__(self, seed: int, size: int) -> None:
-        self.seed, self.size = seed, size
-        self.name = f"synthetic:zeroshot[{size}]"
-        self.index_skips: list[dict[str, Any]] = []
-
-    def __len__(self) -> int:
-        return self.size
-
-    def describe(self, index: int) -> tuple[str, str, int | None]:
-        return self.name, str(index), None
+        super().__init__(seed, size, f"synthetic:zeroshot[{size}]")
 
     def load(self, index: int) -> RawSample:
         img, caption, labels = zero_shot_sample(self.seed, index)
