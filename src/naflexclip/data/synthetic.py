@@ -28,6 +28,7 @@ SHAPES = ("circle", "square", "triangle", "star", "hexagon", "cross", "diamond",
 COLOURS = ("red", "orange", "yellow", "green", "cyan", "blue", "purple", "pink", "brown", "white")
 SIZES = ("small", "large")
 ATTRIBUTES = {"shape": SHAPES, "colour": COLOURS, "size": SIZES}
+SEGMENTATION_CLASSES = ("background", *SHAPES)  # `scene_labels`' classes: 0, then 1 + shape
 COLOUR_RGB = {
     "red": (220, 30, 30), "orange": (245, 140, 20), "yellow": (240, 225, 30), "green": (40, 165, 60),
     "cyan": (40, 205, 225), "blue": (40, 70, 220), "purple": (140, 50, 190), "pink": (250, 125, 195),
@@ -50,12 +51,14 @@ COUNT_WORDS = ("one shape", "two shapes", "three shapes")
 
 @dataclass(frozen=True)
 class SceneObject:
-    """One drawn object: indices into SHAPES, COLOURS, SIZES; `box`: where it was drawn, (x0, y0, x1, y1) pixels."""
+    """One drawn object: indices into SHAPES, COLOURS, SIZES; `box`: where it was drawn, (x0, y0, x1, y1) pixels;
+    `disc`: the (cx, cy, r) it was drawn from (what `scene_labels` redraws)."""
 
     shape: int
     colour: int
     size: int
     box: tuple[float, float, float, float] | None = None
+    disc: tuple[float, float, float] | None = None
 
     def phrase(self) -> str:
         return f"a {SIZES[self.size]} {COLOURS[self.colour]} {SHAPES[self.shape]}"
@@ -98,8 +101,10 @@ def _background(rng: np.random.Generator, width: int, height: int) -> tuple[np.n
     return np.clip(canvas, 0, 255).astype(np.uint8), name
 
 
-def _draw(draw: ImageDraw.ImageDraw, obj: SceneObject, cx: float, cy: float, r: float) -> None:
-    fill = COLOUR_RGB[COLOURS[obj.colour]]
+def _draw(draw: ImageDraw.ImageDraw, obj: SceneObject, cx: float, cy: float, r: float,
+          fill: int | tuple[int, int, int] | None = None) -> None:
+    """Draw `obj` centred at (cx, cy) with radius r, in its colour or `fill` (a label map's class)."""
+    fill = COLOUR_RGB[COLOURS[obj.colour]] if fill is None else fill
     shape = SHAPES[obj.shape]
     box = (cx - r, cy - r, cx + r, cy + r)
     if shape == "circle":
@@ -161,8 +166,20 @@ def render_scene(
         _draw(draw, obj, cx, cy, r)
         # the drawing's bounding square, inside the image (every shape spans its square's width or height)
         box = (max(0.0, cx - r), max(0.0, cy - r), min(float(width), cx + r), min(float(height), cy + r))
-        objects.append(replace(obj, box=box))
+        objects.append(replace(obj, box=box, disc=(cx, cy, r)))
     return img, objects, background, wide
+
+
+def scene_labels(objects: list[SceneObject], width: int, height: int) -> np.ndarray:
+    """A scene's per-pixel shape classes `[height, width]` uint8: 0 background, `1 + shape` where an object's pixels
+    were drawn (the same drawing calls, in the same order, so a later object covers an earlier one as in the image)."""
+    labels = Image.new("L", (width, height), 0)
+    draw = ImageDraw.Draw(labels)
+    for obj in objects:
+        if obj.disc is None:
+            raise ValueError("scene_labels needs objects from render_scene (their disc)")
+        _draw(draw, obj, *obj.disc, fill=1 + obj.shape)
+    return np.array(labels)  # a writable copy (a PIL image's array is read-only)
 
 
 def caption_for(rng: np.random.Generator, objects: list[SceneObject], background: str, wide: bool) -> str:
@@ -199,6 +216,14 @@ def synthetic_sample(seed: int, split: str, index: int, shape_group_size: int = 
     `shape_group_size` k: indices k·g ... k·g + k - 1 are one scene with k different shapes per slot."""
     rng, (img, objects, background, wide) = _scene(seed, split, index, shape_group_size)
     return img, caption_for(rng, objects, background, wide)
+
+
+def synthetic_segmentation(seed: int, split: str, index: int, shape_group_size: int = 1
+                           ) -> tuple[Image.Image, np.ndarray]:
+    """`synthetic_sample`'s image at `index` of `split` and its per-pixel shape classes (`scene_labels`:
+    0 background, 1 + index into SHAPES), for the dense-feature probe."""
+    _, (img, objects, _, _) = _scene(seed, split, index, shape_group_size)
+    return img, scene_labels(objects, *img.size)
 
 
 def object_regions(objects: list[SceneObject]) -> list[dict[str, Any]]:

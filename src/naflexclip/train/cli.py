@@ -473,8 +473,9 @@ def run_zero_shot(args: argparse.Namespace, model: torch.nn.Module, config: dict
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    """Handler of `naflexclip eval`: the training run's evaluation on a checkpoint, printed as JSON
-    (or, with --zero-shot-data, zero-shot classification of an ImageFolder)."""
+    """Handler of `naflexclip eval`: the training run's evaluation on a checkpoint (with the built-in tasks, the dense
+    probe; with a LocCa decoder, its metrics), printed as JSON (or, with --zero-shot-data, zero-shot classification
+    of an ImageFolder)."""
     from naflexclip.zeroshot import check_output
 
     from .evaluate import evaluate, has_builtin_tasks
@@ -498,7 +499,9 @@ def run_eval(args: argparse.Namespace) -> int:
             return _error("eval", f"nothing to evaluate: the run of {args.checkpoint!r} has no validation data; pass "
                                   "--val-data (or --zero-shot for the built-in zero-shot tasks)")
         metrics = evaluate(model, data, device, precision.autocast,
-                           zero_shot_samples=config["zero_shot_samples"] if on_builtin else 0)
+                           zero_shot_samples=config["zero_shot_samples"] if on_builtin else 0, dense_probe=on_builtin,
+                           decoder=getattr(model, "decoder", None) is not None,
+                           notify=lambda line: _say(f"naflexclip eval: {line}"))
     except (ValueError, DataError, FileNotFoundError) as error:
         return _error("eval", str(error).splitlines()[0])
     print(json.dumps(metrics, indent=1))
@@ -522,12 +525,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_openclip_flags(train)  # last: OpenCLIP's flags no block above has added are built in or refused
     group_by_origin(train)
     train.set_defaults(func=run_train)
-    evaluate = subparsers.add_parser("eval", help="retrieval and zero-shot evaluation of a checkpoint")
+    evaluate = subparsers.add_parser("eval", help="retrieval, zero-shot, dense-probe and decoder evaluation of a "
+                                                  "checkpoint")
     evaluate.add_argument("--checkpoint", required=True,
                           help="a checkpoint directory (or a run's checkpoints/), or a transformers SigLIP 2 directory")
     evaluate.add_argument("--val-data", default=None, help="evaluate on this data instead of the run's")
     evaluate.add_argument("--dataset-type", default="auto")
-    evaluate.add_argument("--zero-shot", action="store_true", help="also run the built-in zero-shot tasks")
+    evaluate.add_argument("--zero-shot", action="store_true",
+                          help="also run the built-in zero-shot tasks and the dense probe")
     evaluate.add_argument("--precision", default=None, choices=PRECISIONS)
     evaluate.add_argument("--device", default=None)
     z = evaluate.add_argument_group("zero-shot classification of your own ImageFolder")

@@ -45,7 +45,7 @@ DECODER_EVAL_SAMPLES = 64  # validation samples per decoder task (greedy decodin
 ZERO_SHOT_ATTRIBUTES = ("shape", "colour")
 # the metrics of the one-line message after each evaluation
 BRIEF_KEYS = ("val/image_to_text_R@1", "val/text_to_image_R@1", "val/image_to_text_R@10", "zeroshot/shape_top1",
-              "zeroshot/colour_top1", "decoder/caption_bleu4", "decoder/aref_acc")
+              "zeroshot/colour_top1", "decoder/caption_bleu4", "decoder/aref_acc", "probe/miou")
 
 
 def _features(model: nn.Module, loader: Iterable[dict[str, Any]], device: torch.device,
@@ -99,9 +99,13 @@ class EvalTask:
 
 
 def evaluation_tasks(data: DataConfig, device: torch.device, autocast: Callable[[], ContextManager[Any]], *,
-                     zero_shot_samples: int = 0, frequency: int = 1) -> list[EvalTask]:
-    """Retrieval on the validation split (`val/...`) when there is one and, with `zero_shot_samples` > 0,
-    zero-shot accuracy on that many built-in single-object images (`zeroshot/{attribute}_top1`)."""
+                     zero_shot_samples: int = 0, frequency: int = 1, dense_probe: bool = False,
+                     decoder: bool = False, notify: Callable[[str], None] = print) -> list[EvalTask]:
+    """Retrieval on the validation split (`val/...`) when there is one; with `zero_shot_samples` > 0, zero-shot
+    accuracy on that many built-in single-object images (`zeroshot/{attribute}_top1`); with `dense_probe`, the
+    linear segmentation probe of the patch tokens on the built-in scenes (`probe/miou`, `naflexclip.train.probe`);
+    with `decoder` and a validation split, the LocCa decoder's `decoder_metrics` (`notify` says, in one line, when
+    pycocoevalcap is missing and BLEU-4 is left out)."""
     tasks = []
     if data.source("val") is not None:
         tasks.append(EvalTask("retrieval", frequency,
@@ -109,6 +113,22 @@ def evaluation_tasks(data: DataConfig, device: torch.device, autocast: Callable[
     if zero_shot_samples:
         tasks.append(EvalTask("builtin_zero_shot", frequency, lambda model, skips: zero_shot_metrics(
             model, data, device, autocast, zero_shot_samples)))
+    if dense_probe:
+        from naflexclip.train.probe import dense_probe_metrics
+
+        tasks.append(EvalTask("dense_probe", frequency,
+                              lambda model, skips: dense_probe_metrics(model, data, device, autocast)))
+    if decoder and data.source("val") is not None:
+        try:  # not a core dependency (~100 MB): the siglip2 and benchmark extras bring it
+            import pycocoevalcap  # noqa: F401
+
+            bleu = True
+        except ImportError:
+            bleu = False
+            notify("decoder/caption_bleu4 needs pycocoevalcap (pip install 'naflexclip[siglip2]'); the LocCa decoder "
+                   "is evaluated on aref only")
+        tasks.append(EvalTask("decoder", frequency, lambda model, skips: decoder_metrics(
+            model, data, device, autocast, skips, bleu=bleu)))
     return tasks
 
 
@@ -169,12 +189,13 @@ def run_tasks(model: nn.Module, tasks: list[EvalTask], skip_records: list[dict[s
 
 
 def evaluate(model: nn.Module, data: DataConfig, device: torch.device,
-             autocast: Callable[[], ContextManager[Any]], *, zero_shot_samples: int = 0,
-             skip_records: list[dict[str, Any]] | None = None) -> dict[str, float]:
-    """Retrieval on the validation split and, with `zero_shot_samples` > 0, the built-in zero-shot tasks
-    (`evaluation_tasks`), once."""
-    return run_tasks(model, evaluation_tasks(data, device, autocast, zero_shot_samples=zero_shot_samples),
-                     skip_records)
+             autocast: Callable[[], ContextManager[Any]], *, zero_shot_samples: int = 0, dense_probe: bool = False,
+             decoder: bool = False, skip_records: list[dict[str, Any]] | None = None,
+             notify: Callable[[str], None] = print) -> dict[str, float]:
+    """`evaluation_tasks`' evaluations (retrieval on the validation split; the built-in zero-shot tasks with
+    `zero_shot_samples` > 0; the dense probe; the LocCa decoder's metrics), once."""
+    return run_tasks(model, evaluation_tasks(data, device, autocast, zero_shot_samples=zero_shot_samples,
+                                             dense_probe=dense_probe, decoder=decoder, notify=notify), skip_records)
 
 
 def validation_retrieval(model: nn.Module, data: DataConfig, device: torch.device,
@@ -280,8 +301,9 @@ def brief(metrics: dict[str, float]) -> str:
 
 
 class Evaluator:
-    """Evaluation during training, built from the config: retrieval on the validation data and, for a model
-    trained on the built-in dataset, its zero-shot tasks, every --val-frequency epochs (0: before training and
+    """Evaluation during training, built from the config: retrieval on the validation data, the LocCa decoder's
+    metrics (with the recipe's decoder) and, for a model trained on the built-in dataset, its zero-shot tasks and the
+    dense probe, every --val-frequency epochs (0: before training and
     at the end only); zero-shot classification of --zeroshot-data every --zeroshot-frequency epochs. Logs each
     evaluation and keeps the history (`state_dict`: the summary's "before" column survives a resume).
 
@@ -291,27 +313,17 @@ class Evaluator:
     def __init__(self, cfg: TrainConfig, env: DistributedEnv, autocast: Callable[[], ContextManager[Any]],
                  reporter: Reporter) -> None:
         self.env, self.reporter, self.sharded = env, reporter, cfg.fsdp
-        zero_shot = cfg.zero_shot_samples if has_builtin_tasks(cfg.data) else 0
-        self.tasks = evaluation_tasks(cfg.data, env.device, autocast, zero_shot_samples=zero_shot,
-                                      frequency=cfg.val_frequency)
+        builtin = has_builtin_tasks(cfg.data)
+        decoder = bool(Recipe.pick(cfg).example_terms()) and cfg.data.source("val") is not None
+        unsharded = [name for name, on in (("the LocCa decoder", decoder), ("the dense probe", builtin)) if on]
+        if cfg.fsdp and unsharded:
+            # greedy decoding and the probe's token features run modules outside the root forward FSDP gathers around
+            reporter.message(f"{' and '.join(unsharded)} not evaluated under --fsdp (run outside the sharded forward)")
+        self.tasks = evaluation_tasks(cfg.data, env.device, autocast,
+                                      zero_shot_samples=cfg.zero_shot_samples if builtin else 0,
+                                      frequency=cfg.val_frequency, dense_probe=builtin and not cfg.fsdp,
+                                      decoder=decoder and not cfg.fsdp, notify=reporter.message)
         self.tasks += folder_zero_shot_tasks(cfg, env.device, autocast, reporter.message)
-        if Recipe.pick(cfg).example_terms() and cfg.data.source("val") is not None:
-            if cfg.fsdp:  # generate() runs the decoder's own modules, outside the root forward FSDP gathers around
-                reporter.message("the LocCa decoder is not evaluated under --fsdp (its greedy decoding runs "
-                                 "outside the sharded forward)")
-            else:
-                data = cfg.data
-                try:  # not a core dependency (~100 MB): the siglip2 and benchmark extras bring it
-                    import pycocoevalcap  # noqa: F401
-
-                    bleu = True
-                except ImportError:
-                    bleu = False
-                if not bleu:
-                    reporter.message("decoder/caption_bleu4 needs pycocoevalcap (pip install 'naflexclip[siglip2]'); "
-                                     "the LocCa decoder is evaluated on aref only")
-                self.tasks.append(EvalTask("decoder", cfg.val_frequency, lambda model, skips: decoder_metrics(
-                    model, data, env.device, autocast, skips, bleu=bleu)))
         self.history: list[dict[str, float]] = []  # [0]: the evaluation before the run's first step
 
     def due(self, epochs_done: int, last: bool) -> list[EvalTask]:

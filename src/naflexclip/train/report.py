@@ -40,7 +40,7 @@ MAX_SKIP_LINES = 20  # skipped samples printed per split and epoch; all of them 
 SUMMARY_KEYS = (
     "val/image_to_text_R@1", "val/image_to_text_R@5", "val/image_to_text_R@10", "val/image_to_text_median_rank",
     "val/text_to_image_R@1", "val/text_to_image_R@5", "val/text_to_image_R@10", "val/text_to_image_median_rank",
-    "zeroshot/shape_top1", "zeroshot/colour_top1",
+    "zeroshot/shape_top1", "zeroshot/colour_top1", "decoder/caption_bleu4", "decoder/aref_acc", "probe/miou",
 )
 # zero-shot classification of a user's ImageFolder during training: zeroshot/<folder name>/<metric>
 FOLDER_ZEROSHOT_METRICS = ("top1", "top5")
@@ -231,6 +231,8 @@ def summary_table(first: dict[str, float], last: dict[str, float], counts: dict[
         chance = ""
         if key in SUMMARY_KEYS and key.startswith("zeroshot/"):
             chance = f"{last.get(key.replace('_top1', '_chance'), math.nan):.3f}"
+        elif key == "probe/miou":
+            chance = f"{last.get('probe/miou_chance', math.nan):.3f}"
         elif key.startswith("zeroshot/"):  # a folder's: top-k of its classes by chance
             top1 = last.get(f"{key.rsplit('/', 1)[0]}/chance", math.nan)
             chance = f"{min(1.0, int(key.rsplit('/top', 1)[1]) * top1):.3f}"
