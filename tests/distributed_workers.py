@@ -79,7 +79,7 @@ def free_port() -> int:
 
 
 def launch(scenario: str, world_size: int, out_dir: Path, timeout_s: float = 300.0) -> list[dict[str, Any]]:
-    """Run `scenario` on `world_size` local processes; return per rank {returncode, stderr, seconds, result}."""
+    """Run `scenario` on `world_size` local processes; return per rank {returncode, stderr, result}."""
     port = free_port()
     procs = []
     start = time.monotonic()
@@ -122,6 +122,15 @@ def launch(scenario: str, world_size: int, out_dir: Path, timeout_s: float = 300
             }
         )
     return reports
+
+
+def launch_results(scenario: str, world_size: int, out_dir: Path, timeout_s: float = 300.0) -> list[dict[str, Any]]:
+    """Every rank's result of `scenario` (`launch`), each rank having exited 0; else an AssertionError with the
+    first failed rank's stderr."""
+    reports = launch(scenario, world_size, out_dir, timeout_s)
+    for rank, report in enumerate(reports):
+        assert report["returncode"] == 0, f"rank {rank} exited {report['returncode']}:\n{report['stderr'][-4000:]}"
+    return [report["result"] for report in reports]
 
 
 # ----------------------------------------------------------------------------------------- worker side

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from distributed_workers import SHARD_SPLITS, SPLITS, TIMEOUT_S, launch
+from distributed_workers import SHARD_SPLITS, SPLITS, TIMEOUT_S, launch, launch_results
 
 from naflexclip.verify import FLOAT64_TOLERANCE, POS_EMBED_TOLERANCE
 
@@ -26,10 +26,7 @@ TEETH_MIN_ERROR = 1e-3
 
 def _run(scenario: str, world_size: int, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out_dir = tmp_path_factory.mktemp(f"{scenario}{world_size}")
-    reports = launch(scenario, world_size, Path(out_dir))
-    for rank, report in enumerate(reports):
-        assert report["returncode"] == 0, f"rank {rank} exited {report['returncode']}:\n{report['stderr'][-4000:]}"
-    return [report["result"] for report in reports]
+    return launch_results(scenario, world_size, Path(out_dir))
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])

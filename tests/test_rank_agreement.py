@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from conftest_data import image_bytes
-from distributed_workers import EVAL_TIMEOUT_S, TIMEOUT_S, launch
+from distributed_workers import EVAL_TIMEOUT_S, TIMEOUT_S, launch_results
 
 import naflexclip.distributed as distributed
 import naflexclip.exchange as exchange_module
@@ -183,10 +183,7 @@ def test_fsdp_without_torchrun_is_one_line(monkeypatch: pytest.MonkeyPatch, caps
 @pytest.fixture(scope="module")
 def agree(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out_dir = tmp_path_factory.mktemp("agree")
-    reports = launch("agree", 2, Path(out_dir), timeout_s=TIMEOUT_S + 90)
-    for rank, report in enumerate(reports):
-        assert report["returncode"] == 0, f"rank {rank} exited {report['returncode']}:\n{report['stderr'][-4000:]}"
-    return [report["result"] for report in reports]
+    return launch_results("agree", 2, Path(out_dir), timeout_s=TIMEOUT_S + 90)
 
 
 @pytest.mark.slow
@@ -269,10 +266,7 @@ def test_a_missing_image_on_one_rank_trains_its_7_pairs_in_seconds(tmp_path: Pat
 @pytest.fixture(scope="module")
 def trainer_faults(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out_dir = tmp_path_factory.mktemp("trainer_faults")
-    reports = launch("trainer_faults", 2, Path(out_dir), timeout_s=120)
-    for rank, report in enumerate(reports):
-        assert report["returncode"] == 0, f"rank {rank} exited {report['returncode']}:\n{report['stderr'][-4000:]}"
-    return [report["result"] for report in reports]
+    return launch_results("trainer_faults", 2, Path(out_dir), timeout_s=120)
 
 
 @pytest.mark.slow
@@ -341,10 +335,7 @@ def test_a_rank_whose_loader_raises_stops_every_rank_in_seconds_naming_it(tmp_pa
 @pytest.fixture(scope="module")
 def loop_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out_dir = tmp_path_factory.mktemp("loop")
-    reports = launch("loop", 2, Path(out_dir), timeout_s=300)
-    for rank, report in enumerate(reports):
-        assert report["returncode"] == 0, f"rank {rank} exited {report['returncode']}:\n{report['stderr'][-4000:]}"
-    return [report["result"] for report in reports]
+    return launch_results("loop", 2, Path(out_dir), timeout_s=300)
 
 
 @pytest.mark.slow
@@ -381,10 +372,8 @@ def test_a_stop_signal_on_one_rank_stops_every_rank_after_the_same_step(loop_run
 @pytest.mark.slow
 def test_fsdp_through_the_library_recipe_refuses_unequal_microbatch_counts_in_one_line(tmp_path: Path) -> None:
     # window_exchange(env, model) knows the model is sharded: no flag for the caller to remember
-    reports = launch("fsdp_uneven", 3, tmp_path, timeout_s=TIMEOUT_S + 90)
-    for rank, report in enumerate(reports):
-        assert report["returncode"] == 0, f"rank {rank} exited {report['returncode']}:\n{report['stderr'][-4000:]}"
-        assert report["result"]["error"] == (
+    for result in launch_results("fsdp_uneven", 3, tmp_path, timeout_s=TIMEOUT_S + 90):
+        assert result["error"] == (
             "RanksDisagree: ranks disagree at the window's size exchange: rank 0: 2 microbatches; "
             "rank 1: 1 microbatch; rank 2: 4 microbatches (FSDP needs the same number of microbatches on every rank)")
-        assert report["result"]["seconds"] < TIMEOUT_S / 4
+        assert result["seconds"] < TIMEOUT_S / 4
