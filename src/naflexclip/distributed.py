@@ -1,11 +1,11 @@
-"""Multi-process plumbing on torch.distributed: process group, environment, agreement and faults.
+"""Multi-process plumbing on torch.distributed: process group, device, agreement and faults.
 
 The window's exchange lives in naflexclip.exchange, model wrapping and full state dicts in naflexclip.parallel;
 this module is what both stand on:
 
-- `init_distributed` starts one process group where the launcher put this process (`naflexclip.launch`:
-  torchrun's, srun's, mpirun's or PMI's variables) (NCCL on CUDA, gloo on CPU, or `--dist-backend`) whose
-  collectives carry a timeout. A single process has no process group, and everything here is a no-op.
+- `init_distributed` starts one process group (NCCL on CUDA, gloo on CPU, or `--dist-backend`) whose collectives
+  carry a timeout, on what the launcher's variables say (`naflexclip.launch`: torchrun, srun, mpirun, PMI). A
+  single process has no process group, and everything here is a no-op.
 - `run_on_main`: work only rank 0 does (evaluation, checkpoint writing) while the others wait on the
   rendezvous store, with no collective timeout, and learn of rank 0's error at once.
 - `check_consistency`: ranks agree on values (step, epoch, schedule) at a resume; `gather_to_main`: small
