@@ -408,6 +408,10 @@ def loader_window(args: argparse.Namespace, setup: VerifySetup) -> tuple[dict[st
     """The first `accum_freq` microbatches of epoch 0, as one batch, and their sizes."""
     cfg = data_config_from_args(args)
     cfg.hf_processor = setup.hf_processor
+    if cfg.patch_sizes(setup.model.image_patch_size) is not None:
+        raise ValueError(f"--naflex-patch-sizes {' '.join(map(str, cfg.naflex_patch_sizes or ()))}: verify's "
+                         "full-batch reference is one batch of the window's microbatches, so one patch size (mixed "
+                         "sizes are exact in the window: tests/test_window_patch_sizes.py)")
     loader = build_loader(cfg, split="train", patch_size=setup.model.image_patch_size,
                           context_length=setup.model.context_length,
                           processing=data_processing(cfg.hf_processor, setup.model.image_patch_size, cfg.augment))

@@ -125,7 +125,8 @@ def build_loader(
     decoder: DecoderExamples | None = None,
 ) -> NaFlexLoader:
     """The loader for `split` ("train": sequence lengths drawn per step, shuffled, optional augment;
-    "val": every microbatch at max(--naflex-seq-lens), source order, deterministic eval transform).
+    "val": every microbatch at max(--naflex-seq-lens), source order, deterministic eval transform). `patch_size`:
+    the model's; "train" draws each microbatch's from --naflex-patch-sizes when they are set.
 
     `start_batch` resumes mid-epoch: the loader yields exactly the microbatches from that position on that
     an uninterrupted epoch would have yielded. `processing`: the model's transform, collation and tokenizer for
@@ -150,7 +151,7 @@ def build_loader(
                                   augment=cfg.augment and train, json_caption=cfg.json_caption(),
                                   max_image_pixels=cfg.max_image_pixels, multi_caption=cfg.multi_caption and train,
                                   caption_per_line=cfg.caption_per_line,
-                                  decoder=decoder),
+                                  decoder=decoder, patch_sizes=cfg.patch_sizes(patch_size) if train else None),
         seed=cfg.seed, shuffle=train, workers=cfg.workers, rank=rank, world_size=world_size, pin_memory=device_pin,
     )
     urls, ids = expand_sources(path) if kind == "webdataset" and path is not None else ([], np.zeros(0, np.int64))

@@ -14,7 +14,7 @@ from typing import Any
 
 from naflexclip.data.readers import MemberKeys
 from naflexclip.data.samples import JsonCaption
-from naflexclip.data.schedule import TokenBudget
+from naflexclip.data.schedule import PatchSizes, TokenBudget
 from naflexclip.data.synthetic import SHAPES
 
 DATASET_TYPES = ("synthetic", "webdataset", "csv", "folder", "auto")
@@ -46,6 +46,10 @@ class DataConfig:
     naflex_seq_len_probs: tuple[float, ...] | None = None
     naflex_max_tokens_per_batch: int = 4096
     naflex_batch_divisor: int = 1
+    # OpenCLIP's variable patch size: each training microbatch's patch size is drawn from these (weights: the probs);
+    # None: the model's own. Evaluation runs at the model's own patch size.
+    naflex_patch_sizes: tuple[int, ...] | None = None
+    naflex_patch_size_probs: tuple[float, ...] | None = None
     workers: int = 2
     seed: int = 0
     synthetic_seed: int = 0
@@ -120,6 +124,7 @@ class DataConfig:
         if self.dataset_type in ("webdataset", "csv", "folder") and not self.train_data and not self.val_data:
             raise ValueError(f"--dataset-type {self.dataset_type} needs --train-data or --val-data, got neither")
         self.token_budget()  # the --naflex-* flags, checked where they are used
+        self._check_patch_sizes()
         if self.workers < 0:
             raise ValueError(f"--workers must be >= 0, got {self.workers}")
         for name in ("synthetic_train_size", "synthetic_val_size"):
@@ -189,6 +194,23 @@ class DataConfig:
                              "and not all 0")
         return factors
 
+    def _check_patch_sizes(self) -> None:
+        if self.naflex_patch_sizes is not None:
+            self.naflex_patch_sizes = tuple(self.naflex_patch_sizes)
+        if self.naflex_patch_size_probs is not None:
+            self.naflex_patch_size_probs = tuple(float(p) for p in self.naflex_patch_size_probs)
+            if self.naflex_patch_sizes is None:
+                raise ValueError("--naflex-patch-size-probs goes with --naflex-patch-sizes (the sizes it weights)")
+        if self.naflex_patch_sizes is not None:
+            PatchSizes(self.naflex_patch_sizes, self.naflex_patch_size_probs)
+
+    def patch_sizes(self, model_patch_size: int) -> PatchSizes | None:
+        """The training microbatches' patch sizes (--naflex-patch-sizes), or None when every one is the model's
+        own (`model_patch_size`)."""
+        if self.naflex_patch_sizes is None or self.naflex_patch_sizes == (model_patch_size,):
+            return None
+        return PatchSizes(self.naflex_patch_sizes, self.naflex_patch_size_probs)
+
     def member_keys(self) -> MemberKeys:
         """Which tar members are a sample's image and caption (--image-key, --text-key, --json-text-key)."""
         return MemberKeys(split_keys(self.image_key), split_keys(self.text_key), self.json_text_key is not None)
@@ -248,6 +270,11 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--naflex-seq-len-probs", type=float, nargs="+", default=None)
     group.add_argument("--naflex-max-tokens-per-batch", type=int, default=4096)
     group.add_argument("--naflex-batch-divisor", type=int, default=1)
+    group.add_argument("--naflex-patch-sizes", type=int, nargs="+", default=None,
+                       help="patch sizes each training microbatch draws one of (timm's patch interpolator resamples "
+                            "the embedding to it); evaluation uses the model's own (default: the model's own only)")
+    group.add_argument("--naflex-patch-size-probs", type=float, nargs="+", default=None,
+                       help="weights of --naflex-patch-sizes (normalised; default: uniform)")
     group.add_argument("--workers", type=int, default=2, help="DataLoader worker processes per rank")
     group.add_argument("--train-num-samples", type=int, default=None,
                        help="samples per epoch: a fresh random subset of the usable samples each epoch (at most "
@@ -308,6 +335,9 @@ def data_config_from_args(args: argparse.Namespace) -> DataConfig:
         naflex_seq_len_probs=tuple(probs) if probs is not None else None,
         naflex_max_tokens_per_batch=args.naflex_max_tokens_per_batch,
         naflex_batch_divisor=args.naflex_batch_divisor,
+        naflex_patch_sizes=tuple(args.naflex_patch_sizes) if args.naflex_patch_sizes is not None else None,
+        naflex_patch_size_probs=(tuple(args.naflex_patch_size_probs) if args.naflex_patch_size_probs is not None
+                                 else None),
         workers=args.workers,
         seed=args.seed,
         synthetic_seed=args.synthetic_seed,

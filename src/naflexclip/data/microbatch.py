@@ -19,7 +19,7 @@ from naflexclip.batch import EXAMPLE_INPUTS
 from naflexclip.data.readers import RawSample, skip_record
 from naflexclip.data.regions import DecoderExamples, Region, parse_regions
 from naflexclip.data.samples import JsonCaption, SkipSample, decode_captions, decode_image, one_caption
-from naflexclip.data.schedule import ScheduledBatch, even_sizes
+from naflexclip.data.schedule import PatchSizes, ScheduledBatch, even_sizes
 from naflexclip.data.transform import Processing
 
 # where a sample is, for the skip log: (source, key, line)
@@ -42,6 +42,10 @@ class MicrobatchBuilder:
     window); otherwise a sample with several captions takes one per epoch (`one_caption`). `caption_per_line`
     (--caption-per-line): a caption file's (a folder's `.txt`, a shard's text member) non-empty lines are several
     captions of its image.
+    `patch_sizes` (--naflex-patch-sizes): each microbatch's patch size, drawn from its `seed_key` (seed, epoch,
+    rank, microbatch index), its images transformed and patched at it into `[B, N, P, P, 3]` patches (timm's
+    unflattened layout, which the model's patch interpolator resamples its embedding to), with the item's
+    "patch_size"; None: `patch_size` for every microbatch, patches flattened.
     `decoder` (a run with a LocCa term): each sample's decoder example (`naflexclip.data.regions`) from its caption
     and regions, collated into the item's `example_inputs`; a bad region is a skip record of its own, not the
     sample's.
@@ -50,7 +54,7 @@ class MicrobatchBuilder:
     def __init__(self, *, patch_size: int, context_length: int, processing: Processing, augment: bool = False,
                  json_caption: JsonCaption | None = None, max_image_pixels: int = 0,
                  multi_caption: bool = False, caption_per_line: bool = False,
-                 decoder: DecoderExamples | None = None) -> None:
+                 decoder: DecoderExamples | None = None, patch_sizes: PatchSizes | None = None) -> None:
         if decoder is not None and (augment or multi_caption):
             raise ValueError("a LocCa term (--recipe siglip2 / --locca-loss-weight) with "
                              f"{'--augment' if augment else '--multi-positive'} is not supported: "
@@ -59,6 +63,9 @@ class MicrobatchBuilder:
         self.decoder = decoder
         self.patch_size, self.context_length, self.augment = patch_size, context_length, augment
         self.processing = processing
+        self.patch_sizes = patch_sizes
+        # one processing per patch size, built here (the main process) so an unsupported one fails before training
+        self._at_size = {size: processing.at_patch_size(size) for size in (patch_sizes.sizes if patch_sizes else ())}
         self.json_caption, self.max_image_pixels = json_caption, max_image_pixels
         self.multi_caption, self.caption_per_line = multi_caption, caption_per_line
 
@@ -67,7 +74,11 @@ class MicrobatchBuilder:
         """The item of `planned` from `samples` (each with where it is); `records`: skips found before decoding."""
         # only our NaFlex transform augments (SigLIP 2's processing refuses --augment)
         rng = random.Random(hash(seed_key)) if self.augment else None
-        transform = self.processing.transform
+        patch_size, processing = self.patch_size, self.processing
+        if self.patch_sizes is not None:
+            patch_size = self.patch_sizes.draw(*seed_key)
+            processing = self._at_size[patch_size]
+        transform = processing.transform
         draft = lambda hw: transform.target_hw(hw, planned.seq_len)
         records = list(records)
         pixels, texts, labels, keys, captions_per_image, examples = [], [], [], [], [], []
@@ -102,8 +113,11 @@ class MicrobatchBuilder:
         if not pixels:
             item["empty"] = True
             return item
-        item["image"] = self.processing.collate(pixels, planned.seq_len, self.patch_size)
-        item["text"] = self.processing.tokenize(texts, self.context_length)
+        item["image"] = processing.collate(pixels, planned.seq_len, patch_size)
+        if self.patch_sizes is not None:  # (ph, pw, C) flattened, as timm's Patchify(flatten_patches=False) leaves it
+            item["image"]["patches"] = item["image"]["patches"].unflatten(-1, (patch_size, patch_size, 3))
+            item["patch_size"] = patch_size
+        item["text"] = processing.tokenize(texts, self.context_length)
         item["keys"] = keys
         if self.decoder is not None:
             item[EXAMPLE_INPUTS] = self.decoder.collate(examples)

@@ -61,6 +61,44 @@ class TokenBudget:
 
 
 @dataclass(frozen=True)
+class PatchSizes:
+    """OpenCLIP's `--naflex-patch-sizes` / `--naflex-patch-size-probs` (timm's NaFlex loader's `patch_size_choices`):
+    each training microbatch's patch size, drawn with weights `probs` (uniform when None; normalised, as there) from
+    (seed, epoch, rank, microbatch index) alone, so a resume, any worker count and any read order give the same
+    sizes. The plan is unchanged: a microbatch keeps its sequence length (patches per image) at any patch size, as in
+    timm, where a smaller patch covers a smaller image."""
+
+    sizes: tuple[int, ...]
+    probs: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.sizes or any(int(s) != s or s < 1 for s in self.sizes):
+            raise ValueError(f"--naflex-patch-sizes must be positive integers, got {' '.join(map(str, self.sizes))}")
+        if len(set(self.sizes)) != len(self.sizes):
+            raise ValueError(f"--naflex-patch-sizes must not repeat a size, got {' '.join(map(str, self.sizes))}")
+        if self.probs is not None:
+            shown = " ".join(f"{p:g}" for p in self.probs)
+            if len(self.probs) != len(self.sizes):
+                raise ValueError(f"--naflex-patch-size-probs needs one weight per --naflex-patch-sizes entry "
+                                 f"({len(self.sizes)}), got {len(self.probs)}: {shown}")
+            if any(p < 0 or not math.isfinite(p) for p in self.probs) or not sum(self.probs) > 0:
+                raise ValueError(f"--naflex-patch-size-probs must be finite and >= 0 with a positive sum, got {shown}")
+
+    @functools.cached_property
+    def cdf(self) -> np.ndarray:
+        weights = np.ones(len(self.sizes)) if self.probs is None else np.asarray(self.probs, dtype=np.float64)
+        cdf = weights.cumsum()
+        return cdf / cdf[-1]
+
+    def draw(self, seed: int, epoch: int, rank: int, index: int) -> int:
+        """The patch size of microbatch `index` of `rank` in `epoch`."""
+        if len(self.sizes) == 1:
+            return self.sizes[0]
+        u = _rng(seed, epoch, 0x9A7C, rank, index).random()
+        return self.sizes[int(np.searchsorted(self.cdf, u, side="right"))]
+
+
+@dataclass(frozen=True)
 class ScheduledBatch:
     """One planned microbatch: its index in the epoch's plan, patch budget per image and row count.
 
@@ -74,8 +112,8 @@ class ScheduledBatch:
     offset: int
 
 
-def _rng(seed: int, epoch: int, tag: int) -> np.random.Generator:
-    return np.random.default_rng(np.random.SeedSequence([seed & 0xFFFFFFFF, epoch, tag]))
+def _rng(seed: int, epoch: int, tag: int, *more: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([seed & 0xFFFFFFFF, epoch, tag, *more]))
 
 
 def samples_per_rank(num_samples: int, world_size: int) -> int:

@@ -9,6 +9,7 @@ normalised at once (OpenAI CLIP mean/std) and padding rows are zeroed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import random
@@ -37,6 +38,17 @@ class Processing:
     transform: Any
     collate: Callable[[list[tuple[torch.Tensor, torch.Tensor]], int, int], dict[str, torch.Tensor]]
     tokenize: Callable[[list[str], int], torch.Tensor]
+
+    def at_patch_size(self, patch_size: int) -> Processing:
+        """This processing for `patch_size` patches (--naflex-patch-sizes): its transform resized for that size
+        (collation takes the size per call). One line when the transform patches at one size only."""
+        if getattr(self.transform, "patch_size", None) == patch_size:
+            return self
+        at = getattr(self.transform, "at_patch_size", None)
+        if at is None:
+            raise ValueError(f"--naflex-patch-sizes {patch_size}: the model's image processor "
+                             f"({type(self.transform).__name__}) patches at its own patch size only")
+        return dataclasses.replace(self, transform=at(patch_size))
 
 
 def default_processing(patch_size: int, augment: bool = False) -> Processing:
@@ -78,6 +90,11 @@ class NaFlexTransform:
         self.ratio = tuple(ratio) if ratio is not None else NaFlexTransform.ratio
         self.interpolation = interpolation  # "bicubic" or "bilinear" (a model's own, e.g. an OpenCLIP name's)
         self._resizers: dict[int, torch.nn.Module] = {}
+
+    def at_patch_size(self, patch_size: int) -> NaFlexTransform:
+        """The same transform for `patch_size` patches."""
+        return NaFlexTransform(patch_size, augment=self.augment, interpolation=self.interpolation, scale=self.scale,
+                               ratio=self.ratio)
 
     def _resize(self, img: Image.Image, seq_len: int) -> Image.Image:
         if seq_len not in self._resizers:

@@ -57,7 +57,7 @@ OPENCLIP_DEFAULTS: dict[str, Any] = {
     "remote_sync_frequency": 300, "remote_sync_protocol": "s3", "log_local": False, "debug": False,
     "force_context_length": None, "force_patch_dropout": None, "force_image_size": None,
     "data.image_mean": None, "data.image_std": None, "data.image_interpolation": None, "data.aug_scale": None,
-    "data.aug_ratio": None,
+    "data.aug_ratio": None, "data.naflex_patch_sizes": None, "data.naflex_patch_size_probs": None,
 }
 # the built-in dataset's own values where they differ from OpenCLIP's (the demo: docs/demo.md); TrainConfig's
 # field defaults are these, the data ones are the CLI's defaults without --train-data
@@ -244,6 +244,7 @@ class TrainConfig:
         self._check_loss()
         Locks.pick(self)  # one-line errors for lock flags that cannot go together
         self._check_multi_positive()
+        self._check_patch_sizes()
         self._check_recipe()
         if Distill.pick(self).enabled and self.distill_pretrained is None and self.distill_model in PRESETS:
             raise ValueError(f"--distill-model {self.distill_model} is a preset: give the teacher's weights with "
@@ -397,6 +398,19 @@ class TrainConfig:
         if self.multi_positive:  # every caption of a sample becomes a text row with its group id
             self.data.multi_caption = True
 
+    def _check_patch_sizes(self) -> None:
+        """--naflex-patch-sizes feeds the model `[B, N, P, P, 3]` patches of each microbatch's own size."""
+        if self.data.naflex_patch_sizes is None:
+            return
+        sizes = " ".join(map(str, self.data.naflex_patch_sizes))
+        for flag in ("self_distill_loss_weight", "masked_prediction_loss_weight"):
+            if (getattr(self, flag) or 0) > 0:
+                raise ValueError(f"--naflex-patch-sizes {sizes} with --{flag.replace('_', '-')}: the masked tokens "
+                                 f"need flattened patches of the model's own size; drop one of them")
+        if self.distill_model is not None:
+            raise ValueError(f"--naflex-patch-sizes {sizes} with --distill-model: the teacher is fed the student's "
+                             f"patches, whose size varies per microbatch; drop one of them")
+
     def _check_recipe(self) -> None:
         """A LocCa term trains the decoder on the image tower's tokens, one example per image (`data.regions`)."""
         for flag in ("self_distill_loss_weight", "masked_prediction_loss_weight"):
@@ -490,10 +504,13 @@ class TrainConfig:
                 raise ValueError(f"{flag} changes a position table, which --pretrained brings; drop one of them")
 
     def model_overrides(self, patch_size: int) -> dict[str, Any]:
-        """The model fields the --force-* flags set (`patch_size`: the image tower's): the text context length,
+        """The model fields the flags set (`patch_size`: the image tower's): timm's patch interpolator with
+        --naflex-patch-sizes other than the model's own, and for the --force-* flags the text context length,
         the patch dropout rate, and for --force-image-size the position table's grid (size // patch per side;
         NaFlex images still take --naflex-seq-lens patches, the table is resized to each image's grid)."""
         overrides: dict[str, Any] = {}
+        if self.data.patch_sizes(patch_size) is not None:  # timm's patch interpolator: no weights of its own
+            overrides["patch_interpolator"] = True
         if self.force_context_length is not None:
             overrides["context_length"] = self.force_context_length
         if self.force_patch_dropout is not None:

@@ -69,6 +69,9 @@ POLICY: dict[str, tuple[str, str]] = {
     # --json-text-key-probs (which caption), --max-image-pixels (skipped when read) and --imagenet-* apply ----
     **{f"data.{key}": (REFUSE, _DATA_ORDER) for key in (
         "dataset_resampled", "train_data_upsampling_factors", "image_key", "text_key", "json_text_key")},
+    # ---- variable patch size (issue 22): the patch size every saved microbatch position trains at ----
+    **{f"data.{key}": (REFUSE, "the patch size of every microbatch") for key in (
+        "naflex_patch_sizes", "naflex_patch_size_probs")},
     # ---- OpenCLIP's flags (issue 22) ----
     "openclip_built_in": (IGNORE, ""),  # OpenCLIP's flags that change nothing here
 }
