@@ -51,11 +51,20 @@ def test_each_microbatchs_patch_size_is_the_same_for_any_workers_and_after_a_res
     whole = _sizes(_data())
     assert set(whole.values()) == {4, 8}  # both sizes occur in an epoch of 8 microbatches
     assert _sizes(_data(workers=2)) == whole
-    resumed = _sizes(_data(), start_batch=5)
+    resumed = _sizes(_data(), start_batch=5)  # (start_batch: where a checkpoint's data position continues)
     assert resumed == {i: p for i, p in whole.items() if i >= 5}
     # another epoch, another rank: other draws
     assert _sizes(_data(), epoch=1) != whole
     assert _sizes(_data(), rank=1, world_size=2) != {i: p for i, p in whole.items() if i < len(whole) // 2}
+
+
+def test_a_first_patch_size_other_than_the_models_is_named_once_as_not_the_evaluations(caplog) -> None:
+    build_loader(_data(naflex_patch_sizes=(8, 4)), split="train", patch_size=TINY_PATCH, context_length=16)
+    assert [r.getMessage() for r in caplog.records] == [
+        "--naflex-patch-sizes 8 4: evaluation runs at the model's own patch size 4 (OpenCLIP's at the first listed, 8)"]
+    caplog.clear()
+    build_loader(_data(naflex_patch_sizes=(4, 8)), split="train", patch_size=TINY_PATCH, context_length=16)
+    assert caplog.records == []
 
 
 def test_a_microbatch_at_a_drawn_size_is_the_models_processing_at_that_size() -> None:

@@ -56,7 +56,8 @@ def test_every_openclip_flag_is_accepted_built_in_or_refused_in_one_line(capsys:
         assert statuses[flag] == "refused"
     for flag in ("--local-loss", "--gather-with-grad", "--loss-dist-impl", "--use-naflex", "--force-naflex-vision"):
         assert statuses[flag] == "built in"
-    for flag in ("--train-data", "--precision", "--warmup", "--naflex-max-tokens-per-batch", "--siglip"):
+    for flag in ("--train-data", "--precision", "--warmup", "--naflex-max-tokens-per-batch", "--siglip",
+                 "--naflex-patch-sizes", "--naflex-patch-size-probs"):
         assert statuses[flag] == "accepted"
 
 

@@ -185,6 +185,10 @@ def build_loader(
         loader = MapLoader(source, samples_per_epoch=requested, **common)
     if train:
         _check_trainable(loader, world_size)
+        sizes = cfg.naflex_patch_sizes
+        if rank == 0 and sizes is not None and sizes[0] != patch_size:
+            logger.warning("--naflex-patch-sizes %s: evaluation runs at the model's own patch size %d (OpenCLIP's at "
+                           "the first listed, %d)", " ".join(map(str, sizes)), patch_size, sizes[0])
     if epoch or start_batch:
         loader.set_epoch(epoch, start_batch)
     return loader
