@@ -270,10 +270,10 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--naflex-seq-len-probs", type=float, nargs="+", default=None)
     group.add_argument("--naflex-max-tokens-per-batch", type=int, default=4096)
     group.add_argument("--naflex-batch-divisor", type=int, default=1)
-    group.add_argument("--naflex-patch-sizes", type=int, nargs="+", default=None,
+    group.add_argument("--naflex-patch-sizes", type=int, nargs="+", default=None, metavar="P",
                        help="patch sizes each training microbatch draws one of (timm's patch interpolator resamples "
                             "the embedding to it); evaluation uses the model's own (default: the model's own only)")
-    group.add_argument("--naflex-patch-size-probs", type=float, nargs="+", default=None,
+    group.add_argument("--naflex-patch-size-probs", type=float, nargs="+", default=None, metavar="W",
                        help="weights of --naflex-patch-sizes (normalised; default: uniform)")
     group.add_argument("--workers", type=int, default=2, help="DataLoader worker processes per rank")
     group.add_argument("--train-num-samples", type=int, default=None,
