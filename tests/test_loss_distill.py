@@ -8,9 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from open_clip.loss import DistillClipLoss
-from test_loss_tiled import _LargestTensor
+from test_loss_tiled import _LargestTensor, _PeakLiveBytes
 
-from naflexclip.loss import DistillLoss, distill_clip_loss_dense, distill_siglip_loss_dense, pairwise_logits
+from naflexclip.loss import (
+    DistillLoss,
+    create_loss,
+    distill_clip_loss_dense,
+    distill_siglip_loss_dense,
+    pairwise_logits,
+)
 
 DENSE = {"clip": distill_clip_loss_dense, "siglip": distill_siglip_loss_dense}
 
@@ -92,6 +98,26 @@ def test_distillation_builds_no_n_by_n_tensor(kind):
     with _LargestTensor() as mode:
         DistillLoss(kind, tile_size=tile)(*inputs).sum().backward()
     assert mode.largest <= max(2 * tile * tile, 2 * n) < n * n // 50, mode.largest
+
+
+@pytest.mark.parametrize(("kind", "extra_blocks"), [("clip", 1), ("siglip", 0)])
+def test_distillation_holds_at_most_one_block_more_than_the_plain_loss(kind, extra_blocks):
+    # the teacher's blocks are made beside the student's one at a time and none is held while the next is made:
+    # at the peak a CLIP backward holds the teacher's P' + Q' beside the student's two blocks, a SigLIP one no more
+    # than its plain loss; beyond that only O(N) statistics (the teacher's log-sum-exps). Before, the teacher's
+    # blocks were held with the student's and each block while the next was made (CLIP +2.1 blocks, SigLIP +1).
+    n, d, tile = 1024, 8, 128
+    student = _features(n, d, 0, 14.0, -10.0 if kind == "siglip" else None)
+    student = [t.float().requires_grad_() if t is not None else None for t in student]
+    teacher = [t.float() for t in _features(n, d, 1, 20.0, -8.0)]
+    peaks = {}
+    for name, run in (("plain", lambda: create_loss(kind, tile)(*student)),
+                      ("distill", lambda: DistillLoss(kind, tile_size=tile)(*student, *teacher).sum())):
+        with _PeakLiveBytes() as mode:
+            run().backward()
+        peaks[name] = mode.peak
+    block, statistics = tile * tile * 4, 4 * n * 4
+    assert peaks["distill"] - peaks["plain"] <= extra_blocks * block + statistics, (peaks, block)
 
 
 @pytest.mark.parametrize("kind", ["clip", "siglip"])

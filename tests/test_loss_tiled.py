@@ -4,6 +4,8 @@ FLOPs fall as 1/R."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -106,6 +108,41 @@ class _LargestTensor(TorchDispatchMode):
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 self.largest = max(self.largest, leaf.numel())
+        return out
+
+
+class _PeakLiveBytes(TorchDispatchMode):
+    """The peak bytes of the storages that ops create while the mode is on (forward and backward), each counted
+    while a tensor on it is alive. It sees op outputs, not a kernel's internal scratch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tensors: dict[int, int] = {}  # storage address -> live tensors on it
+        self.nbytes: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def _release(self, address: int) -> None:
+        self.tensors[address] -= 1
+        if not self.tensors[address]:
+            del self.tensors[address]
+            self.live -= self.nbytes.pop(address)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        made_outside = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                        if isinstance(t, torch.Tensor)}
+        for leaf in tree_leaves(out):
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            address = leaf.untyped_storage().data_ptr()
+            if address not in self.tensors:
+                if address in made_outside:
+                    continue  # a view or in-place result of a tensor made before the mode
+                self.tensors[address], self.nbytes[address] = 0, leaf.untyped_storage().nbytes()
+                self.live += self.nbytes[address]
+                self.peak = max(self.peak, self.live)
+            self.tensors[address] += 1
+            weakref.finalize(leaf, self._release, address)
         return out
 
 

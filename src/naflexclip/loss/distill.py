@@ -97,22 +97,27 @@ class _TiledDistillClip(torch.autograd.Function):
         for i0, i1 in _tiles(num_rows, tile):
             lse = None
             for j0, j1 in _tiles(num_all, tile):
+                # one model's block at a time: the student's statistics, then the teacher's
                 z = _logits(image_rows[i0:i1], text_features[j0:j1], scale, bias)
-                w = _logits(teacher_image_rows[i0:i1], teacher_text_features[j0:j1], teacher_scale, 0.0)
                 diagonal += _diagonal_sum(z, row_offset + i0, j0)
-                block_rows = torch.stack([z.logsumexp(dim=1), w.logsumexp(dim=1)])
+                student_rows, student_columns = z.logsumexp(dim=1), z.logsumexp(dim=0)
+                del z
+                w = _logits(teacher_image_rows[i0:i1], teacher_text_features[j0:j1], teacher_scale, 0.0)
+                block_rows = torch.stack([student_rows, w.logsumexp(dim=1)])
                 lse = block_rows if lse is None else torch.logaddexp(lse, block_rows)
                 column_lse[:, j0:j1] = torch.logaddexp(column_lse[:, j0:j1],
-                                                       torch.stack([z.logsumexp(dim=0), w.logsumexp(dim=0)]))
+                                                       torch.stack([student_columns, w.logsumexp(dim=0)]))
+                del w  # not held while the next block is made
             row_lse[:, i0:i1] = lse
         column_lse = reduce_column_lse(column_lse)
         weighted = image_rows.new_zeros(())  # Σ (P' + Q') ⊙ z over the block
         for i0, i1 in _tiles(num_rows, tile):
             for j0, j1 in _tiles(num_all, tile):
-                z = _logits(image_rows[i0:i1], text_features[j0:j1], scale, bias)
                 targets = _teacher_softmaxes(teacher_image_rows[i0:i1], teacher_text_features[j0:j1], teacher_scale,
                                              row_lse[1, i0:i1], column_lse[1, j0:j1])
+                z = _logits(image_rows[i0:i1], text_features[j0:j1], scale, bias)
                 weighted += torch.dot(targets.view(-1), z.view(-1))  # no third block
+                del targets, z
         normalisers = row_lse[0].sum() + column_lse[0, row_offset : row_offset + num_rows].sum()
         terms = torch.stack([normalisers - 2 * diagonal, weight * (normalisers - weighted)]) / (2 * num_all)
         ctx.save_for_backward(image_rows, text_features, logit_scale, logit_bias, teacher_image_rows,
@@ -128,11 +133,12 @@ class _TiledDistillClip(torch.autograd.Function):
         contrastive, distill = float(grad_out[0]), ctx.weight * float(grad_out[1])
 
         def block_dz(x: torch.Tensor, y: torch.Tensor, rows: slice, columns: slice) -> torch.Tensor:
-            z = _logits(x, y, scale, bias)
-            # P + Q in two blocks: Q is computed in z's own buffer (blocks held: these two and the teacher's two)
-            student = (z - row_lse[0, rows, None]).exp_().add_(z.sub_(column_lse[0, None, columns]).exp_())
+            # three blocks at most: the teacher's P' + Q' first (two while made, one kept), then the student's
+            # P + Q, Q in z's own buffer
             targets = _teacher_softmaxes(teacher_image_rows[rows], teacher_text_features[columns], ctx.teacher_scale,
                                          row_lse[1, rows], column_lse[1, columns])
+            z = _logits(x, y, scale, bias)
+            student = (z - row_lse[0, rows, None]).exp_().add_(z.sub_(column_lse[0, None, columns]).exp_())
             return student.mul_(contrastive + distill).sub_(targets, alpha=distill)  # 2N·dz off the diagonal
 
         grads = _tiled_gradients(ctx, grad_out.new_ones(()), block_dz, diagonal=2 * contrastive,
@@ -174,7 +180,9 @@ class _TiledDistillSigLip(torch.autograd.Function):
                             teacher_bias).sigmoid_()
                 diagonal += _diagonal_sum(z, row_offset + i0, j0)
                 weighted += torch.dot(p.view(-1), z.view(-1))
+                del p  # two blocks at most, as the plain loss: not held beside softplus's
                 softplus -= F.logsigmoid(z.neg_()).sum()  # exact for every z (see _TiledSigLip); z's buffer
+                del z  # not held while the next block is made
         terms = torch.stack([softplus - diagonal, weight * (softplus - weighted)]) / num_all
         ctx.save_for_backward(image_rows, text_features, logit_scale, logit_bias, teacher_image_rows,
                               teacher_text_features)

@@ -101,6 +101,7 @@ def _tiled_gradients(
             grad_y[j0:j1].addmm_(dz.T, x)
             if logit_bias is not None:
                 bias_sum += dz.sum()
+            del dz  # not held while the next block is made
     if diagonal:
         matching = slice(ctx.row_offset, ctx.row_offset + image_rows.shape[0])
         grad_x.sub_(text_features[matching], alpha=diagonal)
