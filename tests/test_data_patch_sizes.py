@@ -6,11 +6,13 @@ that trains with them and resumes exactly."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from conftest_data import image_bytes, write_tar
 from test_train_loop import tiny_config
 
 from naflexclip.cli import build_parser, main
@@ -50,12 +52,24 @@ def _sizes(cfg: DataConfig, *, epoch: int = 0, start_batch: int = 0, rank: int =
 def test_each_microbatchs_patch_size_is_the_same_for_any_workers_and_after_a_resume() -> None:
     whole = _sizes(_data())
     assert set(whole.values()) == {4, 8}  # both sizes occur in an epoch of 8 microbatches
+    assert whole == {i: PatchSizes((4, 8)).draw(0, 0, 0, i) for i in whole}  # (seed, epoch, rank, index) alone
     assert _sizes(_data(workers=2)) == whole
     resumed = _sizes(_data(), start_batch=5)  # (start_batch: where a checkpoint's data position continues)
     assert resumed == {i: p for i, p in whole.items() if i >= 5}
     # another epoch, another rank: other draws
     assert _sizes(_data(), epoch=1) != whole
     assert _sizes(_data(), rank=1, world_size=2) != {i: p for i, p in whole.items() if i < len(whole) // 2}
+
+
+def test_streamed_shards_draw_the_same_patch_size_per_microbatch_for_any_workers(tmp_path: Path) -> None:
+    for s in range(2):
+        write_tar(f"{tmp_path}/shard-{s}.tar", [m for j in range(24) for m in (
+            (f"s{s}_{j}.png", image_bytes(20 + j, 30, "PNG", seed=j)), (f"s{s}_{j}.txt", f"shape {j}".encode()))])
+    spec = f"pipe:cat {tmp_path}/shard-{{0..1}}.tar"  # not indexable: the streamed loader
+    cfg = _data(train_data=spec, train_num_samples=48, shuffle_buffer=4)
+    sizes = _sizes(cfg)
+    assert sizes == _sizes(dataclasses.replace(cfg, workers=2))
+    assert sizes == {i: PatchSizes((4, 8)).draw(0, 0, 0, i) for i in sizes} and set(sizes.values()) == {4, 8}
 
 
 def test_a_first_patch_size_other_than_the_models_is_named_once_as_not_the_evaluations(caplog) -> None:
