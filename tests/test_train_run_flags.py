@@ -9,14 +9,16 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from test_train_loop import tiny_config
 
 from naflexclip.cli import build_parser
 from naflexclip.train import checkpoint as ckpt
 from naflexclip.train.cli import config_from_args
 from naflexclip.train.loop import train
-from naflexclip.train.remote_sync import RemoteSync, sync_fsspec
+from naflexclip.train.remote_sync import RemoteSync, backup_dir, restore_from_backup, sync_fsspec
 from naflexclip.train.resume import POLICY
+from naflexclip.train.sinks import read_metrics
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -110,3 +112,56 @@ def test_run_flags_are_saved_with_a_resume_policy() -> None:
     for key in ("save_most_recent", "delete_previous_checkpoint", "remote_sync", "remote_sync_frequency",
                 "remote_sync_protocol", "log_local", "debug"):
         assert POLICY[key][0] == "ignore"
+
+
+def _train_steps(run: Path) -> list[int]:
+    return [r["step"] for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"]
+
+
+def _save(run: Path, name: str, step: int) -> None:
+    ckpt.save_checkpoint(run / "checkpoints", name, {"model": {"w": torch.full((2,), float(step))}, "s": step},
+                         step=step, epoch=0)
+
+
+def test_the_backup_restores_a_missing_or_older_run_folder_and_leaves_a_newer_one(tmp_path: Path) -> None:
+    """The backup's latest complete checkpoint (and its logs) is copied into a run folder that lacks it or is
+    behind it; a run folder as far as the backup is left alone; an incomplete copy in the backup is passed over."""
+    run, lines = tmp_path / "a" / "run", []
+    _save(run, "step_2", 2)
+    _save(run, "step_4", 4)
+    (run / "metrics.jsonl").write_text("backup\n")
+    sync_fsspec(run, backup_dir(run, str(tmp_path / "remote")))
+    (tmp_path / "remote" / "run" / "checkpoints" / "step_6").mkdir()  # a copy that never completed
+    new_node = tmp_path / "b" / "run"
+    assert restore_from_backup(new_node, str(tmp_path / "remote"), lines.append) == 4
+    assert ckpt.load_latest(new_node / "checkpoints").states["s"] == 4
+    assert (new_node / "metrics.jsonl").read_text() == "backup\n" and "no checkpoint" in lines[-1]
+    older = tmp_path / "c" / "run"
+    _save(older, "step_2", 2)
+    (older / "metrics.jsonl").write_text("older\n")
+    assert restore_from_backup(older, str(tmp_path / "remote"), lines.append) == 4
+    assert ckpt.load_latest(older / "checkpoints").step == 4 and (older / "metrics.jsonl").read_text() == "backup\n"
+    assert "its latest is step 2" in lines[-1]
+    assert restore_from_backup(run, str(tmp_path / "remote"), lines.append) is None
+    assert restore_from_backup(tmp_path / "d" / "run", str(tmp_path / "no_backup"), lines.append) is None
+
+
+@pytest.mark.slow
+def test_resume_latest_with_remote_sync_continues_the_backup_when_the_local_folder_is_missing_or_older(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """OpenCLIP's --resume latest with --remote-sync looks for the latest checkpoint on the remote target: a new
+    node (no local run folder) continues the backup's step 1 with its logs; a node whose folder stopped at step 1
+    continues the backup's step 2, not its own."""
+    remote = tmp_path / "remote"
+    flags = dict(remote_sync=str(remote), remote_sync_protocol="fsspec", val_frequency=0, resume="latest",
+                 zero_shot_samples=8)
+    train(tiny_config(tmp_path / "node_a", "run", stop_after_steps=1, **flags))
+    node_b = tmp_path / "node_b" / "run"
+    capsys.readouterr()
+    train(tiny_config(tmp_path / "node_b", "run", stop_after_steps=2, **flags))
+    assert "at epoch 0, step 1" in capsys.readouterr().err
+    assert _train_steps(node_b) == [1, 2] and _train_steps(remote / "run") == [1, 2]  # the backup's log, continued
+    node_a = tmp_path / "node_a" / "run"
+    train(tiny_config(tmp_path / "node_a", "run", stop_after_steps=3, **flags))
+    assert "at epoch 0, step 2" in capsys.readouterr().err
+    assert _train_steps(node_a) == [1, 2, 3] and _train_steps(remote / "run") == [1, 2, 3]

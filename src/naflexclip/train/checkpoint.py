@@ -122,12 +122,8 @@ def _point_latest(checkpoint_dir: Path, name: str) -> None:
 def save_checkpoint(checkpoint_dir: Path, name: str, states: Mapping[str, Any], *, step: int, epoch: int) -> Path:
     """Write `states` (name -> state; "model" a mapping of tensors) as `checkpoint_dir/name/` and point `latest`
     at it, never leaving `latest` without a complete checkpoint behind it (module docstring); returns its path."""
-    checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    clean_stale(checkpoint_dir)
-    final = checkpoint_dir / name
-    tmp = checkpoint_dir / f".tmp-{name}-{os.getpid()}"
-    try:
-        tmp.mkdir()
+
+    def write(tmp: Path) -> None:
         # safetensors refuses shared or non-contiguous storage: save plain contiguous copies
         tensors = {key: value.detach().contiguous() for key, value in states[MODEL].items()}
         _write_fsynced(tmp / MODEL_FILE, lambda p: save_file(tensors, str(p)))
@@ -135,6 +131,20 @@ def save_checkpoint(checkpoint_dir: Path, name: str, states: Mapping[str, Any], 
         _write_fsynced(tmp / STATE_FILE, lambda p: torch.save(others, p))
         meta = {"step": step, "epoch": epoch, "sizes": {f: (tmp / f).stat().st_size for f in (MODEL_FILE, STATE_FILE)}}
         _write_fsynced(tmp / META_FILE, lambda p: p.write_text(json.dumps(meta) + "\n"))
+
+    return install_checkpoint(checkpoint_dir, name, write)
+
+
+def install_checkpoint(checkpoint_dir: Path, name: str, write: Callable[[Path], None]) -> Path:
+    """`write(folder)` fills a hidden temporary folder with a checkpoint's files (`checkpoint.json` last), which
+    then becomes `checkpoint_dir/name/` and `latest` (a save, or a copy from a --remote-sync backup); returns it."""
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    clean_stale(checkpoint_dir)
+    final = checkpoint_dir / name
+    tmp = checkpoint_dir / f".tmp-{name}-{os.getpid()}"
+    try:
+        tmp.mkdir()
+        write(tmp)
         _fsync_dir(tmp)
     except BaseException:  # an interrupted write (Ctrl-C, full disk) leaves no temp directory behind
         _discard(tmp)
@@ -183,6 +193,11 @@ def _order_key(path: Path) -> tuple[int, int, str]:
         return (int(meta["step"]), int(meta["epoch"]), path.name)
     except (KeyError, TypeError, ValueError):
         return (-1, -1, path.name)
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step a checkpoint folder was saved at (its `checkpoint.json`); -1 when that cannot be read."""
+    return _order_key(path)[0]
 
 
 def _pointer_target(checkpoint_dir: Path) -> str | None:

@@ -7,15 +7,23 @@ knows (a local folder, `s3://`, `gs://`, ...): every file rewritten since it las
 the first sync every file missing there or different (`sync_fsspec`). Files deleted locally (an old checkpoint) stay
 in the backup. A checkpoint being written is a hidden
 `.tmp-*` folder until complete (`train.checkpoint`), so hidden entries are never copied.
+
+With `--resume latest` the backup is where the latest checkpoint is looked for, as OpenCLIP does
+(`restore_from_backup`): when its newest complete checkpoint is ahead of the run folder's (a new node after a
+preemption has no run folder), the run folder is restored from it before the resume, then continues as usual.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from naflexclip.train import checkpoint as storage
 
 PROTOCOLS = ("s3", "fsspec")
 _COMPARE_BYTES = 1 << 20  # files up to this size are compared by content, larger ones by size
@@ -68,6 +76,75 @@ def sync_s3(local_dir: Path, remote_dir: str) -> None:
         raise ValueError(f"--remote-sync {remote_dir}: aws s3 sync: {last}")
 
 
+def backup_dir(local_dir: Path, remote: str) -> str:
+    """Where `--remote-sync REMOTE` backs the run folder `local_dir` up: `REMOTE/<run name>` (OpenCLIP's)."""
+    return f"{remote.rstrip('/')}/{local_dir.name}"
+
+
+def _backup_checkpoints(fs: Any, root: str) -> list[tuple[int, str]]:
+    """(step, name) of the backup's complete checkpoints (`checkpoint.json` readable, both files of the sizes it
+    gives), the one its `latest` names first, then by step (highest first): the order `checkpoint.candidates`
+    tries a local run's."""
+    found = []
+    for entry in fs.ls(root, detail=False) if fs.isdir(root) else []:
+        name = entry.rstrip("/").rsplit("/", 1)[-1]
+        if name.startswith(".") or not fs.isdir(entry):
+            continue
+        try:
+            meta = json.loads(fs.cat_file(f"{root}/{name}/{storage.META_FILE}"))
+            sizes = [fs.size(f"{root}/{name}/{file}") for file in (storage.MODEL_FILE, storage.STATE_FILE)]
+            if sizes == [meta["sizes"][storage.MODEL_FILE], meta["sizes"][storage.STATE_FILE]]:
+                found.append((int(meta["step"]), name))
+        except (OSError, ValueError, KeyError, TypeError):  # incomplete or unreadable: not a candidate
+            continue
+    found.sort(reverse=True)
+    try:
+        pointer = fs.cat_file(f"{root}/{storage.LATEST_FILE}").decode().strip()
+    except (OSError, UnicodeDecodeError):
+        pointer = ""
+    named = [entry for entry in found if entry[1] == pointer]
+    return named + [entry for entry in found if entry[1] != pointer]
+
+
+def restore_from_backup(local_dir: Path, remote: str, notify: Callable[[str], None]) -> int | None:
+    """--resume latest with --remote-sync REMOTE: when the backup `REMOTE/<name>` holds a checkpoint ahead of the
+    run folder's latest (or the run folder has none), copy that checkpoint into the run folder's `checkpoints/`
+    (as `latest`) and every backed-up file outside `checkpoints/` (the logs it continues) over the local ones;
+    the step restored, or None when the run folder is as far as its backup. ValueError naming --remote-sync when
+    the backup cannot be read."""
+    import fsspec
+
+    remote_dir = backup_dir(local_dir, remote)
+    try:
+        fs, root = fsspec.core.url_to_fs(remote_dir)
+        root = root.rstrip("/")
+        checkpoints = _backup_checkpoints(fs, f"{root}/checkpoints")
+        local = storage.find_latest(local_dir / "checkpoints")
+        local_step = storage.checkpoint_step(local) if local is not None else -1
+        if not checkpoints or checkpoints[0][0] <= local_step:
+            return None
+        step, name = checkpoints[0]
+        source = f"{root}/checkpoints/{name}"
+
+        def copy(folder: Path) -> None:  # checkpoint.json last: it marks the copy complete
+            for file in (storage.MODEL_FILE, storage.STATE_FILE, storage.META_FILE):
+                fs.get_file(f"{source}/{file}", str(folder / file))
+
+        storage.install_checkpoint(local_dir / "checkpoints", name, copy)
+        for path in fs.find(root):
+            relative = path[len(root) + 1:]
+            if relative.split("/")[0] != "checkpoints" and not any(p.startswith(".") for p in relative.split("/")):
+                (local_dir / relative).parent.mkdir(parents=True, exist_ok=True)
+                fs.get_file(path, str(local_dir / relative))
+    except Exception as error:  # noqa: BLE001 - any storage error: one line naming the flag
+        raise ValueError(f"--remote-sync {remote_dir}: cannot restore from the backup: "
+                         f"{type(error).__name__}: {error}") from None
+    had = f"its latest is step {local_step}" if local_step >= 0 else "it has no checkpoint"
+    notify(f"--resume latest: the --remote-sync backup {remote_dir} is ahead of {local_dir} ({had}); restored "
+           f"its checkpoint {name} (step {step}) and its logs")
+    return step
+
+
 class RemoteSync:
     """The run folder's backup to `remote/<run name>` (main rank): `start()`, then every `frequency` seconds,
     and `close()` (the last sync)."""
@@ -80,7 +157,7 @@ class RemoteSync:
             raise ValueError("--remote-sync-protocol s3 runs `aws s3 sync` (as OpenCLIP), but the AWS CLI is not "
                              "installed; install it or pass --remote-sync-protocol fsspec")
         self.local_dir, self.protocol, self.frequency, self.notify = local_dir, protocol, frequency, notify
-        self.remote_dir = f"{remote.rstrip('/')}/{local_dir.name}"
+        self.remote_dir = backup_dir(local_dir, remote)
         self._stop = threading.Event()
         self._lock = threading.Lock()  # one sync at a time (the thread's and the last one)
         self._thread: threading.Thread | None = None

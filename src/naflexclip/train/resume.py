@@ -11,7 +11,9 @@ flags: --wd 0.1 -> 0.05, ..."). Besides the flags:
 - the lr schedule continues as saved unless a flag that defines it (`RESCHEDULE`) or the world size changed:
   then this run's schedule, spanning the steps actually left from the resumed (re-planned) position, replaces it;
 - the optimizer keeps this run's hyperparameters (`OptimizerState`);
-- the logs continue after the resumed step (each sink cut back or told) only for this run's own checkpoints.
+- the logs continue after the resumed step (each sink cut back or told) only for this run's own checkpoints;
+- `--resume latest` with `--remote-sync` first restores the run folder from its backup when the backup is ahead
+  (`remote_sync.restore_from_backup`), so a run moved to a new node continues the backup's latest checkpoint.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from naflexclip.distributed import barrier, check_consistency
+from naflexclip.distributed import barrier, check_consistency, run_on_main
 from naflexclip.lock import Locks
 from naflexclip.model import weights_mismatch
 from naflexclip.train import checkpoint as storage
 from naflexclip.train.components import Checkpointer, Progress
 from naflexclip.train.config import TrainConfig, flag_name, flat_config, shown_value
 from naflexclip.train.optim import scheduled_lr
+from naflexclip.train.remote_sync import restore_from_backup
 from naflexclip.train.report import Reporter, run_exists
 
 APPLY = "apply"  # applied and named in the resume notice (every flag `POLICY` does not list)
@@ -197,6 +200,10 @@ def resume(cfg: TrainConfig, checkpointer: Checkpointer, reporter: Reporter, mod
     if cfg.resume is None:
         return False
     if cfg.resume == "latest":
+        if cfg.remote_sync:  # OpenCLIP looks for the latest checkpoint in the backup: restore it when it is ahead
+            run_dir = checkpointer.checkpoint_dir.parent
+            run_on_main(checkpointer.env, "--remote-sync",
+                        lambda: restore_from_backup(run_dir, str(cfg.remote_sync), reporter.message))
         found = storage.load_latest(checkpointer.checkpoint_dir, notify=reporter.message)
         if found is None:
             return _start_fresh(cfg, checkpointer, reporter)
