@@ -1,7 +1,8 @@
 """A teacher named by OpenCLIP (`--distill-model NAME --distill-pretrained WEIGHTS`): its weights come from every
 source `create_model(NAME, pretrained=...)` takes (an open_clip_train checkpoint here), it runs frozen in `verify`,
 a missing tag is one line naming --distill-pretrained, and the teacher-input check compares what the two
-processors produce: the same tokenizer read from two directories is accepted, another tokenizer refused."""
+processors produce: the same tokenizer read from two directories reads the student's inputs, another tokenizer gets
+the teacher its own tokens."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from test_train_loop import tiny_config
 from naflexclip import create_model
 from naflexclip.cli import main
 from naflexclip.distill import Distill, load_teacher
+from naflexclip.families import data_processing
 from naflexclip.families import openclip as family
 
 
@@ -86,6 +88,8 @@ def _fake_siglip2_tokenizer(directory: Path) -> None:
 
 
 def test_the_teacher_input_check_compares_tokenizers_not_directory_names(tmp_path: Path) -> None:
+    """The same tokenizer from another directory: the teacher reads the student's microbatches (nothing extra is
+    produced); another tokenizer: the teacher gets its own tokens of the same captions."""
     pytest.importorskip("transformers")
     siglip2 = tiny_name("ViT-B-16-SigLIP2")
     hub = tmp_path / "hub"
@@ -98,22 +102,26 @@ def test_the_teacher_input_check_compares_tokenizers_not_directory_names(tmp_pat
     shutil.copytree(snapshot, weights)
     torch.save(openclip_model(siglip2, seed=5).state_dict(), weights / "model.pt")
     distill = Distill(distill_model=siglip2, distill_pretrained=str(weights / "model.pt"))
-    teacher = distill.teacher(student, student_processor, "siglip", cache_dir=str(hub))
+    teacher, inputs = distill.teacher(student, student_processor, "siglip", cache_dir=str(hub))
     assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
-    # a ViT-B-16 student (open_clip's SimpleTokenizer; the same patch size and context length) cannot feed it
+    assert inputs is None
+    # a ViT-B-16 student (open_clip's SimpleTokenizer; the same patch size and context length): the teacher gets
+    # its own tokens, those of its SigLIP 2 tokenizer
     clip_student = create_model(tiny_name("ViT-B-16"))
     assert (clip_student.image_patch_size, clip_student.context_length) == (8, 16) == (
         teacher.image_patch_size, teacher.context_length)
-    with pytest.raises(ValueError, match="tokenizes and patches with open_clip:ViT-B-16-SigLIP2-tiny") as error:
-        distill.teacher(clip_student, f"open_clip:{tiny_name('ViT-B-16')}", "clip", cache_dir=str(hub))
-    assert "\n" not in str(error.value)
-    # and a tokenizer that differs in one token is refused too
+    _, inputs = distill.teacher(clip_student, f"open_clip:{tiny_name('ViT-B-16')}", "clip", cache_dir=str(hub))
+    captions = ["a photo of a red circle."]
+    ours = data_processing(student_processor, 8).tokenize(captions, 16)
+    assert inputs is not None and torch.equal(inputs.processing.tokenize(captions, 16), ours)
+    assert not torch.equal(data_processing(f"open_clip:{tiny_name('ViT-B-16')}", 8).tokenize(captions, 16), ours)
+    # and a tokenizer that differs in one token is another input too
     other = tmp_path / "other"
     shutil.copytree(snapshot, other)
     vocab_file = other / "tokenizer.json"
     vocab_file.write_text(vocab_file.read_text().replace('"a": 6', '"a": 7').replace('"b": 7', '"b": 6'))
-    with pytest.raises(ValueError, match="tokenizes and patches with"):
-        distill.teacher(student, family.processor_spec(siglip2, str(other)), "siglip", cache_dir=str(hub))
+    _, inputs = distill.teacher(student, family.processor_spec(siglip2, str(other)), "siglip", cache_dir=str(hub))
+    assert inputs is not None and (inputs.patch_size, inputs.context_length) == (8, 16)
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """Training with a teacher (`--distill-model`, `--distill-pretrained`, `--distill-loss-weight`): the run logs
 loss/contrastive and loss/distill (their sum is train/loss), the teacher stays frozen and never reaches the
-optimizer, verify proves the distilled window, bad flags are one line."""
+optimizer, verify proves the distilled window, bad flags are one line; a teacher with other patches and context
+length trains a student on its own inputs of the same samples."""
 
 from __future__ import annotations
 
@@ -58,10 +59,43 @@ def test_bad_distill_flags_are_one_line(tmp_path: Path, capsys: pytest.CaptureFi
     assert code == 2 and message in err and err.count("\n") == 0, err
 
 
-def test_verify_proves_a_distilled_window_and_refuses_a_clip_teacher_for_a_siglip_student(
+def test_verify_proves_a_distilled_window_with_the_students_or_its_own_inputs_and_refuses_a_clip_teacher_for_siglip(
         capsys: pytest.CaptureFixture) -> None:
     assert main(["verify", "--splits", "1", "--accum-freq", "3", "--batch-size", "2", "--distill-model", "tiny"]) == 0
     out = capsys.readouterr().out
     assert "PASS" in out and "contrastive + 1 · distill" in out
     assert main(["verify", "--siglip", "--distill-model", "tiny"]) == 2
     assert "has no logit_bias" in capsys.readouterr().out
+    # a teacher with other patches and context length: its own random inputs of the window's rows
+    assert main(["verify", "--splits", "1", "--accum-freq", "3", "--batch-size", "2", "--accum-method", "cache",
+                 "--distill-model", "small"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "its own inputs of the same rows (patch size 16, context length 32)" in out
+
+
+@pytest.mark.slow
+def test_a_tiny_student_learns_from_a_teacher_with_other_patches_reading_its_own_inputs(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A `small` teacher (16-px patches, 32 tokens) for a `tiny` student (4 px, 16): every training microbatch carries
+    the teacher's own inputs, the teacher runs once per microbatch on them, and verify proves the window on the
+    loader's microbatches."""
+    train(tiny_config(tmp_path, "teacher", model="small", stop_after_steps=1, val_frequency=0, seed=5))
+    teacher_dir = str(tmp_path / "teacher" / "checkpoints")
+    cfg = tiny_config(tmp_path, "student", stop_after_steps=2, val_frequency=0, distill_model="small",
+                      distill_pretrained=teacher_dir)
+    trainer = Trainer(cfg, init_distributed("cpu"))
+    read: list[tuple[int, int]] = []  # (patch dim, text length) of each teacher forward
+    trainer.window_step.teacher.register_forward_hook(
+        lambda module, args, kwargs, out: read.append((kwargs["image"]["patches"].shape[2], kwargs["text"].shape[1])),
+        with_kwargs=True)
+    trainer.fit()
+    assert "it reads its own inputs of the same samples (patch size 16, context length 32)" in capsys.readouterr().err
+    assert read == [(16 * 16 * 3, 32)] * (2 * cfg.accum_freq)  # once per microbatch: 2 steps of accum_freq
+    steps = [json.loads(line) for line in (tmp_path / "student" / "metrics.jsonl").read_text().splitlines()
+             if "train/loss" in line]
+    assert len(steps) == 2 and all(record["loss/distill"] > 0 for record in steps)
+    assert main(["verify", "--checkpoint", str(tmp_path / "student" / "checkpoints"), "--splits", "1",
+                 "--accum-freq", "3", "--accum-method", "cache", "--distill-model", "small",
+                 "--distill-pretrained", teacher_dir]) == 0
+    out = capsys.readouterr().out
+    assert "window (loader)" in out and "its own inputs of the same rows (patch size 16" in out and "PASS" in out

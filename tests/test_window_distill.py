@@ -1,7 +1,8 @@
 """Distillation in the window (docs/accumulation.md, The window objective): for every split and method the
 accumulated gradient equals s(W)·∇θ[contrastive + λ·distill](W) of the full batch, the teacher's features of
 the whole window as constants; the teacher runs once per microbatch, in eval mode, and gets no gradient; the
-per-microbatch rule fails the same comparison."""
+per-microbatch rule fails the same comparison. A teacher with another patch size and context length reads the
+microbatches' `teacher_inputs` (its own processing of the same rows), exactly alike."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import pytest
 import torch
 from window_cases import failures, full_batch_gradients, naflex_window, tiny_model
 
-from naflexclip import DistillLoss, accumulate_gradients, create_loss, window_loss_scale
-from naflexclip.batch import split_batch
+from naflexclip import DistillLoss, accumulate_gradients, create_loss, create_model, window_loss_scale
+from naflexclip.batch import TEACHER_INPUTS, split_batch
 from naflexclip.legacy import per_microbatch_scale_gradients
-from naflexclip.verify import random_split_sizes
+from naflexclip.verify import random_naflex_batch, random_split_sizes
 
 # (student loss, teacher loss): a softmax student learns from either teacher, a sigmoid one from a sigmoid one
 PAIRS = [("clip", "clip"), ("clip", "siglip"), ("siglip", "siglip")]
@@ -94,3 +95,60 @@ def test_a_teacher_needs_a_distillation_loss_and_back():
         accumulate_gradients(model, DistillLoss("clip"), microbatches)
     model.zero_grad(set_to_none=True)
     assert torch.is_grad_enabled()
+
+
+def _own_inputs_setup(num_examples: int = 8):
+    """A tiny student (patches of 4 px, 16 tokens) and a teacher with patches of 8 px and 24 tokens, which reads its
+    own inputs of the same rows (`teacher_inputs`)."""
+    model = tiny_model(False)
+    torch.manual_seed(2)
+    teacher_model = create_model("tiny", patch_size=8, context_length=24).to(torch.float64).eval()
+    batch = naflex_window(num_examples, seed=5)
+    batch[TEACHER_INPUTS] = random_naflex_batch(num_examples, patch_size=8, context_length=24,
+                                                generator=torch.Generator().manual_seed(6))
+    return model, teacher_model, batch
+
+
+@pytest.mark.parametrize("method", ["cache", "replay"])
+def test_a_teacher_with_its_own_inputs_equals_the_full_batch_and_the_per_microbatch_rule_fails(method):
+    model, teacher_model, batch = _own_inputs_setup()
+    loss_fn = DistillLoss("clip", weight=1.0, tile_size=3)
+    sizes = [3, 1, 4]
+    scale = window_loss_scale(sizes, 4, "linear")
+    reference = full_batch_gradients(model, loss_fn, batch, scale, teacher_model)
+    model.zero_grad(set_to_none=True)
+    accumulate_gradients(model, loss_fn, split_batch(batch, sizes), loss_scale="linear", reference_batch_size=4,
+                         method=method, teacher=teacher_model)
+    assert failures(model, reference) == {}
+    model.zero_grad(set_to_none=True)
+    per_microbatch_scale_gradients(model, loss_fn, split_batch(batch, sizes), loss_scale="linear",
+                                   reference_batch_size=4, teacher=teacher_model)
+    wrong = failures(model, reference)
+    model.zero_grad(set_to_none=True)
+    assert "logit_scale" in wrong and any(name.startswith("visual.blocks") for name in wrong)
+
+
+@pytest.mark.parametrize("method", ["cache", "replay"])
+def test_a_teacher_with_its_own_inputs_reads_them_once_per_microbatch(method):
+    model, teacher_model, batch = _own_inputs_setup()
+    read: list[tuple[int, int, int]] = []  # (rows, patch dim, text length) of each teacher forward
+    handle = teacher_model.register_forward_hook(
+        lambda module, args, kwargs, out: read.append((kwargs["image"]["patches"].shape[0],
+                                                       kwargs["image"]["patches"].shape[2], kwargs["text"].shape[1])),
+        with_kwargs=True)
+    try:
+        accumulate_gradients(model, DistillLoss("clip"), split_batch(batch, [4, 1, 3]), method=method,
+                             teacher=teacher_model)
+    finally:
+        handle.remove()
+        model.zero_grad(set_to_none=True)
+    assert read == [(4, 8 * 8 * 3, 24), (1, 8 * 8 * 3, 24), (3, 8 * 8 * 3, 24)]
+
+
+def test_teacher_inputs_of_other_rows_are_one_line():
+    model, teacher_model, batch = _own_inputs_setup()
+    microbatches = split_batch(batch, [5, 3])
+    microbatches[1][TEACHER_INPUTS] = microbatches[0][TEACHER_INPUTS]
+    with pytest.raises(ValueError, match="microbatch 1 has 3 pairs but its teacher_inputs 5"):
+        accumulate_gradients(model, DistillLoss("clip"), microbatches, teacher=teacher_model)
+    model.zero_grad(set_to_none=True)

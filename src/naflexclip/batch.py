@@ -8,6 +8,10 @@ and `patch_valid [B, L]` (True for real patches), `L` being that microbatch's pa
 A grouped microbatch (several captions per image) also holds `image_group` long `[B]` and `text_group` long `[M]`:
 image i and text j are a positive pair when their group ids are equal, and `M` may differ from `B`. Its size
 (`batch_size`) is its number of images, the examples; its texts are `text_rows`.
+
+A distilled microbatch whose teacher reads other inputs than the student (another patch size, context length or
+tokenizer) also holds `teacher_inputs`: `{"image": NaFlex dict, "text": long [B, T']}`, the teacher's processing of
+the same samples, row for row; without it the teacher reads `image` and `text` (`teacher_inputs()`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 NAFLEX_KEYS = ("patches", "patch_coord", "patch_valid")
 GROUP_KEYS = ("image_group", "text_group")
 EXAMPLE_INPUTS = "example_inputs"  # row-aligned tensors of per-example objective terms (decoder tokens), fixed width
+TEACHER_INPUTS = "teacher_inputs"  # the teacher's own image and text of the same rows, when they differ
 
 
 def is_naflex(image: Any) -> bool:
@@ -59,6 +64,12 @@ def batch_size(microbatch: dict[str, Any]) -> int:
     return int(text.shape[0])
 
 
+def teacher_inputs(microbatch: dict[str, Any]) -> dict[str, Any]:
+    """What a distillation teacher reads of a microbatch: its `teacher_inputs`, else the student's image and text."""
+    own = microbatch.get(TEACHER_INPUTS)
+    return own if own is not None else {"image": microbatch["image"], "text": microbatch["text"]}
+
+
 def text_rows(microbatch: dict[str, Any]) -> int:
     """Number of texts in a microbatch (its pairs, unless it is grouped)."""
     return int(microbatch["text"].shape[0])
@@ -83,6 +94,8 @@ def to_device(
     moved = {**microbatch, "image": moved_image, "text": move(microbatch["text"]), **groups}
     if EXAMPLE_INPUTS in microbatch:  # integer / bool rows (decoder tokens): device only
         moved[EXAMPLE_INPUTS] = {k: v.to(device, non_blocking=True) for k, v in microbatch[EXAMPLE_INPUTS].items()}
+    if TEACHER_INPUTS in microbatch:
+        moved[TEACHER_INPUTS] = to_device(microbatch[TEACHER_INPUTS], device, dtype)
     return moved
 
 
@@ -92,6 +105,8 @@ def concat_microbatches(microbatches: Sequence[dict[str, Any]]) -> dict[str, Any
     extra = ({EXAMPLE_INPUTS: {key: torch.cat([mb[EXAMPLE_INPUTS][key] for mb in microbatches])
                                for key in microbatches[0][EXAMPLE_INPUTS]}}
              if EXAMPLE_INPUTS in microbatches[0] else {})
+    if TEACHER_INPUTS in microbatches[0]:
+        extra[TEACHER_INPUTS] = concat_microbatches([mb[TEACHER_INPUTS] for mb in microbatches])
     images = [mb["image"] for mb in microbatches]
     groups = ({key: torch.cat([mb[key] for mb in microbatches]) for key in GROUP_KEYS}
               if is_grouped(microbatches[0]) else {})
@@ -124,6 +139,7 @@ def split_batch(batch: dict[str, Any], sizes: Sequence[int]) -> list[dict[str, A
         for group, piece in zip(batch["image_group"].tolist(), piece_of_image.tolist(), strict=True):
             first_piece.setdefault(group, piece)
         text_piece = torch.tensor([first_piece.get(group, -1) for group in batch["text_group"].tolist()])
+    teacher = split_batch(batch[TEACHER_INPUTS], sizes) if TEACHER_INPUTS in batch else None
     pieces = []
     start = 0
     for size in sizes:
@@ -144,5 +160,7 @@ def split_batch(batch: dict[str, Any], sizes: Sequence[int]) -> list[dict[str, A
             piece = {"image": piece_image, "text": batch["text"][rows]}
         if EXAMPLE_INPUTS in batch:
             piece[EXAMPLE_INPUTS] = {key: value[rows] for key, value in batch[EXAMPLE_INPUTS].items()}
+        if teacher is not None:
+            piece[TEACHER_INPUTS] = teacher[len(pieces)]
         pieces.append(piece)
     return pieces

@@ -5,8 +5,9 @@ name), with the weights of a naflexclip checkpoint when `--distill-pretrained` n
 whatever `--pretrained` takes with it (an open_clip_train checkpoint, a state dict, a tag in a local cache). It is
 frozen (no parameter requires a gradient) and in eval mode; the window (`accumulate_gradients(teacher=...)`) runs
 it once per microbatch without gradient and feeds its features, exchanged like the student's, to
-`naflexclip.loss.DistillLoss`. As in OpenCLIP, the teacher reads the student's inputs, so it must take the same
-patches and tokens: the same patch size, text context length and tokenizer/patching (`hf_processor`).
+`naflexclip.loss.DistillLoss`. A teacher with the student's patch size, text context length and tokenizer/patching
+(`hf_processor`) reads the student's inputs, as in OpenCLIP; any other gets its own (`TeacherInputs`): the data
+pipeline processes the same samples for it too, into each microbatch's `teacher_inputs`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from naflexclip.data.microbatch import TeacherInputs
 from naflexclip.factory import create_model
 from naflexclip.families import data_processing, find_family, named_family
 from naflexclip.loss import DistillLoss
@@ -56,18 +58,20 @@ class Distill:
         """The window's loss for a `kind` (`clip`/`siglip`) student."""
         return DistillLoss(kind, weight=self.distill_loss_weight, tile_size=tile_size)
 
-    def teacher(self, student: nn.Module, student_processor: str | None, kind: str,
-                cache_dir: str | None = None) -> nn.Module:
-        """The frozen teacher in eval mode (its tags looked up under `cache_dir` too), checked to read `student`'s
-        inputs (its data processed by `student_processor`, a `DataConfig.hf_processor`, or by the default pipeline
-        when None) and, for a `siglip` student, to give pair probabilities (a `logit_bias`)."""
+    def teacher(self, student: nn.Module, student_processor: str | None, kind: str, cache_dir: str | None = None,
+                *, augment: bool = False, image_overrides: dict[str, Any] | None = None
+                ) -> tuple[nn.Module, TeacherInputs | None]:
+        """The frozen teacher in eval mode (its tags looked up under `cache_dir` too), checked, for a `siglip`
+        student, to give pair probabilities (a `logit_bias`); and the inputs it reads (`teacher_inputs`): None for
+        the student's (whose data `student_processor` processes, a `DataConfig.hf_processor`, or the default
+        pipeline when None, with `augment` and the student's `image_overrides`, `DataConfig.image_overrides()`)."""
         assert self.distill_model is not None
         model, processor = load_teacher(self.distill_model, self.distill_pretrained, cache_dir)
-        check_teacher_inputs(model, processor, student, student_processor, self.distill_model)
         if kind == "siglip" and getattr(model, "logit_bias", None) is None:
             raise ValueError(f"--distill-model {self.distill_model!r}: a siglip student distils from a sigmoid "
                              f"teacher's pair probabilities, and this teacher has no logit_bias (a clip model)")
-        return model
+        return model, teacher_inputs(model, processor, student, student_processor, self.distill_model, augment,
+                                     image_overrides or {})
 
 
 def load_teacher(name: str, pretrained: str | None, cache_dir: str | None = None) -> tuple[nn.Module, str | None]:
@@ -160,19 +164,26 @@ def _same_inputs(teacher_processor: str | None, student_processor: str | None, p
     return all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(theirs, ours, strict=True))
 
 
-def check_teacher_inputs(teacher: nn.Module, teacher_processor: str | None, student: nn.Module,
-                         student_processor: str | None, name: str) -> None:
-    """One line when the teacher cannot read the student's microbatches: another patch size or context length, or
-    another tokenizer or image normalisation (processor specs that differ are compared by what they produce)."""
-    for what, ours, theirs in (("patch size", student.image_patch_size, teacher.image_patch_size),
-                               ("text context length", student.context_length, teacher.context_length)):
-        if ours != theirs:
-            raise ValueError(f"--distill-model {name!r}: the teacher reads the student's inputs, but its {what} is "
-                             f"{theirs} and the student's {ours}")
-    if not _same_inputs(teacher_processor, student_processor, student.image_patch_size, student.context_length):
-        raise ValueError(f"--distill-model {name!r}: the teacher reads the student's inputs, but it tokenizes and "
-                         f"patches with {teacher_processor or 'the default pipeline'} and the student with "
-                         f"{student_processor or 'the default pipeline'} (they differ)")
+def teacher_inputs(teacher: nn.Module, teacher_processor: str | None, student: nn.Module,
+                   student_processor: str | None, name: str, augment: bool = False,
+                   image_overrides: dict[str, Any] | None = None) -> TeacherInputs | None:
+    """None when the teacher can read the student's microbatches (the same patch size, context length, tokenizer
+    and image processing: processor specs that differ are compared by what they produce; no --image-mean/-std/
+    --image-interpolation of the student's own), else the teacher's own processing of the same samples: its
+    tokenizer, patching and normalisation, cropping as the student does (`augment`, the --aug-cfg ranges)."""
+    overrides = dict(image_overrides or {})
+    crop = {key: overrides.pop(key) for key in ("scale", "ratio") if key in overrides}
+    if (student.image_patch_size == teacher.image_patch_size and student.context_length == teacher.context_length
+            and not overrides
+            and _same_inputs(teacher_processor, student_processor, student.image_patch_size, student.context_length)):
+        return None
+    try:
+        processing = data_processing(teacher_processor, teacher.image_patch_size, augment,
+                                     **(crop if augment else {}))
+    except ValueError as error:  # what still cannot work: a processing that cannot crop as the student's does
+        raise ValueError(f"--distill-model {name!r}: the teacher reads its own inputs, which its processing "
+                         f"cannot give here: {error}") from None
+    return TeacherInputs(processing, teacher.image_patch_size, teacher.context_length)
 
 
 def add_distill_args(parser: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from naflexclip.batch import EXAMPLE_INPUTS, GROUP_KEYS, batch_size, is_grouped
+from naflexclip.batch import EXAMPLE_INPUTS, GROUP_KEYS, batch_size, is_grouped, teacher_inputs
 from naflexclip.window import EXAMPLE_TERMS, ExampleTerm, output_dict, window_loss_scale
 
 
@@ -35,7 +35,7 @@ def per_microbatch_scale_gradients(
         outputs = [output_dict(model(image=mb["image"], text=mb["text"])) for mb in microbatches]
         extra_inputs: tuple[Any, ...] = ()
         if teacher is not None:
-            taught = [output_dict(teacher.eval()(image=mb["image"], text=mb["text"])) for mb in microbatches]
+            taught = [output_dict(teacher.eval()(**teacher_inputs(mb))) for mb in microbatches]
             extra_inputs = (torch.cat([out["image_features"] for out in taught]),
                               torch.cat([out["text_features"] for out in taught]),
                               taught[0]["logit_scale"], taught[0].get("logit_bias"))

@@ -24,13 +24,15 @@ from torch import nn
 from naflexclip.batch import (
     EXAMPLE_INPUTS,
     GROUP_KEYS,
+    TEACHER_INPUTS,
     batch_size,
     concat_microbatches,
     is_grouped,
     split_batch,
+    teacher_inputs,
     to_device,
 )
-from naflexclip.data import DataError, add_data_args, build_loader, data_config_from_args
+from naflexclip.data import DataError, TeacherInputs, add_data_args, build_loader, data_config_from_args
 from naflexclip.distill import Distill, add_distill_args
 from naflexclip.distributed import DEVICE_CHOICES, check_device
 from naflexclip.factory import create_model
@@ -163,7 +165,7 @@ def full_batch_gradients(
     taught: tuple[Any, ...] = ()
     if teacher is not None:
         with torch.no_grad():
-            teacher_out = output_dict(teacher.eval()(image=batch["image"], text=batch["text"]))
+            teacher_out = output_dict(teacher.eval()(**teacher_inputs(batch)))
         taught = tuple(teacher_out.get(key) for key in ("image_features", "text_features", "logit_scale",
                                                           "logit_bias"))
     if is_grouped(batch):  # several captions per image: the group ids of the whole batch
@@ -358,6 +360,7 @@ class VerifySetup:
     reference_batch_size: int | None
     loss_scale: str
     hf_processor: str | None = None  # a pretrained family's tokenizer and patching (SigLIP 2, an OpenCLIP name)
+    teacher_inputs: TeacherInputs | None = None  # a teacher's own processing, when it reads other inputs
 
 
 def _setup(args: argparse.Namespace) -> VerifySetup:
@@ -414,7 +417,8 @@ def loader_window(args: argparse.Namespace, setup: VerifySetup) -> tuple[dict[st
                          "sizes are exact in the window: tests/test_window_patch_sizes.py)")
     loader = build_loader(cfg, split="train", patch_size=setup.model.image_patch_size,
                           context_length=setup.model.context_length,
-                          processing=data_processing(cfg.hf_processor, setup.model.image_patch_size, cfg.augment))
+                          processing=data_processing(cfg.hf_processor, setup.model.image_patch_size, cfg.augment),
+                          teacher=setup.teacher_inputs)
     microbatches = list(itertools.islice(iter(loader), setup.accum_freq))
     if len(microbatches) < setup.accum_freq:
         raise ValueError(f"--accum-freq {setup.accum_freq}: the data yields only {len(microbatches)} batches")
@@ -445,7 +449,9 @@ def run(args: argparse.Namespace) -> int:
             loss_fn = MultiPositiveLoss(setup.loss, args.multi_positive_weighting, tile_size=args.loss_tile_size)
         if distill.enabled:  # the window objective: contrastive + λ·distill, the teacher's features constants
             loss_fn = distill.loss(setup.loss, args.loss_tile_size)
-            teacher = distill.teacher(setup.model, setup.hf_processor, setup.loss, args.cache_dir).to(device, dtype)
+            teacher, setup.teacher_inputs = distill.teacher(setup.model, setup.hf_processor, setup.loss, args.cache_dir,
+                                                            augment=args.augment)
+            teacher = teacher.to(device, dtype)
         torch.manual_seed(args.seed)
         # eval: dropout would make the full batch and the splits draw different masks
         model = setup.model.to(device, dtype).eval()
@@ -462,6 +468,10 @@ def run(args: argparse.Namespace) -> int:
                 num_examples, patch_size=model.image_patch_size, context_length=model.context_length,
                 generator=torch.Generator().manual_seed(args.seed), dtype=dtype, vocab_size=model.vocab_size,
             )
+            if setup.teacher_inputs is not None:  # the teacher's own random inputs of the same rows
+                batch[TEACHER_INPUTS] = random_naflex_batch(
+                    num_examples, patch_size=teacher.image_patch_size, context_length=teacher.context_length,
+                    generator=torch.Generator().manual_seed(args.seed + 2), dtype=dtype, vocab_size=teacher.vocab_size)
             if recipe.locca_weight > 0:  # every task, causal and parallel, at the decoder's full width
                 decoder = model.decoder
                 batch[EXAMPLE_INPUTS] = random_decoder_inputs(num_examples, decoder.vocab, decoder.config.max_length,
@@ -493,8 +503,11 @@ def run(args: argparse.Namespace) -> int:
               f"({args.multi_positive_weighting}) over {batch_size(batch)} images and {batch['text'].shape[0]} "
               f"captions, group ids global over the window")
     if teacher is not None:
+        own = ("" if setup.teacher_inputs is None else
+               f"; it reads its own inputs of the same rows (patch size {setup.teacher_inputs.patch_size}, context "
+               f"length {setup.teacher_inputs.context_length})")
         print(f"objective: contrastive + {distill.distill_loss_weight:g} · distill from --distill-model "
-              f"{distill.distill_model} (the teacher's features constants of the window)")
+              f"{distill.distill_model} (the teacher's features constants of the window){own}")
     if recipe.locca_weight > 0:
         print(f"objective: {setup.loss} + {recipe.locca_weight:g} · LocCa decoder loss / the window's target tokens "
               f"(captioning, referring expressions, grounded captions; causal and parallel)")

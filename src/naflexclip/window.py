@@ -23,7 +23,9 @@ A tower the model reports fully locked (`model.locked_towers()`, LiT) is a featu
 constants of the window, computed in the cache phase (before the RNG state is recorded) and never replayed,
 so a locked image tower costs one forward per microbatch instead of a forward, a replay and its backward.
 A teacher (distillation) is a feature source the same way: frozen, in eval mode, one no-grad forward per
-microbatch; its features go through the same exchange as the student's and enter the loss as constants.
+microbatch; its features go through the same exchange as the student's and enter the loss as constants. It reads
+the microbatch's `teacher_inputs` where the data carries them (its own patches and tokens of the same samples), else
+the student's `image` and `text`.
 A loss may return several terms (`DistillLoss`: `[contrastive, distill]`); L(W) is their sum, `s(W)` multiplies
 it as a whole, and `WindowStats.terms` reports each.
 Grouped microbatches (several captions per image: `image_group`, `text_group`, `naflexclip.batch`) may hold
@@ -53,7 +55,16 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from naflexclip.batch import EXAMPLE_INPUTS, GROUP_KEYS, batch_size, is_grouped, is_naflex, text_rows
+from naflexclip.batch import (
+    EXAMPLE_INPUTS,
+    GROUP_KEYS,
+    TEACHER_INPUTS,
+    batch_size,
+    is_grouped,
+    is_naflex,
+    teacher_inputs,
+    text_rows,
+)
 from naflexclip.loss import ShardedLoss
 from naflexclip.rng import RngState
 
@@ -224,6 +235,9 @@ def _check_window(microbatches: Sequence[dict[str, Any]]) -> bool:
     for index, mb in enumerate(microbatches):
         if batch_size(mb) < 1:
             raise ValueError(f"microbatch {index} is empty (batch size {batch_size(mb)})")
+        if mb.get(TEACHER_INPUTS) is not None and batch_size(mb[TEACHER_INPUTS]) != text_rows(mb):
+            raise ValueError(f"microbatch {index} has {text_rows(mb)} pairs but its teacher_inputs "
+                             f"{batch_size(mb[TEACHER_INPUTS])}: the teacher's inputs are the same rows")
     return kinds[0]
 
 
@@ -362,7 +376,7 @@ class _Window:
         """The teacher's features and scalars of one microbatch (no grad, under the towers' autocast)."""
         assert self.teacher is not None
         with self.autocast():
-            out = output_dict(self.teacher(image=microbatch["image"], text=microbatch["text"]))
+            out = output_dict(self.teacher(**teacher_inputs(microbatch)))
         missing = [key for key in (*FEATURE_KEYS, "logit_scale") if key not in out]
         if missing:
             raise ValueError(f"the teacher's output has no {missing[0]!r}; it returned keys {sorted(out)}")
@@ -585,9 +599,10 @@ def accumulate_gradients(
         and backward of every microbatch but the window's last, so gradients sync once per window.
     autocast: context factory for the tower forwards (mixed precision); the loss runs in ≥ fp32.
     grad_scaler: a `torch.amp.GradScaler` for fp16; it scales the backward, not `s(W)`.
-    teacher: a model to distil from (`forward(image=, text=)` as `model`'s, on the same inputs), with a loss that
-        takes its features (`naflexclip.loss.DistillLoss`); it is put in eval mode and run once per microbatch
-        without gradient — its parameters get none.
+    teacher: a model to distil from (`forward(image=, text=)` as `model`'s), with a loss that takes its features
+        (`naflexclip.loss.DistillLoss`); it is put in eval mode and run once per microbatch without gradient — its
+        parameters get none. It reads each microbatch's `teacher_inputs` (its own processing of the same rows) where
+        there are some, else the microbatch's `image` and `text`.
     example_terms: per-example terms of the objective (`ExampleTerm`), added as `s(W)·λ_k/Z_k(W)·Σ_i ℓ_k(i)`; the
         model's grad forward gets each microbatch's `example_inputs` as keyword arguments and returns the sums
         under `example_terms`. They need a trainable image tower.

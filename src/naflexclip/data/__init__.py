@@ -1,7 +1,8 @@
 """The NaFlex data pipeline: sources, timm NaFlex transform, open_clip tokenizer, token-budget loader.
 
 Public API: `DataConfig`, `add_data_args`, `data_config_from_args`, `build_loader`, `build_zero_shot_loader`,
-`Processing`, `default_processing`, `tokenize`, `DataError`, and the built-in dataset in `naflexclip.data.synthetic`.
+`Processing`, `default_processing`, `TeacherInputs`, `tokenize`, `DataError`, and the built-in dataset in
+`naflexclip.data.synthetic`.
 The package knows no pretrained family: a model's own tokenizer and patching are handed to the loaders as a
 `Processing` by the caller (`naflexclip.families.data_processing`). A loader is a `NaFlexLoader`: a `MapLoader`
 over a map-style `Source`, or a `StreamLoader` over shards that cannot be indexed; `TokenBudget` sizes its
@@ -12,6 +13,7 @@ from naflexclip.data.build import build_loader, build_zero_shot_loader
 from naflexclip.data.config import DataConfig, add_data_args, data_config_from_args
 from naflexclip.data.loader import NaFlexLoader
 from naflexclip.data.map_loader import MapLoader
+from naflexclip.data.microbatch import TeacherInputs
 from naflexclip.data.readers import DataError, Source
 from naflexclip.data.samples import SKIP_REASONS
 from naflexclip.data.schedule import TokenBudget, build_schedule
@@ -27,6 +29,7 @@ __all__ = [
     "Processing",
     "Source",
     "StreamLoader",
+    "TeacherInputs",
     "TokenBudget",
     "add_data_args",
     "build_loader",

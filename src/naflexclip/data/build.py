@@ -11,7 +11,7 @@ import numpy as np
 from naflexclip.data.config import DataConfig
 from naflexclip.data.loader import NaFlexLoader
 from naflexclip.data.map_loader import MapLoader
-from naflexclip.data.microbatch import MicrobatchBuilder
+from naflexclip.data.microbatch import MicrobatchBuilder, TeacherInputs
 from naflexclip.data.readers import (
     CsvSource,
     DataError,
@@ -123,6 +123,7 @@ def build_loader(
     device_pin: bool = False,
     processing: Processing | None = None,
     decoder: DecoderExamples | None = None,
+    teacher: TeacherInputs | None = None,
 ) -> NaFlexLoader:
     """The loader for `split` ("train": sequence lengths drawn per step, shuffled, optional augment;
     "val": every microbatch at max(--naflex-seq-lens), source order, deterministic eval transform). `patch_size`:
@@ -133,6 +134,8 @@ def build_loader(
     this split (an augmenting one for "train" with `cfg.augment`), handed in by the model's family
     (`naflexclip.families.data_processing`); None: our own (`default_processing`). `decoder`: a run with a LocCa
     term builds each sample's decoder example into its microbatch's `example_inputs` (`naflexclip.data.regions`).
+    `teacher`: a distillation teacher reading other inputs than the student's gets its own of the same samples in
+    each training microbatch's `teacher_inputs` (`naflexclip.distill.Distill.teacher` says which teacher does).
     """
     resolved = cfg.source(split)
     if resolved is None:
@@ -151,7 +154,8 @@ def build_loader(
                                   augment=cfg.augment and train, json_caption=cfg.json_caption(),
                                   max_image_pixels=cfg.max_image_pixels, multi_caption=cfg.multi_caption and train,
                                   caption_per_line=cfg.caption_per_line,
-                                  decoder=decoder, patch_sizes=cfg.patch_sizes(patch_size) if train else None),
+                                  decoder=decoder, teacher=teacher if train else None,
+                                  patch_sizes=cfg.patch_sizes(patch_size) if train else None),
         seed=cfg.seed, shuffle=train, workers=cfg.workers, rank=rank, world_size=world_size, pin_memory=device_pin,
     )
     urls, ids = expand_sources(path) if kind == "webdataset" and path is not None else ([], np.zeros(0, np.int64))

@@ -10,12 +10,13 @@ import hashlib
 import io
 import itertools
 import random
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from PIL import Image
 
-from naflexclip.batch import EXAMPLE_INPUTS
+from naflexclip.batch import EXAMPLE_INPUTS, TEACHER_INPUTS
 from naflexclip.data.readers import RawSample, skip_record
 from naflexclip.data.regions import DecoderExamples, Region, parse_regions
 from naflexclip.data.samples import JsonCaption, SkipSample, decode_captions, decode_image, one_caption
@@ -24,6 +25,18 @@ from naflexclip.data.transform import Processing
 
 # where a sample is, for the skip log: (source, key, line)
 Where = tuple[str, str | None, int | None]
+
+
+@dataclass(frozen=True)
+class TeacherInputs:
+    """How a distillation teacher whose inputs differ from the student's processes the same samples: its processing
+    (its transform, collation and tokenizer; cropping like the student's with --augment), patch size and context
+    length. Each image is resized at the microbatch's sequence length on the teacher's own patch grid (as many
+    patches as the student gets at most; larger pixels when its patches are larger)."""
+
+    processing: Processing
+    patch_size: int
+    context_length: int
 
 
 class MicrobatchBuilder:
@@ -49,18 +62,21 @@ class MicrobatchBuilder:
     `decoder` (a run with a LocCa term): each sample's decoder example (`naflexclip.data.regions`) from its caption
     and regions, collated into the item's `example_inputs`; a bad region is a skip record of its own, not the
     sample's.
+    `teacher` (distillation from a teacher that reads other inputs): the item's `teacher_inputs` too, the teacher's
+    patches and tokens of the same samples and captions, its crop the student's (the same draws from the same rng).
     """
 
     def __init__(self, *, patch_size: int, context_length: int, processing: Processing, augment: bool = False,
                  json_caption: JsonCaption | None = None, max_image_pixels: int = 0,
                  multi_caption: bool = False, caption_per_line: bool = False,
-                 decoder: DecoderExamples | None = None, patch_sizes: PatchSizes | None = None) -> None:
+                 decoder: DecoderExamples | None = None, patch_sizes: PatchSizes | None = None,
+                 teacher: TeacherInputs | None = None) -> None:
         if decoder is not None and (augment or multi_caption):
             raise ValueError("a LocCa term (--recipe siglip2 / --locca-loss-weight) with "
                              f"{'--augment' if augment else '--multi-positive'} is not supported: "
                              + ("a crop would move the regions' boxes" if augment else "one decoder example per "
                                 "image needs one caption"))
-        self.decoder = decoder
+        self.decoder, self.teacher = decoder, teacher
         self.patch_size, self.context_length, self.augment = patch_size, context_length, augment
         self.processing = processing
         self.patch_sizes = patch_sizes
@@ -79,9 +95,13 @@ class MicrobatchBuilder:
             patch_size = self.patch_sizes.draw(*seed_key)
             processing = self._at_size[patch_size]
         transform = processing.transform
-        draft = lambda hw: transform.target_hw(hw, planned.seq_len)
+        transforms = [transform] if self.teacher is None else [transform, self.teacher.processing.transform]
+        # a JPEG is decoded at the smallest scale that still covers every resize of it
+        draft = lambda hw: tuple(max(sizes) for sizes in zip(*(t.target_hw(hw, planned.seq_len) for t in transforms),
+                                                             strict=True))
         records = list(records)
         pixels, texts, labels, keys, captions_per_image, examples = [], [], [], [], [], []
+        teacher_pixels = []
         for raw, (source, key, line) in samples:
             try:
                 if isinstance(raw, SkipSample):
@@ -93,8 +113,13 @@ class MicrobatchBuilder:
                 captions = [caption] if isinstance(caption, str) else caption
                 if not self.multi_caption:
                     captions = [one_caption(caption, seed_key[0], seed_key[1], raw.key)]
+                draws = None if rng is None or self.teacher is None else rng.getstate()
                 pixels.append(transform(image, planned.seq_len) if rng is None
                               else transform(image, planned.seq_len, rng))
+                if self.teacher is not None:  # the same crop: the student's draws, replayed
+                    teacher_pixels.append(self.teacher.processing.transform(image, planned.seq_len) if draws is None
+                                          else self.teacher.processing.transform(image, planned.seq_len,
+                                                                                 _replayed(draws)))
             except SkipSample as skip:
                 records.append(skip_record(source, key, line, skip.reason, str(skip)))
                 continue
@@ -119,6 +144,10 @@ class MicrobatchBuilder:
             item["patch_size"] = patch_size
         item["text"] = processing.tokenize(texts, self.context_length)
         item["keys"] = keys
+        if self.teacher is not None:
+            item[TEACHER_INPUTS] = {
+                "image": self.teacher.processing.collate(teacher_pixels, planned.seq_len, self.teacher.patch_size),
+                "text": self.teacher.processing.tokenize(texts, self.teacher.context_length)}
         if self.decoder is not None:
             item[EXAMPLE_INPUTS] = self.decoder.collate(examples)
         if self.multi_caption:
@@ -129,6 +158,13 @@ class MicrobatchBuilder:
         if labels:
             item["labels"] = {k: torch.tensor([lab[k] for lab in labels]) for k in labels[0]}
         return item
+
+
+def _replayed(state: Any) -> random.Random:
+    """A generator that draws what the one whose `getstate()` was `state` drew next."""
+    rng = random.Random()
+    rng.setstate(state)
+    return rng
 
 
 def original_size(data: bytes | Image.Image | None, decoded: Image.Image) -> tuple[int, int]:
@@ -161,6 +197,10 @@ def split_rows(item: dict[str, Any], parts: int) -> list[dict[str, Any]]:
             piece["image_group"], piece["text_group"] = item["image_group"][lo:hi], item["text_group"][texts]
         if EXAMPLE_INPUTS in item:
             piece[EXAMPLE_INPUTS] = {k: v[lo:hi] for k, v in item[EXAMPLE_INPUTS].items()}
+        if TEACHER_INPUTS in item:
+            teacher = item[TEACHER_INPUTS]
+            piece[TEACHER_INPUTS] = {"image": {k: v[lo:hi] for k, v in teacher["image"].items()},
+                                     "text": teacher["text"][texts]}
         if "labels" in item:
             piece["labels"] = {k: v[lo:hi] for k, v in item["labels"].items()}
         pieces.append(piece)

@@ -87,12 +87,16 @@ class Trainer:
         self.module = unwrap_model(self.model)
         distill = Distill.pick(cfg)
         # a teacher: the window's objective is contrastive + λ·distill (DistillLoss), the teacher a feature source
-        loss_fn, teacher = create_loss(cfg.loss, tile_size=cfg.loss_tile_size), None
+        loss_fn, teacher, teacher_inputs = create_loss(cfg.loss, tile_size=cfg.loss_tile_size), None, None
         if cfg.multi_positive:  # the loader's microbatches are grouped (cfg.data.multi_caption)
             loss_fn = MultiPositiveLoss(cfg.loss, cfg.multi_positive_weighting, tile_size=cfg.loss_tile_size)
         if distill.enabled:
             loss_fn = distill.loss(cfg.loss, cfg.loss_tile_size)
-            teacher = distill.teacher(self.module, cfg.data.hf_processor, cfg.loss, cfg.cache_dir).to(env.device)
+            # a teacher that reads other inputs than the student's gets its own of the same samples from the loader
+            teacher, teacher_inputs = distill.teacher(self.module, cfg.data.hf_processor, cfg.loss, cfg.cache_dir,
+                                                      augment=cfg.data.augment,
+                                                      image_overrides=cfg.data.image_overrides())
+            teacher = teacher.to(env.device)
         # every window's size exchange also checks that the ranks agree on step, epoch and having data
         self.exchange = window_exchange(env, self.model)
         self.optimizer = create_optimizer(
@@ -106,7 +110,7 @@ class Trainer:
         self.loader = build_loader(cfg.data, split="train", patch_size=self.module.image_patch_size,
                                    context_length=self.module.context_length, rank=env.rank,
                                    world_size=env.world_size, device_pin=env.device.type == "cuda",
-                                   processing=processing,
+                                   processing=processing, teacher=teacher_inputs,
                                    decoder=decoder_examples(self.module, processing) if example_terms else None)
         self.batches_per_epoch = self._plan_batches()
         self.schedule = LrSchedule(self.optimizer, cfg.lr, cfg.warmup, 1, kind=cfg.lr_scheduler)
@@ -140,7 +144,10 @@ class Trainer:
         if teacher is not None:
             self.opening.append(f"distilling from --distill-model {cfg.distill_model} (frozen, one forward per "
                                 f"microbatch without gradient): loss = contrastive + {cfg.distill_loss_weight:g}"
-                                f" · distill, logged as loss/contrastive and loss/distill")
+                                f" · distill, logged as loss/contrastive and loss/distill"
+                                + ("" if teacher_inputs is None else
+                                   f"; it reads its own inputs of the same samples (patch size "
+                                   f"{teacher_inputs.patch_size}, context length {teacher_inputs.context_length})"))
         if example_terms:
             self.opening.append(f"SigLIP 2's LocCa decoder ({self.module.config.decoder}) trains beside the pair "
                                 f"loss: loss = {cfg.loss} + {recipe.locca_weight:g} · locca (per target token of "
