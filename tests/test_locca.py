@@ -37,6 +37,28 @@ def test_an_examples_loss_is_the_same_alone_and_in_a_padded_batch():
     assert batch.target_tokens.tolist() == [4, 4, 2]
 
 
+def test_columns_padded_in_every_row_are_not_computed_and_change_no_loss():
+    decoder = _decoder()
+    examples = _examples(decoder.vocab)
+    image = torch.randn(3, 7, 24, dtype=torch.double)
+    valid = torch.ones(3, 7, dtype=torch.bool)
+    longest = decoder(image, valid, collate_decoder(examples, decoder.vocab))
+    wide = decoder(image, valid, collate_decoder(examples, decoder.vocab, length=decoder.config.max_length))
+    assert longest.logits.shape[1] < decoder.config.max_length
+    assert wide.logits.shape == longest.logits.shape  # the vocabulary projection skips the all-padding columns
+    torch.testing.assert_close(wide.token_loss_sum, longest.token_loss_sum, rtol=1e-12, atol=1e-12)
+    assert torch.equal(wide.target_tokens, longest.target_tokens)
+
+
+def test_a_float64_decoder_computes_its_loss_in_float64():
+    # failed before: the loss was computed on logits.float(), so verify's float64 decoder term carried float32
+    # rounding (1e-9 relative gradient errors once microbatches trimmed their padding to different widths)
+    decoder = _decoder()
+    out = decoder(torch.randn(3, 7, 24, dtype=torch.double), torch.ones(3, 7, dtype=torch.bool),
+                  collate_decoder(_examples(decoder.vocab), decoder.vocab))
+    assert out.token_loss_sum.dtype == torch.float64
+
+
 def test_padded_image_tokens_are_not_seen():
     decoder = _decoder()
     batch = collate_decoder(_examples(decoder.vocab), decoder.vocab)

@@ -142,7 +142,7 @@ def collate_decoder(examples: Sequence[tuple[list[int], list[int], bool]], vocab
 
 @dataclass(frozen=True)
 class DecoderOutput:
-    logits: torch.Tensor  # [B, T, output_size]
+    logits: torch.Tensor  # [B, T, output_size], T up to the batch's longest example (trailing padding dropped)
     token_loss_sum: torch.Tensor  # [B]: each example's cross-entropy summed over its target tokens
     target_tokens: torch.Tensor  # [B]: each example's target tokens
 
@@ -177,10 +177,18 @@ class LoccaDecoder(nn.Module):
         return mask.repeat_interleave(self.config.heads, dim=0)
 
     def forward(self, image_tokens: torch.Tensor, image_valid: torch.Tensor, batch: DecoderBatch) -> DecoderOutput:
-        """image_tokens `[B, L, image_width]`: every token of the tower (prefix tokens too); image_valid `[B, L]`."""
+        """image_tokens `[B, L, image_width]`: every token of the tower (prefix tokens too); image_valid `[B, L]`.
+        The logits cover the batch's columns up to its longest example (`DecoderOutput.logits`)."""
         length = batch.input_ids.shape[1]
         if length > self.config.max_length:
             raise ValueError(f"decoder input of {length} tokens exceeds max_length {self.config.max_length}")
+        # columns that are padding in every row (examples are collated to max_length so that microbatches concatenate)
+        # are keys every query is masked from and queries without a label: dropped, the result is the same and the
+        # vocabulary projection, the decoder's largest cost, runs on the used columns only
+        used = ((batch.input_ids != self.vocab.pad) | (batch.labels != IGNORE)).any(dim=0).nonzero()
+        length = int(used.max()) + 1 if len(used) else 1
+        if length < batch.input_ids.shape[1]:
+            batch = DecoderBatch(batch.input_ids[:, :length], batch.labels[:, :length], batch.parallel)
         x = self.token_embedding(batch.input_ids) + self.positional_embedding[:length]
         memory = self.image_projection(image_tokens).to(x.dtype)
         self_mask = self._additive(self._self_mask(batch), x.dtype)
@@ -190,8 +198,9 @@ class LoccaDecoder(nn.Module):
             x = block(x, attn_mask=self_mask)
             x = cross(x, k_x=memory, v_x=memory, attn_mask=cross_mask)
         logits = blocks.ln_final(x) @ blocks.text_projection
-        per_token = F.cross_entropy(logits.float().transpose(1, 2), batch.labels, ignore_index=IGNORE,
-                                    reduction="none")
+        # the loss in at least float32 under bf16/fp16 autocast; float64 (verify) stays float64
+        wide = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        per_token = F.cross_entropy(wide.transpose(1, 2), batch.labels, ignore_index=IGNORE, reduction="none")
         return DecoderOutput(logits=logits, token_loss_sum=per_token.sum(dim=1),
                              target_tokens=(batch.labels != IGNORE).sum(dim=1))
 
