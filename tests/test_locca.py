@@ -59,6 +59,22 @@ def test_a_float64_decoder_computes_its_loss_in_float64():
     assert out.token_loss_sum.dtype == torch.float64
 
 
+def test_greedy_decoding_takes_each_rows_argmax_of_the_full_forward():
+    decoder = _decoder()
+    vocab = decoder.vocab
+    image = torch.randn(2, 7, 24, dtype=torch.double)
+    valid = torch.ones(2, 7, dtype=torch.bool)
+    prefixes = [[5, 6, 7], [9]]
+    generated = decoder.generate(image, valid, "aref", prefixes, max_new_tokens=4)
+    for r, prefix in enumerate(prefixes):  # one row at a time, every position projected, the next token its argmax
+        ids = [vocab.task("aref"), *prefix, vocab.start]
+        for token in generated[r]:
+            batch = collate_decoder([(ids, [IGNORE] * len(ids), False)], vocab)
+            assert int(decoder(image[r : r + 1], valid[r : r + 1], batch).logits[0, -1].argmax()) == token
+            ids.append(token)
+    assert [len(g) for g in generated] == [4, 4]
+
+
 def test_padded_image_tokens_are_not_seen():
     decoder = _decoder()
     batch = collate_decoder(_examples(decoder.vocab), decoder.vocab)

@@ -179,6 +179,18 @@ class LoccaDecoder(nn.Module):
     def forward(self, image_tokens: torch.Tensor, image_valid: torch.Tensor, batch: DecoderBatch) -> DecoderOutput:
         """image_tokens `[B, L, image_width]`: every token of the tower (prefix tokens too); image_valid `[B, L]`.
         The logits cover the batch's columns up to its longest example (`DecoderOutput.logits`)."""
+        states, batch = self._states(image_tokens, image_valid, batch)
+        logits = states @ self.transformer.text_projection
+        # the loss in at least float32 under bf16/fp16 autocast; float64 (verify) stays float64
+        wide = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        per_token = F.cross_entropy(wide.transpose(1, 2), batch.labels, ignore_index=IGNORE, reduction="none")
+        return DecoderOutput(logits=logits, token_loss_sum=per_token.sum(dim=1),
+                             target_tokens=(batch.labels != IGNORE).sum(dim=1))
+
+    def _states(self, image_tokens: torch.Tensor, image_valid: torch.Tensor, batch: DecoderBatch
+                ) -> tuple[torch.Tensor, DecoderBatch]:
+        """The final normalised states `[B, T, width]` before the vocabulary projection, and the batch cut to the
+        columns they cover."""
         length = batch.input_ids.shape[1]
         if length > self.config.max_length:
             raise ValueError(f"decoder input of {length} tokens exceeds max_length {self.config.max_length}")
@@ -197,12 +209,7 @@ class LoccaDecoder(nn.Module):
         for block, cross in zip(blocks.resblocks, blocks.cross_attn, strict=True):
             x = block(x, attn_mask=self_mask)
             x = cross(x, k_x=memory, v_x=memory, attn_mask=cross_mask)
-        logits = blocks.ln_final(x) @ blocks.text_projection
-        # the loss in at least float32 under bf16/fp16 autocast; float64 (verify) stays float64
-        wide = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-        per_token = F.cross_entropy(wide.transpose(1, 2), batch.labels, ignore_index=IGNORE, reduction="none")
-        return DecoderOutput(logits=logits, token_loss_sum=per_token.sum(dim=1),
-                             target_tokens=(batch.labels != IGNORE).sum(dim=1))
+        return blocks.ln_final(x), batch
 
     @torch.no_grad()
     def generate(self, image_tokens: torch.Tensor, image_valid: torch.Tensor, task: str, prefixes: list[list[int]],
@@ -222,11 +229,14 @@ class LoccaDecoder(nn.Module):
                 input_ids[r, : len(seq)] = torch.tensor(seq, device=image_tokens.device)
             labels = torch.full_like(input_ids, IGNORE)
             parallel = torch.zeros(len(ids), dtype=torch.bool, device=image_tokens.device)
-            logits = self(image_tokens, image_valid, DecoderBatch(input_ids, labels, parallel)).logits
-            for r, seq in enumerate(ids):
+            states, _ = self._states(image_tokens, image_valid, DecoderBatch(input_ids, labels, parallel))
+            last = torch.tensor([len(seq) - 1 for seq in ids], device=states.device)
+            # only each row's last position is projected onto the vocabulary (what the next token is read from)
+            logits = states[torch.arange(len(ids), device=states.device), last] @ self.transformer.text_projection
+            for r in range(len(ids)):
                 if done[r]:
                     continue
-                token = int(logits[r, len(seq) - 1].argmax())
+                token = int(logits[r].argmax())
                 outputs[r].append(token)
                 done[r] = stop_token is not None and token == stop_token
             if all(done):
