@@ -240,3 +240,16 @@ def test_metrics_reach_the_sinks_every_log_metric_every_n_steps_the_console_ever
     assert _config("--train-data", "x.csv").log_metric_every_n_steps == 10 == OPENCLIP_DEFAULTS[
         "log_metric_every_n_steps"]
     assert _config().log_metric_every_n_steps == 1 and POLICY["log_metric_every_n_steps"][0] == "ignore"
+
+
+def test_openclips_naflex_aug_cfg_without_scale_crops_as_openclip_does() -> None:
+    """OpenCLIP's NaFlex commands pass `--aug-cfg use_timm=True naflex=True` and no scale: its AugmentationCfg's
+    crop area range (0.9, 1.0) and timm's aspect range (3/4, 4/3) apply there, so they apply here."""
+    from open_clip.transform import AugmentationCfg
+
+    from naflexclip.families import data_processing
+
+    cfg = _config("--aug-cfg", "use_timm=True", "naflex=True")
+    transform = data_processing(None, 8, augment=cfg.data.augment, **cfg.data.image_overrides()).transform
+    assert transform.augment
+    assert transform.scale == tuple(AugmentationCfg().scale) and transform.ratio == (3 / 4, 4 / 3)

@@ -318,7 +318,8 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--synthetic-seed", type=int, default=0,
                        help="seed of the built-in dataset's content (independent of --seed)")
     group.add_argument("--augment", action="store_true",
-                       help="random resized crop to sequence at train time (timm RandomResizedCropToSequence)")
+                       help="random resized crop to sequence at train time (timm RandomResizedCropToSequence; area "
+                            "0.9-1, OpenCLIP's; --aug-cfg scale= sets it)")
 
 
 def data_config_from_args(args: argparse.Namespace) -> DataConfig:

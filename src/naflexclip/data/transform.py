@@ -73,12 +73,12 @@ class NaFlexTransform:
     """PIL RGB image + sequence length -> uint8 patches [N, P*P*3], patch_coord long [N, 2] (row, col).
 
     Without augmentation, timm's deterministic ResizeToSequence. `augment=True` is timm's
-    RandomResizedCropToSequence (scale 0.5-1, ratio 3/4-4/3 of the image's own aspect, or `scale`/`ratio`: OpenCLIP's
-    --aug-cfg) with its crop drawn
+    RandomResizedCropToSequence (scale 0.9-1, OpenCLIP's AugmentationCfg default; ratio 3/4-4/3 of the image's own
+    aspect, timm's; or `scale`/`ratio`: OpenCLIP's --aug-cfg) with its crop drawn
     from the `rng` each call is given, never from the process's global `random`. N <= seq_len always.
     """
 
-    scale = (0.5, 1.0)
+    scale = (0.9, 1.0)
     ratio = (3 / 4, 4 / 3)
 
     def __init__(self, patch_size: int, augment: bool = False, interpolation: str = INTERPOLATION,
