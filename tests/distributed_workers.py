@@ -27,6 +27,8 @@ Scenarios:
               counts) and FSDP2, cache and replay, in 2-row tiles; against the single-process full batch.
   trainer_faults — a Trainer whose loader raises on rank 1 between windows, and whose rank-0 evaluation
               outlasts the collective timeout or raises: every rank stops at once naming the rank, or waits.
+  self_distill_train — a Trainer with SigLIP 2's self-distillation under DDP and FSDP2 (2 ranks): the EMA teacher's
+              forwards per step, its placement (sharded like the student under FSDP2), centres and state round trip.
   fsdp_uneven — the README's library recipe with an FSDP2 model, ranks holding 2, 1 and 4 microbatches.
   loop      — a Trainer's epoch under DDP and FSDP2 with torch.distributed's collectives counted (Python level):
               the collectives between one step's start and the next's, and every step's loss and grad norm.
@@ -1000,6 +1002,67 @@ def scenario_self_distill(env: Any) -> dict[str, Any]:
     return results
 
 
+def scenario_self_distill_train(env: Any, out_dir: Path) -> dict[str, Any]:
+    """A Trainer with self-distillation and masked prediction from step 1 under DDP and FSDP2 (2 ranks, 2 steps of 2
+    microbatches per rank): per step the EMA teacher's forwards and the terms; where the teacher's parameters live;
+    its centres on every rank; its full state (rank 0, `teacher_{wrapper}.pt`) and a load of it into a fresh one."""
+    from torch.distributed.tensor import DTensor
+
+    from naflexclip.data import DataConfig
+    from naflexclip.selfdistill import EmaTeacher
+    from naflexclip.train import loop
+    from naflexclip.train.config import TrainConfig
+    from naflexclip.train.self_distill import SelfDistillation
+
+    results: dict[str, Any] = {}
+    forwards: list[int] = []
+    real_forward = EmaTeacher.forward
+
+    def counted(self: Any, **kw: Any) -> Any:
+        forwards.append(1)
+        return real_forward(self, **kw)
+
+    EmaTeacher.forward = counted  # type: ignore[method-assign]
+    for fsdp in (False, True):
+        wrapper = "fsdp" if fsdp else "ddp"
+        _log(env, f"self_distill_train {wrapper}")
+        # 32 pairs of 16 patches, 4 per microbatch: 4 microbatches per rank, --accum-freq 2: 2 steps
+        cfg = TrainConfig(data=DataConfig(synthetic_train_size=32, synthetic_val_size=8, naflex_seq_lens=(16,),
+                                          naflex_max_tokens_per_batch=64, workers=0),
+                          model="tiny", epochs=1, accum_freq=2, logs=str(out_dir), name=f"sd_{wrapper}",
+                          device="cpu", zero_shot_samples=8, plot=False, fsdp=fsdp, self_distill_loss_weight=1.0,
+                          masked_prediction_loss_weight=0.25, local_crops=2, self_distill_start=0.0)
+        trainer = loop.Trainer(cfg, env)
+        steps: list[dict[str, Any]] = []
+        real_step = trainer.train_step
+
+        def train_step(microbatches: list[dict[str, Any]], real_step: Any = real_step, steps: Any = steps) -> Any:
+            forwards.clear()
+            result = real_step(microbatches)
+            steps.append({"microbatches": len(microbatches), "forwards": len(forwards),
+                          "terms": result.stats.example_terms, "loss": result.stats.loss})
+            return result
+
+        trainer.train_step = train_step  # type: ignore[method-assign]
+        trainer.train_epoch()
+        component = trainer.window_step.self_distill
+        teacher = component.teacher
+        placements = [[repr(p.placements) if isinstance(p, DTensor) else "whole" for p in pair]
+                      for pair in teacher.student_parameters(trainer.model)]
+        state = component.state_dict()
+        if env.rank == 0:
+            torch.save(state["teacher"], out_dir / f"teacher_{wrapper}.pt")
+        fresh = SelfDistillation(component.recipe, trainer.model, env, trainer.exchange.sum_over_ranks)
+        fresh.load_state_dict(state if env.rank == 0 else {"built": True, "teacher": {}})
+        local = lambda p: p.to_local() if isinstance(p, DTensor) else p  # noqa: E731
+        reloaded = all(torch.equal(local(a), local(b)) for a, b in zip(teacher.state_dict().values(),
+                                                                        fresh.teacher.state_dict().values(),
+                                                                        strict=True))
+        results[wrapper] = {"steps": steps, "placements": placements, "reloaded": reloaded,
+                            "center": teacher.global_center.tolist()[:8]}
+    return results
+
+
 def scenario_multi_positive(env: Any) -> dict[str, Any]:
     from naflexclip.batch import concat_microbatches, split_batch
     from naflexclip.exchange import window_exchange
@@ -1063,6 +1126,8 @@ def main() -> None:
         result = scenario_self_distill(env)
     elif scenario == "multi_positive":
         result = scenario_multi_positive(env)
+    elif scenario == "self_distill_train":
+        result = scenario_self_distill_train(env, out_dir)
     elif scenario == "trainer_faults":
         result = scenario_trainer_faults(env, out_dir)
     elif scenario == "fsdp_uneven":

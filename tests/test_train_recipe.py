@@ -23,18 +23,24 @@ def _records(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_a_recipe_run_logs_locca_and_resumes_bit_exactly(tmp_path: Path) -> None:
-    """3 steps straight == 1 step, stop, resume, 2 more: weights (the decoder's too) and optimizer state."""
+def test_a_recipe_run_logs_its_three_terms_and_resumes_bit_exactly(tmp_path: Path) -> None:
+    """3 steps straight == 1 step, stop, resume, 2 more: weights (the decoder's and heads' too) and optimizer state;
+    the LocCa term throughout, self-distillation and masked prediction at --self-distill-start (here step 3)."""
     def run(name: str, steps: int, *flags: str) -> None:
         assert main(["train", "--model", "tiny", "--recipe", "siglip2", "--epochs", "1", "--stop-after-steps",
                      str(steps), "--device", "cpu", "--logs", str(tmp_path), "--name", name, "--val-frequency", "0",
-                     "--zero-shot-samples", "16", "--accum-freq", "2", *flags, *TINY_DATA_FLAGS]) == 0
+                     "--zero-shot-samples", "16", "--accum-freq", "2", "--local-crops", "2", "--self-distill-start",
+                     "0.4", *flags, *TINY_DATA_FLAGS]) == 0
 
     run("straight", 3)
     records = [r for r in _records(tmp_path / "straight") if r["kind"] == "train"]
     assert len(records) == 3 and all(5 < r["loss/locca"] < 20 for r in records)  # ~ln(vocab) at the start
+    assert ["loss/self_distill" in r and "loss/masked_prediction" in r for r in records] == [False, False, True]
     straight_state = load_checkpoint(find_latest(tmp_path / "straight" / "checkpoints")).states
+    assert straight_state["lr_schedule"]["total_steps"] == 3  # step 3: (3 - 1)/3 >= 0.4 > (2 - 1)/3
+    assert straight_state["ema_teacher"]["built"]
     assert any(key.startswith("decoder.") for key in straight_state["model"])
+    assert any(key.startswith("self_distill.") for key in straight_state["model"])
     assert straight_state["run"]["config"]["recipe"] == "siglip2"
     assert straight_state["run"]["model_config"]["decoder"] is not None
 
@@ -50,6 +56,8 @@ def test_a_recipe_run_logs_locca_and_resumes_bit_exactly(tmp_path: Path) -> None
         assert all(torch.equal(a[k], b[k]) for k in a)
     assert [r["loss/locca"] for r in _records(tmp_path / "split") if r["kind"] == "train"] == [
         r["loss/locca"] for r in records]
+    assert all(torch.equal(value, split_state["ema_teacher"]["teacher"][key])
+               for key, value in straight_state["ema_teacher"]["teacher"].items())
 
 
 def test_changing_the_recipe_on_resume_is_refused(tmp_path: Path) -> None:
@@ -75,13 +83,13 @@ def test_recipe_combinations_it_cannot_train_are_one_line(tmp_path: Path, capsys
     assert message in err and "Traceback" not in err
 
 
-def test_export_writes_the_towers_without_the_decoder(tmp_path: Path, capsys: pytest.CaptureFixture,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_export_writes_the_towers_without_the_decoder_and_self_distillation_heads(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     source = make_checkpoint(tmp_path / "siglip2", seed=1)
     plain = create_model("tiny", pretrained=str(source))
     torch.manual_seed(0)
-    with_decoder = Recipe(recipe="siglip2").prepare(create_model("tiny", pretrained=str(source)))
-    assert with_decoder.decoder is not None
+    with_decoder = Recipe(recipe="siglip2").prepare(create_model("tiny", pretrained=str(source)), self_distill=True)
+    assert with_decoder.decoder is not None and with_decoder.self_distill is not None
     family = export_family("transformers")
     from safetensors.torch import load_file
     a = load_file(str(family.export(plain, tmp_path / "plain") / "model.safetensors"))
@@ -91,7 +99,8 @@ def test_export_writes_the_towers_without_the_decoder(tmp_path: Path, capsys: py
     import naflexclip.train.components as components
     monkeypatch.setattr(components, "load_checkpoint_model", lambda path: (with_decoder, {}))
     assert main(["export", "--checkpoint", "unused", "--format", "transformers", "--out", str(tmp_path / "cli")]) == 0
-    assert "the LocCa decoder is not exported" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "the LocCa decoder is not exported" in out and "the self-distillation heads are not exported" in out
 
 
 def test_decoder_eval_scores_a_perfect_decoder_1_and_a_shifted_box_0(monkeypatch: pytest.MonkeyPatch) -> None:

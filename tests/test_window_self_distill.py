@@ -185,7 +185,7 @@ def test_the_recipe_switches_the_terms_on_at_self_distill_start():
     assert Recipe(self_distill_start=0.5, masked_prediction_loss_weight=0.1).self_distill_active(0.5)
 
 
-def test_train_takes_the_recipe_flags_and_refuses_self_distillation_weights_in_one_line(capsys):
+def test_train_takes_the_recipe_flags_and_refuses_what_it_cannot_combine_in_one_line(capsys):
     # failed before the TrainConfig fields: every `naflexclip train` stopped on TrainConfig(**Recipe.as_dict())
     from naflexclip.cli import build_parser, main
     from naflexclip.train.cli import config_from_args, with_defaults
@@ -194,7 +194,7 @@ def test_train_takes_the_recipe_flags_and_refuses_self_distillation_weights_in_o
     config = config_from_args(with_defaults(build_parser().parse_args(["train", "--model", "tiny", "--recipe",
                                                                         "siglip2"])))
     assert isinstance(config, TrainConfig) and config.self_distill_loss_weight is None
-    assert main(["train", "--model", "tiny", "--masked-prediction-loss-weight", "0.25"]) == 2
+    assert main(["train", "--model", "tiny", "--masked-prediction-loss-weight", "0.25", "--multi-positive"]) == 2
     captured = capsys.readouterr()
     out = (captured.out + captured.err).strip()
-    assert "--masked-prediction-loss-weight is not trained yet" in out and out.count("\n") == 0
+    assert "--multi-positive with self-distillation or masked prediction" in out and out.count("\n") == 0

@@ -6,7 +6,8 @@ The directory holds `config.json`, `model.safetensors` and, for a run fine-tuned
 that checkpoint's tokenizer and image-processor files; `transformers.Siglip2Model.from_pretrained` loads it
 with the same outputs. A model transformers cannot express is refused in one line naming what does not map (for a
 preset's run, adding that a new run starts from the checkpoint itself: `train --pretrained CHECKPOINT`).
-Either format writes the towers only: a LocCa decoder (`--recipe siglip2`) stays in the run's checkpoint.
+Either format writes the towers only: a LocCa decoder, the self-distillation heads and the EMA teacher (`--recipe
+siglip2`) stay in the run's checkpoint.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def run(args: argparse.Namespace) -> int:
         print(note)
     if getattr(model, "decoder", None) is not None:  # SigLIP 2's recipe drops the decoder after training
         print("note: the LocCa decoder is not exported (the towers only); it stays in the run's checkpoint")
+    if getattr(model, "self_distill", None) is not None:  # and the self-distillation heads and EMA teacher
+        print("note: the self-distillation heads are not exported (the towers only); they and the EMA teacher "
+              "stay in the run's checkpoint")
     return 0
 
 

@@ -157,6 +157,11 @@ class Locks:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def image_fully_locked(self) -> bool:
+        """`--lock-image` without unlocked groups: no image-tower parameter trains."""
+        return self.lock_image and self.lock_image_unlocked_groups == 0
+
     def apply(self, model: nn.Module) -> None:
         """Lock `model`'s towers as the flags say (before DDP/FSDP wrap it and the optimizer is built); a group
         count the tower does not have is a one-line ValueError naming the flag."""

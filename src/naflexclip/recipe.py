@@ -95,6 +95,25 @@ class Recipe:
         `--self-distill-start` on; before it their weight is 0 and they are not computed."""
         return self.self_distill_enabled and progress >= self.value("self_distill_start")
 
+    def for_locked_image(self, image_locked: bool) -> tuple[Recipe, str | None]:
+        """This recipe for a run whose image tower is fully locked (`--lock-image`): both self-distillation terms
+        are image-side (the image tower learns from them), so they are off, with the line that says so."""
+        if not (image_locked and self.self_distill_enabled):
+            return self, None
+        off = dataclasses.replace(self, self_distill_loss_weight=0.0, masked_prediction_loss_weight=0.0)
+        return off, ("--lock-image: the image tower is locked, so self-distillation and masked prediction (both "
+                     "image-side) are off")
+
+    def self_distill_line(self) -> str:
+        """The run's opening line for the self-distillation terms."""
+        weights = " + ".join(f"{self.value(flag):g} · {name}" for name, flag in (
+            (SELF_DISTILL, "self_distill_loss_weight"), (MASKED_PREDICTION, "masked_prediction_loss_weight"))
+            if self.value(flag) > 0)
+        return (f"SigLIP 2's self-distillation from --self-distill-start {self.value('self_distill_start'):g} of "
+                f"the run's steps: + {weights} (per example of the window; {self.value('local_crops')} local "
+                f"crops, --mask-ratio {self.value('mask_ratio'):g}), against an EMA teacher (--ema-momentum "
+                f"{self.value('ema_momentum'):g}) run once per microbatch without gradient")
+
     def ema_teacher(self, model: NaFlexClip) -> EmaTeacher:
         """The EMA teacher, a copy of the student's image tower and heads as they are now (build it at the switch)."""
         return EmaTeacher(model, momentum=float(self.value("ema_momentum")))
@@ -153,7 +172,8 @@ def add_recipe_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("SigLIP 2's recipe")
     g.add_argument("--recipe", default=None, choices=sorted(RECIPES),
                    help="set the recipe's objectives and weights (siglip2: the LocCa decoder beside the sigmoid loss, "
-                        "SigLIP 2 sec. 2.2; docs/accumulation.md)")
+                        "SigLIP 2 sec. 2.2, and self-distillation and masked prediction for the last 20%%, sec. 2.3; "
+                        "docs/siglip2_recipe.md)")
     g.add_argument("--locca-loss-weight", type=float, default=None,
                    help="λ of the LocCa decoder's term, normalised by the window's target tokens (default: the "
                         "recipe's, else 0: no decoder)")

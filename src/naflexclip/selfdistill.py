@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,14 @@ STUDENT_TEMPERATURE = 0.1
 TEACHER_TEMPERATURE = 0.04
 CENTER_MOMENTUM = 0.9
 MASK_STREAM = 1_000_003  # the mask's generator is seeded with view_seed + this: crops and mask are independent draws
+
+
+def sample_view_seed(seed: int, epoch: int, sample_key: str) -> int:
+    """A sample's `view_seed` in an epoch: a function of (seed, epoch, key) alone, as a sample's decoder example and
+    caption choice are, so every split, rank count, replay and resume sees the same crops and mask (62 bits: the mask
+    stream's offset stays inside torch's seed range)."""
+    digest = hashlib.blake2b(f"{seed}:{epoch}:{sample_key}:views".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
 
 
 @dataclass(frozen=True)
@@ -226,12 +235,13 @@ class EmaTeacher(nn.Module):
 
     `forward(image=)` (no grad; the window runs it once per microbatch in the cache phase, never replayed) returns the
     teacher's distributions `{"global": [B, P], "patches": [B, L, P]}` — centred and sharpened — and records its
-    logits' sums for the centre. `update(student)` after the optimizer step: every teacher parameter
-    `t ← m·t + (1 − m)·s`, each centre `c ← 0.9·c + 0.1·mean(logits)` over the step's teacher forwards (this
-    process's; ranks are not reduced — under DDP each rank's centre follows its own rows). Run state: save and resume
-    it through `state_dict()` / `load_state_dict()` (its parameters and centres; the momentum is a flag). Build it
-    at the switch (`--self-distill-start`) from the student: SigLIP 2 initialises the teacher with the student's
-    parameters there."""
+    logits' sums for the centre. `update(student, sum_over_ranks)` after the optimizer step: every teacher parameter
+    `t ← m·t + (1 − m)·s`, each centre `c ← 0.9·c + 0.1·mean(logits)` over the step's teacher forwards of every rank
+    (`sum_over_ranks` adds the ranks' sums and counts: the centre is the whole window's, the same on every rank).
+    Run state: save and resume it through `state_dict()` / `load_state_dict()` (its parameters and centres; the
+    momentum is a flag). Build it at the switch (`--self-distill-start`) from the student: SigLIP 2 initialises the
+    teacher with the student's parameters there. Sharded by FSDP2 like the student (`train.self_distill`), the
+    update pairs each parameter's local shard with the student's."""
 
     def __init__(self, student: nn.Module, momentum: float) -> None:
         super().__init__()
@@ -277,14 +287,20 @@ class EmaTeacher(nn.Module):
         return [(t, s) for t, s in pairs]
 
     @torch.no_grad()
-    def update(self, student: nn.Module) -> None:
-        """After the optimizer step: the EMA of the student's parameters, and the centres from this step's logits."""
+    def update(self, student: nn.Module,
+               sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """After the optimizer step: the EMA of the student's parameters, and the centres from this step's logits
+        (`sum_over_ranks`: the elementwise sum over ranks, e.g. `WindowExchange.sum_over_ranks`; every rank calls
+        it once per update, with or without forwards of its own)."""
         for teacher_p, student_p in self.student_parameters(student):
             teacher_p.mul_(self.momentum).add_(student_p.detach().to(teacher_p.dtype), alpha=1.0 - self.momentum)
         for key, center in (("global", self.global_center), ("patches", self.patch_center)):
-            if self._sums[key]:
-                total = torch.stack(self._sums[key]).sum(0)
-                mean = total[0] / total[1].clamp(min=1)
+            total = (torch.stack(self._sums[key]).sum(0) if self._sums[key]
+                     else torch.zeros(2, center.numel(), dtype=torch.float64, device=center.device))
+            if sum_over_ranks is not None:
+                total = sum_over_ranks(total)
+            if bool(total[1, 0] > 0):
+                mean = total[0] / total[1]
                 center.mul_(CENTER_MOMENTUM).add_(mean.to(center.dtype), alpha=1.0 - CENTER_MOMENTUM)
         self.discard_pending()
 

@@ -124,6 +124,7 @@ def build_loader(
     processing: Processing | None = None,
     decoder: DecoderExamples | None = None,
     teacher: TeacherInputs | None = None,
+    view_seeds: bool = False,
 ) -> NaFlexLoader:
     """The loader for `split` ("train": sequence lengths drawn per step, shuffled, optional augment;
     "val": every microbatch at max(--naflex-seq-lens), source order, deterministic eval transform). `patch_size`:
@@ -136,6 +137,7 @@ def build_loader(
     term builds each sample's decoder example into its microbatch's `example_inputs` (`naflexclip.data.regions`).
     `teacher`: a distillation teacher reading other inputs than the student's gets its own of the same samples in
     each training microbatch's `teacher_inputs` (`naflexclip.distill.Distill.teacher` says which teacher does).
+    `view_seeds`: a run with self-distillation adds each sample's `view_seed` there (its crops and mask).
     """
     resolved = cfg.source(split)
     if resolved is None:
@@ -155,7 +157,8 @@ def build_loader(
                                   max_image_pixels=cfg.max_image_pixels, multi_caption=cfg.multi_caption and train,
                                   caption_per_line=cfg.caption_per_line,
                                   decoder=decoder, teacher=teacher if train else None,
-                                  patch_sizes=cfg.patch_sizes(patch_size) if train else None),
+                                  patch_sizes=cfg.patch_sizes(patch_size) if train else None,
+                                  view_seeds=view_seeds and train),
         seed=cfg.seed, shuffle=train, workers=cfg.workers, rank=rank, world_size=world_size, pin_memory=device_pin,
     )
     urls, ids = expand_sources(path) if kind == "webdataset" and path is not None else ([], np.zeros(0, np.int64))

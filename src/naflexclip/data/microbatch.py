@@ -22,6 +22,7 @@ from naflexclip.data.regions import DecoderExamples, Region, parse_regions
 from naflexclip.data.samples import JsonCaption, SkipSample, decode_captions, decode_image, one_caption
 from naflexclip.data.schedule import PatchSizes, ScheduledBatch, even_sizes
 from naflexclip.data.transform import Processing
+from naflexclip.selfdistill import VIEW_SEED, sample_view_seed
 
 # where a sample is, for the skip log: (source, key, line)
 Where = tuple[str, str | None, int | None]
@@ -64,19 +65,23 @@ class MicrobatchBuilder:
     sample's.
     `teacher` (distillation from a teacher that reads other inputs): the item's `teacher_inputs` too, the teacher's
     patches and tokens of the same samples and captions, its crop the student's (the same draws from the same rng).
+    `view_seeds` (a run with self-distillation or masked prediction): each sample's `view_seed` (its local crops and
+    mask, `naflexclip.selfdistill.sample_view_seed`) from (seed, epoch, key), in the item's `example_inputs`.
     """
 
     def __init__(self, *, patch_size: int, context_length: int, processing: Processing, augment: bool = False,
                  json_caption: JsonCaption | None = None, max_image_pixels: int = 0,
                  multi_caption: bool = False, caption_per_line: bool = False,
                  decoder: DecoderExamples | None = None, patch_sizes: PatchSizes | None = None,
-                 teacher: TeacherInputs | None = None) -> None:
+                 teacher: TeacherInputs | None = None, view_seeds: bool = False) -> None:
         if decoder is not None and (augment or multi_caption):
             raise ValueError("a LocCa term (--recipe siglip2 / --locca-loss-weight) with "
                              f"{'--augment' if augment else '--multi-positive'} is not supported: "
                              + ("a crop would move the regions' boxes" if augment else "one decoder example per "
                                 "image needs one caption"))
-        self.decoder, self.teacher = decoder, teacher
+        if view_seeds and multi_caption:
+            raise ValueError("self-distillation or masked prediction with --multi-positive is not supported yet")
+        self.decoder, self.teacher, self.view_seeds = decoder, teacher, view_seeds
         self.patch_size, self.context_length, self.augment = patch_size, context_length, augment
         self.processing = processing
         self.patch_sizes = patch_sizes
@@ -150,6 +155,9 @@ class MicrobatchBuilder:
                 "text": self.teacher.processing.tokenize(texts, self.teacher.context_length)}
         if self.decoder is not None:
             item[EXAMPLE_INPUTS] = self.decoder.collate(examples)
+        if self.view_seeds:
+            seeds = [sample_view_seed(seed_key[0], seed_key[1], key) for key in keys]
+            item.setdefault(EXAMPLE_INPUTS, {})[VIEW_SEED] = torch.tensor(seeds, dtype=torch.int64)
         if self.multi_caption:
             item["image_group"] = torch.tensor([group_id(key) for key in keys], dtype=torch.int64)
             item["text_group"] = torch.repeat_interleave(item["image_group"], torch.tensor(captions_per_image))

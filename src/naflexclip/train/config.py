@@ -413,11 +413,14 @@ class TrainConfig:
 
     def _check_recipe(self) -> None:
         """A LocCa term trains the decoder on the image tower's tokens, one example per image (`data.regions`)."""
-        for flag in ("self_distill_loss_weight", "masked_prediction_loss_weight"):
-            if (getattr(self, flag) or 0) > 0:
-                raise ValueError(f"--{flag.replace('_', '-')} is not trained yet (naflexclip verify checks the term; "
-                                 f"--recipe siglip2 trains the LocCa term only)")
-        if not Recipe.pick(self).example_terms():
+        recipe, _ = Recipe.pick(self).for_locked_image(Locks.pick(self).image_fully_locked)
+        if recipe.self_distill_enabled:
+            what = "self-distillation or masked prediction (--recipe siglip2 / their weights > 0)"
+            for flag, given in (("--distill-model", self.distill_model is not None),
+                                ("--multi-positive", self.multi_positive)):
+                if given:
+                    raise ValueError(f"{flag} with {what} is not supported yet")
+        if not recipe.example_terms():
             return
         what = "a LocCa term (--recipe siglip2 / --locca-loss-weight > 0)"
         if self.lock_image and self.lock_image_unlocked_groups == 0:

@@ -51,6 +51,7 @@ from naflexclip.train.precision import create_precision
 from naflexclip.train.remote_sync import RemoteSync
 from naflexclip.train.report import Reporter, refuse_existing_run
 from naflexclip.train.resume import nothing_left, resume
+from naflexclip.train.self_distill import SelfDistillation
 from naflexclip.train.step import StepResult, WindowStep, step_metrics, token_counts, windows
 from naflexclip.train.stop import StopSignals, TrainingStopped
 
@@ -73,8 +74,11 @@ class Trainer:
                                  **overrides)
         # SigLIP 2's recipe: a fresh LocCa decoder beside the towers (also with --pretrained towers), drawn after them
         recipe = Recipe.pick(cfg)
-        model = recipe.prepare(model)
-        Locks.pick(cfg).apply(model)  # before wrapping (DDP registers the trainable parameters) and the optimizer
+        locks = Locks.pick(cfg)
+        # a locked image tower has no image-side self-distillation (it cannot learn from it): both terms off
+        recipe, image_side_off = recipe.for_locked_image(locks.image_fully_locked)
+        model = recipe.prepare(model, self_distill=True)  # the recipe's decoder, self-distillation heads
+        locks.apply(model)  # before wrapping (DDP registers the trainable parameters) and the optimizer
         model = model.to(env.device)
         if cfg.grad_checkpointing:
             model.set_grad_checkpointing()
@@ -111,22 +115,27 @@ class Trainer:
                                    context_length=self.module.context_length, rank=env.rank,
                                    world_size=env.world_size, device_pin=env.device.type == "cuda",
                                    processing=processing, teacher=teacher_inputs,
-                                   decoder=decoder_examples(self.module, processing) if example_terms else None)
+                                   decoder=decoder_examples(self.module, processing) if example_terms else None,
+                                   view_seeds=recipe.self_distill_enabled)
         self.batches_per_epoch = self._plan_batches()
         self.schedule = LrSchedule(self.optimizer, cfg.lr, cfg.warmup, 1, kind=cfg.lr_scheduler)
         self.schedule.load_state_dict(self.schedule_plan(0, 0, 0))
-        self.window_step = WindowStep(cfg, env, self.model, loss_fn, self.optimizer, self.schedule, self.precision,
-                                      self.exchange, teacher, example_terms)
         self.progress = Progress()
         self.run_dir = Path(cfg.logs) / str(cfg.name)
         local_log = self.run_dir / f"out-{env.rank}.log" if cfg.log_local and env.local_rank == 0 else None
         self.reporter = Reporter(self.run_dir, rank=env.rank, report_to=cfg.report_to, config=cfg.to_dict(),
                                  name=str(cfg.name), log_file=local_log)
+        # SigLIP 2's EMA teacher, built at --self-distill-start; the window step asks it for each step's terms
+        self_distill = (SelfDistillation(recipe, self.model, env, self.exchange.sum_over_ranks, self.reporter.message)
+                        if recipe.self_distill_enabled else None)
+        self.window_step = WindowStep(cfg, env, self.model, loss_fn, self.optimizer, self.schedule, self.precision,
+                                      self.exchange, teacher, example_terms, self_distill)
         self.evaluator = Evaluator(cfg, env, self.precision.autocast, self.reporter)
         optimizer_state = OptimizerState(self.model, self.optimizer, env)
         components = {"model": ModelState(self.model, env), "optimizer": optimizer_state,
                       "lr_schedule": self.schedule, "scaler": self.precision, "progress": self.progress,
                       "data": DataPosition(self.loader, env), "evaluation": self.evaluator, "reporter": self.reporter,
+                      **({"ema_teacher": self_distill} if self_distill is not None else {}),  # after "model"
                       "rng": RngStreams(env)}  # restored last: nothing above draws from it once it is restored
         run = {"config": cfg.to_dict(), "model_config": config_to_dict(self.module.config),
                "world_size": env.world_size}
@@ -152,6 +161,10 @@ class Trainer:
             self.opening.append(f"SigLIP 2's LocCa decoder ({self.module.config.decoder}) trains beside the pair "
                                 f"loss: loss = {cfg.loss} + {recipe.locca_weight:g} · locca (per target token of "
                                 f"the window), logged as loss/locca")
+        if self_distill is not None:
+            self.opening.append(recipe.self_distill_line())
+        if image_side_off:
+            self.opening.append(image_side_off)
         locked = lock_summary(self.module)
         if locked:
             self.opening.append(locked)

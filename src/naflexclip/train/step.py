@@ -25,6 +25,7 @@ from naflexclip.train.config import TrainConfig
 from naflexclip.train.grouping import window_sizes
 from naflexclip.train.optim import LrSchedule
 from naflexclip.train.precision import Precision
+from naflexclip.train.self_distill import SelfDistillation
 from naflexclip.window import ExampleTerm, WindowStats, accumulate_gradients
 
 
@@ -89,9 +90,12 @@ class WindowStep:
 
     def __init__(self, cfg: TrainConfig, env: DistributedEnv, model: nn.Module, loss_fn: nn.Module,
                  optimizer: torch.optim.Optimizer, schedule: LrSchedule, precision: Precision, exchange: Any,
-                 teacher: nn.Module | None = None, example_terms: Sequence[ExampleTerm] = ()) -> None:
+                 teacher: nn.Module | None = None, example_terms: Sequence[ExampleTerm] = (),
+                 self_distill: SelfDistillation | None = None) -> None:
         self.cfg, self.env, self.model, self.loss_fn, self.teacher = cfg, env, model, loss_fn, teacher
         self.example_terms = tuple(example_terms)  # per-example terms of the objective (the LocCa decoder's)
+        # SigLIP 2's EMA teacher: the per-example terms of each step (on from --self-distill-start) and their teacher
+        self.self_distill = self_distill
         self.optimizer, self.schedule, self.precision, self.exchange = optimizer, schedule, precision, exchange
 
     def __call__(self, microbatches: list[dict[str, Any]], step: int) -> StepResult:
@@ -101,13 +105,17 @@ class WindowStep:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         batches = [to_device(mb, self.env.device) for mb in microbatches]
+        terms, example_teacher = self.example_terms, None
+        if self.self_distill is not None:
+            terms, example_teacher, batches = self.self_distill.window(step, self.schedule.total_steps, batches)
         lr = self.schedule.lr
         with fault_guard(self.env, f"step {step - 1}"):
             stats = accumulate_gradients(
                 self.model, self.loss_fn, batches, loss_scale=cfg.naflex_loss_scale,
                 reference_batch_size=cfg.batch_size, method=cfg.accum_method, exchange=self.exchange,
                 no_sync=no_sync_context(self.model), autocast=self.precision.autocast,
-                grad_scaler=self.precision.scaler, teacher=self.teacher, example_terms=self.example_terms,
+                grad_scaler=self.precision.scaler, teacher=self.teacher, example_terms=terms,
+                example_teacher=example_teacher,
             )
             grad_norm = self._unscale_and_clip()
         # the same on every rank, so every rank skips alike: the loss is L(W) of the whole window, the norm that of
@@ -117,6 +125,8 @@ class WindowStep:
             self._skip()
         else:
             self._update()
+        if self.self_distill is not None:
+            self.self_distill.after_step(skipped=bad)
         self.schedule.step()
         return StepResult(stats=stats, grad_norm=grad_norm, skipped=bad, lr=lr)
 

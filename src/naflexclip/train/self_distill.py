@@ -1,0 +1,128 @@
+"""SigLIP 2's self-distillation and masked prediction in a run: the EMA teacher's life, one component.
+
+`SelfDistillation` decides for every optimizer step whether the two terms are on: step `k` (1-based) of a run of
+`T` optimizer steps trains them when `(k − 1) / T >= --self-distill-start` (SigLIP 2 sec. 2.3: "at 80% of training
+completion"; `T` is the lr schedule's, so a resume that re-plans the run moves the switch with it). At the first
+such step it builds the EMA teacher from the student as it is then (SigLIP 2 initialises the teacher with the
+student's parameters), hands the window the terms and the teacher (one no-grad forward per microbatch, never
+replayed: `window.accumulate_gradients(example_teacher=)`), and after every optimizer step updates the teacher
+(`EmaTeacher.update`, its centres summed over ranks) or, after a skipped step, forgets the step's logits.
+
+Run state `ema_teacher`: `{"built": False}` before the switch, else the teacher's full parameters and centres
+(gathered from every rank's shards), so a resume on either side of the switch continues bit-exactly. Under FSDP2
+the teacher is sharded like the student (each image-tower block one unit, the rest one unit, on the same mesh): its
+parameters are DTensors placed as the student's, the EMA pairs local shards, and its forward gathers one block at
+a time as the student's does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from naflexclip.batch import EXAMPLE_INPUTS
+from naflexclip.distributed import DistributedEnv
+from naflexclip.parallel import full_state_dict, is_fsdp, load_full_state_dict, unwrap_model
+from naflexclip.recipe import Recipe
+from naflexclip.selfdistill import VIEW_SEED, EmaTeacher
+from naflexclip.window import ExampleTerm
+
+
+class SelfDistillation:
+    """The EMA teacher of a run whose recipe has a self-distillation or masked-prediction weight > 0 (`model`: the
+    student as wrapped for training; `sum_over_ranks`: the window exchange's; `notify`: the run's message line)."""
+
+    def __init__(self, recipe: Recipe, model: nn.Module, env: DistributedEnv,
+                 sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None,
+                 notify: Callable[[str], None] = lambda _: None) -> None:
+        if not recipe.self_distill_enabled:
+            raise ValueError("SelfDistillation needs a self-distillation or masked-prediction weight > 0")
+        self.recipe, self.model, self.env = recipe, model, env
+        self.sum_over_ranks, self.notify = sum_over_ranks, notify
+        self.teacher: EmaTeacher | None = None
+
+    def progress(self, step: int, total_steps: int) -> float:
+        """The fraction of training done before optimizer step `step` (1-based) of `total_steps`."""
+        return (step - 1) / max(1, total_steps)
+
+    def window(self, step: int, total_steps: int, microbatches: list[dict[str, Any]]
+               ) -> tuple[list[ExampleTerm], EmaTeacher | None, list[dict[str, Any]]]:
+        """The per-example terms of step `step`'s window, the example teacher (None before the switch; built at it)
+        and the microbatches as the model reads them (before the switch without their view seeds)."""
+        progress = self.progress(step, total_steps)
+        terms = self.recipe.example_terms(progress)
+        if not self.recipe.self_distill_active(progress):
+            return terms, None, [without_view_seeds(mb) for mb in microbatches]
+        if self.teacher is None:
+            self.teacher = self.build()
+            self.notify(f"step {step}: self-distillation and masked prediction on (--self-distill-start "
+                        f"{self.recipe.value('self_distill_start'):g} of {total_steps} steps), the EMA teacher "
+                        f"built from the student; logged as loss/self_distill and loss/masked_prediction")
+        return terms, self.teacher, microbatches
+
+    def after_step(self, skipped: bool) -> None:
+        """After the window's optimizer step: the teacher's EMA and centres; a skipped step leaves it as it was."""
+        if self.teacher is None:
+            return
+        if is_fsdp(self.teacher):
+            # FSDP2 leaves a root's parameters gathered after its forward, for a backward the teacher never runs
+            self.teacher.reshard()
+        if skipped:
+            self.teacher.discard_pending()
+        else:
+            self.teacher.update(self.model, self.sum_over_ranks)
+
+    def build(self) -> EmaTeacher:
+        """The EMA teacher from the student as it is now (every rank; under FSDP2 sharded like the student)."""
+        if not is_fsdp(self.model):
+            return self.recipe.ema_teacher(self.model).to(self.env.device)
+        from torch.distributed.fsdp import fully_shard
+
+        from naflexclip.model import NaFlexClip
+
+        student = unwrap_model(self.model)
+        reference = next(student.parameters())
+        # an unsharded skeleton of the student's architecture (its own draws are not the run's: forked), sharded as
+        # `parallel.wrap_model` shards the student, then given the student's values shard by shard
+        with torch.random.fork_rng(devices=[]):
+            skeleton = NaFlexClip(student.config)
+        teacher = EmaTeacher(skeleton, momentum=float(self.recipe.value("ema_momentum")))
+        teacher = teacher.to(self.env.device, reference.dtype)
+        for block in teacher.visual.blocks:
+            fully_shard(block)
+        fully_shard(teacher)
+        with torch.no_grad():
+            for teacher_p, student_p in teacher.student_parameters(self.model):
+                teacher_p.copy_(student_p.detach())
+        return teacher
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank must call it (FSDP2 gathers the teacher's shards)."""
+        if self.teacher is None:
+            return {"built": False}
+        return {"built": True, "teacher": full_state_dict(self.teacher, self.env)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """After the model's state (the teacher is built from the loaded student, then given its saved values)."""
+        if not state["built"]:
+            self.teacher = None
+            return
+        if self.teacher is None:
+            self.teacher = self.build()
+        load_full_state_dict(self.teacher, state["teacher"], self.env)
+        self.teacher.discard_pending()
+
+
+def without_view_seeds(microbatch: dict[str, Any]) -> dict[str, Any]:
+    """`microbatch` without its view seeds (steps before the switch: the model computes no self-distillation)."""
+    inputs = microbatch.get(EXAMPLE_INPUTS)
+    if inputs is None or VIEW_SEED not in inputs:
+        return microbatch
+    rest = {key: value for key, value in inputs.items() if key != VIEW_SEED}
+    out = {key: value for key, value in microbatch.items() if key != EXAMPLE_INPUTS}
+    if rest:
+        out[EXAMPLE_INPUTS] = rest
+    return out

@@ -1,0 +1,199 @@
+"""`naflexclip train` with SigLIP 2's self-distillation and masked prediction: the terms switch on at
+--self-distill-start (step k of T when (k − 1)/T >= start), the EMA teacher is built there and runs once per
+microbatch, both terms are logged, the teacher is run state resumed bit-exactly on either side of the switch, its
+centre is the whole window's over ranks, view seeds come from (seed, epoch, sample), and a locked image tower turns
+the terms off in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_train_loop import tiny_config
+
+from naflexclip.data import DataConfig, build_loader
+from naflexclip.distributed import init_distributed
+from naflexclip.selfdistill import MASKED_PREDICTION, SELF_DISTILL, VIEW_SEED, EmaTeacher
+from naflexclip.train.loop import Trainer
+
+# 48 pairs of 16 patches, 8 per microbatch: 6 microbatches an epoch, --accum-freq 2 → 3 optimizer steps
+SMALL_DATA = ["--synthetic-train-size", "48", "--synthetic-val-size", "8", "--naflex-seq-lens", "16",
+              "--naflex-max-tokens-per-batch", "128", "--workers", "0"]
+TERMS = ["--self-distill-loss-weight", "1", "--masked-prediction-loss-weight", "0.25", "--local-crops", "2"]
+
+
+def _small_config(tmp_path: Path, **overrides) -> object:
+    data = DataConfig(synthetic_train_size=48, synthetic_val_size=8, naflex_seq_lens=(16,),
+                      naflex_max_tokens_per_batch=128, workers=0)
+    values = dict(data=data, epochs=1, self_distill_loss_weight=1.0, masked_prediction_loss_weight=0.25,
+                  local_crops=2, self_distill_start=0.5)
+    values.update(overrides)
+    return tiny_config(tmp_path, **values)
+
+
+@pytest.mark.slow
+def test_the_terms_switch_on_at_self_distill_start_and_the_teacher_runs_once_per_microbatch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 3 steps, start 0.5: step 3 only ((3 - 1)/3 >= 0.5; step 2's (2 - 1)/3 is not; a k/T rule would switch at 2)
+    forwards: list[int] = []
+    real_forward = EmaTeacher.forward
+    monkeypatch.setattr(EmaTeacher, "forward", lambda self, **kw: (forwards.append(1), real_forward(self, **kw))[1])
+    trainer = Trainer(_small_config(tmp_path), init_distributed("cpu"))
+    assert trainer.module.self_distill is not None  # the heads, from the start (the optimizer holds them)
+    per_step = []
+    real_step = trainer.train_step
+
+    def train_step(microbatches):
+        forwards.clear()
+        result = real_step(microbatches)
+        per_step.append((trainer.progress.step + 1, result.stats.num_microbatches, len(forwards),
+                         sorted(result.stats.example_terms or {}),
+                         trainer.window_step.self_distill.teacher is not None))
+        return result
+
+    trainer.train_step = train_step
+    trainer.train_epoch()
+    assert trainer.schedule.total_steps == 3
+    assert per_step == [(1, 2, 0, [], False), (2, 2, 0, [], False),
+                        (3, 2, 2, [MASKED_PREDICTION, SELF_DISTILL], True)]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in records if r["kind"] == "train"]
+    assert ["loss/self_distill" in r for r in logged] == [False, False, True]
+    assert logged[-1]["loss/self_distill"] > 0 and logged[-1]["loss/masked_prediction"] > 0
+    # the teacher moved towards the student after step 3's update (momentum 0.996), and is not the student
+    teacher = trainer.window_step.self_distill.teacher
+    pairs = teacher.student_parameters(trainer.model)
+    assert any(not torch.equal(t, s) for t, s in pairs)
+    assert bool(teacher.global_center.abs().sum() > 0)
+
+
+@pytest.mark.slow
+def test_a_resume_before_and_after_the_switch_continues_bit_exactly(tmp_path: Path) -> None:
+    """4 steps straight == stop at step 2 (before the switch: no teacher saved), resume and stop at step 3 (the
+    teacher built at step 3 and saved), resume to the end: weights, optimizer state and teacher bit-equal."""
+    from naflexclip.cli import main
+    from naflexclip.train.checkpoint import find_latest, load_checkpoint
+
+    def run(name: str, *flags: str) -> dict:
+        # 32 pairs, 8 per microbatch, --accum-freq 1: 4 steps, on from step 3 ((3 - 1)/4 >= 0.5)
+        assert main(["train", "--model", "tiny", "--epochs", "1", "--accum-freq", "1", "--self-distill-start",
+                     "0.5", "--device", "cpu", "--logs", str(tmp_path), "--name", name, "--val-frequency", "0",
+                     "--zero-shot-samples", "8", *TERMS, *SMALL_DATA, "--synthetic-train-size", "32", *flags]) == 0
+        return load_checkpoint(find_latest(tmp_path / name / "checkpoints")).states
+
+    straight = run("straight")
+    assert straight["progress"]["step"] == 4 and straight["ema_teacher"]["built"]
+    before = run("split", "--stop-after-steps", "2")
+    assert not before["ema_teacher"]["built"] and before["progress"]["next_batch"] == 2
+    after = run("split", "--resume", "latest", "--stop-after-steps", "3")
+    assert after["ema_teacher"]["built"] and after["progress"]["step"] == 3
+    split = run("split", "--resume", "latest")
+    for key, value in straight["model"].items():
+        assert torch.equal(value, split["model"][key]), key
+    for key, value in straight["ema_teacher"]["teacher"].items():
+        assert torch.equal(value, split["ema_teacher"]["teacher"][key]), key
+    for a, b in zip(straight["optimizer"]["state"].values(), split["optimizer"]["state"].values(), strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+    def losses(name: str) -> list[float | None]:
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [r.get("loss/self_distill") for r in map(json.loads, lines) if r["kind"] == "train"]
+
+    assert losses("straight") == losses("split")
+    assert losses("straight")[:2] == [None] * 2 and None not in losses("straight")[2:]
+
+
+def test_the_centre_is_the_whole_windows_over_ranks() -> None:
+    """A rank's teacher whose update adds the other rank's logit sums gets the centre of one teacher that saw both
+    ranks' microbatches; without the sum it would follow its own rows."""
+    import dataclasses
+
+    from naflexclip.model import NaFlexClip, model_config
+    from naflexclip.selfdistill import head_config
+    from naflexclip.verify import random_naflex_batch
+
+    torch.manual_seed(0)
+    student = NaFlexClip(dataclasses.replace(model_config("tiny"), self_distill=head_config(32, 2, 0.5))).double()
+    images = [random_naflex_batch(n, patch_size=4, context_length=16, generator=torch.Generator().manual_seed(n))
+              ["image"] for n in (3, 2)]
+    both, own, other = (EmaTeacher(student, momentum=0.9) for _ in range(3))
+    for image in images:
+        both(image=image)
+    own(image=images[0])
+    other(image=images[1])
+    other_sums = {key: torch.stack(value).sum(0) for key, value in other._sums.items()}
+    both.update(student)
+    lonely = EmaTeacher(student, momentum=0.9)
+    lonely(image=images[0])
+    lonely.update(student)
+    calls = iter([other_sums["global"], other_sums["patches"]])
+    own.update(student, sum_over_ranks=lambda total: total + next(calls))
+    assert torch.allclose(own.global_center, both.global_center, rtol=0, atol=1e-12)
+    assert torch.allclose(own.patch_center, both.patch_center, rtol=0, atol=1e-12)
+    assert not torch.allclose(lonely.global_center, both.global_center, rtol=0, atol=1e-6)
+
+
+def test_view_seeds_are_a_function_of_seed_epoch_and_sample(tmp_path: Path) -> None:
+    data = DataConfig(synthetic_train_size=24, synthetic_val_size=8, naflex_seq_lens=(16,),
+                      naflex_max_tokens_per_batch=64, workers=0)
+
+    def seeds(epoch: int, start_batch: int = 0, world_size: int = 1, rank: int = 0) -> dict[str, int]:
+        loader = build_loader(data, split="train", patch_size=16, context_length=16, view_seeds=True,
+                              rank=rank, world_size=world_size)
+        loader.set_epoch(epoch, start_batch=start_batch)
+        return {key: int(seed) for item in loader for key, seed in zip(item["keys"],
+                                                                      item["example_inputs"][VIEW_SEED], strict=True)}
+
+    epoch0 = seeds(0)
+    assert len(epoch0) == 24 and len(set(epoch0.values())) == 24
+    resumed = seeds(0, start_batch=1)
+    assert resumed and all(epoch0[key] == value for key, value in resumed.items())  # a resume mid-epoch
+    two_ranks = {**seeds(0, world_size=2, rank=0), **seeds(0, world_size=2, rank=1)}
+    assert two_ranks == epoch0  # another world size: the same views of each sample
+    epoch1 = seeds(1)
+    assert all(epoch1[key] != value for key, value in epoch0.items())  # new views every epoch
+    plain = build_loader(data, split="train", patch_size=16, context_length=16)
+    assert "example_inputs" not in next(iter(plain))  # a run without the terms carries none
+
+
+def test_a_locked_image_tower_turns_the_image_side_self_distillation_off_in_one_line(tmp_path: Path) -> None:
+    trainer = Trainer(_small_config(tmp_path, lock_image=True), init_distributed("cpu"))
+    assert trainer.module.self_distill is None and trainer.window_step.self_distill is None
+    assert "ema_teacher" not in trainer.checkpointer.components
+    lines = [line for line in trainer.opening if "self-distillation" in line]
+    assert lines == ["--lock-image: the image tower is locked, so self-distillation and masked prediction (both "
+                     "image-side) are off"]
+    microbatch = next(iter(trainer.loader))
+    assert "example_inputs" not in microbatch
+
+
+@pytest.mark.slow
+def test_under_fsdp2_the_teacher_is_sharded_like_the_student_and_trains_as_under_ddp(tmp_path: Path) -> None:
+    """2 ranks (gloo): under FSDP2 each teacher parameter is a DTensor placed as its student parameter; it runs once
+    per local microbatch, its centres are the same on both ranks, its gathered state loads back into a fresh one, and
+    after 2 steps it equals the DDP run's teacher (float32 tolerance: the gradient reductions differ in order)."""
+    from distributed_workers import launch
+
+    reports = launch("self_distill_train", 2, tmp_path)
+    for rank, report in enumerate(reports):
+        assert report["returncode"] == 0, f"rank {rank} exited {report['returncode']}:\n{report['stderr'][-4000:]}"
+    results = [report["result"] for report in reports]
+    for result in results:
+        for wrapper in ("ddp", "fsdp"):
+            steps = result[wrapper]["steps"]
+            assert [(s["microbatches"], s["forwards"]) for s in steps] == [(2, 2), (2, 2)]
+            assert all(set(s["terms"]) == {SELF_DISTILL, MASKED_PREDICTION} for s in steps)
+            assert result[wrapper]["reloaded"]
+        assert all(pair == ["whole", "whole"] for pair in result["ddp"]["placements"])
+        sharded = result["fsdp"]["placements"]
+        assert all(teacher == student and "Shard" in teacher for teacher, student in sharded)
+    for wrapper in ("ddp", "fsdp"):
+        assert results[0][wrapper]["center"] == results[1][wrapper]["center"]  # the window's, on every rank
+    ddp, fsdp = (torch.load(tmp_path / f"teacher_{w}.pt", weights_only=True) for w in ("ddp", "fsdp"))
+    assert ddp.keys() == fsdp.keys()
+    for key, value in ddp.items():
+        assert torch.allclose(value, fsdp[key], rtol=1e-4, atol=1e-6), key
+    for a, b in zip(results[0]["ddp"]["steps"], results[0]["fsdp"]["steps"], strict=True):
+        assert a["terms"][SELF_DISTILL] == pytest.approx(b["terms"][SELF_DISTILL], rel=1e-4)
