@@ -138,8 +138,6 @@ def test_an_image_processor_with_one_patch_size_is_refused_in_one_line_before_an
     (["--naflex-patch-size-probs", "1"], "--naflex-patch-size-probs goes with --naflex-patch-sizes"),
     (["--naflex-patch-sizes", "8", "16", "--masked-prediction-loss-weight", "1"],
      "--naflex-patch-sizes 8 16 with --masked-prediction-loss-weight: the masked tokens need flattened patches"),
-    (["--naflex-patch-sizes", "8", "16", "--distill-model", "tiny", "--distill-pretrained", "x"],
-     "--naflex-patch-sizes 8 16 with --distill-model: the teacher is fed the student's patches"),
 ])
 def test_bad_patch_size_flags_stop_with_one_line_naming_the_flag(flags, message, capsys) -> None:
     assert main(["train", *flags]) == 2

@@ -89,3 +89,22 @@ def test_a_teacher_whose_processing_cannot_crop_is_one_line(tmp_path: Path) -> N
     with pytest.raises(ValueError, match=r"^--distill-model 'siglip2': .*--augment") as error:
         teacher_inputs(teacher, processor, create_model("tiny"), None, "siglip2", augment=True)
     assert "\n" not in str(error.value)
+
+
+def test_with_a_patch_size_drawn_per_microbatch_the_teacher_reads_its_own_inputs() -> None:
+    """--naflex-patch-sizes: the student's patches are of each microbatch's size, so even a teacher of the student's
+    preset reads its own (flattened, of its size) on the same grid."""
+    student = create_model("tiny")
+    assert teacher_inputs(create_model("tiny"), None, student, None, "tiny", own=True) is not None
+    teacher = TeacherInputs(default_processing(4), patch_size=4, context_length=16)
+    loader = build_loader(DataConfig(**DATA, naflex_patch_sizes=(4, 8)), split="train", patch_size=4,
+                          context_length=16, teacher=teacher)
+    sizes = set()
+    for item in loader:
+        sizes.add(item["patch_size"])
+        own = item[TEACHER_INPUTS]
+        assert item["image"]["patches"].shape[2:] == (item["patch_size"], item["patch_size"], 3)
+        assert own["image"]["patches"].shape == (*item["image"]["patches"].shape[:2], 4 * 4 * 3)
+        assert torch.equal(own["image"]["patch_coord"], item["image"]["patch_coord"])
+        assert torch.equal(own["text"], item["text"])
+    assert sizes == {4, 8}

@@ -5,6 +5,7 @@ length trains a student on its own inputs of the same samples."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -99,3 +100,22 @@ def test_a_tiny_student_learns_from_a_teacher_with_other_patches_reading_its_own
                  "--distill-pretrained", teacher_dir]) == 0
     out = capsys.readouterr().out
     assert "window (loader)" in out and "its own inputs of the same rows (patch size 16" in out and "PASS" in out
+
+
+@pytest.mark.slow
+def test_a_student_with_patch_sizes_drawn_per_microbatch_learns_from_a_teacher_of_its_preset(tmp_path: Path) -> None:
+    """--naflex-patch-sizes 4 8 with a `tiny` teacher: the student's patches vary per microbatch, so the teacher reads
+    its own (4-px, flattened) inputs of the same samples."""
+    train(tiny_config(tmp_path, "teacher", stop_after_steps=1, val_frequency=0, seed=5))
+    cfg = tiny_config(tmp_path, "student", stop_after_steps=1, val_frequency=0, distill_model="tiny",
+                      distill_pretrained=str(tmp_path / "teacher" / "checkpoints"))
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, naflex_patch_sizes=(4, 8)))
+    trainer = Trainer(cfg, init_distributed("cpu"))
+    read: list[int] = []
+    trainer.window_step.teacher.register_forward_hook(
+        lambda module, args, kwargs, out: read.append(kwargs["image"]["patches"].shape[-1]), with_kwargs=True)
+    trainer.fit()
+    assert read == [4 * 4 * 3] * cfg.accum_freq
+    steps = [json.loads(line) for line in (tmp_path / "student" / "metrics.jsonl").read_text().splitlines()
+             if "train/loss" in line]
+    assert len(steps) == 1 and steps[0]["loss/distill"] > 0

@@ -59,19 +59,20 @@ class Distill:
         return DistillLoss(kind, weight=self.distill_loss_weight, tile_size=tile_size)
 
     def teacher(self, student: nn.Module, student_processor: str | None, kind: str, cache_dir: str | None = None,
-                *, augment: bool = False, image_overrides: dict[str, Any] | None = None
+                *, augment: bool = False, image_overrides: dict[str, Any] | None = None, own_inputs: bool = False
                 ) -> tuple[nn.Module, TeacherInputs | None]:
         """The frozen teacher in eval mode (its tags looked up under `cache_dir` too), checked, for a `siglip`
         student, to give pair probabilities (a `logit_bias`); and the inputs it reads (`teacher_inputs`): None for
         the student's (whose data `student_processor` processes, a `DataConfig.hf_processor`, or the default
-        pipeline when None, with `augment` and the student's `image_overrides`, `DataConfig.image_overrides()`)."""
+        pipeline when None, with `augment` and the student's `image_overrides`, `DataConfig.image_overrides()`;
+        `own_inputs`: its own in any case, as when the student's patch size varies per microbatch)."""
         assert self.distill_model is not None
         model, processor = load_teacher(self.distill_model, self.distill_pretrained, cache_dir)
         if kind == "siglip" and getattr(model, "logit_bias", None) is None:
             raise ValueError(f"--distill-model {self.distill_model!r}: a siglip student distils from a sigmoid "
                              f"teacher's pair probabilities, and this teacher has no logit_bias (a clip model)")
         return model, teacher_inputs(model, processor, student, student_processor, self.distill_model, augment,
-                                     image_overrides or {})
+                                     image_overrides or {}, own=own_inputs)
 
 
 def load_teacher(name: str, pretrained: str | None, cache_dir: str | None = None) -> tuple[nn.Module, str | None]:
@@ -166,15 +167,16 @@ def _same_inputs(teacher_processor: str | None, student_processor: str | None, p
 
 def teacher_inputs(teacher: nn.Module, teacher_processor: str | None, student: nn.Module,
                    student_processor: str | None, name: str, augment: bool = False,
-                   image_overrides: dict[str, Any] | None = None) -> TeacherInputs | None:
+                   image_overrides: dict[str, Any] | None = None, own: bool = False) -> TeacherInputs | None:
     """None when the teacher can read the student's microbatches (the same patch size, context length, tokenizer
     and image processing: processor specs that differ are compared by what they produce; no --image-mean/-std/
-    --image-interpolation of the student's own), else the teacher's own processing of the same samples: its
-    tokenizer, patching and normalisation, cropping as the student does (`augment`, the --aug-cfg ranges)."""
+    --image-interpolation of the student's own) and not `own` (the student's patch size varies per microbatch:
+    --naflex-patch-sizes), else the teacher's own processing of the same samples: its tokenizer, patching and
+    normalisation, cropping as the student does (`augment`, the --aug-cfg ranges)."""
     overrides = dict(image_overrides or {})
     crop = {key: overrides.pop(key) for key in ("scale", "ratio") if key in overrides}
-    if (student.image_patch_size == teacher.image_patch_size and student.context_length == teacher.context_length
-            and not overrides
+    if (not own and not overrides and student.image_patch_size == teacher.image_patch_size
+            and student.context_length == teacher.context_length
             and _same_inputs(teacher_processor, student_processor, student.image_patch_size, student.context_length)):
         return None
     try:

@@ -407,9 +407,6 @@ class TrainConfig:
             if (getattr(self, flag) or 0) > 0:
                 raise ValueError(f"--naflex-patch-sizes {sizes} with --{flag.replace('_', '-')}: the masked tokens "
                                  f"need flattened patches of the model's own size; drop one of them")
-        if self.distill_model is not None:
-            raise ValueError(f"--naflex-patch-sizes {sizes} with --distill-model: the teacher is fed the student's "
-                             f"patches, whose size varies per microbatch; drop one of them")
 
     def _check_recipe(self) -> None:
         """A LocCa term trains the decoder on the image tower's tokens, one example per image (`data.regions`)."""

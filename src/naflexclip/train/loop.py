@@ -99,7 +99,9 @@ class Trainer:
             # a teacher that reads other inputs than the student's gets its own of the same samples from the loader
             teacher, teacher_inputs = distill.teacher(self.module, cfg.data.hf_processor, cfg.loss, cfg.cache_dir,
                                                       augment=cfg.data.augment,
-                                                      image_overrides=cfg.data.image_overrides())
+                                                      image_overrides=cfg.data.image_overrides(),
+                                                      own_inputs=cfg.data.patch_sizes(self.module.image_patch_size)
+                                                      is not None)
             teacher = teacher.to(env.device)
         # every window's size exchange also checks that the ranks agree on step, epoch and having data
         self.exchange = window_exchange(env, self.model)
