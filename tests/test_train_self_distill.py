@@ -197,3 +197,33 @@ def test_under_fsdp2_the_teacher_is_sharded_like_the_student_and_trains_as_under
         assert torch.allclose(value, fsdp[key], rtol=1e-4, atol=1e-6), key
     for a, b in zip(results[0]["ddp"]["steps"], results[0]["fsdp"]["steps"], strict=True):
         assert a["terms"][SELF_DISTILL] == pytest.approx(b["terms"][SELF_DISTILL], rel=1e-4)
+
+
+def test_the_teacher_is_built_at_the_switch_and_a_skipped_step_leaves_it_as_it_was() -> None:
+    from naflexclip.model import NaFlexClip, model_config
+    from naflexclip.recipe import Recipe
+    from naflexclip.train.self_distill import SelfDistillation
+    from naflexclip.verify import random_naflex_batch
+
+    torch.manual_seed(0)
+    recipe = Recipe(self_distill_loss_weight=1.0, local_crops=2, self_distill_start=0.5)
+    student = recipe.prepare(NaFlexClip(model_config("tiny")), self_distill=True).double()
+    component = SelfDistillation(recipe, student, init_distributed("cpu"), None)
+    batch = random_naflex_batch(2, patch_size=4, context_length=16, generator=torch.Generator().manual_seed(1))
+    batch["example_inputs"] = {VIEW_SEED: torch.tensor([3, 4])}
+    terms, teacher, seen = component.window(2, 4, [batch])  # (2 - 1)/4 < 0.5: off, no views for the model
+    assert teacher is None and not terms and "example_inputs" not in seen[0] and component.state_dict() == {
+        "built": False}
+    terms, teacher, seen = component.window(3, 4, [batch])  # (3 - 1)/4 >= 0.5: on, built from the student
+    assert [term.name for term in terms] == [SELF_DISTILL] and seen[0] is batch
+    assert all(torch.equal(t, s) for t, s in teacher.student_parameters(student))
+    with torch.no_grad():
+        for p in student.parameters():
+            p.add_(1.0)
+    before = {key: value.clone() for key, value in teacher.state_dict().items()}
+    teacher(image=batch["image"])
+    component.after_step(skipped=True)
+    assert all(torch.equal(value, teacher.state_dict()[key]) for key, value in before.items())
+    component.after_step(skipped=False)  # the skipped step's logits are gone: only the EMA moves, not the centre
+    assert not torch.equal(before["visual.embeds.proj.weight"], teacher.state_dict()["visual.embeds.proj.weight"])
+    assert torch.equal(before["global_center"], teacher.global_center)
