@@ -235,3 +235,16 @@ def test_stale_temp_folders_are_cleaned_by_the_next_save(tmp_path: Path) -> None
     _save(tmp_path, 8, 8.0)
     assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt.LATEST_FILE, "step_00000008"]
     assert json.loads((tmp_path / "step_00000008" / ckpt.META_FILE).read_text())["step"] == 8
+
+
+def test_openclips_epoch_k_pt_names_the_epoch_k_checkpoint_folder(tmp_path: Path) -> None:
+    """OpenCLIP's README resumes from `checkpoints/epoch_K.pt`; here that checkpoint is the folder `epoch_K`, said
+    in one line. A name that is neither stays a one-line error naming it."""
+    ckpt.save_checkpoint(tmp_path, "epoch_1", _states(1.0, 3), step=3, epoch=1)
+    notes: list[str] = []
+    found = ckpt.load_checkpoint(tmp_path / "epoch_1.pt", notify=notes.append)
+    assert found.path == tmp_path / "epoch_1" and found.step == 3
+    assert notes == [f"{tmp_path / 'epoch_1.pt'}: OpenCLIP's checkpoint file is the folder {tmp_path / 'epoch_1'} "
+                     f"here; using it"]
+    with pytest.raises(FileNotFoundError, match=r"no usable checkpoint .* at '.*epoch_2\.pt'"):
+        ckpt.load_checkpoint(tmp_path / "epoch_2.pt")

@@ -514,3 +514,12 @@ def test_report_to_takes_a_comma_list_of_known_sinks(capsys: pytest.CaptureFixtu
     assert main(["train", "--report-to", "tensorboard,tensorbored"]) == 2
     assert capsys.readouterr().err.strip() == ("naflexclip train: error: --report-to: unknown 'tensorbored'; "
                                                "choose from jsonl, tensorboard, wandb (several comma-separated)")
+
+
+def test_resume_from_a_path_without_a_checkpoint_names_the_flag(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    missing = tmp_path / "elsewhere" / "epoch_3.pt"
+    assert _cli(tmp_path, "base", "--resume", str(missing)) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"naflexclip train: error: --resume {str(missing)!r}: no usable checkpoint (model.safetensors, "
+        f"train_state.pt, checkpoint.json) at {str(missing)!r}")

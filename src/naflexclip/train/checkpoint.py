@@ -288,9 +288,15 @@ def load_latest(checkpoint_dir: Path, device: str | torch.device = "cpu", notify
 
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", notify: Notify | None = None
                     ) -> Checkpoint:
-    """A checkpoint directory (a damaged one is a CheckpointError), a file inside one, or a run's `checkpoints/`
-    folder (its newest usable checkpoint, falling back past damaged ones, said through `notify`)."""
+    """A checkpoint directory (a damaged one is a CheckpointError; OpenCLIP's name `epoch_K.pt` for `epoch_K`), a
+    file inside one, or a run's `checkpoints/` folder (its newest usable checkpoint, falling back past damaged ones,
+    said through `notify`)."""
     path = Path(path)
+    folder = path.with_suffix("")
+    if path.suffix == ".pt" and not path.exists() and is_complete(folder):
+        # OpenCLIP's README resumes from `checkpoints/epoch_K.pt`: its checkpoint of epoch K is the folder here
+        (notify or _log.warning)(f"{path}: OpenCLIP's checkpoint file is the folder {folder} here; using it")
+        path = folder
     if path.is_file():
         path = path.parent
     if is_complete(path):

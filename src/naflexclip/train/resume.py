@@ -208,7 +208,10 @@ def resume(cfg: TrainConfig, checkpointer: Checkpointer, reporter: Reporter, mod
         if found is None:
             return _start_fresh(cfg, checkpointer, reporter)
     else:
-        found = storage.load_checkpoint(cfg.resume, notify=reporter.message)
+        try:
+            found = storage.load_checkpoint(cfg.resume, notify=reporter.message)
+        except FileNotFoundError as error:  # one line naming the flag and the path
+            raise ValueError(f"--resume {cfg.resume!r}: {error}") from None
     states = dict(found.states)
     error = resume_error(states, checkpointer, model)
     if error is not None:
