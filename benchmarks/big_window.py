@@ -20,36 +20,24 @@ import argparse
 import time
 
 import torch
-from measure import GeneratedWindow, Results, mib, time_and_peak
+from measure import GeneratedWindow, Results, add_window_arguments, mib, time_and_peak, window_precision
 
 from naflexclip import accumulate_gradients, create_loss, create_model
-from naflexclip.train.precision import create_precision
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="siglip2-base")
+    add_window_arguments(parser, model="siglip2-base", seq_len=64)
     parser.add_argument("--sizes", type=int, nargs=2, default=[262144, 16384], metavar=("LARGE", "SMALL"),
                         help="pairs in the large and the small window")
-    parser.add_argument("--seq-len", type=int, default=64, help="patches per image (a square grid)")
-    parser.add_argument("--microbatch-tokens", type=int, default=65536, help="image tokens per microbatch")
     parser.add_argument("--method", default="cache", choices=("cache", "replay"))
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--precision", default=None, choices=("fp32", "amp_bf16"),
-                        help="default: amp_bf16 on CUDA, fp32 on CPU")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--budget-s", type=float, default=1e9, help="skip a window that would not finish in this")
-    parser.add_argument("--out", default=None, help="append results.jsonl / results.md here as they are measured")
     args = parser.parse_args()
     deadline = time.monotonic() + args.budget_s
-    device = torch.device(args.device)
-    precision = args.precision or ("amp_bf16" if device.type == "cuda" else "fp32")
-    torch.set_num_threads(args.threads)
+    device, precision, autocast = window_precision(args)
     results = Results(args.out, "window")
     torch.manual_seed(0)
     model = create_model(args.model).to(device).train()
     loss_fn = create_loss(model.config.loss)
-    autocast = create_precision(precision, device).autocast
     rows = max(1, args.microbatch_tokens // args.seq_len)
     large, small = args.sizes
     results.line(f"\n### a whole window through accumulate_gradients: {args.model} ({model.config.loss}), "

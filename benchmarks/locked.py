@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import resource
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
-from measure import in_subprocess
+from measure import alternating_medians, in_subprocess, window_memory
 
 from naflexclip import accumulate_gradients, create_loss, create_model
 from naflexclip.batch import split_batch, to_device
@@ -64,33 +61,16 @@ def _setup(config: dict, variant: str) -> tuple[Callable[[], int], torch.device]
 
 
 def _time_all(config: dict, queue: mp.Queue) -> None:
-    """Median seconds per window of both variants, alternating round by round in one process (a change in the
-    machine's load hits both alike), and the image-tower forwards of each."""
+    """Median seconds per window of both variants, alternating round by round in one process, and the image-tower
+    forwards of each."""
     steps = {variant: _setup(config, variant)[0] for variant in VARIANTS}
-    forwards = {variant: step() for variant, step in steps.items()}  # warm-up: allocates the .grad buffers
-    times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
-    for _ in range(config["repeats"]):
-        for variant, step in steps.items():
-            start = time.perf_counter()
-            step()
-            times[variant].append(time.perf_counter() - start)
-    queue.put(({v: statistics.median(t) for v, t in times.items()}, forwards))
+    queue.put(alternating_medians(steps, config["repeats"], torch.device(config["device"])))
 
 
 def _peak_memory(config: dict, variant: str, queue: mp.Queue) -> None:
-    """Peak memory of one window over the state before it, in a fresh process (CPU: the first window's RSS
-    growth, its .grad buffers included; CUDA: max allocated in the second window, on top of them)."""
+    """Peak memory of one window over the state before it, in a fresh process (`measure.window_memory`)."""
     step, device = _setup(config, variant)
-    if device.type == "cuda":
-        step()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step()
-        queue.put(torch.cuda.max_memory_allocated() - base)
-    else:
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-        step()
-        queue.put(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base)
+    queue.put(window_memory(step, device))
 
 
 def main() -> None:

@@ -1,12 +1,15 @@
 """What the benchmark scripts share: running one measurement in a fresh process (so peak memory is its own),
-timing a step with its peak memory, and writing figures as they are measured."""
+timing a step with its peak memory, writing figures as they are measured, and the arguments of a benchmark that
+runs windows of generated microbatches."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import multiprocessing as mp
 import os
+import resource
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +28,66 @@ def in_subprocess(target: Callable[..., None], *args: object) -> object:
     result = queue.get()
     proc.join()
     return result
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def window_memory(step: Callable[[], object], device: torch.device) -> int:
+    """Peak memory of one window over the state before it, for a fresh process (CPU: the first window's peak RSS
+    growth, its .grad buffers included, since a process's peak RSS cannot be reset; CUDA: max allocated during
+    the second window, over the first's .grad buffers)."""
+    if device.type == "cuda":
+        step()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        step()
+        synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    base = peak_rss()
+    step()
+    return peak_rss() - base
+
+
+def alternating_medians(steps: dict[str, Callable[[], object]], repeats: int, device: torch.device
+                        ) -> tuple[dict[str, float], dict[str, object]]:
+    """Median seconds of each step, the steps alternating round by round (a change in the machine's load hits
+    them alike), after one untimed round (warm-up: kernels, .grad buffers), and what each step returned then."""
+    first = {name: step() for name, step in steps.items()}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(seconds) for name, seconds in times.items()}, first
+
+
+def add_window_arguments(parser: argparse.ArgumentParser, model: str, seq_len: int) -> None:
+    """The arguments of a benchmark of windows of generated microbatches (`GeneratedWindow`) through
+    `accumulate_gradients`: towers, image size, microbatch size, device, precision, threads, budget, output."""
+    parser.add_argument("--model", default=model)
+    parser.add_argument("--seq-len", type=int, default=seq_len, help="patches per image (a square grid)")
+    parser.add_argument("--microbatch-tokens", type=int, default=65536, help="image tokens per microbatch")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--precision", default=None, choices=("fp32", "amp_bf16"),
+                        help="default: amp_bf16 on CUDA, fp32 on CPU")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--budget-s", type=float, default=1e9, help="skip a measurement that would not finish in this")
+    parser.add_argument("--out", default=None, help="append results.jsonl / results.md here as they are measured")
+
+
+def window_precision(args: argparse.Namespace) -> tuple[torch.device, str, Callable[[], Any]]:
+    """From `add_window_arguments`' values: the device, the precision's name and its autocast; sets the threads."""
+    from naflexclip.train.precision import create_precision
+
+    device = torch.device(args.device)
+    precision = args.precision or ("amp_bf16" if device.type == "cuda" else "fp32")
+    torch.set_num_threads(args.threads)
+    return device, precision, create_precision(precision, device).autocast
 
 
 def synchronize(device: torch.device) -> None:

@@ -9,6 +9,7 @@ seconds, as `window_loss.py`'s `loss` part):
   `--captions` captions each (`M = captions · N` texts) against the plain loss over `N` pairs.
 
     python benchmarks/objective_losses.py --sizes 4096 16384
+    python benchmarks/objective_losses.py --sizes 16384 --kinds siglip --variants multi    # SigLIP+ vs SigLIP
 """
 
 from __future__ import annotations
@@ -53,14 +54,16 @@ def main() -> None:
     parser.add_argument("--tile", type=int, default=1024)
     parser.add_argument("--captions", type=int, default=2, help="captions per image of the multi-positive case")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--kinds", nargs="+", default=["clip", "siglip"], choices=("clip", "siglip"))
+    parser.add_argument("--variants", nargs="+", default=["distill", "multi"], choices=("distill", "multi"))
     args = parser.parse_args()
     print(f"D={args.dim}, float32, {args.threads} thread(s), tile {args.tile}; multi: {args.captions} captions/image")
     print(f"{'loss':6} {'variant':8} {'N':>6} | {'plain GiB':>9} {'plain s':>8} | {'GiB':>7} {'s':>8} | "
           f"{'memory ×':>8} {'time ×':>7}")
-    for kind in ("clip", "siglip"):
+    for kind in args.kinds:
         for n in args.sizes:
             plain = _run_fresh(_step, kind, "plain", n, args.dim, args.tile, args.threads, args.captions)
-            for variant in ("distill", "multi"):
+            for variant in args.variants:
                 ours = _run_fresh(_step, kind, variant, n, args.dim, args.tile, args.threads, args.captions)
                 print(f"{kind:6} {variant:8} {n:>6} | {plain['growth'] / GIB:9.3f} {plain['seconds']:8.2f} | "
                       f"{ours['growth'] / GIB:7.3f} {ours['seconds']:8.2f} | "

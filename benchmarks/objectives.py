@@ -22,12 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from measure import GeneratedWindow, Results, mib, time_and_peak
+from measure import GeneratedWindow, Results, add_window_arguments, mib, time_and_peak, window_precision
 
 from naflexclip import accumulate_gradients, create_loss, create_model
 from naflexclip.cli import build_parser
 from naflexclip.model import NaFlexClip
-from naflexclip.train.precision import create_precision
 
 # an objective's window: (model, loss, the rest of accumulate_gradients' keywords), on the device
 Built = tuple[NaFlexClip, Callable, dict[str, Any]]
@@ -96,24 +95,13 @@ def train_flags() -> set[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="siglip2-base")
+    add_window_arguments(parser, model="siglip2-base", seq_len=256)
     parser.add_argument("--teacher", default=None, help="the distillation teacher (default: --model, untrained)")
     parser.add_argument("--num-examples", type=int, default=2048, help="images in the window")
-    parser.add_argument("--seq-len", type=int, default=256, help="patches per image (a square grid)")
-    parser.add_argument("--microbatch-tokens", type=int, default=65536, help="image tokens per microbatch")
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--precision", default=None, choices=("fp32", "amp_bf16"),
-                        help="default: amp_bf16 on CUDA, fp32 on CPU")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--budget-s", type=float, default=1e9, help="skip an objective that would not finish in this")
-    parser.add_argument("--out", default=None, help="append results.jsonl / results.md here as they are measured")
     args = parser.parse_args()
     deadline = time.monotonic() + args.budget_s
-    device = torch.device(args.device)
-    precision = args.precision or ("amp_bf16" if device.type == "cuda" else "fp32")
-    torch.set_num_threads(args.threads)
-    autocast = create_precision(precision, device).autocast
+    device, precision, autocast = window_precision(args)
     results = Results(args.out, "objectives")
     flags = train_flags()
     rows = max(1, args.microbatch_tokens // args.seq_len)
