@@ -1067,7 +1067,7 @@ def scenario_multi_positive(env: Any) -> dict[str, Any]:
     from naflexclip.batch import concat_microbatches, split_batch
     from naflexclip.exchange import window_exchange
     from naflexclip.factory import create_model
-    from naflexclip.loss import MultiPositiveLoss
+    from naflexclip.loss import MultiPositiveDistillLoss, MultiPositiveLoss
     from naflexclip.parallel import no_sync_context, wrap_model
     from naflexclip.verify import full_batch_gradients, random_grouped_batch
     from naflexclip.window import accumulate_gradients, window_loss_scale
@@ -1077,28 +1077,38 @@ def scenario_multi_positive(env: Any) -> dict[str, Any]:
                                  context_length=16, dtype=torch.float64)
     results: dict[str, Any] = {"exact": {}, "texts": {}}
 
-    def build(loss: str) -> torch.nn.Module:
-        torch.manual_seed(0)  # the same initialisation on every rank
+    def build(loss: str, seed: int = 0) -> torch.nn.Module:
+        torch.manual_seed(seed)  # the same initialisation on every rank
         return create_model("tiny", loss=loss).double()
 
     configs = [(False, SPLITS[world][0], "cache", "linear"), (False, SPLITS[world][0], "replay", "linear"),
                (False, UNEVEN_COUNT_SPLIT[world], "cache", "none"), (True, SPLITS[world][1], "cache", "sqrt")]
-    for loss, weighting in (("clip", "symmetric"), ("siglip", "symmetric"), ("siglip", "soft")):
+    # the last: distillation too (a teacher of another initialisation), the sharded DDP window and FSDP2
+    for loss, weighting, distilled in (("clip", "symmetric", False), ("siglip", "symmetric", False),
+                                       ("siglip", "soft", False), ("clip", "symmetric", True)):
         references: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
-        for fsdp, split, method, mode in configs:
+        teacher = build(loss, seed=1).eval() if distilled else None
+
+        def loss_fn(tile: int = 1024, loss: str = loss, weighting: str = weighting, distilled: bool = distilled
+                    ) -> torch.nn.Module:
+            return (MultiPositiveDistillLoss(loss, weighting, weight=0.7, tile_size=tile) if distilled
+                    else MultiPositiveLoss(loss, weighting, tile_size=tile))
+
+        for fsdp, split, method, mode in (configs[::3] if distilled else configs):
             sizes = [size for rank_sizes in split for size in rank_sizes]
             scale = window_loss_scale(sizes, REFERENCE_BATCH_SIZE, mode)
             key = (mode, len(sizes))
             if key not in references:
                 full = concat_microbatches(split_batch(batch, sizes))
-                references[key] = full_batch_gradients(build(loss), MultiPositiveLoss(loss, weighting), full, scale)
-            _log(env, f"multi_positive {loss} {weighting} fsdp={fsdp} {method} {mode} {split}")
+                references[key] = full_batch_gradients(build(loss), loss_fn(), full, scale, teacher)
+            _log(env, f"multi_positive {loss} {weighting} distilled={distilled} fsdp={fsdp} {method} {mode} {split}")
             model = wrap_model(build(loss), env, fsdp=fsdp)
             microbatches = _local_microbatches(batch, split, env.rank)
-            accumulate_gradients(model, MultiPositiveLoss(loss, weighting, tile_size=SHARD_TILE_SIZE), microbatches,
-                                 loss_scale=mode, reference_batch_size=REFERENCE_BATCH_SIZE, method=method,
-                                 exchange=window_exchange(env, model), no_sync=no_sync_context(model))
-            name = f"{'fsdp' if fsdp else 'ddp'}/{loss}/{weighting}/{method}/{mode}/{sizes}"
+            accumulate_gradients(model, loss_fn(SHARD_TILE_SIZE), microbatches, loss_scale=mode,
+                                 reference_batch_size=REFERENCE_BATCH_SIZE, method=method,
+                                 exchange=window_exchange(env, model), no_sync=no_sync_context(model), teacher=teacher)
+            objective = f"{loss}/{weighting}{'/distilled' if distilled else ''}"
+            name = f"{'fsdp' if fsdp else 'ddp'}/{objective}/{method}/{mode}/{sizes}"
             results["exact"][name] = _errors(_gradients(model), references[key])
             results["texts"][name] = [int(mb["text"].shape[0]) for mb in microbatches]
     return results

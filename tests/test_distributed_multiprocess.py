@@ -220,12 +220,12 @@ def test_self_distillation_across_three_ranks_is_exact_and_the_ema_teacher_runs_
 
 def test_multi_positive_across_three_ranks_is_exact(tmp_path_factory) -> None:
     """Images with 1-3 captions, group ids global over the window, texts per rank unlike images per rank: DDP (equal
-    and unequal microbatch counts) and FSDP2, cache and replay, the sharded multi-positive losses in 2-row tiles;
-    every gradient equals the single-process full batch's."""
+    and unequal microbatch counts) and FSDP2, cache and replay, the sharded multi-positive losses in 2-row tiles,
+    and with distillation too (DDP and FSDP2); every gradient equals the single-process full batch's."""
     results = _run("multi_positive", 3, tmp_path_factory)
     for rank, result in enumerate(results):
         assert {name.split("/")[0] for name in result["exact"]} == {"ddp", "fsdp"}
-        assert len(result["exact"]) == 12
+        assert len(result["exact"]) == 14 and sum("/distilled/" in name for name in result["exact"]) == 2
         for name, errors in result["exact"].items():
             assert errors["missing"] == 0, f"rank {rank} {name}: gradients missing or unexpected"
             assert errors["params"] <= FLOAT64_TOLERANCE, f"rank {rank} {name}: {errors}"

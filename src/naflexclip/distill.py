@@ -24,7 +24,7 @@ from torch import nn
 from naflexclip.data.microbatch import TeacherInputs
 from naflexclip.factory import create_model
 from naflexclip.families import data_processing, find_family, named_family
-from naflexclip.loss import DistillLoss
+from naflexclip.loss import DistillLoss, MultiPositiveDistillLoss
 from naflexclip.run_checkpoint import is_run_checkpoint
 
 
@@ -54,8 +54,12 @@ class Distill:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def loss(self, kind: str, tile_size: int) -> DistillLoss:
-        """The window's loss for a `kind` (`clip`/`siglip`) student."""
+    def loss(self, kind: str, tile_size: int, multi_positive_weighting: str | None = None
+             ) -> DistillLoss | MultiPositiveDistillLoss:
+        """The window's loss for a `kind` (`clip`/`siglip`) student; with `multi_positive_weighting` (several
+        captions per image, `--multi-positive`) the multi-positive loss and the distill term."""
+        if multi_positive_weighting is not None:
+            return MultiPositiveDistillLoss(kind, multi_positive_weighting, self.distill_loss_weight, tile_size)
         return DistillLoss(kind, weight=self.distill_loss_weight, tile_size=tile_size)
 
     def teacher(self, student: nn.Module, student_processor: str | None, kind: str, cache_dir: str | None = None,

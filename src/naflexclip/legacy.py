@@ -40,7 +40,7 @@ def per_microbatch_scale_gradients(
                               torch.cat([out["text_features"] for out in taught]),
                               taught[0]["logit_scale"], taught[0].get("logit_bias"))
     if is_grouped(microbatches[0]):  # the whole window's group ids follow the loss's scalars
-        extra_inputs = tuple(torch.cat([mb[key] for mb in microbatches]) for key in GROUP_KEYS)
+        extra_inputs += tuple(torch.cat([mb[key] for mb in microbatches]) for key in GROUP_KEYS)
     cached_image = [out["image_features"] for out in outputs]
     cached_text = [out["text_features"] for out in outputs]
     for index, mb in enumerate(microbatches):

@@ -169,7 +169,7 @@ def full_batch_gradients(
         taught = tuple(teacher_out.get(key) for key in ("image_features", "text_features", "logit_scale",
                                                           "logit_bias"))
     if is_grouped(batch):  # several captions per image: the group ids of the whole batch
-        taught = tuple(batch[key] for key in GROUP_KEYS)
+        taught += tuple(batch[key] for key in GROUP_KEYS)
     loss = loss_fn(out["image_features"], out["text_features"], out["logit_scale"], out.get("logit_bias"), *taught)
     loss = loss.sum() + sum(term.weight * out[EXAMPLE_TERMS][term.name].sum() / term.count(batch)
                             for term in example_terms)
@@ -443,12 +443,13 @@ def run(args: argparse.Namespace) -> int:
                              "seeds: without --distill-model, --multi-positive, --train-data or --checkpoint's data")
         recipe.prepare(setup.model, self_distill=self_distill)
         if args.multi_positive:
-            if distill.enabled or _uses_loader(args):
+            if _uses_loader(args):
                 raise ValueError("--multi-positive checks a random window of several captions per image: without "
-                                 "--distill-model, --train-data or --checkpoint's data")
+                                 "--train-data or --checkpoint's data")
             loss_fn = MultiPositiveLoss(setup.loss, args.multi_positive_weighting, tile_size=args.loss_tile_size)
         if distill.enabled:  # the window objective: contrastive + λ·distill, the teacher's features constants
-            loss_fn = distill.loss(setup.loss, args.loss_tile_size)
+            loss_fn = distill.loss(setup.loss, args.loss_tile_size,
+                                   args.multi_positive_weighting if args.multi_positive else None)
             teacher, setup.teacher_inputs = distill.teacher(setup.model, setup.hf_processor, setup.loss, args.cache_dir,
                                                             augment=args.augment)
             teacher = teacher.to(device, dtype)

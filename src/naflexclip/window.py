@@ -627,8 +627,6 @@ def accumulate_gradients(
                          f"({sum(grouped)} of {len(grouped)}) and {type(loss_fn).__name__}")
     if example_teacher is not None and not example_terms:
         raise ValueError("an example teacher feeds per-example terms: give example_terms with it")
-    if takes_groups and teacher is not None:
-        raise ValueError("distillation with several captions per image is not supported yet")
     exchange = exchange or LocalExchange()
     local_sizes = [batch_size(mb) for mb in microbatches]
     sizes_per_rank = exchange.gather_sizes(local_sizes)

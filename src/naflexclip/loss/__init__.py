@@ -36,9 +36,15 @@ from naflexclip.loss.contrastive import (
     pairwise_logits,
     siglip_loss_dense,
 )
-from naflexclip.loss.distill import DistillLoss, distill_clip_loss_dense, distill_siglip_loss_dense
+from naflexclip.loss.distill import (
+    DistillLoss,
+    distill_clip_loss_dense,
+    distill_siglip_loss_dense,
+    distill_term_dense,
+)
 from naflexclip.loss.multi_positive import (
     MULTI_POSITIVE_WEIGHTINGS,
+    MultiPositiveDistillLoss,
     MultiPositiveLoss,
     multi_positive_clip_loss_dense,
     multi_positive_siglip_loss_dense,
@@ -54,6 +60,7 @@ __all__ = [
     "ClipLoss",
     "DistillLoss",
     "LossChoice",
+    "MultiPositiveDistillLoss",
     "MultiPositiveLoss",
     "ShardedLoss",
     "SigLipLoss",
@@ -61,6 +68,7 @@ __all__ = [
     "create_loss",
     "distill_clip_loss_dense",
     "distill_siglip_loss_dense",
+    "distill_term_dense",
     "loss_choice",
     "multi_positive_clip_loss_dense",
     "multi_positive_siglip_loss_dense",

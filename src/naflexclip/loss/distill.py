@@ -31,14 +31,28 @@ def distill_clip_loss_dense(
     teacher_logit_scale: torch.Tensor, teacher_logit_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference: `[contrastive, distill]` of OpenCLIP's `DistillClipLoss` through the whole `[N, N]` matrices."""
+    distill = distill_term_dense("clip", image_features, text_features, logit_scale, logit_bias,
+                                 teacher_image_features, teacher_text_features, teacher_logit_scale, teacher_logit_bias)
+    return torch.stack([clip_loss_dense(image_features, text_features, logit_scale, logit_bias), distill])
+
+
+def distill_term_dense(
+    kind: str, image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor,
+    logit_bias: torch.Tensor | None, teacher_image_features: torch.Tensor, teacher_text_features: torch.Tensor,
+    teacher_logit_scale: torch.Tensor, teacher_logit_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference: the distill term alone through the whole `[N, M]` logit matrices (`M ≠ N` allowed). clip: the
+    cross-entropy of the student's rows against the teacher's softmax rows (mean over `N`) and of its columns
+    against the teacher's columns (mean over `M`), averaged; siglip: Σ of the pairs' BCE against `σ(teacher)`, / N."""
     logits = pairwise_logits(image_features, text_features, logit_scale, logit_bias)
     teacher = pairwise_logits(teacher_image_features, teacher_text_features, teacher_logit_scale, teacher_logit_bias)
+    if kind == "siglip":
+        return F.binary_cross_entropy_with_logits(logits, teacher.sigmoid(), reduction="sum") / logits.shape[0]
 
     def cross_entropy(target_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
         return -(target_logits.softmax(dim=1) * student_logits.log_softmax(dim=1)).sum(dim=1).mean()
 
-    distill = (cross_entropy(teacher, logits) + cross_entropy(teacher.T, logits.T)) / 2
-    return torch.stack([clip_loss_dense(image_features, text_features, logit_scale, logit_bias), distill])
+    return (cross_entropy(teacher, logits) + cross_entropy(teacher.T, logits.T)) / 2
 
 
 def distill_siglip_loss_dense(
@@ -48,10 +62,8 @@ def distill_siglip_loss_dense(
 ) -> torch.Tensor:
     """Reference: `[siglip, distill]`, the distill term the binary cross-entropy of every student pair logit
     against the teacher's pair probability `σ(T⟨u_i, v_j⟩ + B)`, summed over pairs and divided by `N`."""
-    logits = pairwise_logits(image_features, text_features, logit_scale, logit_bias)
-    targets = pairwise_logits(teacher_image_features, teacher_text_features, teacher_logit_scale,
-                              teacher_logit_bias).sigmoid()
-    distill = F.binary_cross_entropy_with_logits(logits, targets, reduction="sum") / logits.shape[0]
+    distill = distill_term_dense("siglip", image_features, text_features, logit_scale, logit_bias,
+                                 teacher_image_features, teacher_text_features, teacher_logit_scale, teacher_logit_bias)
     return torch.stack([siglip_loss_dense(image_features, text_features, logit_scale, logit_bias), distill])
 
 
@@ -78,18 +90,24 @@ class _TiledDistillClip(torch.autograd.Function):
     `lse_j z_ij − Σ_j P'_ij z_ij`). The forward walks the blocks twice: the student's and the teacher's row and
     column log-sum-exps first (columns over all ranks' rows, `reduce_column_lse`, both in one exchange), then
     the weighted sums. `dz_ij = [(g_c + λg_d)(P_ij + Q_ij) − λg_d (P'_ij + Q'_ij) − 2 g_c δ_ij] / 2N`; the
-    teacher's features are constants (no gradient)."""
+    teacher's features are constants (no gradient).
+
+    With `N` images and `M ≠ N` texts (several captions per image) the distill term's text→image part is a mean
+    over the `M` texts, this rank's texts `J` (`text_rows`): `(1/2N) Σ_{i∈I} (lse_j z_ij − Σ_j P'_ij z_ij) +
+    (1/2M) [Σ_{j∈J} lse_i z_ij − Σ_{i∈I, j} Q'_ij z_ij]`, so `Q` and `Q'` are weighted `N/M`; the contrastive term
+    (one-hot) is then meaningless and left to the caller (`MultiPositiveDistillLoss`)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, image_rows: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor,
         logit_bias: torch.Tensor | None, teacher_image_rows: torch.Tensor, teacher_text_features: torch.Tensor,
         teacher_logit_scale: torch.Tensor, weight: float, row_offset: int, tile: int,
-        reduce_column_lse: Callable[..., torch.Tensor],
+        reduce_column_lse: Callable[..., torch.Tensor], num_images: int, text_rows: tuple[int, int],
     ) -> torch.Tensor:
         scale, bias = _scalars(logit_scale, logit_bias)
         teacher_scale = float(teacher_logit_scale.detach())
         num_rows, num_all = image_rows.shape[0], text_features.shape[0]
+        column_weight = num_images / num_all  # N/M: the text→image terms are a mean over M texts
         # [student, teacher] row and column log-sum-exps (a softmax is shift-invariant: the bias is left out)
         row_lse = image_rows.new_empty((2, num_rows))
         column_lse = image_rows.new_full((2, num_all), float("-inf"))
@@ -114,15 +132,16 @@ class _TiledDistillClip(torch.autograd.Function):
         for i0, i1 in _tiles(num_rows, tile):
             for j0, j1 in _tiles(num_all, tile):
                 targets = _teacher_softmaxes(teacher_image_rows[i0:i1], teacher_text_features[j0:j1], teacher_scale,
-                                             row_lse[1, i0:i1], column_lse[1, j0:j1])
+                                             row_lse[1, i0:i1], column_lse[1, j0:j1], column_weight)
                 z = _logits(image_rows[i0:i1], text_features[j0:j1], scale, bias)
                 weighted += torch.dot(targets.view(-1), z.view(-1))  # no third block
                 del targets, z
-        normalisers = row_lse[0].sum() + column_lse[0, row_offset : row_offset + num_rows].sum()
-        terms = torch.stack([normalisers - 2 * diagonal, weight * (normalisers - weighted)]) / (2 * num_all)
+        normalisers = row_lse[0].sum() + column_weight * column_lse[0, text_rows[0] : text_rows[1]].sum()
+        terms = torch.stack([normalisers - 2 * diagonal, weight * (normalisers - weighted)]) / (2 * num_images)
         ctx.save_for_backward(image_rows, text_features, logit_scale, logit_bias, teacher_image_rows,
                               teacher_text_features, row_lse, column_lse)
         ctx.row_offset, ctx.tile, ctx.weight, ctx.teacher_scale = row_offset, tile, weight, teacher_scale
+        ctx.num_images, ctx.column_weight = num_images, column_weight
         return terms
 
     @staticmethod
@@ -136,21 +155,24 @@ class _TiledDistillClip(torch.autograd.Function):
             # three blocks at most: the teacher's P' + Q' first (two while made, one kept), then the student's
             # P + Q, Q in z's own buffer
             targets = _teacher_softmaxes(teacher_image_rows[rows], teacher_text_features[columns], ctx.teacher_scale,
-                                         row_lse[1, rows], column_lse[1, columns])
+                                         row_lse[1, rows], column_lse[1, columns], ctx.column_weight)
             z = _logits(x, y, scale, bias)
-            student = (z - row_lse[0, rows, None]).exp_().add_(z.sub_(column_lse[0, None, columns]).exp_())
+            # P + (N/M)·Q: Q in z's own buffer
+            student = (z - row_lse[0, rows, None]).exp_().add_(z.sub_(column_lse[0, None, columns]).exp_(),
+                                                               alpha=ctx.column_weight)
             return student.mul_(contrastive + distill).sub_(targets, alpha=distill)  # 2N·dz off the diagonal
 
         grads = _tiled_gradients(ctx, grad_out.new_ones(()), block_dz, diagonal=2 * contrastive,
-                                 norm=2 * text_features.shape[0])
-        return (*grads, None, None, None, None, None, None, None)
+                                 norm=2 * ctx.num_images)
+        return (*grads, None, None, None, None, None, None, None, None, None)
 
 
 def _teacher_softmaxes(u: torch.Tensor, v: torch.Tensor, teacher_scale: float, row_lse: torch.Tensor,
-                       column_lse: torch.Tensor) -> torch.Tensor:
-    """`P' + Q'` of one block: the teacher's row softmax plus its column softmax, from their log-sum-exps."""
+                       column_lse: torch.Tensor, column_weight: float) -> torch.Tensor:
+    """`P' + c·Q'` of one block: the teacher's row softmax plus `column_weight` times its column softmax, from their
+    log-sum-exps."""
     w = _logits(u, v, teacher_scale, 0.0)
-    return (w - row_lse[:, None]).exp_().add_(w.sub_(column_lse[None, :]).exp_())
+    return (w - row_lse[:, None]).exp_().add_(w.sub_(column_lse[None, :]).exp_(), alpha=column_weight)
 
 
 class _TiledDistillSigLip(torch.autograd.Function):
@@ -167,7 +189,7 @@ class _TiledDistillSigLip(torch.autograd.Function):
         ctx: Any, image_rows: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor,
         logit_bias: torch.Tensor | None, teacher_image_rows: torch.Tensor, teacher_text_features: torch.Tensor,
         teacher_logit_scale: torch.Tensor, teacher_logit_bias: torch.Tensor, weight: float, row_offset: int,
-        tile: int,
+        tile: int, num_images: int,
     ) -> torch.Tensor:
         scale, bias = _scalars(logit_scale, logit_bias)
         teacher_scale, teacher_bias = _scalars(teacher_logit_scale, teacher_logit_bias)
@@ -183,10 +205,10 @@ class _TiledDistillSigLip(torch.autograd.Function):
                 del p  # two blocks at most, as the plain loss: not held beside softplus's
                 softplus -= F.logsigmoid(z.neg_()).sum()  # exact for every z (see _TiledSigLip); z's buffer
                 del z  # not held while the next block is made
-        terms = torch.stack([softplus - diagonal, weight * (softplus - weighted)]) / num_all
+        terms = torch.stack([softplus - diagonal, weight * (softplus - weighted)]) / num_images
         ctx.save_for_backward(image_rows, text_features, logit_scale, logit_bias, teacher_image_rows,
                               teacher_text_features)
-        ctx.row_offset, ctx.tile, ctx.weight = row_offset, tile, weight
+        ctx.row_offset, ctx.tile, ctx.weight, ctx.num_images = row_offset, tile, weight, num_images
         ctx.teacher = (teacher_scale, teacher_bias)
         return terms
 
@@ -200,8 +222,8 @@ class _TiledDistillSigLip(torch.autograd.Function):
             p = _logits(teacher_image_rows[rows], teacher_text_features[columns], *ctx.teacher).sigmoid_()
             return _logits(x, y, scale, bias).sigmoid_().mul_(siglip + distill).sub_(p, alpha=distill)
 
-        grads = _tiled_gradients(ctx, grad_out.new_ones(()), block_dz, diagonal=siglip, norm=text_features.shape[0])
-        return (*grads, None, None, None, None, None, None, None)
+        grads = _tiled_gradients(ctx, grad_out.new_ones(()), block_dz, diagonal=siglip, norm=ctx.num_images)
+        return (*grads, None, None, None, None, None, None, None, None)
 
 
 class DistillLoss(nn.Module):
@@ -242,18 +264,24 @@ class DistillLoss(nn.Module):
         self, image_rows: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor,
         logit_bias: torch.Tensor | None, teacher_image_rows: torch.Tensor, teacher_text_features: torch.Tensor,
         teacher_logit_scale: torch.Tensor, teacher_logit_bias: torch.Tensor | None = None, *, row_offset: int,
-        reduce_column_lse: Callable[[torch.Tensor], torch.Tensor] = _identity,
+        reduce_column_lse: Callable[[torch.Tensor], torch.Tensor] = _identity, num_images: int | None = None,
+        text_rows: tuple[int, int] | None = None,
     ) -> torch.Tensor:
         """This rank's part: its image rows (student and teacher) against every text (student and teacher);
-        `reduce_column_lse` maps a `[2, N]` partial (student, teacher) to the log-sum-exps over all ranks."""
+        `reduce_column_lse` maps a `[2, M]` partial (student, teacher) to the log-sum-exps over all ranks.
+        `num_images` / `text_rows`: the window's `N` images and the `[start, end)` of this rank's texts when they
+        are not the texts' (several captions per image; then only the distill term is meaningful)."""
         _check_shapes(image_rows, text_features, row_offset)
         _check_teacher(image_rows, text_features, teacher_image_rows, teacher_text_features)
+        num_images = text_features.shape[0] if num_images is None else num_images
+        text_rows = (row_offset, row_offset + image_rows.shape[0]) if text_rows is None else tuple(text_rows)
         teacher = (teacher_image_rows.detach(), teacher_text_features.detach(), teacher_logit_scale.detach())
         if self.kind == "clip":
             return _TiledDistillClip.apply(image_rows, text_features, logit_scale, logit_bias, *teacher, self.weight,
-                                           row_offset, self.tile_size, reduce_column_lse)
+                                           row_offset, self.tile_size, reduce_column_lse, num_images, text_rows)
         if teacher_logit_bias is None:
             raise ValueError("a siglip student distils from a sigmoid teacher: the teacher has no logit_bias "
                              "(--distill-model must be a siglip model)")
         return _TiledDistillSigLip.apply(image_rows, text_features, logit_scale, logit_bias, *teacher,
-                                         teacher_logit_bias.detach(), self.weight, row_offset, self.tile_size)
+                                         teacher_logit_bias.detach(), self.weight, row_offset, self.tile_size,
+                                         num_images)

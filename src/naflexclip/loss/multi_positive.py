@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from naflexclip.loss.contrastive import loss_choice, pairwise_logits
+from naflexclip.loss.distill import DistillLoss
 from naflexclip.loss.tiling import (
     DEFAULT_TILE_SIZE,
     _check_tile_size,
@@ -209,3 +210,50 @@ class MultiPositiveLoss(nn.Module):
         return _TiledMultiPositive.apply(image_rows, text_features, logit_scale, logit_bias, image_groups,
                                          text_groups, row_offset, tuple(text_rows), self.kind, self.weighting,
                                          self.tile_size, reduce_column_lse)
+
+
+class MultiPositiveDistillLoss(nn.Module):
+    """Distillation with several captions per image: the window's objective is the sum of the two window terms,
+    `[contrastive, weight · distill]` — the multi-positive loss of the student (`MultiPositiveLoss`) and the
+    distill term of `DistillLoss` over the `N × M` logits (clip: the teacher's softmax rows over the `M` texts, mean
+    over `N`, and columns over the `N` images, mean over `M`; siglip: every pair's BCE against the teacher's
+    probability, / N). Group ids and the teacher's rows as the two losses take them; tiled, with the per-rank form.
+    With one caption per image it is `DistillLoss`."""
+
+    term_names = ("contrastive", "distill")
+    takes_teacher = True
+    takes_groups = True
+
+    def __init__(self, kind: str, weighting: str = "symmetric", weight: float = 1.0,
+                 tile_size: int = DEFAULT_TILE_SIZE) -> None:
+        super().__init__()
+        self.contrastive = MultiPositiveLoss(kind, weighting, tile_size)
+        self.distill = DistillLoss(kind, weight, tile_size)
+
+    def forward(self, image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor,
+                logit_bias: torch.Tensor | None, teacher_image_features: torch.Tensor,
+                teacher_text_features: torch.Tensor, teacher_logit_scale: torch.Tensor,
+                teacher_logit_bias: torch.Tensor | None, image_groups: torch.Tensor, text_groups: torch.Tensor
+                ) -> torch.Tensor:
+        """Student `[N, D]` / `[M, D]` rows and scalars, the teacher's likewise, group ids `[N]` and `[M]` →
+        `[contrastive, weight·distill]`."""
+        return self.sharded(image_features, text_features, logit_scale, logit_bias, teacher_image_features,
+                            teacher_text_features, teacher_logit_scale, teacher_logit_bias, image_groups,
+                            text_groups, row_offset=0, text_rows=(0, text_features.shape[0]))
+
+    def sharded(self, image_rows: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor,
+                logit_bias: torch.Tensor | None, teacher_image_rows: torch.Tensor,
+                teacher_text_features: torch.Tensor, teacher_logit_scale: torch.Tensor,
+                teacher_logit_bias: torch.Tensor | None, image_groups: torch.Tensor, text_groups: torch.Tensor, *,
+                row_offset: int, text_rows: tuple[int, int] | None = None,
+                reduce_column_lse: Callable[[torch.Tensor], torch.Tensor] = _identity) -> torch.Tensor:
+        """This rank's part, as `MultiPositiveLoss.sharded` (its image rows, every text, its texts `text_rows`)."""
+        text_rows = text_rows if text_rows is not None else (row_offset, row_offset + image_rows.shape[0])
+        contrastive = self.contrastive.sharded(image_rows, text_features, logit_scale, logit_bias, image_groups,
+                                               text_groups, row_offset=row_offset, text_rows=text_rows,
+                                               reduce_column_lse=reduce_column_lse)
+        terms = self.distill.sharded(image_rows, text_features, logit_scale, logit_bias, teacher_image_rows,
+                                     teacher_text_features, teacher_logit_scale, teacher_logit_bias,
+                                     row_offset=row_offset, reduce_column_lse=reduce_column_lse,
+                                     num_images=image_groups.shape[0], text_rows=text_rows)
+        return torch.stack([contrastive, terms[1]])  # the distill kernel's one-hot term is not this window's

@@ -393,8 +393,6 @@ class TrainConfig:
         if self.multi_positive_weighting not in MULTI_POSITIVE_WEIGHTINGS:
             raise ValueError(f"--multi-positive-weighting: {self.multi_positive_weighting!r} is not one of "
                              f"{sorted(MULTI_POSITIVE_WEIGHTINGS)}")
-        if self.multi_positive and self.distill_model is not None:
-            raise ValueError("--multi-positive with --distill-model is not supported yet")
         if self.multi_positive:  # every caption of a sample becomes a text row with its group id
             self.data.multi_caption = True
 

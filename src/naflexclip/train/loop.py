@@ -95,7 +95,8 @@ class Trainer:
         if cfg.multi_positive:  # the loader's microbatches are grouped (cfg.data.multi_caption)
             loss_fn = MultiPositiveLoss(cfg.loss, cfg.multi_positive_weighting, tile_size=cfg.loss_tile_size)
         if distill.enabled:
-            loss_fn = distill.loss(cfg.loss, cfg.loss_tile_size)
+            loss_fn = distill.loss(cfg.loss, cfg.loss_tile_size,
+                                   cfg.multi_positive_weighting if cfg.multi_positive else None)
             # a teacher that reads other inputs than the student's gets its own of the same samples from the loader
             teacher, teacher_inputs = distill.teacher(self.module, cfg.data.hf_processor, cfg.loss, cfg.cache_dir,
                                                       augment=cfg.data.augment,
