@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from naflexclip.cli import build_parser
 from naflexclip.train import checkpoint as ckpt
 from naflexclip.train.cli import config_from_args
 from naflexclip.train.loop import train
-from naflexclip.train.remote_sync import RemoteSync, backup_dir, restore_from_backup, sync_fsspec
+from naflexclip.train.remote_sync import RemoteSync, restore_from_backup, sync_fsspec
 from naflexclip.train.resume import POLICY
 from naflexclip.train.sinks import read_metrics
 
@@ -123,27 +124,86 @@ def _save(run: Path, name: str, step: int) -> None:
                          step=step, epoch=0)
 
 
-def test_the_backup_restores_a_missing_or_older_run_folder_and_leaves_a_newer_one(tmp_path: Path) -> None:
+# the AWS CLI's `s3 ls`, `s3 cp` (file, `-`, --recursive with --exclude) and `s3 sync` over a local folder
+# standing for S3 ($FAKE_S3/bucket/key), as OpenCLIP's --remote-sync-protocol s3 runs them
+_FAKE_AWS = """#!PYTHON
+import fnmatch, os, shutil, sys
+from pathlib import Path
+root = Path(os.environ["FAKE_S3"])
+op, rest = sys.argv[2], sys.argv[3:]
+excludes = [rest[i + 1] for i, a in enumerate(rest) if a == "--exclude"]
+plain = [a for i, a in enumerate(rest) if a not in ("--exclude", "--recursive") and rest[i - 1] != "--exclude"]
+local = lambda url: root / url[len("s3://"):] if url.startswith("s3://") else Path(url)
+def line(p):
+    return f"{'':27}PRE {p.name}/" if p.is_dir() else f"2026-01-01 00:00:00 {p.stat().st_size:>10} {p.name}"
+def tree(src, dst):
+    for f in sorted(src.rglob("*")):
+        rel = f.relative_to(src).as_posix()
+        if f.is_file() and not any(fnmatch.fnmatch(rel, e) for e in excludes):
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, dst / rel)
+if op == "ls":
+    path = local(plain[0])
+    folder, prefix = (path, "") if plain[0].endswith("/") else (path.parent, path.name)
+    hits = sorted(c for c in folder.iterdir() if c.name.startswith(prefix)) if folder.is_dir() else []
+    print("\\n".join(line(c) for c in hits))
+    sys.exit(0 if hits else 1)
+src, dst = local(plain[0]), plain[1]
+if op == "sync" or "--recursive" in rest:
+    tree(src, local(dst))
+elif not src.is_file():
+    sys.exit(f"fatal error: An error occurred (404) when calling the HeadObject operation: Key not found")
+elif dst == "-":
+    sys.stdout.buffer.write(src.read_bytes())
+else:
+    shutil.copyfile(src, local(dst))
+"""
+
+
+@pytest.fixture
+def fake_s3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An `aws` command on PATH whose S3 is the folder returned."""
+    bin_dir, store = tmp_path / "bin", tmp_path / "s3"
+    bin_dir.mkdir()
+    store.mkdir()
+    (bin_dir / "aws").write_text(_FAKE_AWS.replace("PYTHON", sys.executable, 1))
+    (bin_dir / "aws").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_S3", str(store))
+    return store
+
+
+@pytest.mark.parametrize("protocol", ["fsspec", "s3"])
+def test_the_backup_restores_a_missing_or_older_run_folder_and_leaves_a_newer_one(
+        tmp_path: Path, protocol: str, fake_s3: Path) -> None:
     """The backup's latest complete checkpoint (and its logs) is copied into a run folder that lacks it or is
-    behind it; a run folder as far as the backup is left alone; an incomplete copy in the backup is passed over."""
-    run, lines = tmp_path / "a" / "run", []
+    behind it; a run folder as far as the backup is left alone; an incomplete copy in the backup is passed over.
+    The backup is read as the protocol writes it (s3: the AWS CLI, as OpenCLIP; no s3fs)."""
+    remote, lines = ("s3://bucket/remote" if protocol == "s3" else str(tmp_path / "remote")), []
+    stored = fake_s3 / "bucket" / "remote" if protocol == "s3" else tmp_path / "remote"
+    run = tmp_path / "a" / "run"
     _save(run, "step_2", 2)
     _save(run, "step_4", 4)
     (run / "metrics.jsonl").write_text("backup\n")
-    sync_fsspec(run, backup_dir(run, str(tmp_path / "remote")))
-    (tmp_path / "remote" / "run" / "checkpoints" / "step_6").mkdir()  # a copy that never completed
+    (run / "tensorboard").mkdir()
+    (run / "tensorboard" / "events").write_text("tb\n")
+    sync_fsspec(run, str(stored / "run"))
+    (stored / "run" / "checkpoints" / "step_6").mkdir()  # a copy that never completed
     new_node = tmp_path / "b" / "run"
-    assert restore_from_backup(new_node, str(tmp_path / "remote"), lines.append) == 4
+    assert restore_from_backup(new_node, remote, protocol, lines.append) == 4
     assert ckpt.load_latest(new_node / "checkpoints").states["s"] == 4
     assert (new_node / "metrics.jsonl").read_text() == "backup\n" and "no checkpoint" in lines[-1]
+    assert (new_node / "tensorboard" / "events").read_text() == "tb\n"
+    assert sorted(p.name for p in (new_node / "checkpoints").iterdir()) == ["latest", "step_4"]
     older = tmp_path / "c" / "run"
     _save(older, "step_2", 2)
     (older / "metrics.jsonl").write_text("older\n")
-    assert restore_from_backup(older, str(tmp_path / "remote"), lines.append) == 4
+    assert restore_from_backup(older, remote, protocol, lines.append) == 4
     assert ckpt.load_latest(older / "checkpoints").step == 4 and (older / "metrics.jsonl").read_text() == "backup\n"
     assert "its latest is step 2" in lines[-1]
-    assert restore_from_backup(run, str(tmp_path / "remote"), lines.append) is None
-    assert restore_from_backup(tmp_path / "d" / "run", str(tmp_path / "no_backup"), lines.append) is None
+    assert restore_from_backup(run, remote, protocol, lines.append) is None
+    nothing = "s3://bucket/none" if protocol == "s3" else str(tmp_path / "none")
+    assert restore_from_backup(tmp_path / "d" / "run", nothing, protocol, lines.append) is None
 
 
 @pytest.mark.slow

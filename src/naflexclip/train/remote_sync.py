@@ -21,7 +21,6 @@ import subprocess
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from naflexclip.train import checkpoint as storage
 
@@ -81,61 +80,125 @@ def backup_dir(local_dir: Path, remote: str) -> str:
     return f"{remote.rstrip('/')}/{local_dir.name}"
 
 
-def _backup_checkpoints(fs: Any, root: str) -> list[tuple[int, str]]:
+class _FsspecBackup:
+    """A backup read through fsspec (`--remote-sync-protocol fsspec`); paths relative to the backup's root."""
+
+    def __init__(self, remote_dir: str) -> None:
+        import fsspec
+
+        self.fs, root = fsspec.core.url_to_fs(remote_dir)
+        self.root = root.rstrip("/")
+
+    def folders(self, relative: str) -> list[str]:
+        path = f"{self.root}/{relative}"
+        if not self.fs.isdir(path):
+            return []
+        return [entry.rstrip("/").rsplit("/", 1)[-1] for entry in self.fs.ls(path, detail=False)
+                if self.fs.isdir(entry)]
+
+    def read(self, relative: str) -> bytes:
+        return self.fs.cat_file(f"{self.root}/{relative}")
+
+    def size(self, relative: str) -> int:
+        return int(self.fs.size(f"{self.root}/{relative}"))
+
+    def copy_folder(self, relative: str, folder: Path) -> None:
+        for file in (storage.MODEL_FILE, storage.STATE_FILE, storage.META_FILE):
+            self.fs.get_file(f"{self.root}/{relative}/{file}", str(folder / file))
+
+    def copy_logs(self, local_dir: Path) -> None:
+        """Every file outside `checkpoints/` and hidden entries, over the local ones."""
+        for path in self.fs.find(self.root):
+            relative = path[len(self.root) + 1:]
+            parts = relative.split("/")
+            if parts[0] != "checkpoints" and not any(part.startswith(".") for part in parts):
+                (local_dir / relative).parent.mkdir(parents=True, exist_ok=True)
+                self.fs.get_file(path, str(local_dir / relative))
+
+
+class _AwsBackup:
+    """A backup read with the AWS CLI (`--remote-sync-protocol s3`, as OpenCLIP lists it: no s3fs needed)."""
+
+    def __init__(self, remote_dir: str) -> None:
+        self.root = remote_dir.rstrip("/")
+
+    def _aws(self, *args: str, missing_ok: bool = False) -> bytes:
+        result = subprocess.run(["aws", "s3", *args], capture_output=True)
+        if result.returncode != 0:
+            if missing_ok and not result.stdout.strip() and not result.stderr.strip():  # `ls` of nothing
+                return b""
+            last = (result.stderr.decode(errors="replace").strip().splitlines() or ["failed"])[-1]
+            raise OSError(f"aws s3 {' '.join(args[:3])}: {last}")
+        return result.stdout
+
+    def _listing(self, relative: str) -> list[list[str]]:
+        out = self._aws("ls", f"{self.root}/{relative}", missing_ok=True).decode(errors="replace")
+        return [line.split() for line in out.splitlines() if line.strip()]
+
+    def folders(self, relative: str) -> list[str]:
+        return [fields[1].rstrip("/") for fields in self._listing(relative.rstrip("/") + "/")
+                if len(fields) == 2 and fields[0] == "PRE"]
+
+    def read(self, relative: str) -> bytes:
+        return self._aws("cp", f"{self.root}/{relative}", "-")
+
+    def size(self, relative: str) -> int:
+        name = relative.rsplit("/", 1)[-1]
+        sizes = [int(fields[2]) for fields in self._listing(relative) if len(fields) == 4 and fields[3] == name]
+        if not sizes:
+            raise FileNotFoundError(f"{self.root}/{relative}")
+        return sizes[0]
+
+    def copy_folder(self, relative: str, folder: Path) -> None:
+        self._aws("cp", "--recursive", f"{self.root}/{relative}", str(folder))
+
+    def copy_logs(self, local_dir: Path) -> None:
+        self._aws("cp", "--recursive", self.root, str(local_dir), "--exclude", "checkpoints/*", "--exclude", ".*",
+                  "--exclude", "*/.*")
+
+
+def _backup_checkpoints(backup: _FsspecBackup | _AwsBackup) -> list[tuple[int, str]]:
     """(step, name) of the backup's complete checkpoints (`checkpoint.json` readable, both files of the sizes it
     gives), the one its `latest` names first, then by step (highest first): the order `checkpoint.candidates`
     tries a local run's."""
     found = []
-    for entry in fs.ls(root, detail=False) if fs.isdir(root) else []:
-        name = entry.rstrip("/").rsplit("/", 1)[-1]
-        if name.startswith(".") or not fs.isdir(entry):
+    for name in backup.folders("checkpoints"):
+        if name.startswith("."):
             continue
         try:
-            meta = json.loads(fs.cat_file(f"{root}/{name}/{storage.META_FILE}"))
-            sizes = [fs.size(f"{root}/{name}/{file}") for file in (storage.MODEL_FILE, storage.STATE_FILE)]
+            meta = json.loads(backup.read(f"checkpoints/{name}/{storage.META_FILE}"))
+            sizes = [backup.size(f"checkpoints/{name}/{file}") for file in (storage.MODEL_FILE, storage.STATE_FILE)]
             if sizes == [meta["sizes"][storage.MODEL_FILE], meta["sizes"][storage.STATE_FILE]]:
                 found.append((int(meta["step"]), name))
         except (OSError, ValueError, KeyError, TypeError):  # incomplete or unreadable: not a candidate
             continue
     found.sort(reverse=True)
     try:
-        pointer = fs.cat_file(f"{root}/{storage.LATEST_FILE}").decode().strip()
+        pointer = backup.read(f"checkpoints/{storage.LATEST_FILE}").decode().strip()
     except (OSError, UnicodeDecodeError):
         pointer = ""
     named = [entry for entry in found if entry[1] == pointer]
     return named + [entry for entry in found if entry[1] != pointer]
 
 
-def restore_from_backup(local_dir: Path, remote: str, notify: Callable[[str], None]) -> int | None:
+def restore_from_backup(local_dir: Path, remote: str, protocol: str, notify: Callable[[str], None]) -> int | None:
     """--resume latest with --remote-sync REMOTE: when the backup `REMOTE/<name>` holds a checkpoint ahead of the
     run folder's latest (or the run folder has none), copy that checkpoint into the run folder's `checkpoints/`
     (as `latest`) and every backed-up file outside `checkpoints/` (the logs it continues) over the local ones;
-    the step restored, or None when the run folder is as far as its backup. ValueError naming --remote-sync when
-    the backup cannot be read."""
-    import fsspec
-
+    the step restored, or None when the run folder is as far as its backup. The backup is read as
+    `protocol` writes it (s3: the AWS CLI; fsspec). ValueError naming --remote-sync when it cannot be read."""
     remote_dir = backup_dir(local_dir, remote)
     try:
-        fs, root = fsspec.core.url_to_fs(remote_dir)
-        root = root.rstrip("/")
-        checkpoints = _backup_checkpoints(fs, f"{root}/checkpoints")
+        backup = _AwsBackup(remote_dir) if protocol == "s3" else _FsspecBackup(remote_dir)
+        checkpoints = _backup_checkpoints(backup)
         local = storage.find_latest(local_dir / "checkpoints")
         local_step = storage.checkpoint_step(local) if local is not None else -1
         if not checkpoints or checkpoints[0][0] <= local_step:
             return None
         step, name = checkpoints[0]
-        source = f"{root}/checkpoints/{name}"
-
-        def copy(folder: Path) -> None:  # checkpoint.json last: it marks the copy complete
-            for file in (storage.MODEL_FILE, storage.STATE_FILE, storage.META_FILE):
-                fs.get_file(f"{source}/{file}", str(folder / file))
-
-        storage.install_checkpoint(local_dir / "checkpoints", name, copy)
-        for path in fs.find(root):
-            relative = path[len(root) + 1:]
-            if relative.split("/")[0] != "checkpoints" and not any(p.startswith(".") for p in relative.split("/")):
-                (local_dir / relative).parent.mkdir(parents=True, exist_ok=True)
-                fs.get_file(path, str(local_dir / relative))
+        storage.install_checkpoint(local_dir / "checkpoints", name,
+                                   lambda folder: backup.copy_folder(f"checkpoints/{name}", folder))
+        backup.copy_logs(local_dir)
     except Exception as error:  # noqa: BLE001 - any storage error: one line naming the flag
         raise ValueError(f"--remote-sync {remote_dir}: cannot restore from the backup: "
                          f"{type(error).__name__}: {error}") from None

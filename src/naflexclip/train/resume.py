@@ -203,7 +203,8 @@ def resume(cfg: TrainConfig, checkpointer: Checkpointer, reporter: Reporter, mod
         if cfg.remote_sync:  # OpenCLIP looks for the latest checkpoint in the backup: restore it when it is ahead
             run_dir = checkpointer.checkpoint_dir.parent
             run_on_main(checkpointer.env, "--remote-sync",
-                        lambda: restore_from_backup(run_dir, str(cfg.remote_sync), reporter.message))
+                        lambda: restore_from_backup(run_dir, str(cfg.remote_sync), cfg.remote_sync_protocol,
+                                                        reporter.message))
         found = storage.load_latest(checkpointer.checkpoint_dir, notify=reporter.message)
         if found is None:
             return _start_fresh(cfg, checkpointer, reporter)
