@@ -109,6 +109,12 @@ STEPS = (
           "--microbatch-tokens", "512", "--device", "cpu", "--threads", "1")),
 )
 OPTIONAL_STEPS = (  # not in `all`: the earlier checks, by name
+    Step("recipe", 90, "SigLIP 2's recipe window part by part (LocCa decoder, EMA teacher, local crops, masked pass) "
+                       "vs the sigmoid-only window: time, peak memory, teacher forwards",
+         ("benchmarks/recipe.py", "--model", "base", "--num-examples", "256", "--splits", "4", "--seq-len", "256",
+          "--precision", "amp_bf16", "--repeats", "3"),
+         ("benchmarks/recipe.py", "--model", "tiny", "--num-examples", "4", "--splits", "2", "--seq-len", "16",
+          "--local-crops", "2", "--repeats", "1", "--device", "cpu", "--threads", "1")),
     Step("profile", 90, "torch.profiler of a window at n = 1 and 8 (small, base): host syncs, launches",
          ("benchmarks/towers.py", "profile", "--model", "base", "--seq-lens", "576", "--splits", "8",
           "--out", "{out}/results.md"),
