@@ -108,3 +108,13 @@ def test_with_a_patch_size_drawn_per_microbatch_the_teacher_reads_its_own_inputs
         assert torch.equal(own["image"]["patch_coord"], item["image"]["patch_coord"])
         assert torch.equal(own["text"], item["text"])
     assert sizes == {4, 8}
+
+
+def test_with_several_captions_per_image_the_teacher_gets_every_caption() -> None:
+    teacher = TeacherInputs(default_processing(16), patch_size=16, context_length=32)
+    data = DataConfig(**DATA, synthetic_multi_caption=True, multi_caption=True)
+    for item in build_loader(data, split="train", patch_size=4, context_length=16, teacher=teacher):
+        own = item[TEACHER_INPUTS]
+        assert own["image"]["patches"].shape[0] == len(item["keys"]) < own["text"].shape[0] == item["text"].shape[0]
+        pieces = split_rows(item, 2)
+        assert [p[TEACHER_INPUTS]["text"].shape[0] for p in pieces] == [p["text"].shape[0] for p in pieces]

@@ -72,6 +72,10 @@ def test_verify_proves_a_distilled_window_with_the_students_or_its_own_inputs_an
                  "--distill-model", "small"]) == 0
     out = capsys.readouterr().out
     assert "PASS" in out and "its own inputs of the same rows (patch size 16, context length 32)" in out
+    # and with several captions per image: the teacher's own tokens of every caption
+    assert main(["verify", "--splits", "1", "--accum-freq", "3", "--batch-size", "2", "--accum-method", "cache",
+                 "--distill-model", "small", "--multi-positive"]) == 0
+    assert "PASS" in capsys.readouterr().out
 
 
 @pytest.mark.slow

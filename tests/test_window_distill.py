@@ -15,7 +15,8 @@ from window_cases import failures, full_batch_gradients, naflex_window, tiny_mod
 from naflexclip import DistillLoss, accumulate_gradients, create_loss, create_model, window_loss_scale
 from naflexclip.batch import TEACHER_INPUTS, split_batch
 from naflexclip.legacy import per_microbatch_scale_gradients
-from naflexclip.verify import random_naflex_batch, random_split_sizes
+from naflexclip.loss import MultiPositiveDistillLoss
+from naflexclip.verify import random_grouped_batch, random_naflex_batch, random_split_sizes
 
 # (student loss, teacher loss): a softmax student learns from either teacher, a sigmoid one from a sigmoid one
 PAIRS = [("clip", "clip"), ("clip", "siglip"), ("siglip", "siglip")]
@@ -149,6 +150,32 @@ def test_teacher_inputs_of_other_rows_are_one_line():
     model, teacher_model, batch = _own_inputs_setup()
     microbatches = split_batch(batch, [5, 3])
     microbatches[1][TEACHER_INPUTS] = microbatches[0][TEACHER_INPUTS]
-    with pytest.raises(ValueError, match="microbatch 1 has 3 pairs but its teacher_inputs 5"):
+    with pytest.raises(ValueError, match="microbatch 1 has 3 images / 3 texts but its teacher_inputs 5 / 5"):
         accumulate_gradients(model, DistillLoss("clip"), microbatches, teacher=teacher_model)
     model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("method", ["cache", "replay"])
+def test_a_grouped_window_with_a_teacher_reading_its_own_inputs_equals_the_full_batch(method):
+    """Several captions per image: the teacher's own inputs are the window's images and every caption."""
+    model, teacher_model, _ = _own_inputs_setup()
+    batch = random_grouped_batch(7, max_captions=3, generator=torch.Generator().manual_seed(2), patch_size=4,
+                                 context_length=16, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(7)
+    batch[TEACHER_INPUTS] = {
+        "image": random_naflex_batch(7, patch_size=8, context_length=24, generator=gen)["image"],
+        "text": random_naflex_batch(batch["text"].shape[0], patch_size=8, context_length=24, generator=gen)["text"]}
+    loss_fn = MultiPositiveDistillLoss("clip", "symmetric", weight=0.7, tile_size=3)
+    sizes = [2, 1, 4]
+    scale = window_loss_scale(sizes, 3, "linear")
+    reference = full_batch_gradients(model, loss_fn, batch, scale, teacher_model)
+    model.zero_grad(set_to_none=True)
+    accumulate_gradients(model, loss_fn, split_batch(batch, sizes), loss_scale="linear", reference_batch_size=3,
+                         method=method, teacher=teacher_model)
+    assert failures(model, reference) == {}
+    model.zero_grad(set_to_none=True)
+    per_microbatch_scale_gradients(model, loss_fn, split_batch(batch, sizes), loss_scale="linear",
+                                   reference_batch_size=3, teacher=teacher_model)
+    wrong = failures(model, reference)
+    model.zero_grad(set_to_none=True)
+    assert "logit_scale" in wrong

@@ -11,7 +11,8 @@ image i and text j are a positive pair when their group ids are equal, and `M` m
 
 A distilled microbatch whose teacher reads other inputs than the student (another patch size, context length or
 tokenizer) also holds `teacher_inputs`: `{"image": NaFlex dict, "text": long [B, T']}`, the teacher's processing of
-the same samples, row for row; without it the teacher reads `image` and `text` (`teacher_inputs()`).
+the same samples, row for row (its images the microbatch's images, its texts the microbatch's texts); without it the
+teacher reads `image` and `text` (`teacher_inputs()`).
 """
 
 from __future__ import annotations
@@ -51,8 +52,7 @@ def batch_size(microbatch: dict[str, Any]) -> int:
     """Number of examples in a microbatch: its image–text pairs (image and text rows must agree), or its images
     when it is grouped (each with its captions)."""
     text = microbatch["text"]
-    image = microbatch["image"]
-    image_rows = image["patches"].shape[0] if is_naflex(image) else image.shape[0]
+    image_rows = num_images(microbatch["image"])
     if is_grouped(microbatch):
         if microbatch["image_group"].shape != (image_rows,) or microbatch["text_group"].shape != (text.shape[0],):
             raise ValueError(f"group ids {tuple(microbatch['image_group'].shape)} / "
@@ -62,6 +62,11 @@ def batch_size(microbatch: dict[str, Any]) -> int:
     if image_rows != text.shape[0]:
         raise ValueError(f"microbatch has {image_rows} images but {text.shape[0]} texts")
     return int(text.shape[0])
+
+
+def num_images(image: Any) -> int:
+    """Rows of a dense image tensor or a NaFlex dict."""
+    return int(image["patches"].shape[0] if is_naflex(image) else image.shape[0])
 
 
 def teacher_inputs(microbatch: dict[str, Any]) -> dict[str, Any]:
@@ -139,28 +144,30 @@ def split_batch(batch: dict[str, Any], sizes: Sequence[int]) -> list[dict[str, A
         for group, piece in zip(batch["image_group"].tolist(), piece_of_image.tolist(), strict=True):
             first_piece.setdefault(group, piece)
         text_piece = torch.tensor([first_piece.get(group, -1) for group in batch["text_group"].tolist()])
-    teacher = split_batch(batch[TEACHER_INPUTS], sizes) if TEACHER_INPUTS in batch else None
     pieces = []
     start = 0
     for size in sizes:
         rows = slice(start, start + size)
         start += size
-        image = batch["image"]
-        if is_naflex(image):
-            valid = image["patch_valid"][rows]
-            length = int(valid.sum(dim=1).max())
-            piece_image = {key: image[key][rows, :length] for key in NAFLEX_KEYS}
-        else:
-            piece_image = image[rows]
+        texts: slice | torch.Tensor = rows
         if grouped:
             texts = (text_piece == len(pieces)).nonzero().flatten()
-            piece = {"image": piece_image, "text": batch["text"][texts],
+            piece = {"image": _image_rows(batch["image"], rows), "text": batch["text"][texts],
                      "image_group": batch["image_group"][rows], "text_group": batch["text_group"][texts]}
         else:
-            piece = {"image": piece_image, "text": batch["text"][rows]}
+            piece = {"image": _image_rows(batch["image"], rows), "text": batch["text"][rows]}
         if EXAMPLE_INPUTS in batch:
             piece[EXAMPLE_INPUTS] = {key: value[rows] for key, value in batch[EXAMPLE_INPUTS].items()}
-        if teacher is not None:
-            piece[TEACHER_INPUTS] = teacher[len(pieces)]
+        if TEACHER_INPUTS in batch:  # the teacher's own rows: the piece's images and texts
+            own = batch[TEACHER_INPUTS]
+            piece[TEACHER_INPUTS] = {"image": _image_rows(own["image"], rows), "text": own["text"][texts]}
         pieces.append(piece)
     return pieces
+
+
+def _image_rows(image: Any, rows: slice) -> Any:
+    """`rows` of a dense image tensor or a NaFlex dict, the latter trimmed to their own longest valid sequence."""
+    if not is_naflex(image):
+        return image[rows]
+    length = int(image["patch_valid"][rows].sum(dim=1).max())
+    return {key: image[key][rows, :length] for key in NAFLEX_KEYS}

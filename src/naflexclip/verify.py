@@ -469,10 +469,13 @@ def run(args: argparse.Namespace) -> int:
                 num_examples, patch_size=model.image_patch_size, context_length=model.context_length,
                 generator=torch.Generator().manual_seed(args.seed), dtype=dtype, vocab_size=model.vocab_size,
             )
-            if setup.teacher_inputs is not None:  # the teacher's own random inputs of the same rows
-                batch[TEACHER_INPUTS] = random_naflex_batch(
-                    num_examples, patch_size=teacher.image_patch_size, context_length=teacher.context_length,
-                    generator=torch.Generator().manual_seed(args.seed + 2), dtype=dtype, vocab_size=teacher.vocab_size)
+            if setup.teacher_inputs is not None:  # the teacher's own random inputs of the same images and texts
+                own = random_naflex_batch(
+                    max(num_examples, batch["text"].shape[0]), patch_size=teacher.image_patch_size,
+                    context_length=teacher.context_length, generator=torch.Generator().manual_seed(args.seed + 2),
+                    dtype=dtype, vocab_size=teacher.vocab_size)
+                batch[TEACHER_INPUTS] = {"image": {key: value[:num_examples] for key, value in own["image"].items()},
+                                         "text": own["text"][: batch["text"].shape[0]]}
             if recipe.locca_weight > 0:  # every task, causal and parallel, at the decoder's full width
                 decoder = model.decoder
                 batch[EXAMPLE_INPUTS] = random_decoder_inputs(num_examples, decoder.vocab, decoder.config.max_length,

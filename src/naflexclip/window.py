@@ -62,6 +62,7 @@ from naflexclip.batch import (
     batch_size,
     is_grouped,
     is_naflex,
+    num_images,
     teacher_inputs,
     text_rows,
 )
@@ -235,9 +236,11 @@ def _check_window(microbatches: Sequence[dict[str, Any]]) -> bool:
     for index, mb in enumerate(microbatches):
         if batch_size(mb) < 1:
             raise ValueError(f"microbatch {index} is empty (batch size {batch_size(mb)})")
-        if mb.get(TEACHER_INPUTS) is not None and batch_size(mb[TEACHER_INPUTS]) != text_rows(mb):
-            raise ValueError(f"microbatch {index} has {text_rows(mb)} pairs but its teacher_inputs "
-                             f"{batch_size(mb[TEACHER_INPUTS])}: the teacher's inputs are the same rows")
+        own = mb.get(TEACHER_INPUTS)
+        if own is not None and (num_images(own["image"]), text_rows(own)) != (batch_size(mb), text_rows(mb)):
+            raise ValueError(f"microbatch {index} has {batch_size(mb)} images / {text_rows(mb)} texts but its "
+                             f"teacher_inputs {num_images(own['image'])} / {text_rows(own)}: the teacher's inputs "
+                             f"are the same rows")
     return kinds[0]
 
 
