@@ -10,10 +10,18 @@ from unittest import mock
 import pytest
 
 from naflexclip.cli import build_parser, main
+from naflexclip.data.config import DataConfig
 from naflexclip.train.cli import config_from_args
-from naflexclip.train.config import DEMO_DEFAULTS, OPENCLIP_DEFAULTS, TrainConfig, flat_config
+from naflexclip.train.config import (
+    DEMO_DEFAULTS,
+    OPENCLIP_DEFAULTS,
+    TrainConfig,
+    flag_name,
+    flat_config,
+    openclip_differences,
+)
 from naflexclip.train.openclip_flags import BUILT_IN, OPENCLIP_FLAGS, first_lines, status
-from naflexclip.train.resume import POLICY
+from naflexclip.train.resume import POLICY, changed_flags
 
 
 def _train_parser() -> argparse.ArgumentParser:
@@ -218,6 +226,29 @@ def test_aug_cfg_shapes_the_train_crop_and_refuses_other_keys() -> None:
                           ("scale=(0.5,2)", r"--aug-cfg scale=\(0.5, 2.0\): takes \(low, high\)")):
         with pytest.raises(ValueError, match=message):
             _config("--aug-cfg", item)
+
+
+def test_the_settings_lines_name_aug_cfg_as_the_user_typed_it() -> None:
+    cfg = TrainConfig(data=DataConfig(aug_scale=(0.5, 1.0), augment=True)).to_dict()
+    line = " ".join(openclip_differences(cfg))
+    assert "--aug-scale" not in line and "--aug-cfg scale=(0.5, 1.0) (OpenCLIP: unset)" in line
+    other = TrainConfig(data=DataConfig(aug_scale=(0.3, 1.0), augment=True)).to_dict()
+    notice = " ".join(changed_flags(cfg, other))
+    assert "--aug-scale" not in notice and "--aug-cfg scale=(0.5, 1.0) -> (0.3, 1.0)" in notice
+
+
+def test_every_data_setting_is_shown_with_a_flag_train_accepts() -> None:
+    """The settings lines and resume notices name each data field by its flag; where that flag is not `--` + the
+    field's name (--aug-cfg's items, --multi-positive, --pretrained), by the flag the user types."""
+    import dataclasses
+
+    accepted = {flag for action in _train_parser()._actions for flag in action.option_strings}
+    for field in dataclasses.fields(DataConfig):
+        flag = flag_name(f"data.{field.name}")
+        assert flag.split(" ")[0] in accepted, (field.name, flag)
+        if flag.endswith("="):  # an --aug-cfg item: the key train reads
+            from naflexclip.train.cli import AUG_CFG_KEYS
+            assert flag.split(" ")[1][:-1] in AUG_CFG_KEYS, (field.name, flag)
 
 
 def _train_steps(run_dir) -> list[int]:

@@ -87,9 +87,28 @@ def flat_config(config: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
+# config keys whose flag is not `--` + the field's name (an `--aug-cfg` item ends in `=`: its value follows it)
+FLAG_NAMES: dict[str, str] = {"data.aug_scale": "--aug-cfg scale=", "data.aug_ratio": "--aug-cfg ratio=",
+                              "data.multi_caption": "--multi-positive", "data.hf_processor": "--pretrained"}
+
+
 def flag_name(key: str) -> str:
-    """The flag of a config key (`data.naflex_seq_lens` -> `--naflex-seq-lens`)."""
-    return "--" + key.rsplit(".", 1)[-1].replace("_", "-")
+    """The flag of a config key (`data.naflex_seq_lens` -> `--naflex-seq-lens`, `data.aug_scale` ->
+    `--aug-cfg scale=`)."""
+    return FLAG_NAMES.get(key) or "--" + key.rsplit(".", 1)[-1].replace("_", "-")
+
+
+def shown_setting_value(key: str, value: Any) -> str:
+    """A config value as typed after its flag (`--aug-cfg`'s items as the Python literal OpenCLIP reads)."""
+    if flag_name(key).endswith("=") and isinstance(value, (list, tuple)):
+        return repr(tuple(value))
+    return shown_value(value)
+
+
+def shown_setting(key: str, value: Any) -> str:
+    """A config setting as typed: `--naflex-seq-lens 128 256`, `--aug-cfg scale=(0.5, 1.0)`."""
+    flag = flag_name(key)
+    return f"{flag}{'' if flag.endswith('=') else ' '}{shown_setting_value(key, value)}"
 
 
 def openclip_differences(config: dict[str, Any]) -> list[str]:
@@ -100,7 +119,7 @@ def openclip_differences(config: dict[str, Any]) -> list[str]:
     defaults = dict(OPENCLIP_DEFAULTS)
     if str(flat.get("opt", "")).startswith("timm/"):  # OpenCLIP leaves a timm optimizer its own betas and eps
         defaults.update(beta1=None, beta2=None, eps=None)
-    return [f"{flag_name(key)} {shown_value(flat[key])} (OpenCLIP: {shown_value(default)})"
+    return [f"{shown_setting(key, flat[key])} (OpenCLIP: {shown_setting_value(key, default)})"
             for key, default in defaults.items() if key in plain and plain[key] != default]
 
 

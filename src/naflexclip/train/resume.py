@@ -26,7 +26,7 @@ from naflexclip.lock import Locks
 from naflexclip.model import weights_mismatch
 from naflexclip.train import checkpoint as storage
 from naflexclip.train.components import Checkpointer, Progress
-from naflexclip.train.config import TrainConfig, flag_name, flat_config, shown_value
+from naflexclip.train.config import TrainConfig, flag_name, flat_config, shown_setting, shown_setting_value
 from naflexclip.train.optim import scheduled_lr
 from naflexclip.train.remote_sync import restore_from_backup
 from naflexclip.train.report import Reporter, run_exists
@@ -111,8 +111,8 @@ def refusal(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
 def changed_flags(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """The flags a resume applies although the checkpoint was saved with other values, as `--flag old -> new`."""
     old, new = flat_config(saved), flat_config(current)
-    return [f"{flag_name(key)} {shown_value(old[key])} -> {shown_value(new[key])}" for key in _changed(saved, current)
-            if _rule(key) in (APPLY, RESCHEDULE)]
+    return [f"{shown_setting(key, old[key])} -> {shown_setting_value(key, new[key])}"
+            for key in _changed(saved, current) if _rule(key) in (APPLY, RESCHEDULE)]
 
 
 # regularisation rates of the architecture: they change no weight, so a resume may change them (OpenCLIP's
