@@ -103,64 +103,90 @@ class _TiledMultiPositive(torch.autograd.Function):
         groups = image_groups[row_offset : row_offset + num_rows]
         inverse_image, inverse_text = 1 / per_image[row_offset : row_offset + num_rows], 1 / per_text
         ctx.kind, ctx.weighting, ctx.tile, ctx.sizes = kind, weighting, tile, (num_images, num_texts)
+        # the positive pairs are few (about one per text): their terms are gathered, not built as blocks
+        pair_rows, pair_texts = positive_pairs(groups, text_groups)
+        z_pairs = scale * (image_rows[pair_rows] * text_features[pair_texts]).sum(-1) + bias
         if kind == "clip":
             row_lse = image_rows.new_empty(num_rows)
             column_lse = image_rows.new_full((num_texts,), float("-inf"))
-            positives = image_rows.new_zeros(())  # (1/2N) Σ Y z / k_i + (1/2M) Σ Y z / k'_j
             for i0, i1 in _tiles(num_rows, tile):
                 lse = None
                 for j0, j1 in _tiles(num_texts, tile):
                     z = _logits(image_rows[i0:i1], text_features[j0:j1], scale, bias)
-                    y = (groups[i0:i1, None] == text_groups[None, j0:j1]).to(z.dtype)
-                    weights = inverse_image[i0:i1, None] / (2 * num_images) + inverse_text[None, j0:j1] / (
-                        2 * num_texts)
-                    positives += (y * weights * z).sum()
                     block_rows = torch.logsumexp(z, dim=1)
                     lse = block_rows if lse is None else torch.logaddexp(lse, block_rows)
                     column_lse[j0:j1] = torch.logaddexp(column_lse[j0:j1], torch.logsumexp(z, dim=0))
+                    del z  # not held while the next block is made
                 row_lse[i0:i1] = lse
             column_lse = reduce_column_lse(column_lse)
             t0, t1 = text_rows
+            # (1/2N) Σ Y z / k_i + (1/2M) Σ Y z / k'_j over the positive pairs
+            positives = (_pair_weights(kind, weighting, inverse_image, inverse_text, pair_rows, pair_texts,
+                                       ctx.sizes) * z_pairs).sum()
             loss = row_lse.sum() / (2 * num_images) + column_lse[t0:t1].sum() / (2 * num_texts) - positives
             ctx.save_for_backward(image_rows, text_features, logit_scale, logit_bias, groups, text_groups,
-                                  inverse_image, inverse_text, row_lse, column_lse)
+                                  inverse_image, inverse_text, pair_rows, pair_texts, row_lse, column_lse)
             return loss
-        alpha, beta = MULTI_POSITIVE_WEIGHTINGS[weighting]
         total = image_rows.new_zeros(())
         for i0, i1 in _tiles(num_rows, tile):
             for j0, j1 in _tiles(num_texts, tile):
-                z = _logits(image_rows[i0:i1], text_features[j0:j1], scale, bias)
-                y = (groups[i0:i1, None] == text_groups[None, j0:j1]).to(z.dtype)
-                w = y * (alpha * inverse_image[i0:i1, None] + beta * inverse_text[None, j0:j1])
-                softplus = -F.logsigmoid(-z)  # exact for every z (see _TiledSigLip)
-                if weighting == "soft":
-                    total += (softplus - w * z).sum()
-                else:  # Y w softplus(−z) + (1 − Y) softplus(z), softplus(−z) = softplus(z) − z
-                    total += ((1 + w - y) * softplus - w * z).sum()
+                # every pair as a negative first: softplus(z) = −log σ(−z), exact for every z (see _TiledSigLip)
+                total -= F.logsigmoid(_logits(image_rows[i0:i1], text_features[j0:j1], -scale, -bias)).sum()
+        w = _pair_weights(kind, weighting, inverse_image, inverse_text, pair_rows, pair_texts, ctx.sizes)
+        if weighting == "soft":  # softplus(z) − Y w z
+            total -= (w * z_pairs).sum()
+        else:  # a positive's w softplus(−z) = w (softplus(z) − z) in place of its softplus(z)
+            total += ((w - 1) * -F.logsigmoid(-z_pairs) - w * z_pairs).sum()
         ctx.save_for_backward(image_rows, text_features, logit_scale, logit_bias, groups, text_groups,
-                              inverse_image, inverse_text)
+                              inverse_image, inverse_text, pair_rows, pair_texts)
         return total / num_images
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
-        _, _, logit_scale, logit_bias, groups, text_groups, inverse_image, inverse_text = ctx.saved_tensors[:8]
+        image_rows, text_features, logit_scale, logit_bias, _, _, inverse_image, inverse_text, pair_rows, \
+            pair_texts = ctx.saved_tensors[:10]
         scale, bias = _scalars(logit_scale, logit_bias)
         num_images, num_texts = ctx.sizes
-        alpha, beta = MULTI_POSITIVE_WEIGHTINGS[ctx.weighting]
+        w = _pair_weights(ctx.kind, ctx.weighting, inverse_image, inverse_text, pair_rows, pair_texts, ctx.sizes)
+        if ctx.kind == "clip":
+            row_lse, column_lse = ctx.saved_tensors[10:]
 
-        def block_dz(x: torch.Tensor, y_features: torch.Tensor, rows: slice, columns: slice) -> torch.Tensor:
-            z = _logits(x, y_features, scale, bias)
-            y = (groups[rows, None] == text_groups[None, columns]).to(z.dtype)
-            if ctx.kind == "clip":
-                row_lse, column_lse = ctx.saved_tensors[8:]
-                dz = ((z - row_lse[rows, None]).exp() - y * inverse_image[rows, None]) / (2 * num_images)
-                return dz + ((z - column_lse[None, columns]).exp() - y * inverse_text[None, columns]) / (2 * num_texts)
-            w = y * (alpha * inverse_image[rows, None] + beta * inverse_text[None, columns])
-            probs = z.sigmoid()
-            return (probs - w if ctx.weighting == "soft" else (1 + w - y) * probs - w) / num_images
+            def block_dz(x: torch.Tensor, y: torch.Tensor, rows: slice, columns: slice) -> torch.Tensor:
+                z = _logits(x, y, scale, bias)
+                dz = (z - row_lse[rows, None]).exp_().div_(2 * num_images)  # P / 2N
+                return dz.add_(z.sub_(column_lse[None, columns]).exp_(), alpha=1 / (2 * num_texts))  # + Q / 2M
 
-        grads = _tiled_gradients(ctx, grad_out, block_dz, diagonal=0, norm=1.0)
+            pair_dz = -w  # − Y/(2N k_i) − Y/(2M k'_j)
+        else:
+            def block_dz(x: torch.Tensor, y: torch.Tensor, rows: slice, columns: slice) -> torch.Tensor:
+                return _logits(x, y, scale, bias).sigmoid_().div_(num_images)  # every pair as a negative
+
+            z_pairs = scale * (image_rows[pair_rows] * text_features[pair_texts]).sum(-1) + bias
+            # a positive's dz: soft σ − w, else w (σ − 1); less the negative's σ counted in the blocks
+            pair_dz = (-w if ctx.weighting == "soft" else (w - 1) * z_pairs.sigmoid() - w) / num_images
+        grads = _tiled_gradients(ctx, grad_out, block_dz, diagonal=0, norm=1.0, pairs=(pair_rows, pair_texts, pair_dz))
         return (*grads, None, None, None, None, None, None, None, None)
+
+
+def positive_pairs(image_groups: torch.Tensor, text_groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every positive pair `(i, j)` (image i's group is text j's), as index vectors, without an `N × M` tensor: the
+    texts sorted by group, each image's run of them found by binary search."""
+    order = torch.argsort(text_groups, stable=True)
+    sorted_groups = text_groups[order]
+    starts = torch.searchsorted(sorted_groups, image_groups)
+    counts = torch.searchsorted(sorted_groups, image_groups, right=True) - starts
+    rows = torch.repeat_interleave(torch.arange(len(image_groups), device=image_groups.device), counts)
+    within = torch.arange(len(rows), device=rows.device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    return rows, order[torch.repeat_interleave(starts, counts) + within]
+
+
+def _pair_weights(kind: str, weighting: str, inverse_image: torch.Tensor, inverse_text: torch.Tensor,
+                  pair_rows: torch.Tensor, pair_texts: torch.Tensor, sizes: tuple[int, int]) -> torch.Tensor:
+    """The positive pairs' weights: clip `1/(2N k_i) + 1/(2M k'_j)`; siglip `α/k_i + β/k'_j`."""
+    if kind == "clip":
+        return inverse_image[pair_rows] / (2 * sizes[0]) + inverse_text[pair_texts] / (2 * sizes[1])
+    alpha, beta = MULTI_POSITIVE_WEIGHTINGS[weighting]
+    return alpha * inverse_image[pair_rows] + beta * inverse_text[pair_texts]
 
 
 class MultiPositiveLoss(nn.Module):

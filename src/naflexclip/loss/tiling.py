@@ -82,12 +82,13 @@ def _scalar_grads(
 
 def _tiled_gradients(
     ctx: Any, grad_out: torch.Tensor, block_dz: Callable[[torch.Tensor, torch.Tensor, slice, slice], torch.Tensor],
-    diagonal: float, norm: float,
+    diagonal: float, norm: float, pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """A tiled loss's backward: the gradients of its first four saved inputs (image rows, texts, `logit_scale`,
     `logit_bias`) from `norm · dz`, which is `block_dz(x, y, rows, columns)` on each `tile × tile` block (its image
     rows `x`, texts `y` and their ranges, recomputed from what the forward saved) less `diagonal` on each matching
-    pair (global row == global column; 0: none). The blocks are summed into `Σ_j dz_ij y_j`, `Σ_i dz_ij x_i` and
+    pair (global row == global column; 0: none), plus `values` on the few `pairs = (rows, columns, values)`. The
+    blocks are summed into `Σ_j dz_ij y_j`, `Σ_i dz_ij x_i` and
     `Σ dz` (with a bias), then `_scalar_grads`."""
     image_rows, text_features, logit_scale, logit_bias = ctx.saved_tensors[:4]
     grad_x, grad_y = torch.zeros_like(image_rows), torch.zeros_like(text_features)
@@ -107,5 +108,10 @@ def _tiled_gradients(
         grad_x.sub_(text_features[matching], alpha=diagonal)
         grad_y[matching].sub_(image_rows, alpha=diagonal)
         bias_sum -= diagonal * image_rows.shape[0]
+    if pairs is not None:
+        rows, columns, values = pairs
+        grad_x.index_add_(0, rows, values[:, None] * text_features[columns])
+        grad_y.index_add_(0, columns, values[:, None] * image_rows[rows])
+        bias_sum += values.sum()
     scale, _ = _scalars(logit_scale, logit_bias)
     return _scalar_grads(ctx, grad_out, grad_x, grad_y, bias_sum, image_rows, logit_scale, logit_bias, scale, norm)
