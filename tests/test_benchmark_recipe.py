@@ -4,8 +4,6 @@ of the student terms computes the same self-distillation term, and the script ru
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -35,20 +33,36 @@ def test_the_crops_only_cut_gives_the_student_terms_self_distillation_term() -> 
     assert set(cut) == {SELF_DISTILL} and torch.equal(cut[SELF_DISTILL], whole[SELF_DISTILL])
 
 
-@pytest.mark.slow
-def test_the_recipe_benchmark_runs_every_part_at_a_tiny_size() -> None:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "benchmarks/recipe.py", "--model", "tiny", "--num-examples", "4",
-                           "--splits", "2", "--seq-len", "16", "--local-crops", "2", "--repeats", "1", "--threads",
-                           "1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in done.stdout.splitlines()
+class _Queue:
+    def put(self, item: object) -> None:
+        self.item = item
+
+
+def _inline(target, *args):  # measure.in_subprocess, in this process (a spawned one imports torch again: minutes)
+    queue = _Queue()
+    target(*args, queue)
+    return queue.item
+
+
+def test_the_recipe_benchmark_runs_every_part_at_a_tiny_size(monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture) -> None:
+    import recipe
+
+    monkeypatch.setattr(recipe, "in_subprocess", _inline)
+    threads = torch.get_num_threads()
+    try:
+        main(["--model", "tiny", "--num-examples", "4", "--splits", "2", "--seq-len", "16", "--local-crops", "2",
+              "--repeats", "1", "--threads", "1", "--device", "cpu"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in out.splitlines()
             if line.startswith("| ") and line.split("|")[1].strip() in ROWS}
     assert list(rows) == list(ROWS)
     # the teacher runs once per microbatch from its row on, never before
     assert [int(cells[-1]) for cells in rows.values()] == [0, 0, 2, 2, 2]
     assert float(rows["sigmoid only"][1]) == 1.0 and all(float(cells[0]) > 0 for cells in rows.values())
-    assert "teacher forwards per window 2 (= 2 microbatches)" in done.stdout
+    assert "teacher forwards per window 2 (= 2 microbatches)" in out
 
 
 def test_the_recipe_benchmark_refuses_bad_sizes_in_one_line(capsys: pytest.CaptureFixture) -> None:
