@@ -182,8 +182,6 @@ def test_an_empty_class_folder_is_reported_before_training(tmp_path: Path, capsy
     ("folder", ["--zeroshot-data", "FOLDER", "--zeroshot-templates", "TEMPLATES"], "--zeroshot-templates"),
     (None, ["--zeroshot-classnames", "NAMES"], "--zeroshot-classnames goes with --zeroshot-data"),
     ("folder", ["--zeroshot-data", "FOLDER", "--zeroshot-frequency", "-1"], "--zeroshot-frequency"),
-    (None, ["--zeroshot-frequency", "1"], "--zeroshot-frequency 1 goes with --zeroshot-data"),
-    (None, ["--zeroshot-frequency", "2"], "--zeroshot-frequency 2 goes with --zeroshot-data"),  # the default, given
 ])
 def test_bad_zeroshot_input_is_one_line_before_training(tmp_path: Path, capsys: pytest.CaptureFixture,
                                                         setup: str | None, flags: list[str], message: str) -> None:
@@ -264,6 +262,25 @@ def test_imagenet_folders_are_checked_before_the_run(tmp_path: Path, flag, layou
     root = _imagenet_layout(tmp_path / "in", layout, {0: (1, 2, 3), 1: (4, 5, 6)})
     with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} .*{message}"):
         TrainConfig(model="tiny", **{flag: str(root)})
+
+
+@pytest.mark.parametrize("frequency", ["1", "2"])  # OpenCLIP README's value, and its default given
+def test_zeroshot_frequency_without_anything_to_classify_is_accepted_with_one_line(frequency: str) -> None:
+    """OpenCLIP's README drops --imagenet-val to skip ImageNet zero-shot and keeps --zeroshot-frequency; OpenCLIP then
+    classifies nothing. Here too: the flag is saved as given and the run's first lines say zero-shot does not run."""
+    from naflexclip.cli import build_parser
+    from naflexclip.train.cli import config_from_args
+    from naflexclip.train.openclip_flags import first_lines
+
+    args = build_parser().parse_args(["train", "--model", "tiny", "--zeroshot-frequency", frequency])
+    cfg = config_from_args(args)
+    assert cfg.zeroshot_frequency == int(frequency)
+    notes = [line for line in first_lines(cfg.to_dict()) if line.startswith("--zeroshot-frequency")]
+    assert notes == [f"--zeroshot-frequency {frequency}: OpenCLIP's flag is accepted; nothing to classify (no "
+                     "--zeroshot-data / --imagenet-val / --imagenet-v2), so zero-shot does not run"]
+    for flags in ([], ["--zeroshot-frequency", "0"]):  # not given, or never: nothing to say
+        quiet = config_from_args(build_parser().parse_args(["train", "--model", "tiny", *flags]))
+        assert not [line for line in first_lines(quiet.to_dict()) if line.startswith("--zeroshot-frequency")]
 
 
 def test_zeroshot_frequency_0_without_zeroshot_data_is_accepted() -> None:

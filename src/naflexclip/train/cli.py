@@ -350,10 +350,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     check_device(args.device)
     # OpenCLIP's --imagenet-val / --imagenet-v2 feed zero-shot too, once this parser has them
     zero_shot_given = any(getattr(args, key, None) for key in ("zeroshot_data", "imagenet_val", "imagenet_v2"))
-    # a frequency other than 0 (never) asks for zero-shot data
+    # OpenCLIP's README drops --imagenet-val to skip zero-shot and keeps --zeroshot-frequency: there it classifies
+    # nothing, so here too, said in one line at the start (a built-in note)
     if "zeroshot_frequency" in args and args.zeroshot_frequency != 0 and not zero_shot_given:
-        raise ValueError(f"--zeroshot-frequency {args.zeroshot_frequency} goes with --zeroshot-data (the ImageFolder "
-                         "to classify zero-shot during training)")
+        args.openclip_built_in = [*getattr(args, "openclip_built_in", ()),
+                                  f"--zeroshot-frequency {args.zeroshot_frequency}"]
     return TrainConfig(
         data=dataclasses.replace(data_config_from_args(args), **image_override_config(args)),
         model=args.model, loss=args.loss, batch_size=args.batch_size,

@@ -168,9 +168,19 @@ def refused_message(args: argparse.Namespace) -> str | None:
     return refused[0] if refused else None
 
 
+# OpenCLIP's flags that, given as they were, change nothing in this run (`config_from_args` records them with the
+# built-in ones): what the run's note says
+WITHOUT_EFFECT: dict[str, str] = {
+    "--zeroshot-frequency": "nothing to classify (no --zeroshot-data / --imagenet-val / --imagenet-v2), so zero-shot "
+                            "does not run",
+}
+
+
 def built_in_notes(flags: list[str] | tuple[str, ...]) -> list[str]:
-    """One line per built-in flag given (`--flag [value]`): what naflexclip does instead."""
-    return [f"{flag}: OpenCLIP's flag is accepted; {BUILT_IN[flag.split()[0]][1]}" for flag in flags]
+    """One line per built-in flag given (`--flag [value]`): what naflexclip does instead (or that it changes
+    nothing, `WITHOUT_EFFECT`)."""
+    notes = {**{flag: what for flag, (_, what) in BUILT_IN.items()}, **WITHOUT_EFFECT}
+    return [f"{flag}: OpenCLIP's flag is accepted; {notes[flag.split()[0]]}" for flag in flags]
 
 
 def group_by_origin(parser: argparse.ArgumentParser) -> None:
