@@ -20,8 +20,9 @@ Scenarios:
               DDP and FSDP2, cache and replay, the sharded loss; against the single-process full batch for the
               trainable parameters; image-tower forwards per rank.
   distill   — distillation windows (3 ranks, uneven sizes; DDP with equal and unequal microbatch counts, FSDP2):
-              a clip student with a clip teacher and a siglip student with a siglip teacher, cache and replay, the
-              sharded DistillLoss in 2-row tiles; against the single-process full batch; teacher forwards per rank.
+              a clip student with a clip teacher (8-px patches and 24 tokens: its own inputs of the same rows) and a
+              siglip student with a siglip teacher, cache and replay, the sharded DistillLoss in 2-row tiles; against
+              the single-process full batch; teacher forwards per rank.
   multi_positive — grouped windows (3 ranks; images with 1-3 captions, texts cut over ranks otherwise than images):
               the multi-positive losses (clip; siglip symmetric and soft) under DDP (equal and unequal microbatch
               counts) and FSDP2, cache and replay, in 2-row tiles; against the single-process full batch.
@@ -900,7 +901,7 @@ def scenario_locked(env: Any) -> dict[str, Any]:
 
 
 def scenario_distill(env: Any) -> dict[str, Any]:
-    from naflexclip.batch import concat_microbatches, split_batch
+    from naflexclip.batch import TEACHER_INPUTS, concat_microbatches, split_batch
     from naflexclip.exchange import window_exchange
     from naflexclip.factory import create_model
     from naflexclip.loss import DistillLoss, create_loss
@@ -914,22 +915,26 @@ def scenario_distill(env: Any) -> dict[str, Any]:
     results: dict[str, Any] = {"exact": {}, "forwards": {}, "plain": {}}
     calls: list[int] = []  # teacher forwards of the current window
 
-    def build(loss: str, seed: int) -> torch.nn.Module:
+    def build(loss: str, seed: int, **overrides: Any) -> torch.nn.Module:
         torch.manual_seed(seed)  # the same initialisation on every rank
-        return create_model("tiny", loss=loss).double()
+        return create_model("tiny", loss=loss, **overrides).double()
 
     # (wrapper, split, method, scale mode): FSDP2 needs equal microbatch counts; the unequal split runs with `none`
     configs = [(False, SPLITS[world][0], "cache", "linear"), (False, SPLITS[world][0], "replay", "linear"),
                (False, UNEVEN_COUNT_SPLIT[world], "cache", "none"), (True, SPLITS[world][1], "cache", "sqrt"),
                (True, SPLITS[world][0], "replay", "linear")]
+    own_inputs = {**batch, TEACHER_INPUTS: random_naflex_batch(NUM_EXAMPLES, patch_size=8, context_length=24,
+                                                               generator=torch.Generator().manual_seed(12))}
     for loss in ("clip", "siglip"):
-        teacher = build(loss, seed=1).eval()
+        # the clip student's teacher reads its own inputs (another patch size and context length)
+        teacher = build(loss, seed=1, **({"patch_size": 8, "context_length": 24} if loss == "clip" else {})).eval()
         teacher.register_forward_hook(lambda *_: calls.append(1))
+        window = own_inputs if loss == "clip" else batch
         references: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
         for fsdp, split, method, mode in configs:
             sizes = [size for rank_sizes in split for size in rank_sizes]
             scale = window_loss_scale(sizes, REFERENCE_BATCH_SIZE, mode)
-            full = concat_microbatches(split_batch(batch, sizes))
+            full = concat_microbatches(split_batch(window, sizes))
             key = (mode, len(sizes))
             if key not in references:
                 references[key] = full_batch_gradients(build(loss, 0), DistillLoss(loss, weight=0.6), full, scale,
@@ -939,7 +944,7 @@ def scenario_distill(env: Any) -> dict[str, Any]:
                     results["plain"][loss] = _errors(plain, references[key])
             _log(env, f"distill {loss} fsdp={fsdp} {method} {mode} {split}")
             model = wrap_model(build(loss, 0), env, fsdp=fsdp)
-            microbatches = _local_microbatches(batch, split, env.rank)
+            microbatches = _local_microbatches(window, split, env.rank)
             calls.clear()
             accumulate_gradients(model, DistillLoss(loss, weight=0.6, tile_size=SHARD_TILE_SIZE), microbatches,
                                  loss_scale=mode, reference_batch_size=REFERENCE_BATCH_SIZE, method=method,

@@ -183,8 +183,9 @@ def test_locked_towers_across_ranks_are_exact_and_a_locked_tower_runs_once(tmp_p
 
 def test_distillation_across_three_ranks_is_exact_and_the_teacher_runs_once(tmp_path_factory) -> None:
     """DDP (equal and unequal microbatch counts) and FSDP2, cache and replay, the sharded DistillLoss with uneven
-    sizes: every gradient equals the single-process full batch's s(W)·∇[contrastive + λ·distill]; the teacher runs
-    once per local microbatch; without the teacher the full-batch gradient is another one (teeth)."""
+    sizes (the clip student's teacher reads its own inputs: 8-px patches, 24 tokens): every gradient equals the
+    single-process full batch's s(W)·∇[contrastive + λ·distill]; the teacher runs once per local microbatch; without
+    the teacher the full-batch gradient is another one (teeth)."""
     for rank, result in enumerate(_run("distill", 3, tmp_path_factory)):
         assert {name.split("/")[0] for name in result["exact"]} == {"ddp", "fsdp"}
         assert len(result["exact"]) == 10
