@@ -194,6 +194,16 @@ def test_image_mean_std_and_interpolation_reach_the_patches() -> None:
         _config("--image-std", "0", "1", "1")
 
 
+def test_image_interpolation_random_is_refused_in_one_line_naming_the_flag(tmp_path,
+                                                                            capsys: pytest.CaptureFixture) -> None:
+    """OpenCLIP's (timm's) `random` draws bilinear or bicubic per image at evaluation too; refused in one line, not
+    argparse's usage block."""
+    assert main(["train", "--logs", str(tmp_path), "--image-interpolation", "random"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("naflexclip train: error: --image-interpolation: 'random'"), err
+    assert not any(tmp_path.iterdir())
+
+
 def test_aug_cfg_shapes_the_train_crop_and_refuses_other_keys() -> None:
     """--aug-cfg scale=(.25, .25) ratio=(1, 1): every train crop is a square quarter of the image (drawn from the
     microbatch's rng as timm's RandomResizedCropToSequence draws); keys the NaFlex crop does not take: one line."""

@@ -112,7 +112,8 @@ class DataConfig:
                 setattr(self, key, value)
         if self.image_interpolation not in (None, "bicubic", "bilinear"):
             raise ValueError(f"--image-interpolation: {self.image_interpolation!r} is not one of "
-                             f"['bicubic', 'bilinear'] (OpenCLIP's 'random' is not supported)")
+                             "['bicubic', 'bilinear'] (OpenCLIP's 'random', timm's choice per image, would make "
+                             "evaluation differ from run to run)")
 
     def __post_init__(self) -> None:
         self._check_image_overrides()

@@ -307,7 +307,8 @@ def add_model_override_args(parser: argparse.ArgumentParser) -> None:
                    help="per-channel mean the patches are normalised with (1 or 3 values; default: the model's own, "
                         "OpenAI CLIP's for the presets); train, validation and zero-shot alike")
     i.add_argument("--image-std", type=float, nargs="+", default=None, metavar="STD", help="the same for the std")
-    i.add_argument("--image-interpolation", default=None, choices=("bicubic", "bilinear"),
+    # no argparse choices: a bad value is DataConfig's one line (OpenCLIP's `random` among them), not a usage block
+    i.add_argument("--image-interpolation", default=None, metavar="{bicubic,bilinear}",
                    help="the resize to the patch budget (default: the model's own, bicubic for the presets)")
     i.add_argument("--aug-cfg", nargs="*", default=[], metavar="KEY=VALUE",
                    help="the train crop (timm's RandomResizedCropToSequence; turns --augment on): scale=(lo, hi) of "
