@@ -5,6 +5,7 @@ own tokens; a teacher with the student's processing gets nothing extra; what can
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from naflexclip import create_model
 from naflexclip.batch import TEACHER_INPUTS
 from naflexclip.data import DataConfig, TeacherInputs, build_loader, default_processing, tokenize
 from naflexclip.data.microbatch import split_rows
+from naflexclip.data.samples import SkipSample
 from naflexclip.data.synthetic import synthetic_sample
 from naflexclip.distill import teacher_inputs
 
@@ -118,3 +120,29 @@ def test_with_several_captions_per_image_the_teacher_gets_every_caption() -> Non
         assert own["image"]["patches"].shape[0] == len(item["keys"]) < own["text"].shape[0] == item["text"].shape[0]
         pieces = split_rows(item, 2)
         assert [p[TEACHER_INPUTS]["text"].shape[0] for p in pieces] == [p["text"].shape[0] for p in pieces]
+
+
+def test_a_sample_the_teachers_transform_skips_is_left_out_of_both_inputs() -> None:
+    class SkipsEveryOther:  # a teacher's transform that finds every other image unusable
+        def __init__(self) -> None:
+            self.inner, self.calls = default_processing(16).transform, 0
+
+        def target_hw(self, image_hw: tuple[int, int], seq_len: int) -> tuple[int, int]:
+            return self.inner.target_hw(image_hw, seq_len)
+
+        def __call__(self, image, seq_len):
+            self.calls += 1
+            if self.calls % 2 == 0:
+                raise SkipSample("degenerate_image", "the teacher's transform")
+            return self.inner(image, seq_len)
+
+    processing = dataclasses.replace(default_processing(16), transform=SkipsEveryOther())
+    loader = build_loader(DataConfig(**DATA), split="train", patch_size=4, context_length=16,
+                          teacher=TeacherInputs(processing, patch_size=16, context_length=32))
+    rows = 0
+    for item in loader:
+        own = item[TEACHER_INPUTS]
+        assert item["image"]["patches"].shape[0] == own["image"]["patches"].shape[0] == len(item["keys"])
+        assert item["text"].shape[0] == own["text"].shape[0] == len(item["keys"])
+        rows += len(item["keys"])
+    assert 0 < rows < 24 and loader.skip_counts["degenerate_image"] == 24 - rows

@@ -119,12 +119,13 @@ class MicrobatchBuilder:
                 if not self.multi_caption:
                     captions = [one_caption(caption, seed_key[0], seed_key[1], raw.key)]
                 draws = None if rng is None or self.teacher is None else rng.getstate()
-                pixels.append(transform(image, planned.seq_len) if rng is None
-                              else transform(image, planned.seq_len, rng))
+                patched = (transform(image, planned.seq_len) if rng is None
+                           else transform(image, planned.seq_len, rng))
                 if self.teacher is not None:  # the same crop: the student's draws, replayed
-                    teacher_pixels.append(self.teacher.processing.transform(image, planned.seq_len) if draws is None
-                                          else self.teacher.processing.transform(image, planned.seq_len,
-                                                                                 _replayed(draws)))
+                    own = self.teacher.processing.transform
+                    teacher_pixels.append(own(image, planned.seq_len) if draws is None
+                                          else own(image, planned.seq_len, _replayed(draws)))
+                pixels.append(patched)  # after the teacher's: a sample either transform skips is in neither list
             except SkipSample as skip:
                 records.append(skip_record(source, key, line, skip.reason, str(skip)))
                 continue
