@@ -155,9 +155,8 @@ def test_epoch_remainder_is_folded_in(tmp_path):
     assert keys == Counter(f"i{i}.png" for i in range(7)) and not counts
     # fewer samples than ranks: nobody can read them without leaving a rank empty; training refuses such an
     # epoch (it would train nothing), a split read on several ranks names them
-    cfg.train_num_samples = 2
-    with pytest.raises(DataError, match="2 usable samples for 3 ranks"):
-        build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT, rank=0, world_size=3)
+    with pytest.raises(DataError, match="7 usable samples for 8 ranks"):
+        build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT, rank=0, world_size=8)
     cfg.val_data, cfg.val_num_samples = cfg.train_data, 2
     loaders = [build_loader(cfg, split="val", patch_size=PATCH, context_length=CONTEXT, rank=r, world_size=3)
                for r in range(3)]
@@ -181,6 +180,23 @@ def test_train_num_samples_means_what_it_says(tmp_path):
     cfg.train_num_samples = 100  # more than there is: copies would meet in a window, so it is refused
     with pytest.raises(DataError, match=r"--train-num-samples 100 is more than the 8 usable samples"):
         build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT)
+
+
+def test_train_num_samples_on_a_csv_is_ignored_as_openclip_does(tmp_path, caplog):
+    """OpenCLIP's CSV epoch is the whole file (its map-style NaFlex loader never reads --train-num-samples); a
+    smaller value here trained a random subset. Now the whole file, every epoch, with one line saying so."""
+    cfg, usable, _ = corpus("csv", tmp_path)
+    rows = build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT).num_samples
+    for requested in (3, 100):
+        cfg.train_num_samples = requested
+        with caplog.at_level("WARNING", logger="naflexclip.data"):
+            loader = build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT)
+        assert loader.num_samples == rows
+        assert sorted(k for b in loader for k in b["keys"]) == sorted(usable)
+        notes = [r.getMessage() for r in caplog.records if "--train-num-samples" in r.getMessage()]
+        assert notes == [f"--train-num-samples {requested}: ignored for a CSV, as OpenCLIP does (an epoch is the "
+                         f"whole file, its {rows} samples)"], notes
+        caplog.clear()
 
 
 # -- resume ---------------------------------------------------------------------------------------

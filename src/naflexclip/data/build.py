@@ -184,6 +184,12 @@ def build_loader(
         loader = _shard_loader(cfg, path, urls, ids, requested, flag, resampled, factors, common)
     else:
         source = _map_source(cfg, split, kind, path, urls)
+        if train and kind == "csv" and requested is not None:
+            # OpenCLIP's NaFlex CSV loader never reads --train-num-samples: an epoch is the whole file
+            if rank == 0:
+                logger.warning("%s %d: ignored for a CSV, as OpenCLIP does (an epoch is the whole file, its %d "
+                               "samples)", flag, requested, len(source))
+            requested = None
         if requested is not None and requested > len(source):
             # an epoch longer than the data would put copies of one pair into the same window, as each
             # other's negatives; a shorter one takes a fresh random subset of the usable samples each epoch

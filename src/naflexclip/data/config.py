@@ -279,7 +279,8 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--workers", type=int, default=2, help="DataLoader worker processes per rank")
     group.add_argument("--train-num-samples", type=int, default=None,
                        help="samples per epoch: a fresh random subset of the usable samples each epoch (at most "
-                            "their number); required for streamed shards (pipe:, URLs) without a sizes.json")
+                            "their number); required for streamed shards (pipe:, URLs) without a sizes.json; "
+                            "ignored for a CSV (OpenCLIP's: an epoch is the whole file)")
     group.add_argument("--val-num-samples", type=int, default=None)
     group.add_argument("--shuffle-buffer", type=int, default=1000,
                        help="shuffle buffer (samples) of streamed shards; local .tar shards are indexed instead")
