@@ -403,6 +403,7 @@ def _error(command: str, message: str) -> int:
 
 def run_train(args: argparse.Namespace) -> int:
     """Handler of `naflexclip train`."""
+    from .evaluate_only import evaluate_once, evaluation_only
     from .loop import train  # torch-heavy imports only when the command runs
     from .stop import TrainingInterrupted, TrainingStopped
 
@@ -415,6 +416,18 @@ def run_train(args: argparse.Namespace) -> int:
     if cfg.fsdp and world_size < 2:
         return _error("train", "--fsdp: shards the model over the job's processes, but this is one process; "
                                "launch with torchrun --nproc-per-node N (N >= 2), srun or mpirun, or drop --fsdp")
+    if evaluation_only(cfg):  # OpenCLIP's evaluation-only command: no --train-data, --val-data
+        if world_size > 1:
+            return _error("train", "no --train-data: evaluating --val-data runs in one process; launch it without "
+                                   "torchrun, srun or mpirun")
+        _say("naflexclip train: no --train-data: evaluating --val-data once, as OpenCLIP does (nothing is trained "
+             "or saved)")
+        try:
+            metrics = evaluate_once(cfg, notify=lambda line: _say(f"naflexclip train: {line}"))
+        except (ValueError, DataError, FileNotFoundError) as error:
+            return _error("train", str(error).splitlines()[0] if str(error) else type(error).__name__)
+        print(json.dumps(metrics, indent=1))
+        return 0
     try:
         train(cfg)
     except TrainingInterrupted as stop:  # the shell's convention: 128 + the signal's number

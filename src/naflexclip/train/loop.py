@@ -25,7 +25,6 @@ from naflexclip.data.transform import Processing
 from naflexclip.distill import Distill
 from naflexclip.distributed import DistributedEnv, barrier, cleanup, init_distributed, run_on_main, share_from_main
 from naflexclip.exchange import window_exchange
-from naflexclip.factory import create_model
 from naflexclip.families import data_processing
 from naflexclip.lock import Locks, lock_summary
 from naflexclip.loss import MultiPositiveLoss, create_loss
@@ -44,6 +43,7 @@ from naflexclip.train.components import (
 )
 from naflexclip.train.config import TrainConfig
 from naflexclip.train.evaluate import Evaluator
+from naflexclip.train.evaluate_only import create_run_model
 from naflexclip.train.grouping import window_sizes
 from naflexclip.train.openclip_flags import first_lines
 from naflexclip.train.optim import LrSchedule, create_optimizer, describe_param_groups
@@ -63,15 +63,10 @@ class Trainer:
         if cfg.name is None:
             raise ValueError("the run has no name: train() decides it on rank 0 before building the Trainer")
         self.cfg, self.env = cfg, env
-        seed_everything(cfg.seed)  # the same initial weights on every rank (FSDP2 does not broadcast them)
         self.precision = create_precision(cfg.precision, env.device)
-        # --model NAME with --pretrained weights (a preset with --pretrained DIR: the directory's architecture)
-        model = create_model(cfg.model, pretrained=cfg.pretrained, cache_dir=cfg.cache_dir, loss=cfg.loss)
-        overrides = cfg.model_overrides(model.image_patch_size)  # --force-*: rebuilt with them
-        if overrides:
-            seed_everything(cfg.seed)  # the same initial weights as one build would draw
-            model = create_model(cfg.model, pretrained=cfg.pretrained, cache_dir=cfg.cache_dir, loss=cfg.loss,
-                                 **overrides)
+        # --model NAME with --pretrained weights (a preset with --pretrained DIR: the directory's architecture), the
+        # --force-* overrides; seeded: the same initial weights on every rank (FSDP2 does not broadcast them)
+        model = create_run_model(cfg)
         # SigLIP 2's recipe: a fresh LocCa decoder beside the towers (also with --pretrained towers), drawn after them
         recipe = Recipe.pick(cfg)
         locks = Locks.pick(cfg)
