@@ -12,6 +12,7 @@ per patch (where the class-balanced probe lands on features that say nothing abo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
 from typing import Any
@@ -44,29 +45,41 @@ def patch_labels(labels: np.ndarray, patch_coord: torch.Tensor, num_classes: int
     return grid[patch_coord[:, 0], patch_coord[:, 1]]
 
 
+@functools.lru_cache(maxsize=4)
+def _scene_batches(seed: int, split: str, count: int, seq_len: int, patch_size: int, hf_processor: str | None,
+                   overrides: tuple[tuple[str, Any], ...]) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    """The first `count` built-in scenes of `split` as NaFlex image batches (CPU) with each patch's class: the same at
+    every evaluation of a run, so made once."""
+    processing = data_processing(hf_processor, patch_size, **dict(overrides))
+    batches = []
+    for start in range(0, count, SCENES_PER_FORWARD):
+        samples, labels = [], []
+        for index in range(start, min(count, start + SCENES_PER_FORWARD)):
+            img, pixel_labels = synthetic_segmentation(seed, split, index)
+            patches, coord = processing.transform(img, seq_len)
+            samples.append((patches, coord))
+            labels.append(patch_labels(pixel_labels, coord, len(SEGMENTATION_CLASSES)))
+        batches.append((processing.collate(samples, seq_len, patch_size), torch.cat(labels)))
+    return batches
+
+
 @torch.no_grad()
 def scene_patch_features(model: nn.Module, data: DataConfig, split: str, count: int, device: torch.device,
                          autocast: Callable[[], ContextManager[Any]]) -> tuple[torch.Tensor, torch.Tensor]:
     """The frozen tower's patch tokens `[patches, width]` (float64, CPU) of the first `count` built-in scenes of
     `split`, at the largest --naflex-seq-lens with the model's processing, and each patch's class `[patches]`."""
-    seq_len = max(data.naflex_seq_lens)
-    patch_size = model.image_patch_size
-    processing = data_processing(data.hf_processor, patch_size, **data.image_overrides())
+    overrides = tuple(sorted((key, tuple(value) if isinstance(value, list) else value)
+                             for key, value in data.image_overrides().items()))
     features, classes = [], []
-    for start in range(0, count, SCENES_PER_FORWARD):
-        samples, labels = [], []
-        for index in range(start, min(count, start + SCENES_PER_FORWARD)):
-            img, pixel_labels = synthetic_segmentation(data.synthetic_seed, split, index)
-            patches, coord = processing.transform(img, seq_len)
-            samples.append((patches, coord))
-            labels.append(patch_labels(pixel_labels, coord, len(SEGMENTATION_CLASSES)))
-        image = {key: value.to(device) for key, value in processing.collate(samples, seq_len, patch_size).items()}
+    for batch, labels in _scene_batches(data.synthetic_seed, split, count, max(data.naflex_seq_lens),
+                                        model.image_patch_size, data.hf_processor, overrides):
+        image = {key: value.to(device) for key, value in batch.items()}
         with autocast():
             _, tokens, _ = model.encode_image_tokens(image)
         valid = image["patch_valid"]
         prefix = tokens.shape[1] - valid.shape[1]
         features.append(tokens[:, prefix:][valid].double().cpu())
-        classes.append(torch.cat(labels))
+        classes.append(labels)
     return torch.cat(features), torch.cat(classes)
 
 
