@@ -82,10 +82,7 @@ def _shard_loader(cfg: DataConfig, path: str, urls: list[str], ids: np.ndarray, 
     sources = path.split("::")
     shards = ShardSet(shard_sizes, ids, tuple(sources))
     if requested is not None and requested > len(source) and not (resampled or factors is not None):
-        # an epoch longer than the data would put copies of one pair into the same window, as each
-        # other's negatives; a shorter one takes a fresh random subset of the usable samples each epoch
-        raise DataError(f"{flag} {requested} is more than the {len(source)} usable samples of {source.name!r}; "
-                        f"an epoch reads each sample once: omit {flag} or pass at most {len(source)}")
+        raise _more_than_the_data(cfg, flag, requested, source)
     if sizes is None and not resampled and factors is None:
         return MapLoader(source, samples_per_epoch=requested, **common)
     try:
@@ -98,6 +95,17 @@ def _shard_loader(cfg: DataConfig, path: str, urls: list[str], ids: np.ndarray, 
         logger.warning("data %s epoch 0: %s", common["split"], ", ".join(
             f"{name} {count} samples" for name, count in loader.planned_sources.items()))
     return loader
+
+
+def _more_than_the_data(cfg: DataConfig, flag: str, requested: int, source: Source) -> DataError:
+    """An epoch longer than the data would put copies of one pair into the same window, as each other's negatives
+    (a shorter one takes a fresh random subset of the usable samples each epoch): one line naming the flag."""
+    if flag == "--naflex-num-train-image-tokens":
+        return DataError(f"{flag} {cfg.naflex_num_train_image_tokens} plans {requested} samples, more than the "
+                         f"{len(source)} usable samples of {source.name!r}; an epoch reads each sample once: pass a "
+                         "smaller budget")
+    return DataError(f"{flag} {requested} is more than the {len(source)} usable samples of {source.name!r}; an epoch "
+                     f"reads each sample once: omit {flag} or pass at most {len(source)}")
 
 
 def _processing(cfg: DataConfig, processing: Processing | None, patch_size: int, augment: bool) -> Processing:
@@ -148,8 +156,7 @@ def build_loader(
     resampled = train and cfg.dataset_resampled
     factors = cfg.upsampling_factors() if train else None
     processing = _processing(cfg, processing, patch_size, augment=cfg.augment and train)
-    requested = cfg.train_num_samples if train else cfg.val_num_samples
-    flag = f"--{split}-num-samples"
+    requested, flag = cfg.train_samples_requested() if train else (cfg.val_num_samples, "--val-num-samples")
     common: dict[str, Any] = dict(
         split=split, budget=cfg.token_budget() if train else cfg.token_budget().at_longest(),
         builder=MicrobatchBuilder(patch_size=patch_size, context_length=context_length, processing=processing,
@@ -184,17 +191,14 @@ def build_loader(
         loader = _shard_loader(cfg, path, urls, ids, requested, flag, resampled, factors, common)
     else:
         source = _map_source(cfg, split, kind, path, urls)
-        if train and kind == "csv" and requested is not None:
+        if train and kind == "csv" and requested is not None and flag == "--train-num-samples":
             # OpenCLIP's NaFlex CSV loader never reads --train-num-samples: an epoch is the whole file
             if rank == 0:
                 logger.warning("%s %d: ignored for a CSV, as OpenCLIP does (an epoch is the whole file, its %d "
                                "samples)", flag, requested, len(source))
             requested = None
         if requested is not None and requested > len(source):
-            # an epoch longer than the data would put copies of one pair into the same window, as each
-            # other's negatives; a shorter one takes a fresh random subset of the usable samples each epoch
-            raise DataError(f"{flag} {requested} is more than the {len(source)} usable samples of {source.name!r}; "
-                            f"an epoch reads each sample once: omit {flag} or pass at most {len(source)}")
+            raise _more_than_the_data(cfg, flag, requested, source)
         loader = MapLoader(source, samples_per_epoch=requested, **common)
     if train:
         _check_trainable(loader, world_size)

@@ -14,7 +14,7 @@ from typing import Any
 
 from naflexclip.data.readers import MemberKeys
 from naflexclip.data.samples import JsonCaption
-from naflexclip.data.schedule import PatchSizes, TokenBudget
+from naflexclip.data.schedule import PatchSizes, TokenBudget, samples_for_image_tokens
 from naflexclip.data.synthetic import SHAPES
 
 DATASET_TYPES = ("synthetic", "webdataset", "csv", "folder", "auto")
@@ -63,6 +63,8 @@ class DataConfig:
     # a caption file (a folder's .txt, a shard's text member) holds one caption per non-empty line
     caption_per_line: bool = False
     train_num_samples: int | None = None
+    # OpenCLIP's --naflex-num-train-image-tokens: the epoch sized by image tokens (`samples_for_image_tokens`)
+    naflex_num_train_image_tokens: int | None = None
     val_num_samples: int | None = None
     shuffle_buffer: int = 1000
     augment: bool = False
@@ -138,6 +140,13 @@ class DataConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        tokens = self.naflex_num_train_image_tokens
+        if tokens is not None:
+            if tokens < 1:
+                raise ValueError(f"--naflex-num-train-image-tokens must be >= 1, got {tokens}")
+            if self.train_num_samples is not None:  # OpenCLIP: "Specify only one of"
+                raise ValueError(f"--naflex-num-train-image-tokens {tokens}: sizes the epoch by image tokens; drop "
+                                 f"--train-num-samples {self.train_num_samples} (OpenCLIP takes one of them)")
         if not self.csv_separator:
             raise ValueError("--csv-separator must not be empty")
         if self.shuffle_buffer < 0:
@@ -222,6 +231,14 @@ class DataConfig:
             return None
         return JsonCaption(split_keys(self.json_text_key), self.json_text_key_probs)
 
+    def train_samples_requested(self) -> tuple[int | None, str]:
+        """The samples an epoch of the train split is asked to hold, and the flag that asks (None: the data's own):
+        --train-num-samples, or the samples --naflex-num-train-image-tokens' token budget plans."""
+        tokens = self.naflex_num_train_image_tokens
+        if tokens is None:
+            return self.train_num_samples, "--train-num-samples"
+        return samples_for_image_tokens(tokens, self.token_budget(), seed=self.seed), "--naflex-num-train-image-tokens"
+
     def token_budget(self) -> TokenBudget:
         """How microbatches are sized: the `--naflex-*` flags as one `TokenBudget`."""
         return TokenBudget(self.naflex_seq_lens, self.naflex_max_tokens_per_batch, self.naflex_seq_len_probs,
@@ -281,6 +298,9 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
                        help="samples per epoch: a fresh random subset of the usable samples each epoch (at most "
                             "their number); required for streamed shards (pipe:, URLs) without a sizes.json; "
                             "ignored for a CSV (OpenCLIP's: an epoch is the whole file)")
+    group.add_argument("--naflex-num-train-image-tokens", type=int, default=None, metavar="TOKENS",
+                       help="an epoch of training is the samples whose planned microbatches hold this many image "
+                            "tokens, as OpenCLIP plans them (instead of --train-num-samples)")
     group.add_argument("--val-num-samples", type=int, default=None)
     group.add_argument("--shuffle-buffer", type=int, default=1000,
                        help="shuffle buffer (samples) of streamed shards; local .tar shards are indexed instead")
@@ -350,6 +370,7 @@ def data_config_from_args(args: argparse.Namespace) -> DataConfig:
         synthetic_multi_caption=args.synthetic_multi_caption,
         caption_per_line=args.caption_per_line,
         train_num_samples=args.train_num_samples,
+        naflex_num_train_image_tokens=args.naflex_num_train_image_tokens,
         val_num_samples=args.val_num_samples,
         shuffle_buffer=args.shuffle_buffer,
         augment=args.augment,

@@ -278,6 +278,31 @@ def build_schedule(num_samples: int, budget: TokenBudget, *, seed: int = 0, epoc
     return Schedule(0, steps, 0, tail)
 
 
+def samples_for_image_tokens(num_tokens: int, budget: TokenBudget, *, seed: int) -> int:
+    """OpenCLIP's --naflex-num-train-image-tokens: the samples of an epoch whose microbatches hold `num_tokens`
+    image tokens (rows x sequence length), counted as OpenCLIP's NaFlexBatchScheduler plans them for one process:
+    each microbatch's length drawn (here from (seed, epoch 0), as `SeqLenDraws`), its rows those of the token budget,
+    or of the tokens left once fewer than --naflex-max-tokens-per-batch are (at least 1), until none are left. Every
+    epoch is this many samples, at any world size."""
+    if num_tokens < 1:
+        raise ValueError(f"--naflex-num-train-image-tokens must be >= 1, got {num_tokens}")
+    draws = SeqLenDraws(budget, seed, 0)
+    full_tokens = draws.rows * draws.lens  # a whole microbatch's tokens at each length
+    samples, done, i = 0, 0, 0
+    while num_tokens - done >= budget.max_tokens:  # whole microbatches, a chunk of draws at a time
+        chunk = max(256, (num_tokens - done) // int(full_tokens.min()) + 1)
+        choice = draws.first(i + chunk)[i:].astype(np.int64)
+        before = done + np.concatenate([[0], np.cumsum(full_tokens[choice])[:-1]])  # tokens before each one
+        whole = int(np.searchsorted(before, num_tokens - budget.max_tokens, side="right"))
+        samples += int(draws.rows[choice[:whole]].sum())
+        done, i = done + int(full_tokens[choice[:whole]].sum()), i + whole
+    while done < num_tokens:  # fewer tokens left than a microbatch holds: its rows are those of what is left
+        seq_len = draws(i)
+        rows = max(1, (num_tokens - done) // seq_len // budget.divisor * budget.divisor)
+        samples, done, i = samples + rows, done + rows * seq_len, i + 1
+    return samples
+
+
 def worker_batches(schedule: Sequence[ScheduledBatch], worker_id: int, num_workers: int, start_batch: int = 0
                    ) -> Iterator[ScheduledBatch]:
     """The batches worker `worker_id` of `num_workers` builds, from `start_batch` on (round-robin)."""

@@ -50,8 +50,9 @@ POLICY: dict[str, tuple[str, str]] = {
     # what the saved data position means: the sample order and the batch plan of every epoch
     **{f"data.{key}": (REFUSE, _DATA_ORDER) for key in (
         "train_data", "dataset_type", "csv_img_key", "csv_caption_key", "csv_separator", "seed", "synthetic_seed",
-        "synthetic_train_size", "synthetic_shape_group_size", "train_num_samples", "shuffle_buffer",
-        "naflex_seq_lens", "naflex_seq_len_probs", "naflex_max_tokens_per_batch", "naflex_batch_divisor")},
+        "synthetic_train_size", "synthetic_shape_group_size", "train_num_samples",
+        "naflex_num_train_image_tokens", "shuffle_buffer", "naflex_seq_lens", "naflex_seq_len_probs",
+        "naflex_max_tokens_per_batch", "naflex_batch_divisor")},
     **{key: (RESCHEDULE, "") for key in ("lr", "warmup", "epochs", "accum_freq")},
     # ---- optimizer and schedule flags (issue 22) ----
     # another optimizer's state, or other parameter groups (layer decay, --wd-exclude), cannot be loaded
