@@ -28,15 +28,13 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import resource
-import statistics
-import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from unittest import mock
 
 import torch
 import torch.nn.functional as F
-from measure import in_subprocess
+from measure import alternating_medians, in_subprocess
 
 import naflexclip.model
 from naflexclip import accumulate_gradients, create_loss
@@ -116,14 +114,7 @@ def _time_all(config: dict, queue: mp.Queue) -> None:
     """Median seconds per window of every row, alternating round by round in one process, and the teacher's
     forwards of each."""
     steps = {row: _setup(config, row)[0] for row in ROWS}
-    forwards = {row: step() for row, step in steps.items()}  # warm-up: allocates the .grad buffers
-    times: dict[str, list[float]] = {row: [] for row in ROWS}
-    for _ in range(config["repeats"]):
-        for row, step in steps.items():
-            start = time.perf_counter()
-            step()
-            times[row].append(time.perf_counter() - start)
-    queue.put(({row: statistics.median(t) for row, t in times.items()}, forwards))
+    queue.put(alternating_medians(steps, config["repeats"], torch.device(config["device"])))
 
 
 def _peak_memory(config: dict, row: str, queue: mp.Queue) -> None:
