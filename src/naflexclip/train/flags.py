@@ -16,7 +16,8 @@ from naflexclip.model import PRESETS
 from naflexclip.recipe import Recipe, add_recipe_args
 from naflexclip.window import METHODS, SCALE_MODES
 
-from .config import DEFAULT_MODEL, DEMO_DEFAULTS, OPENCLIP_DEFAULTS, PRECISIONS, TrainConfig, parse_kwargs, shown_value
+from .config import DEFAULT_MODEL, PRECISIONS, TrainConfig
+from .openclip_defaults import DEMO_DEFAULTS, OPENCLIP_DEFAULTS, parse_kwargs, shown_value
 from .openclip_flags import refused_message
 
 DEFAULTS = TrainConfig.__dataclass_fields__  # one source of truth for the defaults shown in --help
@@ -26,7 +27,8 @@ DEFAULTS = TrainConfig.__dataclass_fields__  # one source of truth for the defau
 # 36-100 patches of 16 px keep their shapes legible; a 1024-token budget (windows of ~20-110 examples at
 # --accum-freq 2) gives ~260 optimizer steps. Scenes come in pairs that differ only in their shapes: without
 # these hard negatives colour alone matches nearly every pair in a window and zero-shot shape stays at
-# chance (docs/demo.md). The demo's values of OpenCLIP's flags are config.DEMO_DEFAULTS (--train-data: OpenCLIP's).
+# chance (docs/demo.md). The demo's values of OpenCLIP's flags are openclip_defaults.DEMO_DEFAULTS (--train-data:
+# OpenCLIP's).
 DEMO_DATA_DEFAULTS = {
     "synthetic_train_size": 3072,
     "synthetic_val_size": 256,

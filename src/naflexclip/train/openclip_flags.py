@@ -4,7 +4,7 @@ that groups the command's flags as OpenCLIP's and naflexclip's.
 Every flag of OpenCLIP's parser is one of:
 
 - accepted: the train parser has it, with OpenCLIP's meaning (and, with `--train-data`, OpenCLIP's default:
-  `config.OPENCLIP_DEFAULTS`);
+  `openclip_defaults.OPENCLIP_DEFAULTS`);
 - built in (`BUILT_IN`): accepted; what it asks for is what naflexclip always does, and one line at the start of
   the run says so;
 - refused (`REFUSED`, and any flag of the list no parser block has added yet): one line naming the flag and why.
@@ -206,7 +206,7 @@ def group_by_origin(parser: argparse.ArgumentParser) -> None:
 def first_lines(config: dict[str, Any]) -> list[str]:
     """The run's first lines (`config`: `TrainConfig.to_dict()`): its settings that differ from OpenCLIP's defaults
     (on the built-in dataset: the demo's), then what each built-in OpenCLIP flag given means here."""
-    from .config import openclip_differences
+    from .openclip_defaults import openclip_differences
 
     differences = openclip_differences(config)
     builtin_data = not config["data"].get("train_data")

@@ -26,7 +26,8 @@ from naflexclip.lock import Locks
 from naflexclip.model import weights_mismatch
 from naflexclip.train import checkpoint as storage
 from naflexclip.train.components import Checkpointer, Progress
-from naflexclip.train.config import TrainConfig, flag_name, flat_config, shown_setting, shown_setting_value
+from naflexclip.train.config import TrainConfig
+from naflexclip.train.openclip_defaults import flag_name, flat_config, shown_setting, shown_setting_value
 from naflexclip.train.optim import scheduled_lr
 from naflexclip.train.remote_sync import restore_from_backup
 from naflexclip.train.report import Reporter, run_exists
