@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 import naflexclip.verify as verify
+import naflexclip.window_audit as window_audit
 from naflexclip.cli import main
 from naflexclip.legacy import per_microbatch_scale_gradients
 
@@ -42,8 +43,8 @@ def test_verify_fails_with_the_per_microbatch_rule(monkeypatch, capsys):
                                        reference_batch_size=kwargs["reference_batch_size"])
         return stats
 
-    real = verify.accumulate_gradients
-    monkeypatch.setattr(verify, "accumulate_gradients", wrong_window)
+    real = window_audit.accumulate_gradients
+    monkeypatch.setattr(window_audit, "accumulate_gradients", wrong_window)
     assert main(["verify", "--splits", "1", "--accum-freq", "2", "--batch-size", "3"]) == 1
     assert "FAIL" in capsys.readouterr().out
 

@@ -5,290 +5,58 @@ sequences of varied lengths, or the first batches of `--train-data`), computes t
 `s(W)·∇θ L(W)` in float64, then accumulates the same examples split at random into `--accum-freq`
 microbatches with each chosen method, and prints the worst relative error per parameter group against
 the tolerances of docs/accumulation.md. For contrast it also runs OpenCLIP's per-microbatch rule on the same splits.
-Exit code 0 when every group passes, 1 otherwise.
+Exit code 0 when every group passes, 1 otherwise. The audit itself is `naflexclip.window_audit`, the random
+windows `naflexclip.random_windows`.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import math
-import random
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from naflexclip.batch import (
-    EXAMPLE_INPUTS,
-    GROUP_KEYS,
-    TEACHER_INPUTS,
-    batch_size,
-    concat_microbatches,
-    is_grouped,
-    split_batch,
-    teacher_inputs,
-    to_device,
-)
+from naflexclip.batch import EXAMPLE_INPUTS, TEACHER_INPUTS, batch_size, concat_microbatches, to_device
 from naflexclip.data import DataError, TeacherInputs, add_data_args, build_loader, data_config_from_args
 from naflexclip.distill import Distill, add_distill_args
 from naflexclip.distributed import DEVICE_CHOICES, check_device
 from naflexclip.factory import create_model
 from naflexclip.families import data_processing
-from naflexclip.legacy import per_microbatch_scale_gradients
 from naflexclip.locca import random_decoder_inputs
 from naflexclip.lock import Locks, add_lock_args, lock_summary
 from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES, MULTI_POSITIVE_WEIGHTINGS, MultiPositiveLoss, create_loss
 from naflexclip.model import PRESETS
+from naflexclip.random_windows import random_grouped_batch, random_naflex_batch, random_split_sizes
 from naflexclip.recipe import RECIPE_LOSS, Recipe, add_recipe_args
 from naflexclip.train.components import load_checkpoint_model
-from naflexclip.window import (
-    EXAMPLE_TERMS,
-    METHODS,
-    SCALE_MODES,
-    ExampleTerm,
-    accumulate_gradients,
-    output_dict,
-    window_loss_scale,
+from naflexclip.window import METHODS, SCALE_MODES
+from naflexclip.window_audit import (
+    FLOAT32_TOLERANCE,
+    FLOAT64_TOLERANCE,
+    POS_EMBED_TOLERANCE,
+    GroupResult,
+    VerifyResult,
+    collect_gradients,
+    full_batch_gradients,
+    gradient_errors,
+    parameter_group,
+    relative_error,
+    tolerance_for,
+    verify_window,
 )
 
-FLOAT64_TOLERANCE = 1e-10
-FLOAT32_TOLERANCE = 1e-4
-# timm's NaFlexVit resamples its learned position table in float32 even in a float64 model,
-# so that one tensor's gradient agrees only to ~1e-8 (docs/accumulation.md, Tolerances).
-POS_EMBED_TOLERANCE = 1e-6
-
-
-def tolerance_for(param_name: str, dtype: torch.dtype) -> float:
-    """The relative tolerance for one parameter's gradient (docs/accumulation.md, Tolerances)."""
-    if dtype != torch.float64:
-        return FLOAT32_TOLERANCE
-    return POS_EMBED_TOLERANCE if "pos_embed" in param_name else FLOAT64_TOLERANCE
-
-
-def relative_error(grad: torch.Tensor | None, reference: torch.Tensor | None) -> float:
-    """‖grad − reference‖ / ‖reference‖ (absolute when the reference is zero; None counts as zero)."""
-    if grad is None and reference is None:
-        return 0.0
-    grad = torch.zeros_like(reference) if grad is None else grad
-    reference = torch.zeros_like(grad) if reference is None else reference
-    diff = (grad.double() - reference.double()).norm().item()
-    ref_norm = reference.double().norm().item()
-    return diff / ref_norm if ref_norm > 0 else diff
-
-
-def parameter_group(name: str) -> str:
-    """Report group of a parameter: `visual.blocks`, `visual.embeds.pos_embed`, `text.transformer`, ..."""
-    if "pos_embed" in name:
-        return "visual.embeds.pos_embed"
-    parts = name.split(".")
-    return ".".join(parts[:2])
-
-
-def random_naflex_batch(
-    num_examples: int,
-    *,
-    patch_size: int,
-    context_length: int,
-    seq_lens: Sequence[int] = (4, 9, 16, 25, 36),
-    generator: torch.Generator | None = None,
-    dtype: torch.dtype = torch.float64,
-    vocab_size: int = 49408,
-) -> dict[str, Any]:
-    """A NaFlex batch of random images with varied grids (each ≤ a length from `seq_lens`) and random
-    token ids ending in the end-of-text token, padded to the longest sequence."""
-    gen = generator or torch.Generator().manual_seed(0)
-    max_len = max(seq_lens)
-    dim = patch_size * patch_size * 3
-    patches = torch.zeros(num_examples, max_len, dim, dtype=dtype)
-    coords = torch.zeros(num_examples, max_len, 2, dtype=torch.long)
-    valid = torch.zeros(num_examples, max_len, dtype=torch.bool)
-    text = torch.zeros(num_examples, context_length, dtype=torch.long)
-    for row in range(num_examples):
-        budget = seq_lens[int(torch.randint(len(seq_lens), (1,), generator=gen))]
-        # a random aspect ratio whose grid fits the budget, as NaFlex resizing produces
-        height = int(torch.randint(1, budget + 1, (1,), generator=gen))
-        width = max(1, budget // height)
-        length = height * width
-        grid = torch.stack(torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij"), -1)
-        patches[row, :length] = torch.randn(length, dim, generator=gen, dtype=dtype)
-        coords[row, :length] = grid.reshape(length, 2)
-        valid[row, :length] = True
-        num_tokens = int(torch.randint(2, context_length + 1, (1,), generator=gen))
-        text[row, 0] = vocab_size - 2  # start of text
-        text[row, 1 : num_tokens - 1] = torch.randint(1, vocab_size - 2, (num_tokens - 2,), generator=gen)
-        text[row, num_tokens - 1] = vocab_size - 1  # end of text: open_clip pools at the argmax id
-    longest = int(valid.sum(1).max())
-    image = {"patches": patches[:, :longest], "patch_coord": coords[:, :longest], "patch_valid": valid[:, :longest]}
-    return {"image": image, "text": text}
-
-
-def random_grouped_batch(num_images: int, *, max_captions: int = 3, generator: torch.Generator | None = None,
-                         **kwargs: Any) -> dict[str, Any]:
-    """A grouped NaFlex batch: `num_images` random images, each with 1 to `max_captions` random captions (its
-    group), the captions in image order; group ids `image_group [N]`, `text_group [M]` (arbitrary integers)."""
-    gen = generator or torch.Generator().manual_seed(0)
-    captions = torch.randint(1, max_captions + 1, (num_images,), generator=gen)
-    images = random_naflex_batch(num_images, generator=gen, **kwargs)
-    texts = random_naflex_batch(int(captions.sum()), generator=gen, **kwargs)["text"]
-    ids = torch.randperm(10 * num_images, generator=gen)[:num_images]
-    return {"image": images["image"], "text": texts, "image_group": ids,
-            "text_group": torch.repeat_interleave(ids, captions)}
-
-
-def random_split_sizes(num_examples: int, num_microbatches: int, rng: random.Random) -> list[int]:
-    """Uneven sizes ≥ 1 summing to `num_examples` (a random composition)."""
-    if not 1 <= num_microbatches <= num_examples:
-        raise ValueError(f"cannot split {num_examples} examples into {num_microbatches} non-empty microbatches")
-    cuts = sorted(rng.sample(range(1, num_examples), num_microbatches - 1))
-    bounds = [0, *cuts, num_examples]
-    return [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-
-
-def full_batch_gradients(
-    model: nn.Module, loss_fn: nn.Module, batch: dict[str, Any], scale: float, teacher: nn.Module | None = None,
-    example_terms: Sequence[ExampleTerm] = (),
-    example_teacher: Any = None,
-) -> dict[str, torch.Tensor]:
-    """The reference: `scale · ∇θ L` of all rows as one batch, by one explicit backward (with a teacher: L the
-    sum of `loss_fn`'s terms, the teacher's features of the whole batch as constants; with per-example terms,
-    `+ Σ_k λ_k/Z_k Σ_i ℓ_k(i)`, Z_k the batch's count)."""
-    model.zero_grad(set_to_none=True)
-    targets = {}
-    if example_teacher is not None:  # the EMA teacher's targets of the whole batch, constants
-        with torch.no_grad():
-            targets = {"teacher_targets": example_teacher(image=batch["image"])}
-    out = output_dict(model(image=batch["image"], text=batch["text"],
-                            **(batch.get(EXAMPLE_INPUTS, {}) if example_terms else {}), **targets))
-    taught: tuple[Any, ...] = ()
-    if teacher is not None:
-        with torch.no_grad():
-            teacher_out = output_dict(teacher.eval()(**teacher_inputs(batch)))
-        taught = tuple(teacher_out.get(key) for key in ("image_features", "text_features", "logit_scale",
-                                                          "logit_bias"))
-    if is_grouped(batch):  # several captions per image: the group ids of the whole batch
-        taught += tuple(batch[key] for key in GROUP_KEYS)
-    loss = loss_fn(out["image_features"], out["text_features"], out["logit_scale"], out.get("logit_bias"), *taught)
-    loss = loss.sum() + sum(term.weight * out[EXAMPLE_TERMS][term.name].sum() / term.count(batch)
-                            for term in example_terms)
-    (scale * loss).backward()
-    return collect_gradients(model)
-
-
-def collect_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        name: p.grad.detach().clone()
-        for name, p in model.named_parameters()
-        if p.requires_grad and p.grad is not None
-    }
-
-
-def gradient_errors(
-    model: nn.Module, grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]
-) -> dict[str, float]:
-    """Relative error per parameter name."""
-    names = [name for name, p in model.named_parameters() if p.requires_grad]
-    return {name: relative_error(grads.get(name), reference.get(name)) for name in names}
-
-
-@dataclass
-class GroupResult:
-    group: str
-    num_params: int
-    worst_error: float
-    tolerance: float
-    legacy_error: float
-
-    @property
-    def passed(self) -> bool:
-        return self.worst_error <= self.tolerance
-
-
-@dataclass
-class VerifyResult:
-    groups: list[GroupResult]
-    splits: list[list[int]]
-    scale: float
-    loss: float
-
-    @property
-    def passed(self) -> bool:
-        return all(g.passed for g in self.groups)
-
-
-def verify_window(
-    model: nn.Module,
-    loss_fn: nn.Module,
-    batch: dict[str, Any],
-    *,
-    accum_freq: int,
-    reference_batch_size: int | None,
-    loss_scale: str,
-    methods: Sequence[str],
-    num_splits: int,
-    seed: int,
-    first_split: list[int] | None = None,
-    grad_checkpointing: bool = False,
-    teacher: nn.Module | None = None,
-    example_terms: Sequence[ExampleTerm] = (),
-    example_teacher: Any = None,
-) -> VerifyResult:
-    """Compare accumulated gradients of splits of `batch` (`first_split`, e.g. the loader's own, then
-    random ones) with its full-batch reference. `grad_checkpointing`: the windows recompute the towers'
-    activations (`model.set_grad_checkpointing`), the reference does not."""
-    dtype = next(model.parameters()).dtype
-    num_examples = batch_size(batch)
-    rng = random.Random(seed)
-    splits = [random_split_sizes(num_examples, accum_freq, rng) for _ in range(num_splits)]
-    if first_split is not None:
-        splits = [list(first_split), *splits[:-1]]
-    scale = window_loss_scale(splits[0], reference_batch_size, loss_scale)
-    reference = full_batch_gradients(model, loss_fn, concat_microbatches(split_batch(batch, splits[0])), scale,
-                                     teacher, example_terms, example_teacher)
-    worst: dict[str, float] = {}
-    legacy_worst: dict[str, float] = {}
-    loss = math.nan
-    if grad_checkpointing:
-        model.set_grad_checkpointing(True)
-    for sizes in splits:
-        microbatches = split_batch(batch, sizes)
-        for method in methods:
-            model.zero_grad(set_to_none=True)
-            stats = accumulate_gradients(
-                model, loss_fn, microbatches, loss_scale=loss_scale,
-                reference_batch_size=reference_batch_size, method=method, teacher=teacher,
-                example_terms=example_terms, example_teacher=example_teacher,
-            )
-            loss = stats.loss
-            for name, err in gradient_errors(model, collect_gradients(model), reference).items():
-                worst[name] = max(worst.get(name, 0.0), err)
-        model.zero_grad(set_to_none=True)
-        per_microbatch_scale_gradients(
-            model, loss_fn, microbatches, loss_scale=loss_scale, reference_batch_size=reference_batch_size,
-            teacher=teacher, example_terms=example_terms, example_teacher=example_teacher,
-        )
-        for name, err in gradient_errors(model, collect_gradients(model), reference).items():
-            legacy_worst[name] = max(legacy_worst.get(name, 0.0), err)
-    if grad_checkpointing:
-        model.set_grad_checkpointing(False)
-    model.zero_grad(set_to_none=True)
-    return VerifyResult(_group_results(worst, legacy_worst, dtype), splits, scale, loss)
-
-
-def _group_results(worst: dict[str, float], legacy: dict[str, float], dtype: torch.dtype) -> list[GroupResult]:
-    groups: dict[str, GroupResult] = {}
-    for name, err in worst.items():
-        key = parameter_group(name)
-        g = groups.setdefault(key, GroupResult(key, 0, 0.0, tolerance_for(name, dtype), 0.0))
-        g.num_params += 1
-        g.worst_error = max(g.worst_error, err)
-        g.legacy_error = max(g.legacy_error, legacy.get(name, 0.0))
-    return list(groups.values())
+# re-exported: the random windows and the audit were this module's, and tests and benchmarks import them from here
+__all__ = ["FLOAT32_TOLERANCE", "FLOAT64_TOLERANCE", "POS_EMBED_TOLERANCE", "GroupResult", "VerifyResult",
+           "add_parser", "collect_gradients", "format_table", "full_batch_gradients", "gradient_errors",
+           "parameter_group", "random_grouped_batch", "random_naflex_batch", "random_split_sizes", "relative_error",
+           "run", "tolerance_for", "verify_window"]
 
 
 def format_table(result: VerifyResult) -> str:
+    """The report: per parameter group, the worst error, its tolerance and OpenCLIP's rule's."""
     header = (
         f"{'parameter group':<28} {'tensors':>7} {'max rel err':>12} {'tolerance':>10} {'':>5}  {'OpenCLIP rule':>13}"
     )
