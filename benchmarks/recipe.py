@@ -6,7 +6,7 @@ train mode, `--method`), built as tests/test_window_self_distill.py builds it, a
 
     sigmoid only     the pair loss (SigLIP's sigmoid loss)
     + LocCa decoder  the decoder's term: random decoder examples of every task, half parallel, at its full length
-    + EMA teacher    the teacher's forward once per microbatch without gradient, its targets kept for the window,
+    + EMA teacher    the teacher's forward once per microbatch without gradient, its features kept for the window,
                      and its EMA update after the window (the view seeds are not given: no student term yet)
     + local crops    the self-distillation term: `--local-crops` crops per image forwarded, backpropagated
                      (the model's student terms cut to their crops half, `crops_only`)
@@ -42,7 +42,15 @@ from naflexclip.batch import EXAMPLE_INPUTS, split_batch, to_device
 from naflexclip.locca import random_decoder_inputs
 from naflexclip.model import NaFlexClip, model_config
 from naflexclip.recipe import Recipe
-from naflexclip.selfdistill import SELF_DISTILL, STUDENT_TEMPERATURE, VIEW_SEED, _tower, _upcast, local_crops
+from naflexclip.selfdistill import (
+    SELF_DISTILL,
+    STUDENT_TEMPERATURE,
+    VIEW_SEED,
+    _tower,
+    _upcast,
+    local_crops,
+    teacher_distribution,
+)
 from naflexclip.train.precision import create_precision
 from naflexclip.verify import random_naflex_batch
 
@@ -60,7 +68,7 @@ def crops_only(visual: torch.nn.Module, heads: torch.nn.Module, image: dict[str,
     pooled, _ = _tower(visual, local_crops(image, view_seed, count))
     log_p = F.log_softmax(_upcast(heads.global_head(pooled)) / STUDENT_TEMPERATURE, dim=-1)
     owner = torch.arange(batch, device=log_p.device).repeat_interleave(count)
-    crop_ce = -(targets["global"][owner].to(log_p.dtype) * log_p).sum(-1)
+    crop_ce = -(teacher_distribution(targets, "global")[owner].to(log_p.dtype) * log_p).sum(-1)
     return {SELF_DISTILL: crop_ce.reshape(batch, count).sum(1)}
 
 

@@ -198,3 +198,28 @@ def test_train_takes_the_recipe_flags_and_refuses_what_it_cannot_combine_in_one_
     captured = capsys.readouterr()
     out = (captured.out + captured.err).strip()
     assert "--multi-positive with self-distillation or masked prediction" in out and out.count("\n") == 0
+
+
+def test_the_window_holds_per_microbatch_teacher_features_not_prototype_distributions():
+    """Per microbatch the window keeps the teacher's bottleneck features (`D` floats a patch), the prototypes and
+    centres once per window: at P = 1024 prototypes ≫ D = 8 the bytes kept per patch stay far below P × 4 (before:
+    P floats of every patch, 17 GB at 256 pairs × 256 patches × 65,536 prototypes)."""
+    torch.manual_seed(0)
+    config = dataclasses.replace(model_config("tiny", loss="siglip"),
+                                 self_distill=dataclasses.replace(head_config(32, 2, 0.5), prototypes=1024))
+    model = NaFlexClip(config).double().eval()
+    teacher = _teacher(model)
+    kept: list[dict[str, torch.Tensor]] = []
+    teacher.register_forward_hook(lambda module, args, kwargs, out: kept.append(out), with_kwargs=True)
+    microbatches = split_batch(_batch(6), [1, 2, 3])
+    accumulate_gradients(model, create_loss("siglip"), microbatches, example_terms=TERMS, example_teacher=teacher)
+    assert len(kept) == 3
+    storages = [{t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in out.values()} for out in kept]
+    shared = set.intersection(*(set(s) for s in storages))  # held once per window, by every microbatch
+    prototypes, bottleneck = config.self_distill.prototypes, config.self_distill.bottleneck
+    assert sum(storages[0][ptr] for ptr in shared) <= 2 * (prototypes * bottleneck + prototypes) * 8
+    for own, mb in zip(storages, microbatches, strict=True):
+        patches = mb["image"]["patch_valid"].numel()
+        per_patch = sum(nbytes for ptr, nbytes in own.items() if ptr not in shared) / patches
+        assert per_patch < prototypes * 4
+        assert per_patch <= 2 * bottleneck * 8  # a patch's features and its share of the image's

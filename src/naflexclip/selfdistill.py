@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from naflexclip.parallel import is_fsdp
+
 SELF_DISTILL = "self_distill"
 MASKED_PREDICTION = "masked_prediction"
 VIEW_SEED = "view_seed"  # example_inputs column: each example's seed of its crops and mask
@@ -56,6 +58,7 @@ LOCAL_CROP_RATIO = (3 / 4, 4 / 3)  # torchvision's RandomResizedCrop aspect rang
 STUDENT_TEMPERATURE = 0.1
 TEACHER_TEMPERATURE = 0.04
 CENTER_MOMENTUM = 0.9
+TEACHER_HEADS = {"global": "global", "patches": "patch"}  # a teacher output's head: its prototypes and centre
 MASK_STREAM = 1_000_003  # the mask's generator is seeded with view_seed + this: crops and mask are independent draws
 
 
@@ -96,8 +99,27 @@ class ProjectionHead(nn.Module):
                                  nn.GELU(), nn.Linear(config.hidden, config.bottleneck))
         self.prototypes = nn.Parameter(torch.randn(config.prototypes, config.bottleneck) * config.bottleneck ** -0.5)
 
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """The L2-normalised bottleneck features (what the EMA teacher hands the window)."""
+        return F.normalize(self.mlp(x), dim=-1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.normalize(self.mlp(x), dim=-1), F.normalize(self.prototypes, dim=-1))
+        return cosine_logits(self.features(x), self.prototypes)
+
+
+def cosine_logits(features: torch.Tensor, prototypes: torch.Tensor) -> torch.Tensor:
+    """Logits of normalised bottleneck features against the L2-normalised prototypes `[P, bottleneck]`."""
+    return F.linear(features, F.normalize(prototypes, dim=-1))
+
+
+def teacher_distribution(targets: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    """The EMA teacher's centred, sharpened distribution over the prototypes for `targets[key]` (`"global"`:
+    `[B, P]`, `"patches"`: `[B, L, P]`), projected from its bottleneck features when the term needs it, without
+    grad: the window holds per microbatch the features only, the prototypes and centres once per window."""
+    head = TEACHER_HEADS[key]
+    with torch.no_grad():
+        logits = _upcast(cosine_logits(targets[key], targets[f"{head}_prototypes"]))
+        return F.softmax((logits - targets[f"{head}_center"]) / TEACHER_TEMPERATURE, dim=-1)
 
 
 class SelfDistillHeads(nn.Module):
@@ -219,12 +241,13 @@ def student_terms(visual: nn.Module, heads: SelfDistillHeads, image: dict[str, t
     pooled, _ = _tower(visual, crops)
     log_p = F.log_softmax(_upcast(heads.global_head(pooled)) / STUDENT_TEMPERATURE, dim=-1)
     owner = torch.arange(batch, device=log_p.device).repeat_interleave(count)
-    crop_ce = -(targets["global"][owner].to(log_p.dtype) * log_p).sum(-1)
+    crop_ce = -(teacher_distribution(targets, "global")[owner].to(log_p.dtype) * log_p).sum(-1)
     mask = patch_mask(image["patch_valid"], view_seed, config.mask_ratio)
     with masked_embeddings(visual, heads.mask_token, mask):
         _, patches = _tower(visual, image)
     log_q = F.log_softmax(_upcast(heads.patch_head(patches)) / STUDENT_TEMPERATURE, dim=-1)
-    patch_ce = -(targets["patches"][:, : patches.shape[1]].to(log_q.dtype) * log_q).sum(-1)
+    patch_targets = teacher_distribution({**targets, "patches": targets["patches"][:, : patches.shape[1]]}, "patches")
+    patch_ce = -(patch_targets.to(log_q.dtype) * log_q).sum(-1)
     masked = mask.to(patch_ce.dtype)
     return {SELF_DISTILL: crop_ce.reshape(batch, count).sum(1),
             MASKED_PREDICTION: (patch_ce * masked).sum(1) / masked.sum(1).clamp(min=1)}
@@ -234,8 +257,11 @@ class EmaTeacher(nn.Module):
     """The EMA teacher: a frozen copy of the student's image tower and heads, and the centres of its two heads.
 
     `forward(image=)` (no grad; the window runs it once per microbatch in the cache phase, never replayed) returns the
-    teacher's distributions `{"global": [B, P], "patches": [B, L, P]}` — centred and sharpened — and records its
-    logits' sums for the centre. `update(student, sum_over_ranks)` after the optimizer step: every teacher parameter
+    teacher's L2-normalised bottleneck features `{"global": [B, D], "patches": [B, L, D]}` with the window's
+    prototypes and centres (`window_constants`, one copy per window shared by every microbatch), and records its
+    logits' sums for the centre. The student's term projects them (`teacher_distribution`: centred, sharpened) when
+    it needs them: what the window holds per microbatch scales with the bottleneck D, not the P prototypes.
+    `update(student, sum_over_ranks)` after the optimizer step: every teacher parameter
     `t ← m·t + (1 − m)·s`, each centre `c ← 0.9·c + 0.1·mean(logits)` over the step's teacher forwards of every rank
     (`sum_over_ranks` adds the ranks' sums and counts: the centre is the whole window's, the same on every rank).
     Run state: save and resume it through `state_dict()` / `load_state_dict()` (its parameters and centres; the
@@ -260,6 +286,7 @@ class EmaTeacher(nn.Module):
         self.register_buffer("global_center", torch.zeros(prototypes, dtype=reference.dtype, device=reference.device))
         self.register_buffer("patch_center", torch.zeros(prototypes, dtype=reference.dtype, device=reference.device))
         self._sums: dict[str, list[torch.Tensor]] = {"global": [], "patches": []}
+        self.discard_pending()
         self.eval()
 
     def train(self, mode: bool = True) -> EmaTeacher:
@@ -268,17 +295,30 @@ class EmaTeacher(nn.Module):
     @torch.no_grad()
     def forward(self, image: dict[str, torch.Tensor], **unused: Any) -> dict[str, torch.Tensor]:
         pooled, patches = _tower(self.visual, image)
-        global_logits = _upcast(self.heads.global_head(pooled))
-        patch_logits = _upcast(self.heads.patch_head(patches))
+        global_features = self.heads.global_head.features(pooled)
+        patch_features = self.heads.patch_head.features(patches)
+        window = self.window_constants()
         valid = image["patch_valid"][:, : patches.shape[1]]
-        self._sums["global"].append(torch.stack([global_logits.sum(0).double(),
-                                                 torch.full_like(global_logits[0], len(global_logits)).double()]))
-        self._sums["patches"].append(torch.stack([patch_logits[valid].sum(0).double(),
-                                                  torch.full_like(patch_logits[0, 0], int(valid.sum())).double()]))
-        return {
-            "global": F.softmax((global_logits - self.global_center) / TEACHER_TEMPERATURE, dim=-1),
-            "patches": F.softmax((patch_logits - self.patch_center) / TEACHER_TEMPERATURE, dim=-1),
-        }
+        # the centre's statistics, once per microbatch: Σ logits = (Σ features)·prototypesᵀ, the logits are linear
+        for key, features, count in (("global", global_features, len(global_features)),
+                                     ("patches", patch_features[valid], int(valid.sum()))):
+            prototypes = window[f"{TEACHER_HEADS[key]}_prototypes"]
+            total = cosine_logits(features.double().sum(0), prototypes.double())
+            self._sums[key].append(torch.stack([total, torch.full_like(total, count)]))
+        return {"global": global_features, "patches": patch_features, **window}
+
+    def window_constants(self) -> dict[str, torch.Tensor]:
+        """The heads' prototypes and the centres as this window's forwards see them, held once per window (between
+        two updates) and shared by every microbatch's targets: under FSDP2 a copy of the gathered prototypes (the
+        shards are all a rank has outside the forward), else the parameters themselves."""
+        if self._window is None:
+            copy_gathered = is_fsdp(self)  # FSDP2 frees the gathered parameters when it reshards
+            self._window = {f"{head}_prototypes": (prototypes.detach().clone() if copy_gathered
+                                                   else prototypes.detach())
+                            for head, prototypes in (("global", self.heads.global_head.prototypes),
+                                                     ("patch", self.heads.patch_head.prototypes))}
+            self._window.update(global_center=self.global_center.clone(), patch_center=self.patch_center.clone())
+        return self._window
 
     def student_parameters(self, student: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
         model = getattr(student, "module", student)
@@ -305,5 +345,7 @@ class EmaTeacher(nn.Module):
         self.discard_pending()
 
     def discard_pending(self) -> None:
-        """Forget the logits recorded since the last update (a skipped step, or forwards outside training)."""
+        """Forget the logits recorded since the last update (a skipped step, or forwards outside training), and the
+        window's prototypes and centres."""
         self._sums = {"global": [], "patches": []}
+        self._window: dict[str, torch.Tensor] | None = None
