@@ -223,3 +223,19 @@ def test_the_window_holds_per_microbatch_teacher_features_not_prototype_distribu
         per_patch = sum(nbytes for ptr, nbytes in own.items() if ptr not in shared) / patches
         assert per_patch < prototypes * 4
         assert per_patch <= 2 * bottleneck * 8  # a patch's features and its share of the image's
+
+
+def test_the_windows_prototypes_and_centres_follow_an_update_a_load_and_a_move():
+    model = _model("siglip")
+    teacher = _teacher(model)
+    image = _batch(2)["image"]
+    first = teacher(image=image)
+    assert teacher(image=image)["global_center"] is first["global_center"]  # one copy per window
+    state = {key: value.clone() for key, value in teacher.state_dict().items()}
+    for change in (lambda: teacher.update(model), lambda: teacher.load_state_dict(state),
+                   lambda: teacher.to(torch.float64)):
+        before = teacher(image=image)
+        change()
+        after = teacher(image=image)
+        assert after["global_center"] is not before["global_center"]
+        assert torch.equal(after["global_center"], teacher.global_center)

@@ -289,6 +289,15 @@ class EmaTeacher(nn.Module):
         self.discard_pending()
         self.eval()
 
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().load_state_dict(*args, **kwargs)
+        self._window = None  # new parameters and centres: the next forward takes them
+        return result
+
+    def _apply(self, *args: Any, **kwargs: Any) -> EmaTeacher:
+        self._window = None  # `.to()` and the like replace the tensors the window's constants refer to
+        return super()._apply(*args, **kwargs)
+
     def train(self, mode: bool = True) -> EmaTeacher:
         return super().train(False)  # always eval: no dropout, drop-path or patch dropout
 
