@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 
 import pytest
 import torch
 
 from naflexclip.cli import build_parser, main
+from naflexclip.distill import Distill
 from naflexclip.factory import create_model
+from naflexclip.lock import Locks
+from naflexclip.recipe import Recipe
 from naflexclip.train.cli import config_from_args
 from naflexclip.train.config import TrainConfig
 from naflexclip.train.optim import LrSchedule, create_optimizer, param_groups
@@ -58,6 +63,28 @@ def test_linear_scale_with_batch_size_is_accepted() -> None:
 
 def test_config_roundtrips_through_a_dict() -> None:
     cfg = TrainConfig(model="tiny", name="x", accum_freq=3)
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_run_config_keeps_the_flag_groups_fields_flat_where_they_were_saved() -> None:
+    """TrainConfig declares the lock, distill and recipe fields from their groups (`Locks`, `Distill`, `Recipe`):
+    a saved run config still lists them flat, in their old place, and one saved before loads into the groups."""
+    keys = list(TrainConfig(model="tiny").to_dict())
+    recipe = [f.name for f in dataclasses.fields(Recipe)]
+    start = keys.index("distill_loss_weight") + 1
+    assert keys[start:start + len(recipe)] == recipe and keys[start + len(recipe)] == "multi_positive"
+    locks = [f.name for f in dataclasses.fields(Locks)]
+    start = keys.index("cache_dir") + 1
+    assert keys[start:start + len(locks) + 1] == [*locks, "openclip_built_in"]
+    distill = [f.name for f in dataclasses.fields(Distill)]
+    assert keys[keys.index("openclip_built_in") + 1:keys.index("recipe")] == distill
+    saved = json.loads(json.dumps(TrainConfig(model="tiny").to_dict()))  # as a checkpoint's run config holds it
+    saved.update(recipe="siglip2", locca_loss_weight=0.5, mask_ratio=0.25, lock_text=True, lock_text_unlocked_layers=1,
+                 distill_loss_weight=0.5)
+    cfg = TrainConfig.from_dict(saved)
+    assert Recipe.pick(cfg) == Recipe(recipe="siglip2", locca_loss_weight=0.5, mask_ratio=0.25)
+    assert Locks.pick(cfg) == Locks(lock_text=True, lock_text_unlocked_layers=1)
+    assert Distill.pick(cfg) == Distill(distill_loss_weight=0.5)
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
 
 

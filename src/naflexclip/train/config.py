@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,32 @@ PRECISIONS = ("fp32", "amp_bf16", "amp")
 DEFAULT_MODEL = "small"
 
 
+def _with_fields_of(*groups: tuple[str, type]) -> Callable[[type], type]:
+    """Declares in the decorated class (before `@dataclass` reads it) the fields of each flag group, a dataclass,
+    in the group's order right after the class's field named with it: a group's fields are written once, in the
+    group, and a config keeps them flat in their place (`to_dict`, the saved run config, is unchanged)."""
+
+    def declare(cls: type) -> type:
+        annotations = dict(cls.__dict__.get("__annotations__", {}))
+        for after, group in groups:
+            if after not in annotations:
+                raise TypeError(f"{cls.__name__} has no field {after!r} to put {group.__name__}'s fields after")
+            items = list(annotations.items())
+            position = list(annotations).index(after) + 1
+            added = [(f.name, f.type) for f in dataclasses.fields(group)]
+            annotations = dict(items[:position] + added + items[position:])
+            for f in dataclasses.fields(group):
+                default = (field(default_factory=f.default_factory)
+                           if f.default_factory is not dataclasses.MISSING else f.default)
+                setattr(cls, f.name, default)
+        cls.__annotations__ = annotations
+        return cls
+
+    return declare
+
+
 @dataclass
+@_with_fields_of(("cache_dir", Locks), ("openclip_built_in", Distill), ("distill_loss_weight", Recipe))
 class TrainConfig:
     """One run. `batch_size` is the reference batch size B_ref of the window scale (`--batch-size`);
     the rows of each microbatch come from the token budget (`--naflex-max-tokens-per-batch`)."""
@@ -105,29 +131,11 @@ class TrainConfig:
     # `naflexclip.run_checkpoint`)
     pretrained: str | None = None
     cache_dir: str | None = None  # OpenCLIP's --cache-dir: where pretrained tags are looked up (besides HF's cache)
-    # locked towers (OpenCLIP's flags; `naflexclip.lock.Locks`)
-    lock_image: bool = False
-    lock_image_unlocked_groups: int = 0
-    lock_text: bool = False
-    lock_text_unlocked_layers: int = 0
-    lock_text_freeze_layer_norm: bool = False
+    # here: the locked towers' fields (OpenCLIP's flags; `naflexclip.lock.Locks`)
     # OpenCLIP's flags given that naflexclip has built in (`--flag [value]`; `openclip_flags.BUILT_IN`)
     openclip_built_in: tuple[str, ...] = ()
-    # distillation (OpenCLIP's flags; `naflexclip.distill.Distill`)
-    distill_model: str | None = None
-    distill_pretrained: str | None = None
-    distill_loss_weight: float = 1.0
-    # SigLIP 2's recipe (`naflexclip.recipe.Recipe`): the LocCa decoder's per-example term beside the pair loss
-    recipe: str | None = None
-    locca_loss_weight: float | None = None  # None: the recipe's weight, else 0 (no decoder)
-    # its self-distillation / masked-prediction flags (`naflexclip.selfdistill`): checked by `naflexclip verify`; not
-    # trained yet (a given weight > 0 is refused; --recipe siglip2 trains the LocCa term only)
-    self_distill_loss_weight: float | None = None
-    masked_prediction_loss_weight: float | None = None
-    local_crops: int | None = None
-    mask_ratio: float | None = None
-    ema_momentum: float | None = None
-    self_distill_start: float | None = None
+    # here: distillation's fields (OpenCLIP's flags; `naflexclip.distill.Distill`), then SigLIP 2's recipe's
+    # (`naflexclip.recipe.Recipe`)
     # several captions per image as several positives (`naflexclip.loss.MultiPositiveLoss`)
     multi_positive: bool = False
     multi_positive_weighting: str = "symmetric"
