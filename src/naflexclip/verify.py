@@ -110,7 +110,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--multi-positive", action="store_true",
                    help="a random window of images with 1-3 captions each (group ids), under the multi-positive loss "
                         "(clip: multi-positive InfoNCE; siglip: SigLIP+)")
-    g.add_argument("--multi-positive-weighting", default="symmetric", choices=sorted(MULTI_POSITIVE_WEIGHTINGS),
+    g.add_argument("--multi-positive-weighting", default="symmetric", choices=tuple(MULTI_POSITIVE_WEIGHTINGS),
                    help="SigLIP+'s positive weights: symmetric (α = β = ½), asymmetric (α = 1, β = 0), soft (labels)")
     # unset lock flags take a --checkpoint's own (see _setup)
     parser.set_defaults(**dict.fromkeys(Locks().as_dict()))

@@ -11,7 +11,7 @@ from naflexclip.data import data_config_from_args
 from naflexclip.distill import Distill, add_distill_args
 from naflexclip.distributed import DEVICE_CHOICES, check_device
 from naflexclip.lock import Locks, add_lock_args
-from naflexclip.loss import LOSSES
+from naflexclip.loss import LOSSES, MULTI_POSITIVE_WEIGHTINGS
 from naflexclip.model import PRESETS
 from naflexclip.recipe import Recipe, add_recipe_args
 from naflexclip.window import METHODS, SCALE_MODES
@@ -99,7 +99,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--multi-positive", action="store_true",
                    help="every caption of an image is a text row and a positive of it (group ids over the window): "
                         "clip: multi-positive InfoNCE; siglip: SigLIP+ (without it: one caption per image per epoch)")
-    m.add_argument("--multi-positive-weighting", default="symmetric", choices=("symmetric", "asymmetric", "soft"),
+    m.add_argument("--multi-positive-weighting", default="symmetric", choices=tuple(MULTI_POSITIVE_WEIGHTINGS),
                    help="SigLIP+'s positive weights α/k_i + β/k'_j: symmetric ½, ½; asymmetric 1, 0; soft: as labels")
     add_optimizer_args(parser)
     add_run_args(parser)
