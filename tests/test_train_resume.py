@@ -523,3 +523,23 @@ def test_resume_from_a_path_without_a_checkpoint_names_the_flag(tmp_path: Path,
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"naflexclip train: error: --resume {str(missing)!r}: no usable checkpoint (model.safetensors, "
         f"train_state.pt, checkpoint.json) at {str(missing)!r}")
+
+
+def test_a_resume_with_other_recipe_views_names_the_recipe_flags_not_the_preset() -> None:
+    """--local-crops / --mask-ratio are part of the saved architecture (the self-distillation heads'); a resume that
+    changes them names those flags (it blamed "the preset's architecture"); a changed preset still names --model."""
+    import dataclasses
+
+    from naflexclip.model import PRESETS, config_to_dict
+    from naflexclip.selfdistill import head_config
+    from naflexclip.train.resume import architecture_error
+
+    tiny = PRESETS["tiny"]
+    saved = config_to_dict(dataclasses.replace(tiny, self_distill=head_config(tiny.image.width, 8, 0.5)))
+    fewer_crops = config_to_dict(dataclasses.replace(tiny, self_distill=head_config(tiny.image.width, 4, 0.5)))
+    error = architecture_error("tiny", saved, fewer_crops)
+    assert error is not None and "--local-crops" in error and "preset" not in error
+    assert "self_distill.local_crops: 8 -> 4" in error
+    other_preset = dict(saved, text={**saved["text"], "pool_type": "mean"})
+    assert "--model tiny: the preset's architecture" in architecture_error("tiny", saved, other_preset)
+    assert architecture_error("tiny", saved, saved) is None

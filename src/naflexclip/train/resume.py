@@ -134,16 +134,31 @@ def architecture_changes(saved: dict[str, Any], current: dict[str, Any], prefix:
     return changes
 
 
+# heads the run's flags add to the preset, and those flags: a change there is the flags', not the preset's
+_HEAD_FLAGS = {"self_distill": "--local-crops / --mask-ratio (SigLIP 2's self-distillation heads)",
+               "decoder": "--recipe / --locca-loss-weight (the LocCa decoder)"}
+
+
+def architecture_error(model: str | None, saved: dict[str, Any], current: dict[str, Any]) -> str | None:
+    """One line naming what made this run's architecture differ from the checkpoint's, or None."""
+    changed = architecture_changes(saved, current)
+    if not changed:
+        return None
+    shown = ", ".join(changed[:3]) + (", ..." if len(changed) > 3 else "")
+    heads = {name.split(".", 1)[0] for name in changed}
+    if heads <= set(_HEAD_FLAGS):
+        flags = "; ".join(_HEAD_FLAGS[head] for head in sorted(heads))
+        return f"{flags}: not the checkpoint's (checkpoint -> this run: {shown}); resume with the checkpoint's values"
+    return f"--model {model}: the preset's architecture is not the checkpoint's (checkpoint -> preset: {shown})"
+
+
 def resume_error(states: dict[str, Any], checkpointer: Checkpointer, model: Any) -> str | None:
     """Why this run cannot continue a checkpoint's `states` exactly (flags, architecture, weights, world size),
     or None. `model`: the plain (unwrapped) model this run built."""
     saved, current = states["run"], checkpointer.run
     error = refusal(saved["config"], current["config"])
     if error is None:
-        changed = architecture_changes(saved["model_config"], current["model_config"])
-        if changed:
-            error = (f"--model {current['config']['model']}: the preset's architecture is not the checkpoint's "
-                     f"(checkpoint -> preset: " + ", ".join(changed[:3]) + (", ..." if len(changed) > 3 else "") + ")")
+        error = architecture_error(current["config"]["model"], saved["model_config"], current["model_config"])
     if error is None:
         error = weights_mismatch(model, states[storage.MODEL])
     world_size, saved_world_size = current["world_size"], saved["world_size"]
