@@ -221,3 +221,23 @@ def test_shape_groups_reach_the_loader_together_in_train_only():
     assert all(flat[k] // 2 == flat[k + 1] // 2 for k in range(0, 40, 2))
     val = build_loader(cfg, split="val", patch_size=PATCH, context_length=CONTEXT)
     assert val.source.group_size == 1
+
+
+def test_a_sigterm_while_workers_start_does_not_kill_one(monkeypatch) -> None:
+    """A SIGTERM to the process group (torchrun's agent stopping a run) can reach a DataLoader worker before its
+    worker_init_fn makes it ignore SIGTERM; torch's worker handler then exits, and the loader fails with "worker
+    exited unexpectedly" (seen when the signal came while an evaluation started its workers). Workers start with
+    SIGTERM blocked, so the early signal is dropped. Here each worker signals itself before its init runs."""
+    import os
+    import signal
+
+    import naflexclip.data.loader as loader_module
+
+    init = loader_module._worker_init
+
+    def signalled_first(worker_id: int) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        init(worker_id)
+
+    monkeypatch.setattr(loader_module, "_worker_init", signalled_first)
+    assert len(batches(small_cfg(workers=2))) == len(batches(small_cfg(workers=0)))

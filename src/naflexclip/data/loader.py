@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import abc
 import collections
+import contextlib
 import dataclasses
 import logging
 import signal
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any, ClassVar, NamedTuple
@@ -144,6 +146,22 @@ def _worker_init(_: int) -> None:
     # finishes the step and saves; a worker that died of it first would end the run in a traceback instead.
     # The DataLoader still shuts its workers down itself (and they exit when the training process is gone)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # started blocked (_workers_start_unsignalled)
+
+
+@contextlib.contextmanager
+def _workers_start_unsignalled(workers: int) -> Iterator[None]:
+    """Workers are forked with SIGTERM blocked, and unblock it once they ignore it (`_worker_init`): a SIGTERM
+    before that (the process group's, while they start) would reach torch's worker handler, which exits, and the
+    loader would fail with "worker exited unexpectedly". Here a SIGTERM waits until the workers are started."""
+    if not workers or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,7 +335,8 @@ class NaFlexLoader(abc.ABC):
         loader = DataLoader(self._worker_epoch(first), batch_size=None, num_workers=self.workers,
                             pin_memory=self.pin_memory, generator=torch.Generator().manual_seed(self.seed),
                             persistent_workers=False, **kwargs)
-        iterator = iter(loader)
+        with _workers_start_unsignalled(self.workers):
+            iterator = iter(loader)  # starts the workers
         try:
             for item in iterator:
                 if "error" in item:
