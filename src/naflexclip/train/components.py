@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from naflexclip.distributed import DistributedEnv, gather_to_main, run_on_main
+from naflexclip.factory import create_model
 from naflexclip.model import NaFlexClip, config_from_dict, load_weights
 from naflexclip.parallel import (
     full_optimizer_state_dict,
@@ -38,6 +39,7 @@ from naflexclip.parallel import (
     load_full_state_dict,
 )
 from naflexclip.train import checkpoint as storage
+from naflexclip.train.config import TrainConfig
 
 
 class Stateful(Protocol):
@@ -148,6 +150,19 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def create_run_model(cfg: TrainConfig) -> nn.Module:
+    """The model a run starts from: --model with --pretrained weights, rebuilt with the --force-* overrides
+    (seeded by --seed, so a random init is the same on every rank and in every build)."""
+    seed_everything(cfg.seed)
+    model = create_model(cfg.model, pretrained=cfg.pretrained, cache_dir=cfg.cache_dir, loss=cfg.loss)
+    overrides = cfg.model_overrides(model.image_patch_size)
+    if overrides:
+        seed_everything(cfg.seed)  # the same initial weights as one build would draw
+        model = create_model(cfg.model, pretrained=cfg.pretrained, cache_dir=cfg.cache_dir, loss=cfg.loss,
+                             **overrides)
+    return model
 
 
 class RngStreams:

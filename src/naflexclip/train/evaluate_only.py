@@ -5,10 +5,8 @@ exits, as `open_clip_train.main` does when it has no training data. Nothing is t
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from naflexclip.factory import create_model
-from naflexclip.train.components import seed_everything
+from naflexclip.train.components import create_run_model
 from naflexclip.train.config import TrainConfig
 
 
@@ -16,19 +14,6 @@ def evaluation_only(cfg: TrainConfig) -> bool:
     """A run OpenCLIP would only evaluate: validation data and no training data (the built-in demo is `train`
     with no data flags at all)."""
     return cfg.data.train_data is None and cfg.data.val_data is not None and cfg.data.dataset_type != "synthetic"
-
-
-def create_run_model(cfg: TrainConfig) -> nn.Module:
-    """The model a run starts from: --model with --pretrained weights, rebuilt with the --force-* overrides
-    (seeded by --seed, so a random init is the same on every rank and in every build)."""
-    seed_everything(cfg.seed)
-    model = create_model(cfg.model, pretrained=cfg.pretrained, cache_dir=cfg.cache_dir, loss=cfg.loss)
-    overrides = cfg.model_overrides(model.image_patch_size)
-    if overrides:
-        seed_everything(cfg.seed)  # the same initial weights as one build would draw
-        model = create_model(cfg.model, pretrained=cfg.pretrained, cache_dir=cfg.cache_dir, loss=cfg.loss,
-                             **overrides)
-    return model
 
 
 def evaluate_once(cfg: TrainConfig, notify: object = print) -> dict[str, float]:

@@ -39,11 +39,11 @@ from naflexclip.train.components import (
     OptimizerState,
     Progress,
     RngStreams,
+    create_run_model,
     seed_everything,
 )
 from naflexclip.train.config import TrainConfig
 from naflexclip.train.evaluate import Evaluator
-from naflexclip.train.evaluate_only import create_run_model
 from naflexclip.train.grouping import window_sizes
 from naflexclip.train.openclip_flags import first_lines
 from naflexclip.train.optim import LrSchedule, create_optimizer, describe_param_groups
