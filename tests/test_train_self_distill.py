@@ -227,3 +227,61 @@ def test_the_teacher_is_built_at_the_switch_and_a_skipped_step_leaves_it_as_it_w
     component.after_step(skipped=False)  # the skipped step's logits are gone: only the EMA moves, not the centre
     assert not torch.equal(before["visual.embeds.proj.weight"], teacher.state_dict()["visual.embeds.proj.weight"])
     assert torch.equal(before["global_center"], teacher.global_center)
+
+
+@pytest.mark.parametrize(("width", "depth", "size", "factor"), [
+    (768, 12, "B", 0.25), (1024, 24, "L", 0.5), (1152, 27, "So400m", 1.0), (1536, 40, "g", 0.5)])
+def test_the_recipe_reweights_self_distillation_by_the_papers_factor_for_each_model_size(
+        width: int, depth: int, size: str, factor: float) -> None:
+    from naflexclip.recipe import Recipe
+
+    scaled, note = Recipe(recipe="siglip2").for_model_size(width, depth)
+    assert scaled.value("self_distill_loss_weight") == 1.0 * factor
+    assert scaled.value("masked_prediction_loss_weight") == 0.25 * factor
+    assert {t.name: t.weight for t in scaled.example_terms(progress=1.0)} == {
+        "locca": 1.0, SELF_DISTILL: factor, MASKED_PREDICTION: 0.25 * factor}  # the decoder's weight is not re-weighted
+    assert note == (f"--recipe siglip2's weights × {factor:g}, SigLIP 2's factor for size {size} (image tower width "
+                    f"{width}, depth {depth})")
+
+
+def test_the_siglip2_presets_get_their_sizes_factor_and_other_sizes_1() -> None:
+    from naflexclip.model import PRESETS
+    from naflexclip.recipe import Recipe
+
+    def weights(name: str) -> tuple[float, float]:
+        image = PRESETS[name].image
+        scaled, _ = Recipe(recipe="siglip2").for_model_size(image.width, image.depth)
+        return scaled.value("self_distill_loss_weight"), scaled.value("masked_prediction_loss_weight")
+
+    assert weights("siglip2-base") == (0.25, 0.0625) and weights("siglip2-so400m") == (1.0, 0.25)
+    assert weights("tiny") == weights("small") == (1.0, 0.25)
+    _, note = Recipe(recipe="siglip2").for_model_size(32, 2)
+    assert note == ("--recipe siglip2's weights × 1, no paper value: the image tower width 32, depth 2 is none of "
+                    "the paper's B / L / So400m / g")
+
+
+def test_explicit_self_distillation_weights_are_not_reweighted() -> None:
+    from naflexclip.recipe import Recipe
+
+    given = Recipe(recipe="siglip2", self_distill_loss_weight=0.7, masked_prediction_loss_weight=0.3)
+    assert given.for_model_size(768, 12) == (given, None)
+    one, note = Recipe(recipe="siglip2", self_distill_loss_weight=0.7).for_model_size(768, 12)
+    assert (one.value("self_distill_loss_weight"), one.value("masked_prediction_loss_weight")) == (0.7, 0.0625)
+    assert note.endswith("; --self-distill-loss-weight as given")
+    plain = Recipe(self_distill_loss_weight=0.7)  # no recipe: the flags' weights as they are
+    assert plain.for_model_size(768, 12) == (plain, None)
+
+
+def test_a_recipe_run_trains_the_reweighted_weights_and_says_so_in_its_start_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from naflexclip import recipe
+
+    # the tiny tower taken for a B-size one: the run's terms are the recipe's weights × 0.25
+    monkeypatch.setitem(recipe.SIZE_FACTORS, (32, 2), ("B", 0.25))
+    trainer = Trainer(_small_config(tmp_path, recipe="siglip2", self_distill_loss_weight=None,
+                                    masked_prediction_loss_weight=None), init_distributed("cpu"))
+    terms = trainer.window_step.self_distill.recipe.example_terms(progress=1.0)
+    assert {t.name: t.weight for t in terms} == {"locca": 1.0, SELF_DISTILL: 0.25, MASKED_PREDICTION: 0.0625}
+    [line] = [line for line in trainer.opening if "self-distillation" in line]
+    assert ("+ 0.25 · self_distill + 0.0625 · masked_prediction (per example of the window; --recipe siglip2's "
+            "weights × 0.25, SigLIP 2's factor for size B (image tower width 32, depth 2);") in line

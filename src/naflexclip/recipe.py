@@ -33,14 +33,20 @@ RECIPES: dict[str, dict[str, Any]] = {
     # the paper names no LocCa loss weight (sec. 2.2 adds the decoder loss to the sigmoid loss): ours is 1, the plain
     # sum, with the decoder's loss a mean over target tokens as LocCa's captioning loss is
     # sec. 2.3 (self-distillation and masked prediction): "The weights of the first and the second loss terms are set to
-    # 1 and 0.25" (the paper re-weights both by a further 0.25 / 0.5 / 1.0 / 0.5 for B / L / So400m / g: not applied
-    # here, give the product through the flags); "a single global (teacher) view and 8 local (student) views"; "We
-    # replace 50% of the embedded image patches"; "We add these losses at 80% of training completion". The EMA
-    # momentum is not stated (SigLIP 2 follows SILC, which keeps it fixed rather than DINO's schedule to 1): ours is
-    # 0.996, DINO's base momentum held fixed
+    # 1 and 0.25" (re-weighted per model size: SIZE_FACTORS); "a single global (teacher) view and 8 local (student)
+    # views"; "We replace 50% of the embedded image patches"; "We add these losses at 80% of training completion".
+    # The EMA momentum is not stated (SigLIP 2 follows SILC, which keeps it fixed rather than DINO's schedule to 1):
+    # ours is 0.996, DINO's base momentum held fixed
     "siglip2": {"locca_loss_weight": 1.0, "self_distill_loss_weight": 1.0, "masked_prediction_loss_weight": 0.25,
                 "local_crops": 8, "mask_ratio": 0.5, "ema_momentum": 0.996, "self_distill_start": 0.8},
 }
+# SigLIP 2 sec. 2.3 re-weights both terms by a further 0.25 / 0.5 / 1.0 / 0.5 for the B / L / So400m / g models: the
+# recipe's self-distillation weights times the factor of the model's size, told apart by the image
+# tower's (width, depth) as the paper's towers are (timm's vit_{base,large,so400m,giantopt}_patch16_siglip_*, which
+# open_clip's ViT-{B,L,SO400M,gopt}-16-SigLIP2* configs build); other sizes: no paper value, factor 1
+SIZE_FACTORS: dict[tuple[int, int], tuple[str, float]] = {
+    (768, 12): ("B", 0.25), (1024, 24): ("L", 0.5), (1152, 27): ("So400m", 1.0), (1536, 40): ("g", 0.5)}
+SELF_DISTILL_WEIGHTS = ("self_distill_loss_weight", "masked_prediction_loss_weight")
 # the pair loss a recipe trains with when --loss is not given (a model built from scratch; pretrained weights keep
 # their own): SigLIP 2 is a sigmoid-loss model
 RECIPE_LOSS: dict[str, str] = {"siglip2": "siglip"}
@@ -104,15 +110,33 @@ class Recipe:
         return off, ("--lock-image: the image tower is locked, so self-distillation and masked prediction (both "
                      "image-side) are off")
 
-    def self_distill_line(self) -> str:
-        """The run's opening line for the self-distillation terms."""
-        weights = " + ".join(f"{self.value(flag):g} · {name}" for name, flag in (
-            (SELF_DISTILL, "self_distill_loss_weight"), (MASKED_PREDICTION, "masked_prediction_loss_weight"))
-            if self.value(flag) > 0)
+    def for_model_size(self, width: int, depth: int) -> tuple[Recipe, str | None]:
+        """This recipe for a model whose image tower has `width` and `depth`: the self-distillation weights the recipe
+        sets (not those given by flag) times SigLIP 2's factor for the model's size (`SIZE_FACTORS`; 1 for a size the
+        paper has none for), and what was applied and why (None: no recipe weight to re-weight)."""
+        recipe_weights = [flag for flag in SELF_DISTILL_WEIGHTS if getattr(self, flag) is None]
+        if self.recipe is None or not self.self_distill_enabled or not recipe_weights:
+            return self, None
+        size, factor = SIZE_FACTORS.get((width, depth), (None, 1.0))
+        tower = f"image tower width {width}, depth {depth}"
+        why = (f"SigLIP 2's factor for size {size} ({tower})" if size is not None else
+               f"no paper value: the {tower} is none of the paper's B / L / So400m / g")
+        given = [flag for flag in SELF_DISTILL_WEIGHTS if flag not in recipe_weights]
+        scaled = dataclasses.replace(self, **{flag: RECIPES[self.recipe][flag] * factor for flag in recipe_weights})
+        note = (f"--recipe {self.recipe}'s weights × {factor:g}, {why}"
+                + "".join(f"; --{flag.replace('_', '-')} as given" for flag in given))
+        return scaled, note
+
+    def self_distill_line(self, size_note: str | None = None) -> str:
+        """The run's opening line for the self-distillation terms (`size_note`: `for_model_size`'s)."""
+        weights = " + ".join(f"{self.value(flag):g} · {name}" for name, flag in zip(
+            (SELF_DISTILL, MASKED_PREDICTION), SELF_DISTILL_WEIGHTS, strict=True) if self.value(flag) > 0)
         return (f"SigLIP 2's self-distillation from --self-distill-start {self.value('self_distill_start'):g} of "
-                f"the run's steps: + {weights} (per example of the window; {self.value('local_crops')} local "
-                f"crops, --mask-ratio {self.value('mask_ratio'):g}), against an EMA teacher (--ema-momentum "
-                f"{self.value('ema_momentum'):g}) run once per microbatch without gradient")
+                f"the run's steps: + {weights} (per example of the window"
+                + (f"; {size_note}" if size_note else "")
+                + f"; {self.value('local_crops')} local crops, --mask-ratio {self.value('mask_ratio'):g}), against "
+                f"an EMA teacher (--ema-momentum {self.value('ema_momentum'):g}) run once per microbatch without "
+                "gradient")
 
     def ema_teacher(self, model: NaFlexClip) -> EmaTeacher:
         """The EMA teacher, a copy of the student's image tower and heads as they are now (build it at the switch)."""

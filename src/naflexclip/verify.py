@@ -201,7 +201,9 @@ def run(args: argparse.Namespace) -> int:
         loss_fn = create_loss(setup.loss, tile_size=args.loss_tile_size)
         dtype = torch.float64 if args.dtype == "float64" else torch.float32
         distill, teacher = Distill.pick(args), None
-        recipe = Recipe.pick(args)
+        # the self-distillation weights the run would train with: the recipe's re-weighted for the model's size
+        recipe, size_note = Recipe.pick(args).for_model_size(setup.model.config.image.width,
+                                                             setup.model.config.image.depth)
         # the window after --self-distill-start: every term of the recipe on
         example_terms = recipe.example_terms(progress=1.0)
         self_distill = recipe.self_distill_active(1.0)
@@ -288,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
               f"({recipe.value('local_crops')} local crops vs the EMA teacher's full image) / the window's examples "
               f"+ {recipe.value('masked_prediction_loss_weight'):g} · masked prediction "
               f"({recipe.value('mask_ratio'):g} of the patches masked) / the window's examples; the EMA teacher run "
-              f"once per microbatch")
+              f"once per microbatch" + (f" ({size_note})" if size_note else ""))
     locked = lock_summary(model)
     if locked:
         print(f"{locked}; the table lists the trainable parameters")

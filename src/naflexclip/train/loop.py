@@ -69,6 +69,8 @@ class Trainer:
         model = create_run_model(cfg)
         # SigLIP 2's recipe: a fresh LocCa decoder beside the towers (also with --pretrained towers), drawn after them
         recipe = Recipe.pick(cfg)
+        # SigLIP 2's self-distillation weights re-weighted for the model's size (the recipe's, not given ones)
+        recipe, size_note = recipe.for_model_size(model.config.image.width, model.config.image.depth)
         locks = Locks.pick(cfg)
         # a locked image tower has no image-side self-distillation (it cannot learn from it): both terms off
         recipe, image_side_off = recipe.for_locked_image(locks.image_fully_locked)
@@ -160,7 +162,7 @@ class Trainer:
                                 f"loss: loss = {cfg.loss} + {recipe.locca_weight:g} · locca (per target token of "
                                 f"the window), logged as loss/locca")
         if self_distill is not None:
-            self.opening.append(recipe.self_distill_line())
+            self.opening.append(recipe.self_distill_line(size_note))
         if image_side_off:
             self.opening.append(image_side_off)
         locked = lock_summary(self.module)
