@@ -239,3 +239,42 @@ def test_the_windows_prototypes_and_centres_follow_an_update_a_load_and_a_move()
         after = teacher(image=image)
         assert after["global_center"] is not before["global_center"]
         assert torch.equal(after["global_center"], teacher.global_center)
+
+
+def test_masked_prediction_projects_only_the_masked_patches_of_student_and_teacher(monkeypatch):
+    """The masked-prediction term is a sum over the masked patches: the student's patch head and the teacher's
+    target distribution see the masked rows only (before: every patch of the sequence, then masked), and each
+    example's term equals the dense computation masked afterwards."""
+    import torch.nn.functional as F
+
+    from naflexclip import selfdistill
+
+    model = _model("siglip")
+    teacher = _teacher(model)
+    batch = _batch(3)
+    image, seeds = batch["image"], batch[EXAMPLE_INPUTS]["view_seed"]
+    targets = teacher(image=image)
+    mask = patch_mask(image["patch_valid"], seeds, model.self_distill.config.mask_ratio)
+    assert 0 < int(mask.sum()) < int(image["patch_valid"].sum())
+    head_rows: list[int] = []
+    model.self_distill.patch_head.register_forward_hook(
+        lambda module, args, out: head_rows.append(args[0].reshape(-1, args[0].shape[-1]).shape[0]))
+    target_rows: list[int] = []
+    real = selfdistill.teacher_distribution
+
+    def counted(targets, key):
+        out = real(targets, key)
+        if key == "patches":
+            target_rows.append(out.reshape(-1, out.shape[-1]).shape[0])
+        return out
+
+    monkeypatch.setattr(selfdistill, "teacher_distribution", counted)
+    terms = selfdistill.student_terms(model.visual, model.self_distill, image, seeds, targets)
+    assert head_rows == [int(mask.sum())] and target_rows == [int(mask.sum())]
+    # the dense reference: every patch projected, the cross-entropy averaged over each example's masked ones
+    with selfdistill.masked_embeddings(model.visual, model.self_distill.mask_token, mask):
+        _, patches = selfdistill._tower(model.visual, image)
+    log_q = F.log_softmax(model.self_distill.patch_head(patches) / selfdistill.STUDENT_TEMPERATURE, dim=-1)
+    dense = -(real(targets, "patches") * log_q).sum(-1)
+    expected = (dense * mask).sum(1) / mask.sum(1)
+    assert torch.allclose(terms[MASKED_PREDICTION], expected, rtol=1e-12, atol=0)

@@ -114,8 +114,9 @@ def cosine_logits(features: torch.Tensor, prototypes: torch.Tensor) -> torch.Ten
 
 def teacher_distribution(targets: dict[str, torch.Tensor], key: str) -> torch.Tensor:
     """The EMA teacher's centred, sharpened distribution over the prototypes for `targets[key]` (`"global"`:
-    `[B, P]`, `"patches"`: `[B, L, P]`), projected from its bottleneck features when the term needs it, without
-    grad: the window holds per microbatch the features only, the prototypes and centres once per window."""
+    `[B, P]`, `"patches"`: `[..., P]` for the rows given), projected from its bottleneck features when the term
+    needs it, without grad: the window holds per microbatch the features only, the prototypes and centres once per
+    window."""
     head = TEACHER_HEADS[key]
     with torch.no_grad():
         logits = _upcast(cosine_logits(targets[key], targets[f"{head}_prototypes"]))
@@ -245,12 +246,15 @@ def student_terms(visual: nn.Module, heads: SelfDistillHeads, image: dict[str, t
     mask = patch_mask(image["patch_valid"], view_seed, config.mask_ratio)
     with masked_embeddings(visual, heads.mask_token, mask):
         _, patches = _tower(visual, image)
-    log_q = F.log_softmax(_upcast(heads.patch_head(patches)) / STUDENT_TEMPERATURE, dim=-1)
-    patch_targets = teacher_distribution({**targets, "patches": targets["patches"][:, : patches.shape[1]]}, "patches")
+    # the term is a sum over the masked patches: the student's head and the teacher's targets project those rows
+    # only ([M, P] for the M masked patches of the microbatch, not [B, L, P])
+    log_q = F.log_softmax(_upcast(heads.patch_head(patches[mask])) / STUDENT_TEMPERATURE, dim=-1)
+    patch_targets = teacher_distribution({**targets, "patches": targets["patches"][mask]}, "patches")
     patch_ce = -(patch_targets.to(log_q.dtype) * log_q).sum(-1)
-    masked = mask.to(patch_ce.dtype)
+    owner = mask.nonzero()[:, 0]  # each masked row's example, in row-major order as `[mask]` takes them
+    per_example = patch_ce.new_zeros(batch).index_add(0, owner, patch_ce)
     return {SELF_DISTILL: crop_ce.reshape(batch, count).sum(1),
-            MASKED_PREDICTION: (patch_ce * masked).sum(1) / masked.sum(1).clamp(min=1)}
+            MASKED_PREDICTION: per_example / mask.sum(1).clamp(min=1).to(patch_ce.dtype)}
 
 
 class EmaTeacher(nn.Module):
