@@ -285,3 +285,36 @@ def test_a_recipe_run_trains_the_reweighted_weights_and_says_so_in_its_start_lin
     [line] = [line for line in trainer.opening if "self-distillation" in line]
     assert ("+ 0.25 · self_distill + 0.0625 · masked_prediction (per example of the window; --recipe siglip2's "
             "weights × 0.25, SigLIP 2's factor for size B (image tower width 32, depth 2);") in line
+
+
+def test_patch_dropout_with_masked_prediction_is_refused_in_one_line(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    """Patch dropout drops a random subset of the student's masked-pass tokens, so its tokens no longer sit at the
+    mask's positions (before: the targets were cut to the kept length and compared with other patches' tokens)."""
+    from naflexclip.cli import main
+
+    assert main(["train", "--model", "tiny", "--epochs", "1", "--self-distill-start", "0", "--device", "cpu",
+                 "--logs", str(tmp_path), "--val-frequency", "0", *TERMS, *SMALL_DATA,
+                 "--force-patch-dropout", "0.25"]) == 2
+    captured = capsys.readouterr()
+    out = (captured.out + captured.err).strip()
+    assert out.count("\n") == 0, out
+    assert "--force-patch-dropout 0.25 with masked prediction (--recipe siglip2 / --masked-prediction" in out
+
+
+def test_the_masked_pass_refuses_a_tower_that_drops_patch_tokens() -> None:
+    import dataclasses
+
+    from naflexclip.model import NaFlexClip, model_config
+    from naflexclip.selfdistill import head_config, student_terms
+    from naflexclip.verify import random_naflex_batch
+
+    torch.manual_seed(0)
+    tiny = model_config("tiny")
+    config = dataclasses.replace(tiny, image=dataclasses.replace(tiny.image, patch_drop_rate=0.5),
+                                 self_distill=head_config(32, 2, 0.5))
+    model = NaFlexClip(config).double().train()
+    batch = random_naflex_batch(2, patch_size=4, context_length=16, generator=torch.Generator().manual_seed(1))
+    targets = EmaTeacher(model, momentum=0.9)(image=batch["image"])
+    with pytest.raises(ValueError, match="patch dropout"):
+        student_terms(model.visual, model.self_distill, batch["image"], torch.tensor([3, 4]), targets)

@@ -246,6 +246,9 @@ def student_terms(visual: nn.Module, heads: SelfDistillHeads, image: dict[str, t
     mask = patch_mask(image["patch_valid"], view_seed, config.mask_ratio)
     with masked_embeddings(visual, heads.mask_token, mask):
         _, patches = _tower(visual, image)
+    if patches.shape[1] != mask.shape[1]:  # the tokens left would not sit at the mask's positions
+        raise ValueError(f"masked prediction needs every patch token of the tower, which kept {patches.shape[1]} of "
+                         f"{mask.shape[1]}: turn its patch dropout off (--force-patch-dropout 0)")
     # the term is a sum over the masked patches: the student's head and the teacher's targets project those rows
     # only ([M, P] for the M masked patches of the microbatch, not [B, L, P])
     log_q = F.log_softmax(_upcast(heads.patch_head(patches[mask])) / STUDENT_TEMPERATURE, dim=-1)

@@ -351,6 +351,10 @@ class TrainConfig:
                                 ("--multi-positive", self.multi_positive)):
                 if given:
                     raise ValueError(f"{flag} with {what} is not supported yet")
+            if recipe.value("masked_prediction_loss_weight") > 0 and (self.force_patch_dropout or 0) > 0:
+                raise ValueError(f"--force-patch-dropout {self.force_patch_dropout:g} with masked prediction "
+                                 f"(--recipe siglip2 / --masked-prediction-loss-weight > 0): patch dropout drops "
+                                 f"tokens of the masked pass, whose targets are per patch; drop one of them")
         if not recipe.example_terms():
             return
         what = "a LocCa term (--recipe siglip2 / --locca-loss-weight > 0)"
