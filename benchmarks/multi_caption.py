@@ -1,8 +1,9 @@
 """Several captions per image: retrieval on built-in validation scenes that carry 2-5 captions each.
 
 For each checkpoint: image→text R@1 (the top caption is one of the image's own), text→image R@1 (the top image
-is the caption's own), and the share of same-image captions ranked as negatives (an own caption scored below
-the best caption of another image). Run it on a model trained with `--multi-positive` and one trained one-hot on
+is the caption's own), and the share of same-image captions ranked as negatives: an image with k captions should
+rank its own k first; an own caption outside the image's top k sits where a negative should (1 − R-precision, the
+retrieval metric for several relevant items). Run it on a model trained with `--multi-positive` and one trained one-hot on
 the same data (`--synthetic-multi-caption` without it):
 
     naflexclip train --model tiny --synthetic-multi-caption --name tiny_onehot
@@ -38,8 +39,9 @@ def evaluate(checkpoint: str, num_images: int, seq_len: int, seed: int) -> dict[
     own = owner_t[None, :] == torch.arange(num_images)[:, None]
     image_to_text = own.gather(1, scores.argmax(1, keepdim=True)).float().mean()
     text_to_image = (scores.argmax(0) == owner_t).float().mean()
-    best_other = scores.masked_fill(own, float("-inf")).max(1).values  # per image: its best foreign caption
-    ranked_as_negative = (scores < best_other[:, None])[own].float().mean()
+    counts = own.sum(1)
+    ranks = scores.argsort(1, descending=True).argsort(1)  # 0 = the image's best caption
+    ranked_as_negative = (ranks >= counts[:, None])[own].float().mean()
     return {"image_to_text_R@1": float(image_to_text), "text_to_image_R@1": float(text_to_image),
             "own_captions_ranked_as_negatives": float(ranked_as_negative), "captions": float(len(captions))}
 

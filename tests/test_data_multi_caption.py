@@ -33,6 +33,24 @@ def test_built_in_scenes_have_two_to_five_captions_and_keep_their_image():
         assert image.tobytes() == plain_image.tobytes()
 
 
+def test_a_scenes_captions_are_distinct_partial_views_that_each_fit_it():
+    # several captions of one image say different things (as COCO's annotators do): identical strings would make
+    # the extra captions carry nothing, and a caption naming an absent colour or shape would be a wrong positive
+    from naflexclip.data.synthetic import COLOURS, SHAPES, _scene
+
+    partial = 0
+    for index in range(60):
+        _, captions = synthetic_captions(0, "train", index)
+        assert len(set(captions)) == len(captions), captions
+        _, (_, objects, _, _) = _scene(0, "train", index, 1)
+        for caption in captions[1:]:
+            words = set(caption.replace(",", " ").replace(".", " ").split())
+            assert words & set(COLOURS) <= {COLOURS[o.colour] for o in objects}, caption
+            assert words & set(SHAPES) <= {SHAPES[o.shape] for o in objects}, caption
+            partial += not all(o.phrase() in caption for o in objects)
+    assert partial > 60  # most extra captions name only part of their scene
+
+
 def test_multi_caption_microbatches_are_grouped_and_one_caption_otherwise():
     grouped = build_loader(DataConfig(**DATA, multi_caption=True), split="train", patch_size=4, context_length=16)
     items = list(grouped)

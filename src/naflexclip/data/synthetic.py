@@ -253,8 +253,24 @@ def synthetic_captions(seed: int, split: str, index: int, shape_group_size: int 
 
 def _more_captions(seed: int, split: str, index: int, first: str, objects: list[SceneObject], background: str,
                    wide: bool) -> list[str]:
+    """`first` and 1 to 4 more captions, each a different partial view of the scene, as annotators write them (COCO's
+    five captions of an image mention different things): one object, the colours, the shapes, one object and where it
+    is. Each alone fits several scenes; together they describe this one, so they are distinct strings and a model
+    trained one-hot on one of them per epoch sees a fraction of what the image's captions say."""
     extra = np.random.default_rng(np.random.SeedSequence([seed & 0xFFFFFFFF, SPLIT_STREAMS[split], index, 2]))
-    more = [caption_for(extra, objects, background, wide) for _ in range(int(extra.integers(1, 5)))]
+    count = COUNT_WORDS[len(objects) - 1]
+    places = (("on the left", "in the middle", "on the right") if wide else ("at the top", "in the middle",
+                                                                             "at the bottom"))
+    one = objects[int(extra.integers(len(objects)))]
+    slot = objects.index(one)
+    place = "" if len(objects) == 1 else " " + places[0 if slot == 0 else 2 if slot == len(objects) - 1 else 1]
+    views = [
+        f"there is {one.phrase()} in the picture.",
+        f"{count} coloured {_join([COLOURS[o.colour] for o in objects])}.",
+        f"{count}: {_join(['a ' + SHAPES[o.shape] for o in objects])}.",
+        f"a {background} background with {one.phrase()}{place}.",
+    ]
+    more = [views[int(k)] for k in extra.permutation(len(views))[: int(extra.integers(1, 5))]]
     return [first, *more]
 
 
