@@ -4,8 +4,7 @@ For each checkpoint: image→text R@1 (the top caption is one of the image's own
 is the caption's own), and the share of same-image captions ranked as negatives: an image with k captions should
 rank its own k first; an own caption outside the image's top k sits where a negative should (1 − R-precision, the
 retrieval metric for several relevant items). Run it on a model trained with `--multi-positive` and one trained
-one-hot on
-the same data (`--synthetic-multi-caption` without it):
+one-hot on the same data (`--synthetic-multi-caption` without it):
 
     naflexclip train --model tiny --synthetic-multi-caption --name tiny_onehot
     naflexclip train --model tiny --synthetic-multi-caption --multi-positive --name tiny_multipos
