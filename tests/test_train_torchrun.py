@@ -48,9 +48,9 @@ LAUNCHER = textwrap.dedent(
 )
 
 
-def torchrun(tmp_path: Path, name: str, *extra: str) -> subprocess.CompletedProcess:
+def torchrun(tmp_path: Path, name: str, *extra: str, source: str = LAUNCHER) -> subprocess.CompletedProcess:
     launcher = tmp_path / "launch.py"
-    launcher.write_text(LAUNCHER)
+    launcher.write_text(source)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(launcher), "train", *RUN_FLAGS, "--logs-dir", str(tmp_path), "--name", name, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

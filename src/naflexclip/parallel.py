@@ -229,15 +229,31 @@ def load_full_optimizer_state_dict(
 
     DDP: every rank passes the state it read from the checkpoint itself (the optimizer state is ~2× the
     model: reading the file is cheaper than pickling it through a broadcast). FSDP2: rank 0's state is
-    broadcast and sharded (`broadcast_from_rank0`); other ranks may pass `{}`.
+    broadcast and sharded (`broadcast_from_rank0`); other ranks may pass `{}`. A trainable parameter the saved
+    state has none for (no gradient yet, e.g. the self-distillation heads before `--self-distill-start`) is left
+    without state, as `optimizer.load_state_dict` leaves it: its state starts at its first step, as in an
+    uninterrupted run (torch's loader gives it a zero state at step 1, which would shift its Adam bias correction).
     """
     if is_fsdp(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+        params = [param for group in optimizer.param_groups for param in group["params"]]
+        names = {id(param): name for name, param in unwrap_model(model).named_parameters()}
+        saved = torch.zeros(len(params), dtype=torch.uint8)
+        if env.is_main:  # the saved state's keys: names (FSDP2's) or positions (optimizer.state_dict()'s)
+            keys = state["state"].keys()
+            saved = torch.tensor([names.get(id(p)) in keys or i in keys for i, p in enumerate(params)],
+                                 dtype=torch.uint8)
         with translate_faults(env, "loading the FSDP optimizer state"):
             set_optimizer_state_dict(
-                model, optimizer, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+                model, optimizer, state,
+                options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False),
             )
+            saved = saved.to(env.device)
+            dist.broadcast(saved, src=0)
+        for param, has_state in zip(params, saved.tolist(), strict=True):
+            if not has_state:
+                optimizer.state.pop(param, None)
         return
     if not state:
         raise ValueError(f"rank {env.rank}: empty optimizer state; under DDP every rank loads the checkpoint's")
