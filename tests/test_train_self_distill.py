@@ -6,6 +6,7 @@ the terms off in one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -369,3 +370,44 @@ def test_an_fsdp2_run_resumed_before_and_after_the_switch_ends_as_a_straight_one
     assert losses("straight") == losses("split")
     assert [sd is None for _, sd in losses("straight")] == [True, True, False, False]
 
+
+def test_a_resume_that_moves_the_switch_later_drops_the_teacher_and_builds_it_again_at_the_new_switch() -> None:
+    """A checkpoint taken after the switch, resumed with a later --self-distill-start: the steps before the new
+    switch train no self-distillation, so the saved teacher is dropped (one line naming the flag and the step; before:
+    it kept following the student by EMA through them) and built again from the student at the new switch."""
+    from naflexclip.model import NaFlexClip, model_config
+    from naflexclip.recipe import Recipe
+    from naflexclip.train.self_distill import SelfDistillation
+    from naflexclip.verify import random_naflex_batch
+
+    torch.manual_seed(0)
+    first = Recipe(self_distill_loss_weight=1.0, local_crops=2, self_distill_start=0.5)
+    student = first.prepare(NaFlexClip(model_config("tiny")), self_distill=True).double()
+    batch = random_naflex_batch(2, patch_size=4, context_length=16, generator=torch.Generator().manual_seed(1))
+    batch["example_inputs"] = {VIEW_SEED: torch.tensor([3, 4])}
+    saved = SelfDistillation(first, student, init_distributed("cpu"), None)
+    assert saved.window(6, 10, [batch])[1] is not None  # (6 - 1)/10 >= 0.5: built
+    checkpoint = saved.state_dict()
+    assert checkpoint["built"]
+
+    lines: list[str] = []
+    later = dataclasses.replace(first, self_distill_start=0.8)
+    resumed = SelfDistillation(later, student, init_distributed("cpu"), None, notify=lines.append)
+    resumed.load_state_dict(checkpoint)
+    with torch.no_grad():  # the student trains on
+        for p in student.parameters():
+            p.add_(0.5)
+    terms, teacher, _ = resumed.window(7, 10, [batch])  # (7 - 1)/10 < 0.8: off again
+    assert not terms and teacher is None and resumed.teacher is None
+    assert lines == ["step 7: --self-distill-start 0.8 of 10 steps puts the switch at step 9, after this one: the EMA "
+                     "teacher the checkpoint holds is dropped and built again from the student there"]
+    resumed.after_step(skipped=False)
+    assert resumed.state_dict() == {"built": False}
+    assert resumed.window(8, 10, [batch])[1] is None and len(lines) == 1
+    _, teacher, _ = resumed.window(9, 10, [batch])  # (9 - 1)/10 >= 0.8: built from the student as it is now
+    assert teacher is not None and all(torch.equal(t, s) for t, s in teacher.student_parameters(student))
+    never = SelfDistillation(dataclasses.replace(first, self_distill_start=1.0), student, init_distributed("cpu"),
+                             None, notify=lines.append)
+    never.load_state_dict(checkpoint)
+    never.window(7, 10, [batch])
+    assert lines[-1].startswith("step 7: --self-distill-start 1 of 10 steps puts the switch after the run's last step")

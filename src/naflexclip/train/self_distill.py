@@ -17,6 +17,7 @@ a time as the student's does.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -55,6 +56,15 @@ class SelfDistillation:
         progress = self.progress(step, total_steps)
         terms = self.recipe.example_terms(progress)
         if not self.recipe.self_distill_active(progress):
+            if self.teacher is not None:  # resumed with the switch moved past this step (the flag, or a re-plan)
+                self.teacher = None
+                start = self.recipe.value("self_distill_start")
+                switch = self.switch_step(step, total_steps)
+                where = (f"at step {switch}, after this one" if switch is not None
+                         else "after the run's last step")
+                self.notify(f"step {step}: --self-distill-start {start:g} of {total_steps} steps puts the switch "
+                            f"{where}: the EMA teacher the checkpoint holds is dropped and built again from the "
+                            f"student there")
             return terms, None, [without_view_seeds(mb) for mb in microbatches]
         if self.teacher is None:
             self.teacher = self.build()
@@ -62,6 +72,14 @@ class SelfDistillation:
                         f"{self.recipe.value('self_distill_start'):g} of {total_steps} steps), the EMA teacher "
                         f"built from the student; logged as loss/self_distill and loss/masked_prediction")
         return terms, self.teacher, microbatches
+
+    def switch_step(self, step: int, total_steps: int) -> int | None:
+        """The first optimizer step from `step` on that trains the terms (None: none of the run's)."""
+        first = max(step, math.ceil(self.recipe.value("self_distill_start") * total_steps) + 1)
+        for k in (first - 1, first, first + 1):  # the float product may round either way
+            if step <= k <= total_steps and self.recipe.self_distill_active(self.progress(k, total_steps)):
+                return k
+        return None
 
     def after_step(self, skipped: bool) -> None:
         """After the window's optimizer step: the teacher's EMA and centres; a skipped step leaves it as it was."""
