@@ -9,10 +9,11 @@ replayed: `window.accumulate_gradients(example_teacher=)`), and after every opti
 (`EmaTeacher.update`, its centres summed over ranks) or, after a skipped step, forgets the step's logits.
 
 Run state `ema_teacher`: `{"built": False}` before the switch, else the teacher's full parameters and centres
-(gathered from every rank's shards), so a resume on either side of the switch continues bit-exactly. Under FSDP2
-the teacher is sharded like the student (each image-tower block one unit, the rest one unit, on the same mesh): its
-parameters are DTensors placed as the student's, the EMA pairs local shards, and its forward gathers one block at
-a time as the student's does.
+(gathered from every rank's shards), so a resume on either side of the switch continues bit-exactly; a resume
+whose switch comes after the saved teacher's step (a later `--self-distill-start`, a re-planned `T`) drops it in one
+line and builds it again from the student at the new switch. Under FSDP2 the teacher is sharded like the student
+(each image-tower block one unit, the rest one unit, on the same mesh): its parameters are DTensors placed as the
+student's, the EMA pairs local shards, and its forward gathers one block at a time as the student's does.
 """
 
 from __future__ import annotations
