@@ -410,4 +410,6 @@ def test_a_resume_that_moves_the_switch_later_drops_the_teacher_and_builds_it_ag
                              None, notify=lines.append)
     never.load_state_dict(checkpoint)
     never.window(7, 10, [batch])
-    assert lines[-1].startswith("step 7: --self-distill-start 1 of 10 steps puts the switch after the run's last step")
+    assert lines[-1] == ("step 7: --self-distill-start 1 of 10 steps puts the switch after the run's last step: the "
+                         "EMA teacher the checkpoint holds is dropped and the rest of the run trains no "
+                         "self-distillation")

@@ -61,11 +61,11 @@ class SelfDistillation:
                 self.teacher = None
                 start = self.recipe.value("self_distill_start")
                 switch = self.switch_step(step, total_steps)
-                where = (f"at step {switch}, after this one" if switch is not None
-                         else "after the run's last step")
+                where, then = ((f"at step {switch}, after this one", "built again from the student there")
+                               if switch is not None else
+                               ("after the run's last step", "the rest of the run trains no self-distillation"))
                 self.notify(f"step {step}: --self-distill-start {start:g} of {total_steps} steps puts the switch "
-                            f"{where}: the EMA teacher the checkpoint holds is dropped and built again from the "
-                            f"student there")
+                            f"{where}: the EMA teacher the checkpoint holds is dropped and {then}")
             return terms, None, [without_view_seeds(mb) for mb in microbatches]
         if self.teacher is None:
             self.teacher = self.build()
