@@ -413,3 +413,19 @@ def test_a_resume_that_moves_the_switch_later_drops_the_teacher_and_builds_it_ag
     assert lines[-1] == ("step 7: --self-distill-start 1 of 10 steps puts the switch after the run's last step: the "
                          "EMA teacher the checkpoint holds is dropped and the rest of the run trains no "
                          "self-distillation")
+
+
+def test_every_openclip_siglip2_name_gets_the_factor_of_its_size() -> None:
+    """OpenCLIP's SigLIP 2 configs (the paper's released towers): the size read from the image tower's width and
+    depth is the one the name says, at every resolution and patch size."""
+    from naflexclip.families.openclip_names import model_config, model_names
+    from naflexclip.recipe import Recipe
+
+    by_name = {"ViT-B": ("B", 0.25), "ViT-L": ("L", 0.5), "ViT-SO400M": ("So400m", 1.0), "ViT-gopt": ("g", 0.5)}
+    names = [name for name in model_names() if "SigLIP2" in name]
+    assert len(names) >= 4
+    for name in names:
+        size, factor = by_name["-".join(name.split("-")[:2])]
+        image = model_config(name).image
+        scaled, note = Recipe(recipe="siglip2").for_model_size(image.width, image.depth)
+        assert scaled.value("self_distill_loss_weight") == factor and f"size {size} " in note, name
