@@ -1,4 +1,4 @@
-"""Suite-wide test setup: one torch thread per test process, GPU tests skipped without CUDA."""
+"""Suite-wide test setup: one torch thread per test process, GPU tests skipped without CUDA, a small dense probe."""
 
 import os
 
@@ -17,3 +17,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def small_dense_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Evaluations on the built-in data fit the dense probe on 12 train and 6 validation scenes, not PROBE_SCENES'
+    128 and 64: no run in these tests measures the probe's quality (tests/test_dense_probe.py does, on its own
+    features), and the full-size probe was a third of a tiny run's evaluation time. Processes a test starts keep the
+    full size."""
+    from naflexclip.train import probe
+
+    monkeypatch.setitem(probe.PROBE_SCENES, "train", 12)
+    monkeypatch.setitem(probe.PROBE_SCENES, "val", 6)
