@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,19 +60,33 @@ def torchrun(tmp_path: Path, name: str, *extra: str, source: str = LAUNCHER) -> 
     return result
 
 
+@pytest.fixture(scope="module")
+def stopped_at_step_2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-process run stopped (and saved) at step 2; each test resumes its own copy of it (one torchrun fewer)."""
+    logs = tmp_path_factory.mktemp("torchrun")
+    torchrun(logs, "run", "--stop-after-steps", "2")
+    return logs / "run"
+
+
+def copy_run(run: Path, tmp_path: Path) -> Path:
+    shutil.copytree(run, tmp_path / run.name)
+    (tmp_path / "launch.py").write_text(LAUNCHER)
+    return tmp_path
+
+
 @pytest.mark.slow
-def test_two_process_run_resumes_to_the_same_weights(tmp_path: Path) -> None:
+def test_two_process_run_resumes_to_the_same_weights(stopped_at_step_2: Path, tmp_path: Path) -> None:
     torchrun(tmp_path, "straight")
-    torchrun(tmp_path, "resumed", "--stop-after-steps", "2")
-    stopped = find_latest(tmp_path / "resumed" / "checkpoints")
+    logs = copy_run(stopped_at_step_2, tmp_path)
+    stopped = find_latest(logs / "run" / "checkpoints")
     assert stopped is not None and stopped.name == "step_00000002"
     stopped_state = load_checkpoint(stopped).states
     rank_states = [state["torch"] for state in stopped_state["rng"]["ranks"]]
     assert len(rank_states) == 2 and not torch.equal(*rank_states)  # each rank's own stream is saved
-    torchrun(tmp_path, "resumed", "--resume", "latest")
+    torchrun(logs, "run", "--resume", "latest")
 
     straight_state = load_checkpoint(find_latest(tmp_path / "straight" / "checkpoints")).states
-    resumed_state = load_checkpoint(find_latest(tmp_path / "resumed" / "checkpoints")).states
+    resumed_state = load_checkpoint(find_latest(logs / "run" / "checkpoints")).states
     straight, resumed = straight_state["model"], resumed_state["model"]
     assert straight_state["run"]["world_size"] == resumed_state["run"]["world_size"] == 2
     assert straight_state["progress"]["step"] == resumed_state["progress"]["step"] > 2
@@ -82,27 +97,27 @@ def test_two_process_run_resumes_to_the_same_weights(tmp_path: Path) -> None:
     # the window spans both ranks: every step's scale comes from all 2·n microbatch sizes (9 per rank: windows of
     # 2, 2, 2 and 3, the odd one joining the last)
     assert [r["train/num_microbatches"] for r in train_records] == [4, 4, 4, 6]
-    resumed_steps = [json.loads(line)["step"] for line in (tmp_path / "resumed" / "metrics.jsonl").read_text()
+    resumed_steps = [json.loads(line)["step"] for line in (logs / "run" / "metrics.jsonl").read_text()
                      .splitlines() if json.loads(line)["kind"] == "train"]
     assert resumed_steps == list(range(1, len(resumed_steps) + 1))
 
 
 @pytest.mark.slow
-def test_a_two_process_run_resumed_on_one_re_plans_the_lr_schedule_over_the_steps_left(tmp_path: Path) -> None:
+def test_a_two_process_run_resumed_on_one_re_plans_the_lr_schedule_over_the_steps_left(stopped_at_step_2: Path,
+                                                                                     tmp_path: Path) -> None:
     """Stopped at step 2 by 2 processes, resumed by 1: each step now covers half the samples, so the rest of the
     epoch takes more steps than the saved schedule has left. The schedule is re-planned over the steps actually
     left (none at lr 0), and the epoch's samples are trained once over both parts."""
-    torchrun(tmp_path, "run", "--stop-after-steps", "2")
-    launcher = tmp_path / "launch.py"
-    cmd = [sys.executable, str(launcher), "train", *RUN_FLAGS, "--logs-dir", str(tmp_path), "--name", "run",
+    logs = copy_run(stopped_at_step_2, tmp_path)
+    cmd = [sys.executable, str(logs / "launch.py"), "train", *RUN_FLAGS, "--logs-dir", str(logs), "--name", "run",
            "--resume", "latest"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
-    final = load_checkpoint(find_latest(tmp_path / "run" / "checkpoints")).states
+    final = load_checkpoint(find_latest(logs / "run" / "checkpoints")).states
     assert final["run"]["world_size"] == 1 and final["progress"]["epoch"] == 1
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (logs / "run" / "metrics.jsonl").read_text().splitlines()]
     train_records = [r for r in records if r["kind"] == "train"]
     steps = [r["step"] for r in train_records]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) > 4  # more steps than the 2-process epoch's 4
