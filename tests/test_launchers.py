@@ -256,25 +256,17 @@ def tsv_with_broken_images(folder: Path, rows: int = 24, every: int = 4) -> Path
 
 
 @pytest.mark.slow
-def test_ranks_whose_clocks_differ_write_one_run_named_by_rank_0(tmp_path: Path) -> None:
-    """No --name, rank 1's clock an hour ahead: every rank writes into rank 0's run folder (each rank used to name
+def test_srun_tasks_on_two_nodes_form_one_job_named_by_rank_0(tmp_path: Path) -> None:
+    """`srun --ntasks 2` over two nodes, one task each: SLURM's variables only, the master from the host list.
+    No --name, rank 1's clock an hour ahead: every rank writes into rank 0's run folder (each rank used to name
     the run by its own clock: rank 1's skipped samples went to a folder of its own)."""
     port = str(free_port())
-    tasks = [{"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-              "MASTER_PORT": port, "LATE": str(rank)} for rank in range(2)]
+    tasks = [{"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": str(rank),
+              "SLURM_JOB_NODELIST": "127.0.0.[1-2]", "MASTER_PORT": port, "LATE": str(rank)} for rank in range(2)]
     results = start_tasks(tmp_path, tasks, "--train-data", str(tsv_with_broken_images(tmp_path)))
     run = assert_one_run_trained_every_sample_once(tmp_path, results, samples=18)
     skips = [json.loads(line) for line in (run / "skipped_samples.jsonl").read_text().splitlines()]
     assert len(skips) == 6 and {skip["rank"] for skip in skips} == {0, 1}
-
-
-@pytest.mark.slow
-def test_srun_tasks_on_two_nodes_form_one_job(tmp_path: Path) -> None:
-    """`srun --ntasks 2` over two nodes, one task each: SLURM's variables only, the master from the host list."""
-    port = str(free_port())
-    tasks = [{"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": str(rank),
-              "SLURM_JOB_NODELIST": "127.0.0.[1-2]", "MASTER_PORT": port, "LATE": str(rank)} for rank in range(2)]
-    assert_one_run_trained_every_sample_once(tmp_path, start_tasks(tmp_path, tasks))
 
 
 @pytest.mark.slow
