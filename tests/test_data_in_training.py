@@ -1,5 +1,6 @@
-"""Data trust inside a training run: skipped_samples.jsonl, the per-epoch summary without validation data, and the
-two-rank run with a missing image that used to leave ranks waiting on each other (gloo, torchrun)."""
+"""Data trust inside a training run: skipped_samples.jsonl, the per-epoch summary without validation data, and
+two ranks sharing too little data (gloo, torchrun). The two-rank run with a missing image that used to leave ranks
+waiting on each other is test_rank_agreement's test_a_missing_image_on_one_rank_trains_its_7_pairs_in_seconds."""
 
 from __future__ import annotations
 
@@ -71,23 +72,6 @@ def test_validation_skips_are_in_the_skip_log_apart_from_training(tmp_path, caps
         ("val", 0, "missing_file", "i5.png", 7, 0), ("val", last, "missing_file", "i5.png", 7, 0)]
     assert "epoch 0: trained 7 samples, skipped 1 bad (missing_file=1)" in out.out  # the epoch counts training only
     assert f"skipped (missing_file, val): {val_table} [key i5.png, line 7]" in out.err
-
-
-@pytest.mark.slow
-def test_two_ranks_with_a_missing_image_train_every_usable_pair(tmp_path):
-    """The run from the ranks-and-resume issue: 2 ranks, 8 rows with one missing file, one pair per microbatch
-    at 32 patches, --accum-freq 3. The plan gives both ranks the same microbatch count over the 7 usable pairs."""
-    table = eight_rows_one_missing(tmp_path)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-           "naflexclip", "train", *RUN, "--no-plot", "--epochs", "1", "--accum-freq", "3", "--train-data", table,
-           "--naflex-seq-len-probs", "0", "1", "--dist-timeout", "60", "--logs-dir", str(tmp_path), "--name", "two"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
-    (data,) = [r for r in records if r["kind"] == "data"]
-    assert data["data/trained_samples"] == 7 and data["data/skipped/missing_file"] == 1
-    assert "epoch 0: trained 7 samples, skipped 1 bad (missing_file=1)" in result.stdout
 
 
 def test_resume_with_other_workers_trains_the_same_weights(tmp_path):
