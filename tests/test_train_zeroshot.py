@@ -124,7 +124,8 @@ def test_zeroshot_frequency_2_runs_every_second_epoch_and_at_the_end(tmp_path: P
     evaluation keeps its own --val-frequency."""
     folder = colour_folder(tmp_path / "colours", per_class=1)
     assert main(["train", *FLAGS, "--epochs", "3", "--logs", str(tmp_path / "logs"), "--name", "run", "--no-plot",
-                 "--zeroshot-data", str(folder), "--zeroshot-frequency", "2"]) == 0
+                 "--zeroshot-data", str(folder), "--zeroshot-frequency", "2", "--synthetic-train-size", "32",
+                 "--synthetic-val-size", "8"]) == 0
     run = tmp_path / "logs" / "run"
     assert [r["epoch"] for r in _zeroshot_evals(run, "colours")] == [0, 2, 3]
     assert [r["epoch"] for r in _records(run) if r["kind"] == "eval" and "val/image_to_text_R@1" in r] == [0, 1, 2, 3]
