@@ -23,8 +23,8 @@ def pytest_collection_modifyitems(config, items):
 def small_dense_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     """Evaluations on the built-in data fit the dense probe on 12 train and 6 validation scenes, not PROBE_SCENES'
     128 and 64: no run in these tests measures the probe's quality (tests/test_dense_probe.py does, on its own
-    features), and the full-size probe was a third of a tiny run's evaluation time. Processes a test starts keep the
-    full size."""
+    features), and the full-size probe was a third of a tiny run's evaluation time. A process a test starts keeps the
+    full size unless its start script shrinks it too (test_launchers, test_train_torchrun, ...)."""
     from naflexclip.train import probe
 
     monkeypatch.setitem(probe.PROBE_SCENES, "train", 12)

@@ -184,13 +184,15 @@ RUN_FLAGS = [
 ]
 SAMPLES = 64
 # `naflexclip train`; with LATE=1 this process's clock reads an hour later (a rank that starts in another second
-# than rank 0, or whose clock is off)
+# than rank 0, or whose clock is off); the dense probe as small as tests/conftest.py's small_dense_probe makes it
 START = """
 import os, sys, time
 if os.environ.get("LATE") == "1":
     clock = time.strftime
     time.strftime = lambda fmt, t=None: clock(fmt, time.localtime(time.time() + 3600) if t is None else t)
 from naflexclip.cli import main
+from naflexclip.train import probe
+probe.PROBE_SCENES.update(train=12, val=6)
 sys.exit(main(sys.argv[1:]))
 """
 LAUNCHER_VARIABLES = {*RANK_VARIABLES, *WORLD_SIZE_VARIABLES, *LOCAL_RANK_VARIABLES, *LOCAL_WORLD_SIZE_VARIABLES,

@@ -28,10 +28,11 @@ CHILD = textwrap.dedent(
     """
     import sys, time
     sys.path.insert(0, {tests!r})
-    from naflexclip.train import checkpoint as ckpt
+    from naflexclip.train import checkpoint as ckpt, probe
     from naflexclip.train.loop import train
     from test_train_loop import tiny_config
 
+    probe.PROBE_SCENES.update(train=12, val=6)  # as tests/conftest.py's small_dense_probe
     real_save = ckpt.save_file
     calls = []
 

@@ -29,13 +29,17 @@ RUN_FLAGS = [
 
 # `naflexclip train` with stochastic layers in the tiny preset (each rank draws its own stream, so a rank that
 # continued with another rank's generator state would draw other masks); a resume must not broadcast pickled
-# objects (every rank reads the checkpoint itself).
+# objects (every rank reads the checkpoint itself). The dense probe as small as tests/conftest.py's small_dense_probe
+# makes it.
 LAUNCHER = textwrap.dedent(
     """
     import dataclasses, sys
     import torch.distributed as dist
     from naflexclip.cli import main
     from naflexclip.model import PRESETS
+    from naflexclip.train import probe
+
+    probe.PROBE_SCENES.update(train=12, val=6)
 
     tiny = PRESETS["tiny"]
     PRESETS["tiny"] = dataclasses.replace(tiny, image=dataclasses.replace(
