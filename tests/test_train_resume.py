@@ -173,10 +173,11 @@ def test_lr_schedule_continues_as_saved(stopped_run: Path, tmp_path: Path) -> No
 
 
 def test_resuming_a_finished_run_says_so_and_trains_nothing(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    assert _cli(tmp_path, "done", "--epochs", "1") == 0
+    small = ["--epochs", "1", "--synthetic-train-size", "32"]  # a finished run: its length does not matter
+    assert _cli(tmp_path, "done", *small) == 0
     before = (tmp_path / "done" / "metrics.jsonl").read_text()
     capsys.readouterr()
-    assert _cli(tmp_path, "done", "--epochs", "1", "--resume", "latest") == 0
+    assert _cli(tmp_path, "done", *small, "--resume", "latest") == 0
     err = capsys.readouterr().err
     assert "nothing to train: the run finished (epoch 1 of --epochs 1" in err
     assert (tmp_path / "done" / "metrics.jsonl").read_text() == before
