@@ -209,7 +209,8 @@ def test_two_processes_classify_on_the_main_rank(tmp_path: Path) -> None:
     from test_train_torchrun import torchrun
 
     folder = colour_folder(tmp_path / "colours", per_class=1)
-    torchrun(tmp_path, "run", "--zeroshot-data", str(folder), "--zeroshot-frequency", "1")
+    torchrun(tmp_path, "run", "--zeroshot-data", str(folder), "--zeroshot-frequency", "1", "--synthetic-train-size",
+             "32")
     assert [r["epoch"] for r in _zeroshot_evals(tmp_path / "run", "colours")] == [0, 1]
 
 
