@@ -422,7 +422,8 @@ def test_every_openclip_siglip2_name_gets_the_factor_of_its_size() -> None:
     from naflexclip.recipe import Recipe
 
     by_name = {"ViT-B": ("B", 0.25), "ViT-L": ("L", 0.5), "ViT-SO400M": ("So400m", 1.0), "ViT-gopt": ("g", 0.5)}
-    names = [name for name in model_names() if "SigLIP2" in name]
+    # tests/openclip_cases.py registers shrunken copies (`<name>-tiny`) in open_clip's registry: not the paper's sizes
+    names = [name for name in model_names() if "SigLIP2" in name and not name.endswith("-tiny")]
     assert len(names) >= 4
     for name in names:
         size, factor = by_name["-".join(name.split("-")[:2])]
