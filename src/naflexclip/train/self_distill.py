@@ -18,7 +18,6 @@ student's, the EMA pairs local shards, and its forward gathers one block at a ti
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -76,11 +75,8 @@ class SelfDistillation:
 
     def switch_step(self, step: int, total_steps: int) -> int | None:
         """The first optimizer step from `step` on that trains the terms (None: none of the run's)."""
-        first = max(step, math.ceil(self.recipe.value("self_distill_start") * total_steps) + 1)
-        for k in (first - 1, first, first + 1):  # the float product may round either way
-            if step <= k <= total_steps and self.recipe.self_distill_active(self.progress(k, total_steps)):
-                return k
-        return None
+        return next((k for k in range(step, total_steps + 1)
+                     if self.recipe.self_distill_active(self.progress(k, total_steps))), None)
 
     def after_step(self, skipped: bool) -> None:
         """After the window's optimizer step: the teacher's EMA and centres; a skipped step leaves it as it was."""
