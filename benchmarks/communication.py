@@ -169,13 +169,13 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out_
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    from naflexclip.audit.verify_command import random_naflex_batch
     from naflexclip.batch import split_batch
-    from naflexclip.distributed import cleanup, init_distributed
-    from naflexclip.exchange import window_exchange
-    from naflexclip.factory import create_model
     from naflexclip.loss import create_loss
-    from naflexclip.parallel import no_sync_context, wrap_model
-    from naflexclip.verify import random_naflex_batch
+    from naflexclip.models.factory import create_model
+    from naflexclip.parallel.feature_exchange import window_exchange
+    from naflexclip.parallel.process_group import cleanup, init_distributed
+    from naflexclip.parallel.wrapping import no_sync_context, wrap_model
     from naflexclip.window import accumulate_gradients
 
     warnings.filterwarnings("ignore", category=FutureWarning)

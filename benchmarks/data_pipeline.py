@@ -36,7 +36,7 @@ from PIL import Image
 from timm.data.naflex_loader import create_naflex_loader
 
 from naflexclip.data import DataConfig, build_loader
-from naflexclip.data.export import export_synthetic, shard_spec
+from naflexclip.data.dataset_export import export_synthetic, shard_spec
 
 
 class FolderImages(torch.utils.data.Dataset):

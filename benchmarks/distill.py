@@ -36,7 +36,7 @@ from objective_losses import _step as loss_step
 from window_loss import GIB, _run_fresh
 
 from naflexclip import accumulate_gradients, create_loss, create_model
-from naflexclip.distill import Distill, load_teacher
+from naflexclip.objectives.distillation import Distill, load_teacher
 
 VARIANTS = ("plain", "distill")
 

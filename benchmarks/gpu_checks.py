@@ -223,7 +223,7 @@ def _warm_imports(site: Path) -> bool:
         import torch.utils.flop_counter  # noqa: F401
 
         import naflexclip.cli  # noqa: F401  (the train, verify and data modules)
-        import naflexclip.train.precision  # noqa: F401
+        import naflexclip.models.precision  # noqa: F401
     except Exception as error:
         print(f"warm imports failed ({type(error).__name__}: {error}): each step starts a fresh interpreter",
               flush=True)

@@ -22,9 +22,9 @@ import torch
 from measure import alternating_medians, in_subprocess, window_memory
 
 from naflexclip import accumulate_gradients, create_loss, create_model
+from naflexclip.audit.verify_command import random_naflex_batch
 from naflexclip.batch import split_batch, to_device
-from naflexclip.train.precision import create_precision
-from naflexclip.verify import random_naflex_batch
+from naflexclip.models.precision import create_precision
 
 VARIANTS = ("unlocked", "locked")
 

@@ -82,7 +82,7 @@ def add_window_arguments(parser: argparse.ArgumentParser, model: str, seq_len: i
 
 def window_precision(args: argparse.Namespace) -> tuple[torch.device, str, Callable[[], Any]]:
     """From `add_window_arguments`' values: the device, the precision's name and its autocast; sets the threads."""
-    from naflexclip.train.precision import create_precision
+    from naflexclip.models.precision import create_precision
 
     device = torch.device(args.device)
     precision = args.precision or ("amp_bf16" if device.type == "cuda" else "fp32")

@@ -18,7 +18,7 @@ import argparse
 import torch
 
 from naflexclip.data.synthetic import synthetic_captions
-from naflexclip.data.transform import default_processing
+from naflexclip.processing.naflex_transform import default_processing
 from naflexclip.train.components import load_checkpoint_model
 
 

@@ -26,7 +26,7 @@ from measure import GeneratedWindow, Results, add_window_arguments, mib, time_an
 
 from naflexclip import accumulate_gradients, create_loss, create_model
 from naflexclip.cli import build_parser
-from naflexclip.model import NaFlexClip
+from naflexclip.models.naflex_clip import NaFlexClip
 
 # an objective's window: (model, loss, the rest of accumulate_gradients' keywords), on the device
 Built = tuple[NaFlexClip, Callable, dict[str, Any]]
@@ -45,8 +45,8 @@ def _locked_image(args: argparse.Namespace, device: torch.device) -> Built:
 
 def _distilled(args: argparse.Namespace, device: torch.device) -> Built:
     """`--distill-model TEACHER`: the frozen teacher runs once per microbatch without gradient; the loss is the
-    contrastive one plus the distillation term (`naflexclip.distill`)."""
-    from naflexclip.distill import Distill, load_teacher
+    contrastive one plus the distillation term (`naflexclip.objectives.distillation`)."""
+    from naflexclip.objectives.distillation import Distill, load_teacher
 
     model = create_model(args.model).to(device)
     teacher, _ = load_teacher(args.teacher or args.model, None)

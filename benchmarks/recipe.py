@@ -36,23 +36,23 @@ import torch
 import torch.nn.functional as F
 from measure import alternating_medians, in_subprocess
 
-import naflexclip.model
+import naflexclip.models.naflex_clip
 from naflexclip import accumulate_gradients, create_loss
+from naflexclip.audit.verify_command import random_naflex_batch
 from naflexclip.batch import EXAMPLE_INPUTS, split_batch, to_device
-from naflexclip.locca import random_decoder_inputs
-from naflexclip.model import NaFlexClip, model_config
-from naflexclip.recipe import Recipe
-from naflexclip.selfdistill import (
+from naflexclip.models.naflex_clip import NaFlexClip, model_config
+from naflexclip.models.precision import create_precision
+from naflexclip.objectives.locca_decoder import random_decoder_inputs
+from naflexclip.objectives.self_distillation import (
     SELF_DISTILL,
     STUDENT_TEMPERATURE,
-    VIEW_SEED,
     _tower,
     _upcast,
     local_crops,
     teacher_distribution,
 )
-from naflexclip.train.precision import create_precision
-from naflexclip.verify import random_naflex_batch
+from naflexclip.objectives.siglip2_recipe import Recipe
+from naflexclip.processing.view_seeds import VIEW_SEED
 
 ROWS = ("sigmoid only", "+ LocCa decoder", "+ EMA teacher", "+ local crops", "+ masked pass")
 PARTS = {"+ LocCa decoder": "decoder", "+ EMA teacher": "EMA teacher", "+ local crops": "local crops",
@@ -61,7 +61,8 @@ PARTS = {"+ LocCa decoder": "decoder", "+ EMA teacher": "EMA teacher", "+ local 
 
 def crops_only(visual: torch.nn.Module, heads: torch.nn.Module, image: dict[str, torch.Tensor],
                view_seed: torch.Tensor, targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`naflexclip.selfdistill.student_terms` without its masked pass: each example's self-distillation term alone
+    """`naflexclip.objectives.self_distillation.student_terms` without its masked pass: each example's
+    self-distillation term alone
     (the same values, tested), so the crops' cost can be measured apart from the masked pass's."""
     count = heads.config.local_crops
     batch = image["patches"].shape[0]
@@ -101,7 +102,7 @@ def _setup(config: dict, row: str) -> tuple[Callable[[], int], torch.device]:
         teacher.register_forward_hook(lambda *_: calls.append(1))
     autocast = create_precision(config["precision"], device).autocast
     loss_fn = create_loss("siglip")
-    cut = mock.patch.object(naflexclip.model, "student_terms", crops_only) if level == 3 else nullcontext()
+    cut = mock.patch.object(naflexclip.models.naflex_clip, "student_terms", crops_only) if level == 3 else nullcontext()
 
     def step() -> int:
         calls.clear()

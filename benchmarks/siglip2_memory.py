@@ -22,7 +22,7 @@ import dataclasses
 
 import torch
 
-from naflexclip.model import PRESETS, NaFlexClip
+from naflexclip.models.naflex_clip import PRESETS, NaFlexClip
 
 TEXT_TOKENS = 64  # SigLIP 2's context length: every caption is padded to it
 GB = 1e9

@@ -39,11 +39,11 @@ from torch._dynamo.utils import counters
 from torch.utils.flop_counter import FlopCounterMode
 
 from naflexclip import accumulate_gradients, create_loss
+from naflexclip.audit.verify_command import random_naflex_batch
 from naflexclip.batch import split_batch, to_device
-from naflexclip.factory import create_model
-from naflexclip.model import NaFlexClip
-from naflexclip.train.precision import create_precision
-from naflexclip.verify import random_naflex_batch
+from naflexclip.models.factory import create_model
+from naflexclip.models.naflex_clip import NaFlexClip
+from naflexclip.models.precision import create_precision
 
 # dense bf16 tensor-core peaks (vendor datasheets, without sparsity), FLOP/s
 BF16_PEAK = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}

@@ -87,8 +87,8 @@ def _reference_loss(kind: str, image: torch.Tensor, text: torch.Tensor, scale: f
 def _window_step(kind: str, n: int, microbatch: int, threads: int) -> dict[str, float]:
     """A whole window through the public API in this (fresh) process."""
     from naflexclip import accumulate_gradients, create_loss, create_model
+    from naflexclip.audit.verify_command import random_naflex_batch
     from naflexclip.batch import split_batch
-    from naflexclip.verify import random_naflex_batch
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -140,11 +140,11 @@ def _flops_worker(rank: int, world: int, port: int, n: int, kind: str, sharded: 
     from torch.utils.flop_counter import FlopCounterMode
 
     from naflexclip import accumulate_gradients, create_loss, create_model
+    from naflexclip.audit.verify_command import random_naflex_batch
     from naflexclip.batch import split_batch
-    from naflexclip.distributed import cleanup, init_distributed
-    from naflexclip.exchange import window_exchange
-    from naflexclip.parallel import no_sync_context, wrap_model
-    from naflexclip.verify import random_naflex_batch
+    from naflexclip.parallel.feature_exchange import window_exchange
+    from naflexclip.parallel.process_group import cleanup, init_distributed
+    from naflexclip.parallel.wrapping import no_sync_context, wrap_model
 
     env = init_distributed(device="cpu", timeout_s=600)
     torch.manual_seed(0)

@@ -25,7 +25,7 @@ def small_dense_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     128 and 64: no run in these tests measures the probe's quality (tests/test_dense_probe.py does, on its own
     features), and the full-size probe was a third of a tiny run's evaluation time. A process a test starts keeps the
     full size unless its start script shrinks it too (test_launchers, test_train_torchrun, ...)."""
-    from naflexclip.train import probe
+    from naflexclip.evaluation import dense_probe as probe
 
     monkeypatch.setitem(probe.PROBE_SCENES, "train", 12)
     monkeypatch.setitem(probe.PROBE_SCENES, "val", 6)

@@ -151,7 +151,7 @@ def _gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full (unsharded) gradients by the user's parameter names; a collective under FSDP2."""
     from torch.distributed.tensor import DTensor
 
-    from naflexclip.parallel import unwrap_model
+    from naflexclip.parallel.wrapping import unwrap_model
 
     grads = {}
     for name, param in unwrap_model(model).named_parameters():
@@ -164,7 +164,7 @@ def _gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _errors(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> dict[str, float]:
     """Worst relative error of pos_embed and of every other parameter (docs/accumulation.md, Tolerances)."""
-    from naflexclip.verify import relative_error
+    from naflexclip.audit.verify_command import relative_error
 
     worst = {"params": 0.0, "pos_embed": 0.0, "missing": 0.0}
     for name in reference.keys() | grads.keys():
@@ -280,13 +280,19 @@ def _configs(world: int, fsdp: bool) -> list[tuple[int, str, str]]:
 
 
 def scenario_exact(env: Any) -> dict[str, Any]:
+    from naflexclip.audit.verify_command import full_batch_gradients, random_naflex_batch
     from naflexclip.batch import concat_microbatches, split_batch
-    from naflexclip.distributed import check_consistency
-    from naflexclip.exchange import window_exchange
-    from naflexclip.factory import create_model
     from naflexclip.loss import create_loss
-    from naflexclip.parallel import full_state_dict, load_full_state_dict, no_sync_context, unwrap_model, wrap_model
-    from naflexclip.verify import full_batch_gradients, random_naflex_batch
+    from naflexclip.models.factory import create_model
+    from naflexclip.parallel.feature_exchange import window_exchange
+    from naflexclip.parallel.process_group import check_consistency
+    from naflexclip.parallel.wrapping import (
+        full_state_dict,
+        load_full_state_dict,
+        no_sync_context,
+        unwrap_model,
+        wrap_model,
+    )
     from naflexclip.window import accumulate_gradients, window_loss_scale
 
     world = env.world_size
@@ -367,7 +373,7 @@ def _teeth(env: Any, model: Any, loss_fn: Any, batch: Any, siglip: bool, referen
            out: dict[str, Any]) -> None:
     """Wrong rules that must fail the comparison the exact window passes."""
     from naflexclip.batch import batch_size
-    from naflexclip.parallel import no_sync_context
+    from naflexclip.parallel.wrapping import no_sync_context
     from naflexclip.window import accumulate_gradients, window_loss_scale
 
     split = SPLITS[env.world_size][0]
@@ -423,7 +429,7 @@ def _state_dict_round_trip(env: Any, model: Any, fresh: Any, full_state_dict: An
         for k, v in local.items()
     )
 
-    from naflexclip.parallel import full_optimizer_state_dict, load_full_optimizer_state_dict
+    from naflexclip.parallel.wrapping import full_optimizer_state_dict, load_full_optimizer_state_dict
 
     # optimizer: save after one step, take another, load the saved state back
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -473,12 +479,12 @@ def _consistency(env: Any, check_consistency: Any) -> dict[str, Any]:
 
 def scenario_fault(env: Any, how: str) -> dict[str, Any]:
     """Rank 1 dies or raises inside the second microbatch's replay forward; rank 0 must name it."""
-    from naflexclip.distributed import fault_guard
-    from naflexclip.exchange import window_exchange
-    from naflexclip.factory import create_model
+    from naflexclip.audit.verify_command import random_naflex_batch
     from naflexclip.loss import create_loss
-    from naflexclip.parallel import no_sync_context, wrap_model
-    from naflexclip.verify import random_naflex_batch
+    from naflexclip.models.factory import create_model
+    from naflexclip.parallel.feature_exchange import window_exchange
+    from naflexclip.parallel.process_group import fault_guard
+    from naflexclip.parallel.wrapping import no_sync_context, wrap_model
     from naflexclip.window import accumulate_gradients
 
     batch = random_naflex_batch(8, patch_size=4, context_length=16, generator=torch.Generator().manual_seed(1))
@@ -515,14 +521,14 @@ def _is_fsdp_model(model: Any) -> bool:
 
 def scenario_agree(env: Any, out_dir: Path) -> dict[str, Any]:
     """Every case meets in one size exchange; each rank records what it raised and how long it took."""
+    from naflexclip.audit.verify_command import random_naflex_batch
     from naflexclip.data import DataConfig
-    from naflexclip.exchange import RanksDisagree, window_exchange
-    from naflexclip.factory import create_model
     from naflexclip.loss import create_loss
-    from naflexclip.parallel import no_sync_context, unwrap_model, wrap_model
-    from naflexclip.train.config import TrainConfig
+    from naflexclip.models.factory import create_model
+    from naflexclip.parallel.feature_exchange import RanksDisagree, window_exchange
+    from naflexclip.parallel.wrapping import no_sync_context, unwrap_model, wrap_model
     from naflexclip.train.loop import Trainer
-    from naflexclip.verify import random_naflex_batch
+    from naflexclip.train.train_config import TrainConfig
     from naflexclip.window import accumulate_gradients
 
     batch = random_naflex_batch(8, patch_size=4, context_length=16, generator=torch.Generator().manual_seed(1))
@@ -578,9 +584,9 @@ def scenario_agree(env: Any, out_dir: Path) -> dict[str, Any]:
 def scenario_trainer_faults(env: Any, out_dir: Path) -> dict[str, Any]:
     """Faults outside the step, each recorded per rank as {error, seconds}; the process group survives them."""
     from naflexclip.data import DataConfig
-    from naflexclip.distributed import barrier
+    from naflexclip.parallel.process_group import barrier
     from naflexclip.train import loop
-    from naflexclip.train.config import TrainConfig
+    from naflexclip.train.train_config import TrainConfig
 
     cfg = TrainConfig(data=DataConfig(synthetic_train_size=16, synthetic_val_size=8, naflex_seq_lens=(16,),
                                       naflex_max_tokens_per_batch=32, workers=0),
@@ -649,12 +655,12 @@ class _ExchangeVariant:
 
 
 def scenario_shard(env: Any) -> dict[str, Any]:
+    from naflexclip.audit.verify_command import full_batch_gradients, random_naflex_batch
     from naflexclip.batch import concat_microbatches, split_batch
-    from naflexclip.exchange import ProcessGroupExchange, window_exchange
-    from naflexclip.factory import create_model
     from naflexclip.loss import clip_loss_dense, create_loss, siglip_loss_dense
-    from naflexclip.parallel import no_sync_context, wrap_model
-    from naflexclip.verify import full_batch_gradients, random_naflex_batch
+    from naflexclip.models.factory import create_model
+    from naflexclip.parallel.feature_exchange import ProcessGroupExchange, window_exchange
+    from naflexclip.parallel.wrapping import no_sync_context, wrap_model
     from naflexclip.window import accumulate_gradients, window_loss_scale
 
     world = env.world_size
@@ -764,10 +770,10 @@ def count_collectives() -> dict[str, int]:
 
 def scenario_loop(env: Any, out_dir: Path, counts: dict[str, int]) -> dict[str, Any]:
     from naflexclip.data import DataConfig
-    from naflexclip.distributed import barrier
+    from naflexclip.parallel.process_group import barrier
     from naflexclip.train import loop
-    from naflexclip.train.config import TrainConfig
     from naflexclip.train.stop import TrainingInterrupted
+    from naflexclip.train.train_config import TrainConfig
 
     results: dict[str, Any] = {}
     for fsdp in (False, True):
@@ -826,12 +832,12 @@ def scenario_loop(env: Any, out_dir: Path, counts: dict[str, int]) -> dict[str, 
 
 def scenario_fsdp_uneven(env: Any) -> dict[str, Any]:
     """Every rank records what the window raised (or None) and how long it took."""
+    from naflexclip.audit.verify_command import random_naflex_batch
     from naflexclip.batch import split_batch
-    from naflexclip.exchange import window_exchange
-    from naflexclip.factory import create_model
     from naflexclip.loss import create_loss
-    from naflexclip.parallel import no_sync_context, wrap_model
-    from naflexclip.verify import random_naflex_batch
+    from naflexclip.models.factory import create_model
+    from naflexclip.parallel.feature_exchange import window_exchange
+    from naflexclip.parallel.wrapping import no_sync_context, wrap_model
     from naflexclip.window import accumulate_gradients
 
     count = (2, 1, 4)[env.rank]
@@ -856,13 +862,13 @@ LOCKS = {"image": ({"lock_image": True}, "clip"),
 
 
 def scenario_locked(env: Any) -> dict[str, Any]:
+    from naflexclip.audit.verify_command import full_batch_gradients, random_naflex_batch
     from naflexclip.batch import concat_microbatches, split_batch
-    from naflexclip.exchange import window_exchange
-    from naflexclip.factory import create_model
-    from naflexclip.lock import Locks
     from naflexclip.loss import create_loss
-    from naflexclip.parallel import no_sync_context, unwrap_model, wrap_model
-    from naflexclip.verify import full_batch_gradients, random_naflex_batch
+    from naflexclip.models.factory import create_model
+    from naflexclip.models.lock import Locks
+    from naflexclip.parallel.feature_exchange import window_exchange
+    from naflexclip.parallel.wrapping import no_sync_context, unwrap_model, wrap_model
     from naflexclip.window import accumulate_gradients, window_loss_scale
 
     split = SPLITS[env.world_size][0]
@@ -901,12 +907,12 @@ def scenario_locked(env: Any) -> dict[str, Any]:
 
 
 def scenario_distill(env: Any) -> dict[str, Any]:
+    from naflexclip.audit.verify_command import full_batch_gradients, random_naflex_batch
     from naflexclip.batch import TEACHER_INPUTS, concat_microbatches, split_batch
-    from naflexclip.exchange import window_exchange
-    from naflexclip.factory import create_model
     from naflexclip.loss import DistillLoss, create_loss
-    from naflexclip.parallel import no_sync_context, wrap_model
-    from naflexclip.verify import full_batch_gradients, random_naflex_batch
+    from naflexclip.models.factory import create_model
+    from naflexclip.parallel.feature_exchange import window_exchange
+    from naflexclip.parallel.wrapping import no_sync_context, wrap_model
     from naflexclip.window import accumulate_gradients, window_loss_scale
 
     world = env.world_size
@@ -961,13 +967,13 @@ def scenario_self_distill(env: Any) -> dict[str, Any]:
     the terms are normalised by the window's examples on every rank (Z counted over ranks)."""
     import dataclasses
 
+    from naflexclip.audit.verify_command import full_batch_gradients, random_naflex_batch
     from naflexclip.batch import EXAMPLE_INPUTS, batch_size, concat_microbatches, split_batch
-    from naflexclip.exchange import window_exchange
     from naflexclip.loss import create_loss
-    from naflexclip.model import NaFlexClip, model_config
-    from naflexclip.parallel import no_sync_context, wrap_model
-    from naflexclip.selfdistill import MASKED_PREDICTION, SELF_DISTILL, EmaTeacher, head_config
-    from naflexclip.verify import full_batch_gradients, random_naflex_batch
+    from naflexclip.models.naflex_clip import NaFlexClip, model_config
+    from naflexclip.objectives.self_distillation import MASKED_PREDICTION, SELF_DISTILL, EmaTeacher, head_config
+    from naflexclip.parallel.feature_exchange import window_exchange
+    from naflexclip.parallel.wrapping import no_sync_context, wrap_model
     from naflexclip.window import ExampleTerm, accumulate_gradients, window_loss_scale
 
     world = env.world_size
@@ -1014,10 +1020,10 @@ def scenario_self_distill_train(env: Any, out_dir: Path) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     from naflexclip.data import DataConfig
-    from naflexclip.selfdistill import EmaTeacher
+    from naflexclip.objectives.self_distillation import EmaTeacher
     from naflexclip.train import loop
-    from naflexclip.train.config import TrainConfig
-    from naflexclip.train.self_distill import SelfDistillation
+    from naflexclip.train.self_distill_schedule import SelfDistillation
+    from naflexclip.train.train_config import TrainConfig
 
     results: dict[str, Any] = {}
     forwards: list[int] = []
@@ -1069,12 +1075,12 @@ def scenario_self_distill_train(env: Any, out_dir: Path) -> dict[str, Any]:
 
 
 def scenario_multi_positive(env: Any) -> dict[str, Any]:
+    from naflexclip.audit.verify_command import full_batch_gradients, random_grouped_batch
     from naflexclip.batch import concat_microbatches, split_batch
-    from naflexclip.exchange import window_exchange
-    from naflexclip.factory import create_model
     from naflexclip.loss import MultiPositiveDistillLoss, MultiPositiveLoss
-    from naflexclip.parallel import no_sync_context, wrap_model
-    from naflexclip.verify import full_batch_gradients, random_grouped_batch
+    from naflexclip.models.factory import create_model
+    from naflexclip.parallel.feature_exchange import window_exchange
+    from naflexclip.parallel.wrapping import no_sync_context, wrap_model
     from naflexclip.window import accumulate_gradients, window_loss_scale
 
     world = env.world_size
@@ -1123,7 +1129,7 @@ def main() -> None:
     scenario, out_dir = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
     counts = count_collectives() if scenario == "loop" else {}
-    from naflexclip.distributed import cleanup, init_distributed
+    from naflexclip.parallel.process_group import cleanup, init_distributed
 
     fault = scenario in ("kill", "raise")
     short = fault or scenario in ("agree", "fsdp_uneven")

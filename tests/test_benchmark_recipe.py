@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from naflexclip.model import NaFlexClip, model_config
-from naflexclip.selfdistill import SELF_DISTILL, EmaTeacher, head_config, student_terms
-from naflexclip.verify import random_naflex_batch
+from naflexclip.audit.verify_command import random_naflex_batch
+from naflexclip.models.naflex_clip import NaFlexClip, model_config
+from naflexclip.objectives.self_distillation import SELF_DISTILL, EmaTeacher, head_config, student_terms
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))

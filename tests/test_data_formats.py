@@ -10,7 +10,7 @@ from conftest_data import image_bytes, write_tar
 
 from naflexclip.cli import main as cli_main
 from naflexclip.data import DataConfig, DataError, build_loader, tokenize
-from naflexclip.data.export import export_synthetic, shard_spec
+from naflexclip.data.dataset_export import export_synthetic, shard_spec
 from naflexclip.data.synthetic import synthetic_sample
 
 PATCH, CONTEXT = 8, 24

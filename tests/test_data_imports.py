@@ -21,7 +21,7 @@ def test_no_module_of_the_data_package_imports_the_families_even_lazily():
             names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             offenders += [f"{file.name}:{node.lineno} {name}" for name in names
-                          if name.startswith(("naflexclip.families", "naflexclip.factory", "naflexclip.model"))]
+                          if name.startswith(("naflexclip.families", "naflexclip.models"))]
     assert offenders == []
 
 

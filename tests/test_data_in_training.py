@@ -79,10 +79,10 @@ def test_resume_with_other_workers_trains_the_same_weights(tmp_path):
     --workers ends with the weights of the uninterrupted run."""
     import torch
 
+    from naflexclip.checkpoints.storage import find_latest, load_checkpoint
     from naflexclip.data import DataConfig
-    from naflexclip.train.checkpoint import find_latest, load_checkpoint
-    from naflexclip.train.config import TrainConfig
     from naflexclip.train.loop import train
+    from naflexclip.train.train_config import TrainConfig
 
     rows = ["filepath\ttitle"]
     for i in range(16):

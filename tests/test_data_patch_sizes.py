@@ -15,16 +15,16 @@ import torch
 from conftest_data import image_bytes, write_tar
 from test_train_loop import tiny_config
 
+from naflexclip.checkpoints import storage as ckpt
 from naflexclip.cli import build_parser, main
 from naflexclip.data import DataConfig, build_loader
 from naflexclip.data.microbatch import MicrobatchBuilder
 from naflexclip.data.schedule import PatchSizes
-from naflexclip.data.transform import Processing, collate, default_processing
-from naflexclip.train import checkpoint as ckpt
-from naflexclip.train.cli import config_from_args
-from naflexclip.train.config import TrainConfig
+from naflexclip.processing.naflex_transform import Processing, collate, default_processing
 from naflexclip.train.openclip_flags import status
 from naflexclip.train.resume import POLICY, refusal
+from naflexclip.train.train_command import config_from_args
+from naflexclip.train.train_config import TrainConfig
 
 TINY_PATCH = 4  # the tiny preset's own patch size
 

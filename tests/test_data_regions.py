@@ -11,8 +11,8 @@ from PIL import Image
 
 from naflexclip.batch import EXAMPLE_INPUTS
 from naflexclip.data import build_loader
-from naflexclip.data.config import DataConfig
-from naflexclip.data.export import export_synthetic
+from naflexclip.data.data_config import DataConfig
+from naflexclip.data.dataset_export import export_synthetic
 from naflexclip.data.folders import FolderSource
 from naflexclip.data.microbatch import MicrobatchBuilder
 from naflexclip.data.regions import CaptionTokens, DecoderExamples, parse_regions
@@ -21,8 +21,8 @@ from naflexclip.data.shard_index import IndexedShardSource
 from naflexclip.data.source import RawSample
 from naflexclip.data.synthetic import COLOUR_RGB, COLOURS, SHAPES, _scene, synthetic_scene
 from naflexclip.data.tables import CsvSource
-from naflexclip.data.transform import NaFlexTransform, default_processing, tokenize
-from naflexclip.locca import IGNORE, TASKS, Vocabulary
+from naflexclip.processing.decoder_tokens import IGNORE, TASKS, Vocabulary
+from naflexclip.processing.naflex_transform import NaFlexTransform, default_processing, tokenize
 
 CONTEXT = 16
 

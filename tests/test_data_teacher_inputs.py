@@ -17,7 +17,7 @@ from naflexclip.data import DataConfig, TeacherInputs, build_loader, default_pro
 from naflexclip.data.microbatch import split_rows
 from naflexclip.data.samples import SkipSample
 from naflexclip.data.synthetic import synthetic_sample
-from naflexclip.distill import teacher_inputs
+from naflexclip.objectives.distillation import teacher_inputs
 
 DATA = dict(synthetic_train_size=24, synthetic_val_size=8, naflex_seq_lens=(16, 36), naflex_max_tokens_per_batch=144,
             workers=0)
@@ -82,7 +82,7 @@ def test_a_teacher_whose_processing_cannot_crop_is_one_line(tmp_path: Path) -> N
     pytest.importorskip("transformers")
     from siglip2_cases import make_checkpoint
 
-    from naflexclip.distill import load_teacher
+    from naflexclip.objectives.distillation import load_teacher
 
     make_checkpoint(tmp_path / "siglip2")
     teacher, processor = load_teacher(str(tmp_path / "siglip2"), None)

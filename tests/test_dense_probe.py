@@ -1,4 +1,5 @@
-"""The dense-feature probe (`naflexclip.train.probe`): the built-in scenes' per-pixel shape classes, each patch's
+"""The dense-feature probe (`naflexclip.evaluation.dense_probe`): the built-in scenes' per-pixel shape classes, each
+patch's
 majority class, a linear probe whose mIoU is high on features that encode the classes and at chance on random ones;
 `naflexclip eval` prints the probe's and, for a checkpoint with a LocCa decoder, the decoder's metrics."""
 
@@ -13,13 +14,13 @@ import pytest
 import torch
 from test_train_loop import tiny_config
 
+from naflexclip.checkpoints.storage import save_checkpoint
 from naflexclip.cli import main
 from naflexclip.data.synthetic import COLOUR_RGB, COLOURS, SEGMENTATION_CLASSES, _scene, synthetic_segmentation
-from naflexclip.factory import create_model
-from naflexclip.model import config_to_dict
-from naflexclip.recipe import Recipe
-from naflexclip.train import probe
-from naflexclip.train.checkpoint import save_checkpoint
+from naflexclip.evaluation import dense_probe as probe
+from naflexclip.models.factory import create_model
+from naflexclip.models.naflex_clip import config_to_dict
+from naflexclip.objectives.siglip2_recipe import Recipe
 
 
 def test_scene_labels_mark_the_pixels_drawn_in_each_objects_colour() -> None:

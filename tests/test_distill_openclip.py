@@ -17,9 +17,9 @@ from test_train_loop import tiny_config
 
 from naflexclip import create_model
 from naflexclip.cli import main
-from naflexclip.distill import Distill, load_teacher
 from naflexclip.families import data_processing
 from naflexclip.families import openclip as family
+from naflexclip.objectives.distillation import Distill, load_teacher
 
 
 def _open_clip_train_checkpoint(tmp_path: Path, name: str, seed: int) -> tuple[torch.nn.Module, Path]:

@@ -1,4 +1,4 @@
-"""Multi-process tests of naflexclip.distributed on gloo (CPU), with real processes.
+"""Multi-process tests of naflexclip.parallel.process_group on gloo (CPU), with real processes.
 
 Each world size is launched once (tests/distributed_workers.py loops over the configurations inside the
 workers, because process start-up costs seconds) and the tests below read what every rank reported.
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from distributed_workers import SHARD_SPLITS, SPLITS, TIMEOUT_S, launch, launch_results
 
-from naflexclip.verify import FLOAT64_TOLERANCE, POS_EMBED_TOLERANCE
+from naflexclip.audit.verify_command import FLOAT64_TOLERANCE, POS_EMBED_TOLERANCE
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""naflexclip.distributed in one process (no torchrun environment): everything is a no-op or the identity."""
+"""naflexclip.parallel.process_group in one process (no torchrun environment): everything is a no-op or the identity."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import contextlib
 import pytest
 import torch
 
-from naflexclip.distributed import (
+from naflexclip.parallel.feature_exchange import window_exchange
+from naflexclip.parallel.process_group import (
     DistributedEnv,
     barrier,
     check_consistency,
@@ -15,8 +16,7 @@ from naflexclip.distributed import (
     fault_guard,
     init_distributed,
 )
-from naflexclip.exchange import window_exchange
-from naflexclip.parallel import (
+from naflexclip.parallel.wrapping import (
     full_optimizer_state_dict,
     full_state_dict,
     load_full_optimizer_state_dict,

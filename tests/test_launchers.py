@@ -17,8 +17,7 @@ import torch
 from conftest_data import image_bytes
 
 from naflexclip.cli import build_parser
-from naflexclip.distributed import _resolve_device
-from naflexclip.launch import (
+from naflexclip.parallel.launchers import (
     DEFAULT_MASTER_PORT,
     LOCAL_RANK_VARIABLES,
     LOCAL_WORLD_SIZE_VARIABLES,
@@ -30,7 +29,8 @@ from naflexclip.launch import (
     expand_hostlist,
     read_launch,
 )
-from naflexclip.train.cli import config_from_args
+from naflexclip.parallel.process_group import _resolve_device
+from naflexclip.train.train_command import config_from_args
 
 # ---------------------------------------------------------------------------------------- host lists
 
@@ -191,7 +191,7 @@ if os.environ.get("LATE") == "1":
     clock = time.strftime
     time.strftime = lambda fmt, t=None: clock(fmt, time.localtime(time.time() + 3600) if t is None else t)
 from naflexclip.cli import main
-from naflexclip.train import probe
+from naflexclip.evaluation import dense_probe as probe
 probe.PROBE_SCENES.update(train=12, val=6)
 sys.exit(main(sys.argv[1:]))
 """

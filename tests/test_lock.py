@@ -12,12 +12,12 @@ from test_train_loop import tiny_config
 from window_cases import failures, full_batch_gradients, loss_for, naflex_window
 
 from naflexclip import accumulate_gradients, create_model, window_loss_scale
+from naflexclip.audit.openclip_rule import per_microbatch_scale_gradients
+from naflexclip.audit.verify_command import random_split_sizes
 from naflexclip.batch import split_batch
 from naflexclip.cli import main
-from naflexclip.distributed import init_distributed
-from naflexclip.legacy import per_microbatch_scale_gradients
+from naflexclip.parallel.process_group import init_distributed
 from naflexclip.train.loop import Trainer, train
-from naflexclip.verify import random_split_sizes
 
 
 def _tiny(siglip: bool = False, **overrides) -> torch.nn.Module:

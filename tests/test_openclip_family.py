@@ -17,7 +17,7 @@ from naflexclip import create_model
 from naflexclip.families import data_processing, openclip_sources
 from naflexclip.families import openclip as family
 from naflexclip.families.openclip import OpenClipError
-from naflexclip.model import NaFlexClip
+from naflexclip.models.naflex_clip import NaFlexClip
 
 FLOAT32_ATOL = 1e-5  # the issue's bar for normalised embeddings and logits in float32
 # float64: timm resamples the position table in float32 (an identity at the native grid, but the table's float64
@@ -157,7 +157,7 @@ def test_a_wrong_position_table_or_ln_pre_mapping_is_caught(tmp_path: Path) -> N
 def test_other_grids_run_as_naflex(name: str) -> None:
     """Non-square grids and padded rows: each image's embedding equals that image alone (no leak through padding),
     and differs from the native grid's (the table is resampled per grid)."""
-    from naflexclip.verify import random_naflex_batch
+    from naflexclip.audit.verify_command import random_naflex_batch
 
     model = family.build(tiny_name(name)).eval()
     batch = random_naflex_batch(4, patch_size=model.image_patch_size, context_length=model.context_length,

@@ -18,11 +18,11 @@ import torch
 from conftest_data import image_bytes
 from distributed_workers import EVAL_TIMEOUT_S, TIMEOUT_S, launch_results
 
-import naflexclip.distributed as distributed
-import naflexclip.exchange as exchange_module
+import naflexclip.parallel.feature_exchange as exchange_module
+import naflexclip.parallel.process_group as distributed
 from naflexclip.cli import main
-from naflexclip.distributed import DistributedEnv, DistributedFault, RankFailed, fault_guard
-from naflexclip.exchange import ProcessGroupExchange, RanksDisagree, window_exchange
+from naflexclip.parallel.feature_exchange import ProcessGroupExchange, RanksDisagree, window_exchange
+from naflexclip.parallel.process_group import DistributedEnv, DistributedFault, RankFailed, fault_guard
 from naflexclip.rng import RngState
 
 # --------------------------------------------------------------------- the exchange, ranks simulated

@@ -13,11 +13,11 @@ from safetensors.torch import load_file, save_file
 from siglip2_cases import CONFIGS, hf_features, make_checkpoint
 
 from naflexclip import create_model, export_model
+from naflexclip.audit.verify_command import random_naflex_batch
 from naflexclip.families import siglip2
 from naflexclip.families.siglip2 import Siglip2Error, config_to_transformers
 from naflexclip.families.siglip2_processing import siglip2_tokenize
-from naflexclip.model import PRESETS, NaFlexClip
-from naflexclip.verify import random_naflex_batch
+from naflexclip.models.naflex_clip import PRESETS, NaFlexClip
 
 transformers = pytest.importorskip("transformers")
 
@@ -228,7 +228,7 @@ def test_position_table_resize_equals_transformers(antialias: bool) -> None:
     the 16x16 SigLIP 2 table, for grids that up- and downsample either axis; without antialias it is not."""
     from transformers.models.siglip2.modeling_siglip2 import Siglip2VisionEmbeddings
 
-    from naflexclip.model import siglip2_config
+    from naflexclip.models.naflex_clip import siglip2_config
 
     config = siglip2_config(width=8, depth=1, heads=2, mlp_width=16)
     config = dataclasses.replace(config, text=dataclasses.replace(config.text, vocab_size=8, layers=1))

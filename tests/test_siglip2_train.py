@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 from siglip2_cases import hf_features, make_checkpoint
 
+from naflexclip.audit.verify_command import random_naflex_batch
 from naflexclip.cli import main
 from naflexclip.data.synthetic import SHAPES, zero_shot_sample
+from naflexclip.evaluation.zero_shot import zero_shot_classify
 from naflexclip.families import data_processing, siglip2
 from naflexclip.train.components import load_checkpoint_model
-from naflexclip.verify import random_naflex_batch
-from naflexclip.zeroshot import zero_shot_classify
 
 transformers = pytest.importorskip("transformers")
 
@@ -139,7 +139,7 @@ def test_train_pretrained_that_is_not_siglip2_is_a_flag_error(tmp_path: Path, ca
 
 
 def test_pretrained_trains_with_its_own_loss(tmp_path: Path) -> None:
-    from naflexclip.train.config import TrainConfig
+    from naflexclip.train.train_config import TrainConfig
 
     source = make_checkpoint(tmp_path / "siglip2")
     assert TrainConfig(pretrained=str(source)).loss == "siglip"
@@ -188,9 +188,9 @@ def test_truncated_weights_are_one_line_naming_the_file(tmp_path: Path, capsys: 
 
 def test_export_of_a_preset_run_is_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from naflexclip import create_model
-    from naflexclip.model import config_to_dict
-    from naflexclip.train.checkpoint import save_checkpoint
-    from naflexclip.train.config import TrainConfig
+    from naflexclip.checkpoints.storage import save_checkpoint
+    from naflexclip.models.naflex_clip import config_to_dict
+    from naflexclip.train.train_config import TrainConfig
 
     model = create_model("small", loss="siglip")
     config = TrainConfig(model="small", loss="siglip", logs=str(tmp_path), name="run")

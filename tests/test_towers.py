@@ -14,11 +14,11 @@ from torch._dynamo.utils import counters
 from window_cases import failures, naflex_window
 
 from naflexclip import accumulate_gradients, create_loss, create_model
+from naflexclip.audit.verify_command import collect_gradients
 from naflexclip.batch import split_batch
 from naflexclip.cli import main
-from naflexclip.distributed import init_distributed
+from naflexclip.parallel.process_group import init_distributed
 from naflexclip.train.optim import adamw_implementation, create_optimizer, param_groups
-from naflexclip.verify import collect_gradients
 
 STOCHASTIC = dict(drop_path_rate=0.3, proj_drop_rate=0.3, patch_drop_rate=0.25)
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 from test_train_loop import tiny_config
 
-from naflexclip.model import PRESETS
-from naflexclip.train import checkpoint as ckpt
+from naflexclip.checkpoints import storage as ckpt
+from naflexclip.models.naflex_clip import PRESETS
 from naflexclip.train.components import load_checkpoint_model, rng_state, set_rng_state
 from naflexclip.train.loop import train
 
@@ -28,7 +28,8 @@ CHILD = textwrap.dedent(
     """
     import sys, time
     sys.path.insert(0, {tests!r})
-    from naflexclip.train import checkpoint as ckpt, probe
+    from naflexclip.checkpoints import storage as ckpt
+    from naflexclip.evaluation import dense_probe as probe
     from naflexclip.train.loop import train
     from test_train_loop import tiny_config
 

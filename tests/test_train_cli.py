@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from naflexclip.cli import build_parser, main
-from naflexclip.distill import Distill
-from naflexclip.factory import create_model
-from naflexclip.lock import Locks
-from naflexclip.recipe import Recipe
-from naflexclip.train.cli import config_from_args
-from naflexclip.train.config import TrainConfig
+from naflexclip.models.factory import create_model
+from naflexclip.models.lock import Locks
+from naflexclip.objectives.distillation import Distill
+from naflexclip.objectives.siglip2_recipe import Recipe
 from naflexclip.train.optim import LrSchedule, create_optimizer, param_groups
+from naflexclip.train.train_command import config_from_args
+from naflexclip.train.train_config import TrainConfig
 
 
 @pytest.mark.parametrize(

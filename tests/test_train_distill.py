@@ -14,7 +14,7 @@ import torch
 from test_train_loop import tiny_config
 
 from naflexclip.cli import main
-from naflexclip.distributed import init_distributed
+from naflexclip.parallel.process_group import init_distributed
 from naflexclip.train.loop import Trainer, train
 
 

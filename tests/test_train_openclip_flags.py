@@ -10,9 +10,11 @@ from unittest import mock
 import pytest
 
 from naflexclip.cli import build_parser, main
-from naflexclip.data.config import DataConfig
-from naflexclip.train.cli import config_from_args
-from naflexclip.train.config import (
+from naflexclip.data.data_config import DataConfig
+from naflexclip.train.openclip_flags import BUILT_IN, OPENCLIP_FLAGS, first_lines, status
+from naflexclip.train.resume import POLICY, changed_flags
+from naflexclip.train.train_command import config_from_args
+from naflexclip.train.train_config import (
     DEMO_DEFAULTS,
     OPENCLIP_DEFAULTS,
     TrainConfig,
@@ -20,8 +22,6 @@ from naflexclip.train.config import (
     flat_config,
     openclip_differences,
 )
-from naflexclip.train.openclip_flags import BUILT_IN, OPENCLIP_FLAGS, first_lines, status
-from naflexclip.train.resume import POLICY, changed_flags
 
 
 def _train_parser() -> argparse.ArgumentParser:
@@ -132,7 +132,7 @@ def test_force_flags_override_the_model_as_openclip(tmp_path) -> None:
     import torch
     from test_train_loop import tiny_config
 
-    from naflexclip.distributed import init_distributed
+    from naflexclip.parallel.process_group import init_distributed
     from naflexclip.train.loop import Trainer
     from naflexclip.train.resume import architecture_changes
 
@@ -257,7 +257,7 @@ def test_every_data_setting_is_shown_with_a_flag_train_accepts() -> None:
         flag = flag_name(f"data.{field.name}")
         assert flag.split(" ")[0] in accepted, (field.name, flag)
         if flag.endswith("="):  # an --aug-cfg item: the key train reads
-            from naflexclip.train.cli import AUG_CFG_KEYS
+            from naflexclip.train.train_command import AUG_CFG_KEYS
             assert flag.split(" ")[1][:-1] in AUG_CFG_KEYS, (field.name, flag)
 
 

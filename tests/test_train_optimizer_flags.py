@@ -12,13 +12,13 @@ import torch
 from test_train_loop import tiny_config
 
 from naflexclip.cli import build_parser
-from naflexclip.factory import create_model
-from naflexclip.lock import image_groups, text_groups
-from naflexclip.train.cli import config_from_args
-from naflexclip.train.config import TrainConfig
+from naflexclip.models.factory import create_model
+from naflexclip.models.lock import image_groups, text_groups
 from naflexclip.train.loop import train
 from naflexclip.train.optim import LrSchedule, create_optimizer, scheduled_lr
 from naflexclip.train.resume import refusal
+from naflexclip.train.train_command import config_from_args
+from naflexclip.train.train_config import TrainConfig
 
 BETAS = (0.9, 0.98)
 

@@ -11,11 +11,11 @@ import torch
 from siglip2_cases import make_checkpoint
 from test_train_loop import TINY_DATA_FLAGS, tiny_config
 
+from naflexclip.checkpoints.storage import find_latest, load_checkpoint
 from naflexclip.cli import main
-from naflexclip.factory import create_model
 from naflexclip.families import export_family
-from naflexclip.recipe import Recipe
-from naflexclip.train.checkpoint import find_latest, load_checkpoint
+from naflexclip.models.factory import create_model
+from naflexclip.objectives.siglip2_recipe import Recipe
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -96,8 +96,8 @@ def test_export_writes_the_towers_without_the_decoder_and_self_distillation_head
     b = load_file(str(family.export(with_decoder, tmp_path / "decoder") / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
-    import naflexclip.train.components as components
-    monkeypatch.setattr(components, "load_checkpoint_model", lambda path: (with_decoder, {}))
+    import naflexclip.models.run_weights as run_weights
+    monkeypatch.setattr(run_weights, "load_checkpoint_model", lambda path: (with_decoder, {}))
     assert main(["export", "--checkpoint", "unused", "--format", "transformers", "--out", str(tmp_path / "cli")]) == 0
     out = capsys.readouterr().out
     assert "the LocCa decoder is not exported" in out and "the self-distillation heads are not exported" in out
@@ -106,8 +106,8 @@ def test_export_writes_the_towers_without_the_decoder_and_self_distillation_head
 def test_decoder_eval_scores_a_perfect_decoder_1_and_a_shifted_box_0(monkeypatch: pytest.MonkeyPatch) -> None:
     from contextlib import nullcontext
 
-    from naflexclip.data.config import DataConfig
-    from naflexclip.train.evaluate import box_iou, decoder_metrics
+    from naflexclip.data.data_config import DataConfig
+    from naflexclip.train.evaluator import box_iou, decoder_metrics
 
     assert box_iou((0, 0, 1, 1), (0, 0, 1, 1)) == 1 and box_iou((0, 0, 0.5, 1), (0.5, 0, 1, 1)) == 0
     assert box_iou((0, 0, 1, 1), (0, 0, 0.5, 1)) == 0.5
@@ -128,7 +128,7 @@ def test_decoder_eval_scores_a_perfect_decoder_1_and_a_shifted_box_0(monkeypatch
     def recording_loader(*args, **kwargs):  # keep each example's target for the oracle
         loader = original(*args, **kwargs)
         task = kwargs["decoder"].task
-        from naflexclip.locca import IGNORE
+        from naflexclip.processing.decoder_tokens import IGNORE
         seen[task] = [[[t for t in row.tolist() if t != IGNORE]
                        for row, ids in zip(item["example_inputs"]["decoder_labels"],
                                            item["example_inputs"]["decoder_input_ids"], strict=True)

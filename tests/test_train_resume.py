@@ -17,16 +17,16 @@ import pytest
 import torch
 from test_train_loop import TINY_DATA_FLAGS, tiny_config
 
+from naflexclip.checkpoints import storage as ckpt
 from naflexclip.cli import main
 from naflexclip.data import DataConfig
-from naflexclip.distributed import init_distributed
-from naflexclip.factory import create_model
-from naflexclip.model import PRESETS, config_to_dict
-from naflexclip.train import checkpoint as ckpt
+from naflexclip.models.factory import create_model
+from naflexclip.models.naflex_clip import PRESETS, config_to_dict
+from naflexclip.parallel.process_group import init_distributed
 from naflexclip.train import components
-from naflexclip.train.config import TrainConfig
 from naflexclip.train.loop import Trainer, train
 from naflexclip.train.resume import changed_flags
+from naflexclip.train.train_config import TrainConfig
 
 CLI_FLAGS = ["--model", "tiny", "--epochs", "2", "--warmup", "2", "--device", "cpu", "--zero-shot-samples", "16",
              "--val-frequency", "0", "--no-plot", *TINY_DATA_FLAGS]
@@ -352,7 +352,7 @@ SIGTERM_CHILD = """
 import os, sys, time
 sys.path.insert(0, {tests!r})
 from naflexclip.cli import main
-from naflexclip.train import probe
+from naflexclip.evaluation import dense_probe as probe
 from naflexclip.train.loop import Trainer
 from test_train_resume import CLI_FLAGS
 
@@ -533,8 +533,8 @@ def test_a_resume_with_other_recipe_views_names_the_recipe_flags_not_the_preset(
     changes them names those flags (it blamed "the preset's architecture"); a changed preset still names --model."""
     import dataclasses
 
-    from naflexclip.model import PRESETS, config_to_dict
-    from naflexclip.selfdistill import head_config
+    from naflexclip.models.naflex_clip import PRESETS, config_to_dict
+    from naflexclip.objectives.self_distillation import head_config
     from naflexclip.train.resume import architecture_error
 
     tiny = PRESETS["tiny"]

@@ -15,8 +15,9 @@ import torch
 from test_train_loop import tiny_config
 
 from naflexclip.data import DataConfig, build_loader
-from naflexclip.distributed import init_distributed
-from naflexclip.selfdistill import MASKED_PREDICTION, SELF_DISTILL, VIEW_SEED, EmaTeacher
+from naflexclip.objectives.self_distillation import MASKED_PREDICTION, SELF_DISTILL, EmaTeacher
+from naflexclip.parallel.process_group import init_distributed
+from naflexclip.processing.view_seeds import VIEW_SEED
 from naflexclip.train.loop import Trainer
 
 # 48 pairs of 16 patches, 8 per microbatch: 6 microbatches an epoch, --accum-freq 2 → 3 optimizer steps
@@ -74,8 +75,8 @@ def test_the_terms_switch_on_at_self_distill_start_and_the_teacher_runs_once_per
 def test_a_resume_before_and_after_the_switch_continues_bit_exactly(tmp_path: Path) -> None:
     """4 steps straight == stop at step 2 (before the switch: no teacher saved), resume and stop at step 3 (the
     teacher built at step 3 and saved), resume to the end: weights, optimizer state and teacher bit-equal."""
+    from naflexclip.checkpoints.storage import find_latest, load_checkpoint
     from naflexclip.cli import main
-    from naflexclip.train.checkpoint import find_latest, load_checkpoint
 
     def run(name: str, *flags: str) -> dict:
         # 32 pairs, 8 per microbatch, --accum-freq 1: 4 steps, on from step 3 ((3 - 1)/4 >= 0.5)
@@ -111,9 +112,9 @@ def test_the_centre_is_the_whole_windows_over_ranks() -> None:
     ranks' microbatches; without the sum it would follow its own rows."""
     import dataclasses
 
-    from naflexclip.model import NaFlexClip, model_config
-    from naflexclip.selfdistill import head_config
-    from naflexclip.verify import random_naflex_batch
+    from naflexclip.audit.verify_command import random_naflex_batch
+    from naflexclip.models.naflex_clip import NaFlexClip, model_config
+    from naflexclip.objectives.self_distillation import head_config
 
     torch.manual_seed(0)
     student = NaFlexClip(dataclasses.replace(model_config("tiny"), self_distill=head_config(32, 2, 0.5))).double()
@@ -201,10 +202,10 @@ def test_under_fsdp2_the_teacher_is_sharded_like_the_student_and_trains_as_under
 
 
 def test_the_teacher_is_built_at_the_switch_and_a_skipped_step_leaves_it_as_it_was() -> None:
-    from naflexclip.model import NaFlexClip, model_config
-    from naflexclip.recipe import Recipe
-    from naflexclip.train.self_distill import SelfDistillation
-    from naflexclip.verify import random_naflex_batch
+    from naflexclip.audit.verify_command import random_naflex_batch
+    from naflexclip.models.naflex_clip import NaFlexClip, model_config
+    from naflexclip.objectives.siglip2_recipe import Recipe
+    from naflexclip.train.self_distill_schedule import SelfDistillation
 
     torch.manual_seed(0)
     recipe = Recipe(self_distill_loss_weight=1.0, local_crops=2, self_distill_start=0.5)
@@ -234,7 +235,7 @@ def test_the_teacher_is_built_at_the_switch_and_a_skipped_step_leaves_it_as_it_w
     (768, 12, "B", 0.25), (1024, 24, "L", 0.5), (1152, 27, "So400m", 1.0), (1536, 40, "g", 0.5)])
 def test_the_recipe_reweights_self_distillation_by_the_papers_factor_for_each_model_size(
         width: int, depth: int, size: str, factor: float) -> None:
-    from naflexclip.recipe import Recipe
+    from naflexclip.objectives.siglip2_recipe import Recipe
 
     scaled, note = Recipe(recipe="siglip2").for_model_size(width, depth)
     assert scaled.value("self_distill_loss_weight") == 1.0 * factor
@@ -246,8 +247,8 @@ def test_the_recipe_reweights_self_distillation_by_the_papers_factor_for_each_mo
 
 
 def test_the_siglip2_presets_get_their_sizes_factor_and_other_sizes_1() -> None:
-    from naflexclip.model import PRESETS
-    from naflexclip.recipe import Recipe
+    from naflexclip.models.naflex_clip import PRESETS
+    from naflexclip.objectives.siglip2_recipe import Recipe
 
     def weights(name: str) -> tuple[float, float]:
         image = PRESETS[name].image
@@ -262,7 +263,7 @@ def test_the_siglip2_presets_get_their_sizes_factor_and_other_sizes_1() -> None:
 
 
 def test_explicit_self_distillation_weights_are_not_reweighted() -> None:
-    from naflexclip.recipe import Recipe
+    from naflexclip.objectives.siglip2_recipe import Recipe
 
     given = Recipe(recipe="siglip2", self_distill_loss_weight=0.7, masked_prediction_loss_weight=0.3)
     assert given.for_model_size(768, 12) == (given, None)
@@ -275,7 +276,7 @@ def test_explicit_self_distillation_weights_are_not_reweighted() -> None:
 
 def test_a_recipe_run_trains_the_reweighted_weights_and_says_so_in_its_start_line(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from naflexclip import recipe
+    from naflexclip.objectives import siglip2_recipe as recipe
 
     # the tiny tower taken for a B-size one: the run's terms are the recipe's weights × 0.25
     monkeypatch.setitem(recipe.SIZE_FACTORS, (32, 2), ("B", 0.25))
@@ -306,9 +307,9 @@ def test_patch_dropout_with_masked_prediction_is_refused_in_one_line(tmp_path: P
 def test_the_masked_pass_refuses_a_tower_that_drops_patch_tokens() -> None:
     import dataclasses
 
-    from naflexclip.model import NaFlexClip, model_config
-    from naflexclip.selfdistill import head_config, student_terms
-    from naflexclip.verify import random_naflex_batch
+    from naflexclip.audit.verify_command import random_naflex_batch
+    from naflexclip.models.naflex_clip import NaFlexClip, model_config
+    from naflexclip.objectives.self_distillation import head_config, student_terms
 
     torch.manual_seed(0)
     tiny = model_config("tiny")
@@ -329,11 +330,12 @@ def test_an_fsdp2_run_resumed_before_and_after_the_switch_ends_as_a_straight_one
     state and teacher bit-equal, the same losses logged."""
     from test_train_torchrun import torchrun
 
-    from naflexclip.train.checkpoint import find_latest, load_checkpoint
+    from naflexclip.checkpoints.storage import find_latest, load_checkpoint
 
     # the torchrun tests' stochastic tiny preset without its patch dropout (refused with masked prediction) and
     # without their guard against pickled broadcasts (FSDP2's broadcast_from_rank0 sends the state's keys pickled)
-    source = ("import dataclasses, sys\nfrom naflexclip.cli import main\nfrom naflexclip.model import PRESETS\n"
+    source = ("import dataclasses, sys\nfrom naflexclip.cli import main\n"
+              "from naflexclip.models.naflex_clip import PRESETS\n"
               "tiny = PRESETS['tiny']\nPRESETS['tiny'] = dataclasses.replace(tiny, image=dataclasses.replace("
               "tiny.image, drop_path_rate=0.2, proj_drop_rate=0.2))\nsys.exit(main(sys.argv[1:]))\n")
     # 32 pairs, 4 per microbatch: 4 microbatches per rank, --accum-freq 1: 4 steps, on from step 3 ((3 - 1)/4 >= 0.5)
@@ -375,10 +377,10 @@ def test_a_resume_that_moves_the_switch_later_drops_the_teacher_and_builds_it_ag
     """A checkpoint taken after the switch, resumed with a later --self-distill-start: the steps before the new
     switch train no self-distillation, so the saved teacher is dropped (one line naming the flag and the step; before:
     it kept following the student by EMA through them) and built again from the student at the new switch."""
-    from naflexclip.model import NaFlexClip, model_config
-    from naflexclip.recipe import Recipe
-    from naflexclip.train.self_distill import SelfDistillation
-    from naflexclip.verify import random_naflex_batch
+    from naflexclip.audit.verify_command import random_naflex_batch
+    from naflexclip.models.naflex_clip import NaFlexClip, model_config
+    from naflexclip.objectives.siglip2_recipe import Recipe
+    from naflexclip.train.self_distill_schedule import SelfDistillation
 
     torch.manual_seed(0)
     first = Recipe(self_distill_loss_weight=1.0, local_crops=2, self_distill_start=0.5)
@@ -419,7 +421,7 @@ def test_every_openclip_siglip2_name_gets_the_factor_of_its_size() -> None:
     """OpenCLIP's SigLIP 2 configs (the paper's released towers): the size read from the image tower's width and
     depth is the one the name says, at every resolution and patch size."""
     from naflexclip.families.openclip_names import model_config, model_names
-    from naflexclip.recipe import Recipe
+    from naflexclip.objectives.siglip2_recipe import Recipe
 
     by_name = {"ViT-B": ("B", 0.25), "ViT-L": ("L", 0.5), "ViT-SO400M": ("So400m", 1.0), "ViT-gopt": ("g", 0.5)}
     # tests/openclip_cases.py registers shrunken copies (`<name>-tiny`) in open_clip's registry: not the paper's sizes

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from naflexclip.train.checkpoint import find_latest, load_checkpoint
+from naflexclip.checkpoints.storage import find_latest, load_checkpoint
 
 RUN_FLAGS = [
     "--model", "tiny", "--epochs", "1", "--accum-freq", "2", "--warmup", "1", "--device", "cpu",
@@ -36,8 +36,8 @@ LAUNCHER = textwrap.dedent(
     import dataclasses, sys
     import torch.distributed as dist
     from naflexclip.cli import main
-    from naflexclip.model import PRESETS
-    from naflexclip.train import probe
+    from naflexclip.models.naflex_clip import PRESETS
+    from naflexclip.evaluation import dense_probe as probe
 
     probe.PROBE_SCENES.update(train=12, val=6)
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from test_train_loop import TINY_DATA_FLAGS
 
+from naflexclip.checkpoints import storage as ckpt
 from naflexclip.cli import main
-from naflexclip.train import checkpoint as ckpt
 from naflexclip.train.report import Reporter
 from naflexclip.train.sinks import SinkContext
 from naflexclip.train.wandb_sink import WandbSink, history_steps

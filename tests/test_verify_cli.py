@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-import naflexclip.verify as verify
-import naflexclip.window_audit as window_audit
+import naflexclip.audit.gradient_audit as window_audit
+import naflexclip.audit.verify_command as verify
+from naflexclip.audit.openclip_rule import per_microbatch_scale_gradients
 from naflexclip.cli import main
-from naflexclip.legacy import per_microbatch_scale_gradients
 
 
 @pytest.mark.parametrize("mode", ["none", "linear", "sqrt"])
@@ -61,7 +61,7 @@ def test_verify_rejects_bad_flags_with_one_line(flags, named, capsys):
 
 
 def test_verify_draws_a_real_window_from_exported_shards(tmp_path, capsys):
-    from naflexclip.data.export import export_synthetic
+    from naflexclip.data.dataset_export import export_synthetic
 
     export_synthetic(str(tmp_path), fmt="webdataset", count=60, shard_size=30, image_format="png")
     argv = ["verify", "--train-data", str(tmp_path / "train-{00000..00001}.tar"), "--dataset-type", "webdataset",
@@ -76,8 +76,8 @@ def test_verify_audits_a_checkpoint_with_its_training_settings(tmp_path, capsys)
     import torch
 
     from naflexclip import create_model
-    from naflexclip.model import config_to_dict
-    from naflexclip.train.checkpoint import save_checkpoint
+    from naflexclip.checkpoints.storage import save_checkpoint
+    from naflexclip.models.naflex_clip import config_to_dict
 
     torch.manual_seed(0)
     model = create_model("tiny", loss="siglip")

@@ -13,10 +13,10 @@ import torch
 from window_cases import failures, full_batch_gradients, naflex_window, tiny_model
 
 from naflexclip import DistillLoss, accumulate_gradients, create_loss, create_model, window_loss_scale
+from naflexclip.audit.openclip_rule import per_microbatch_scale_gradients
+from naflexclip.audit.verify_command import random_grouped_batch, random_naflex_batch, random_split_sizes
 from naflexclip.batch import TEACHER_INPUTS, split_batch
-from naflexclip.legacy import per_microbatch_scale_gradients
 from naflexclip.loss import MultiPositiveDistillLoss
-from naflexclip.verify import random_grouped_batch, random_naflex_batch, random_split_sizes
 
 # (student loss, teacher loss): a softmax student learns from either teacher, a sigmoid one from a sigmoid one
 PAIRS = [("clip", "clip"), ("clip", "siglip"), ("siglip", "siglip")]

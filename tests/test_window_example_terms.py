@@ -8,11 +8,11 @@ import random
 import pytest
 import torch
 
+from naflexclip.audit.verify_command import collect_gradients, random_naflex_batch, random_split_sizes
 from naflexclip.batch import EXAMPLE_INPUTS, concat_microbatches, split_batch
-from naflexclip.locca import DECODER_SIZES, random_decoder_inputs, target_tokens
 from naflexclip.loss import create_loss
-from naflexclip.model import NaFlexClip, model_config
-from naflexclip.verify import collect_gradients, random_naflex_batch, random_split_sizes
+from naflexclip.models.naflex_clip import NaFlexClip, model_config
+from naflexclip.objectives.locca_decoder import DECODER_SIZES, random_decoder_inputs, target_tokens
 from naflexclip.window import ExampleTerm, accumulate_gradients, window_loss_scale
 
 WEIGHT = 0.7

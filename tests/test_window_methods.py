@@ -7,8 +7,8 @@ import torch
 from window_cases import failures, full_batch_gradients, loss_for, naflex_window, tiny_model
 
 from naflexclip import accumulate_gradients, create_loss, create_model
+from naflexclip.audit.verify_command import collect_gradients, relative_error
 from naflexclip.batch import concat_microbatches, split_batch, to_device
-from naflexclip.verify import collect_gradients, relative_error
 
 
 @pytest.mark.parametrize("siglip", [False, True], ids=["clip", "siglip"])

@@ -11,10 +11,10 @@ import torch
 from window_cases import failures, full_batch_gradients, tiny_model
 
 from naflexclip import MultiPositiveLoss, accumulate_gradients, create_loss, window_loss_scale
+from naflexclip.audit.openclip_rule import per_microbatch_scale_gradients
+from naflexclip.audit.verify_command import random_grouped_batch
 from naflexclip.batch import batch_size, split_batch, text_rows
-from naflexclip.legacy import per_microbatch_scale_gradients
 from naflexclip.loss import MultiPositiveDistillLoss
-from naflexclip.verify import random_grouped_batch
 
 KINDS = [("clip", "symmetric"), ("siglip", "symmetric"), ("siglip", "asymmetric"), ("siglip", "soft")]
 

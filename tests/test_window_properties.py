@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from window_cases import failures, full_batch_gradients, loss_for, naflex_window, tiny_model
 
 from naflexclip import accumulate_gradients, window_loss_scale
+from naflexclip.audit.openclip_rule import per_microbatch_scale_gradients
+from naflexclip.audit.verify_command import random_split_sizes
 from naflexclip.batch import split_batch
-from naflexclip.legacy import per_microbatch_scale_gradients
-from naflexclip.verify import random_split_sizes
 
 windows = st.fixed_dictionaries({
     "num_microbatches": st.integers(1, 6),

@@ -9,11 +9,17 @@ import random
 import pytest
 import torch
 
+from naflexclip.audit.openclip_rule import per_microbatch_scale_gradients
+from naflexclip.audit.verify_command import (
+    collect_gradients,
+    full_batch_gradients,
+    random_naflex_batch,
+    random_split_sizes,
+)
 from naflexclip.batch import EXAMPLE_INPUTS, batch_size, concat_microbatches, split_batch
-from naflexclip.legacy import per_microbatch_scale_gradients
 from naflexclip.loss import create_loss
-from naflexclip.model import NaFlexClip, model_config
-from naflexclip.selfdistill import (
+from naflexclip.models.naflex_clip import NaFlexClip, model_config
+from naflexclip.objectives.self_distillation import (
     MASKED_PREDICTION,
     SELF_DISTILL,
     EmaTeacher,
@@ -21,7 +27,6 @@ from naflexclip.selfdistill import (
     local_crops,
     patch_mask,
 )
-from naflexclip.verify import collect_gradients, full_batch_gradients, random_naflex_batch, random_split_sizes
 from naflexclip.window import ExampleTerm, accumulate_gradients, window_loss_scale
 
 TERMS = [ExampleTerm(SELF_DISTILL, 0.7, batch_size), ExampleTerm(MASKED_PREDICTION, 0.3, batch_size)]
@@ -174,7 +179,7 @@ def test_verify_refuses_bad_self_distillation_flags_in_one_line(capsys, flag, va
 
 
 def test_the_recipe_switches_the_terms_on_at_self_distill_start():
-    from naflexclip.recipe import Recipe
+    from naflexclip.objectives.siglip2_recipe import Recipe
 
     recipe = Recipe(recipe="siglip2")
     assert [term.name for term in recipe.example_terms(progress=0.79)] == ["locca"]
@@ -188,8 +193,8 @@ def test_the_recipe_switches_the_terms_on_at_self_distill_start():
 def test_train_takes_the_recipe_flags_and_refuses_what_it_cannot_combine_in_one_line(capsys):
     # failed before the TrainConfig fields: every `naflexclip train` stopped on TrainConfig(**Recipe.as_dict())
     from naflexclip.cli import build_parser, main
-    from naflexclip.train.cli import config_from_args, with_defaults
-    from naflexclip.train.config import TrainConfig
+    from naflexclip.train.train_command import config_from_args, with_defaults
+    from naflexclip.train.train_config import TrainConfig
 
     config = config_from_args(with_defaults(build_parser().parse_args(["train", "--model", "tiny", "--recipe",
                                                                         "siglip2"])))
@@ -247,7 +252,7 @@ def test_masked_prediction_projects_only_the_masked_patches_of_student_and_teach
     example's term equals the dense computation masked afterwards."""
     import torch.nn.functional as F
 
-    from naflexclip import selfdistill
+    from naflexclip.objectives import self_distillation as selfdistill
 
     model = _model("siglip")
     teacher = _teacher(model)

@@ -7,7 +7,7 @@ import functools
 import torch
 
 from naflexclip import create_loss, create_model
-from naflexclip.verify import (
+from naflexclip.audit.verify_command import (
     collect_gradients,
     full_batch_gradients,
     gradient_errors,

@@ -12,11 +12,11 @@ import sys
 
 # command modules, in the order `--help` lists them
 COMMAND_MODULES = (
-    "naflexclip.train.cli",
-    "naflexclip.verify",
-    "naflexclip.data.cli",
-    "naflexclip.export",
-    "naflexclip.benchmark",
+    "naflexclip.train.train_command",
+    "naflexclip.audit.verify_command",
+    "naflexclip.data.data_command",
+    "naflexclip.models.export_command",
+    "naflexclip.evaluation.benchmark_tasks",
 )
 
 

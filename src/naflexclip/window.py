@@ -35,7 +35,8 @@ Per-example terms (`ExampleTerm`: a decoder's caption tokens, SigLIP 2's local-c
 the towers' un-pooled tokens, so the model computes them in each microbatch's grad forward, as each example's loss
 sum; the window weighs them by `s(W)·λ_k / Z_k(W)`, with `Z_k(W)` (the window's examples or target tokens, all
 ranks) counted from the microbatches' data before any forward — never a microbatch's own count.
-An example teacher (SigLIP 2's EMA teacher, `naflexclip.selfdistill.EmaTeacher`) feeds per-example terms: frozen, one
+An example teacher (SigLIP 2's EMA teacher, `naflexclip.objectives.self_distillation.EmaTeacher`) feeds per-example
+terms: frozen, one
 no-grad forward per microbatch in the cache phase (never replayed), its output dict handed to that microbatch's grad
 forward as `teacher_targets=`.
 
@@ -148,7 +149,7 @@ class WindowStats:
 
 
 class WindowExchange(Protocol):
-    """How a window sees the other ranks' microbatches (see naflexclip.exchange)."""
+    """How a window sees the other ranks' microbatches (see naflexclip.parallel.feature_exchange)."""
 
     rank: int
     world_size: int
@@ -609,7 +610,8 @@ def accumulate_gradients(
     example_terms: per-example terms of the objective (`ExampleTerm`), added as `s(W)·λ_k/Z_k(W)·Σ_i ℓ_k(i)`; the
         model's grad forward gets each microbatch's `example_inputs` as keyword arguments and returns the sums
         under `example_terms`. They need a trainable image tower.
-    example_teacher: a frozen model feeding per-example terms (`naflexclip.selfdistill.EmaTeacher`): called as
+    example_teacher: a frozen model feeding per-example terms (`naflexclip.objectives.self_distillation.EmaTeacher`):
+    called as
         `example_teacher(image=)` once per microbatch without gradient in the cache phase (never replayed); its output
         dict goes to that microbatch's grad forward as `teacher_targets=`.
     """

@@ -10,7 +10,7 @@ microbatches.
 """
 
 from naflexclip.data.build import build_loader, build_zero_shot_loader
-from naflexclip.data.config import DataConfig, add_data_args, data_config_from_args
+from naflexclip.data.data_config import DataConfig, add_data_args, data_config_from_args
 from naflexclip.data.loader import NaFlexLoader
 from naflexclip.data.map_loader import MapLoader
 from naflexclip.data.microbatch import TeacherInputs
@@ -18,7 +18,7 @@ from naflexclip.data.readers import DataError, Source
 from naflexclip.data.samples import SKIP_REASONS
 from naflexclip.data.schedule import TokenBudget, build_schedule
 from naflexclip.data.stream_loader import StreamLoader
-from naflexclip.data.transform import Processing, default_processing, tokenize
+from naflexclip.processing.naflex_transform import Processing, default_processing, tokenize
 
 __all__ = [
     "SKIP_REASONS",

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from naflexclip.data.config import DataConfig
+from naflexclip.data.data_config import DataConfig
 from naflexclip.data.loader import NaFlexLoader
 from naflexclip.data.map_loader import MapLoader
 from naflexclip.data.microbatch import MicrobatchBuilder, TeacherInputs
@@ -29,7 +29,7 @@ from naflexclip.data.samples import reasons_line
 from naflexclip.data.shard_index import IndexedShardSource, SizedShardSource, is_indexable
 from naflexclip.data.shard_order import ShardRecipe, ShardSet
 from naflexclip.data.stream_loader import StreamLoader
-from naflexclip.data.transform import Processing, default_processing
+from naflexclip.processing.naflex_transform import Processing, default_processing
 
 logger = logging.getLogger("naflexclip.data")
 
@@ -144,7 +144,8 @@ def build_loader(
     (`naflexclip.families.data_processing`); None: our own (`default_processing`). `decoder`: a run with a LocCa
     term builds each sample's decoder example into its microbatch's `example_inputs` (`naflexclip.data.regions`).
     `teacher`: a distillation teacher reading other inputs than the student's gets its own of the same samples in
-    each training microbatch's `teacher_inputs` (`naflexclip.distill.Distill.teacher` says which teacher does).
+    each training microbatch's `teacher_inputs` (`naflexclip.objectives.distillation.Distill.teacher` says which
+    teacher does).
     `view_seeds`: a run with self-distillation adds each sample's `view_seed` there (its crops and mask).
     """
     resolved = cfg.source(split)

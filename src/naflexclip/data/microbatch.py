@@ -21,8 +21,8 @@ from naflexclip.data.readers import RawSample, skip_record
 from naflexclip.data.regions import DecoderExamples, Region, parse_regions
 from naflexclip.data.samples import JsonCaption, SkipSample, decode_captions, decode_image, one_caption
 from naflexclip.data.schedule import PatchSizes, ScheduledBatch, even_sizes
-from naflexclip.data.transform import Processing
-from naflexclip.selfdistill import VIEW_SEED, sample_view_seed
+from naflexclip.processing.naflex_transform import Processing
+from naflexclip.processing.view_seeds import VIEW_SEED, sample_view_seed
 
 # where a sample is, for the skip log: (source, key, line)
 Where = tuple[str, str | None, int | None]
@@ -66,7 +66,7 @@ class MicrobatchBuilder:
     `teacher` (distillation from a teacher that reads other inputs): the item's `teacher_inputs` too, the teacher's
     patches and tokens of the same samples and captions, its crop the student's (the same draws from the same rng).
     `view_seeds` (a run with self-distillation or masked prediction): each sample's `view_seed` (its local crops and
-    mask, `naflexclip.selfdistill.sample_view_seed`) from (seed, epoch, key), in the item's `example_inputs`.
+    mask, `naflexclip.processing.view_seeds.sample_view_seed`) from (seed, epoch, key), in the item's `example_inputs`.
     """
 
     def __init__(self, *, patch_size: int, context_length: int, processing: Processing, augment: bool = False,

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from naflexclip.locca import TASKS, Vocabulary, collate_decoder, decoder_example
+from naflexclip.processing.decoder_tokens import TASKS, Vocabulary, collate_decoder, decoder_example
 
 
 @dataclass(frozen=True)

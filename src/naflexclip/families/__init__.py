@@ -16,13 +16,13 @@ import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from naflexclip.data.transform import NaFlexTransform, Processing, collate, default_processing
 from naflexclip.families import openclip, siglip2
+from naflexclip.processing.naflex_transform import NaFlexTransform, Processing, collate, default_processing
 
 if TYPE_CHECKING:
     import torch
 
-    from naflexclip.model import NaFlexClip
+    from naflexclip.models.naflex_clip import NaFlexClip
 
 
 class PretrainedFamily(Protocol):

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from naflexclip.data.transform import NaFlexTransform, Processing, collate, tokenize
 from naflexclip.families.openclip_names import OpenClipError, claims_name, model_config, model_names, openclip_config
 from naflexclip.families.openclip_sources import (
     SHIPPED_TAGS,
@@ -29,7 +28,8 @@ from naflexclip.families.openclip_sources import (
     resolve_pretrained,
 )
 from naflexclip.families.openclip_weights import export_state_dict, import_state_dict
-from naflexclip.model import ModelConfig, NaFlexClip
+from naflexclip.models.naflex_clip import ModelConfig, NaFlexClip
+from naflexclip.processing.naflex_transform import NaFlexTransform, Processing, collate, tokenize
 
 __all__ = [
     "EXPORT_FORMAT", "LOSS", "NAME", "OpenClipError", "build", "check", "check_pretrained", "claims_name", "detect",

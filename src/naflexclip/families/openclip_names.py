@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from naflexclip.model import ImageTowerConfig, ModelConfig, TextTowerConfig
+from naflexclip.models.naflex_clip import ImageTowerConfig, ModelConfig, TextTowerConfig
 
 CONFIG_DIR = Path(__file__).with_name("openclip_configs")
 

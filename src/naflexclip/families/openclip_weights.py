@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from naflexclip.families.openclip_names import OpenClipError, weight_layout
-from naflexclip.model import NaFlexClip
+from naflexclip.models.naflex_clip import NaFlexClip
 
 _BLOCK_KEYS = (("ln_1.", "norm1."), ("attn.in_proj_", "attn.qkv."), ("attn.out_proj.", "attn.proj."),
                ("ln_2.", "norm2."), ("mlp.c_fc.", "mlp.fc1."), ("mlp.c_proj.", "mlp.fc2."),

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from naflexclip.families.siglip2_processing import patch_budget as patch_budget  # the family's data processing
 from naflexclip.families.siglip2_processing import processing as processing
 from naflexclip.families.siglip2_processing import write_training_tokenizer_config
-from naflexclip.model import ModelConfig, NaFlexClip, siglip2_config
+from naflexclip.models.naflex_clip import ModelConfig, NaFlexClip, siglip2_config
 
 NAME = "siglip2"
 LOSS = "siglip"  # trained with the sigmoid loss (its logit_bias)

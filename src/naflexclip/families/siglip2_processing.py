@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from naflexclip.data.transform import Processing, patch_grid
+from naflexclip.processing.naflex_transform import Processing, patch_grid
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"

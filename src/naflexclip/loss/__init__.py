@@ -36,13 +36,13 @@ from naflexclip.loss.contrastive import (
     pairwise_logits,
     siglip_loss_dense,
 )
-from naflexclip.loss.distill import (
+from naflexclip.loss.distill_loss import (
     DistillLoss,
     distill_clip_loss_dense,
     distill_siglip_loss_dense,
     distill_term_dense,
 )
-from naflexclip.loss.multi_positive import (
+from naflexclip.loss.multi_positive_loss import (
     MULTI_POSITIVE_WEIGHTINGS,
     MultiPositiveDistillLoss,
     MultiPositiveLoss,

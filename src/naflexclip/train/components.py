@@ -29,17 +29,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from naflexclip.distributed import DistributedEnv, gather_to_main, run_on_main
-from naflexclip.factory import create_model
-from naflexclip.model import NaFlexClip, config_from_dict, load_weights
-from naflexclip.parallel import (
+from naflexclip.checkpoints import storage as storage
+from naflexclip.models.factory import create_model
+from naflexclip.models.run_weights import load_checkpoint_model as load_checkpoint_model  # its old import path
+from naflexclip.parallel.process_group import DistributedEnv, gather_to_main, run_on_main
+from naflexclip.parallel.wrapping import (
     full_optimizer_state_dict,
     full_state_dict,
     load_full_optimizer_state_dict,
     load_full_state_dict,
 )
-from naflexclip.train import checkpoint as storage
-from naflexclip.train.config import TrainConfig
+from naflexclip.train.train_config import TrainConfig
 
 
 class Stateful(Protocol):
@@ -235,13 +235,3 @@ class Checkpointer:
             if key not in skip:
                 component.load_state_dict(states[key])
         self.last_step_saved = self.progress.step
-
-
-def load_checkpoint_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Module, dict[str, Any]]:
-    """The trained model of a checkpoint (eval mode, on `device`) and its run's config as a plain dict; the
-    architecture is the checkpoint's own (a later change to a preset does not break it)."""
-    found = storage.load_checkpoint(path, device)
-    run = found.states["run"]
-    model = NaFlexClip(config_from_dict(run["model_config"]))
-    load_weights(model, found.states[storage.MODEL], f"checkpoint {str(found.path)!r}")
-    return model.to(device).eval(), run["config"]

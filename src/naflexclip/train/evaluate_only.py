@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from naflexclip.train.components import create_run_model
-from naflexclip.train.config import TrainConfig
+from naflexclip.train.train_config import TrainConfig
 
 
 def evaluation_only(cfg: TrainConfig) -> bool:
@@ -18,8 +18,8 @@ def evaluation_only(cfg: TrainConfig) -> bool:
 
 def evaluate_once(cfg: TrainConfig, notify: object = print) -> dict[str, float]:
     """The run's evaluations on its starting model, once, in this process."""
-    from naflexclip.train.evaluate import evaluation_tasks, folder_zero_shot_tasks, run_tasks
-    from naflexclip.train.precision import create_precision
+    from naflexclip.models.precision import create_precision
+    from naflexclip.train.evaluator import evaluation_tasks, folder_zero_shot_tasks, run_tasks
 
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     precision = create_precision(cfg.precision, device)

@@ -8,17 +8,17 @@ import argparse
 import dataclasses
 
 from naflexclip.data import data_config_from_args
-from naflexclip.distill import Distill, add_distill_args
-from naflexclip.distributed import DEVICE_CHOICES, check_device
-from naflexclip.lock import Locks, add_lock_args
 from naflexclip.loss import LOSSES, MULTI_POSITIVE_WEIGHTINGS
-from naflexclip.model import PRESETS
-from naflexclip.recipe import Recipe, add_recipe_args
+from naflexclip.models.lock import Locks, add_lock_args
+from naflexclip.models.naflex_clip import PRESETS
+from naflexclip.objectives.distillation import Distill, add_distill_args
+from naflexclip.objectives.siglip2_recipe import Recipe, add_recipe_args
+from naflexclip.parallel.process_group import DEVICE_CHOICES, check_device
 from naflexclip.window import METHODS, SCALE_MODES
 
-from .config import DEFAULT_MODEL, PRECISIONS, TrainConfig
 from .openclip_defaults import DEMO_DEFAULTS, OPENCLIP_DEFAULTS, parse_kwargs, shown_value
 from .openclip_flags import refused_message
+from .train_config import DEFAULT_MODEL, PRECISIONS, TrainConfig
 
 DEFAULTS = TrainConfig.__dataclass_fields__  # one source of truth for the defaults shown in --help
 

@@ -19,19 +19,27 @@ from typing import Any
 
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from naflexclip.checkpoints import storage as ckpt
 from naflexclip.data import build_loader
 from naflexclip.data.regions import CaptionTokens, DecoderExamples
-from naflexclip.data.transform import Processing
-from naflexclip.distill import Distill
-from naflexclip.distributed import DistributedEnv, barrier, cleanup, init_distributed, run_on_main, share_from_main
-from naflexclip.exchange import window_exchange
 from naflexclip.families import data_processing
-from naflexclip.lock import Locks, lock_summary
 from naflexclip.loss import MultiPositiveLoss, create_loss
-from naflexclip.model import NaFlexClip, config_to_dict
-from naflexclip.parallel import unwrap_model, wrap_model
-from naflexclip.recipe import Recipe
-from naflexclip.train import checkpoint as ckpt
+from naflexclip.models.lock import Locks, lock_summary
+from naflexclip.models.naflex_clip import NaFlexClip, config_to_dict
+from naflexclip.models.precision import create_precision
+from naflexclip.objectives.distillation import Distill
+from naflexclip.objectives.siglip2_recipe import Recipe
+from naflexclip.parallel.feature_exchange import window_exchange
+from naflexclip.parallel.process_group import (
+    DistributedEnv,
+    barrier,
+    cleanup,
+    init_distributed,
+    run_on_main,
+    share_from_main,
+)
+from naflexclip.parallel.wrapping import unwrap_model, wrap_model
+from naflexclip.processing.naflex_transform import Processing
 from naflexclip.train.components import (
     Checkpointer,
     DataPosition,
@@ -42,18 +50,17 @@ from naflexclip.train.components import (
     create_run_model,
     seed_everything,
 )
-from naflexclip.train.config import TrainConfig
-from naflexclip.train.evaluate import Evaluator
+from naflexclip.train.evaluator import Evaluator
 from naflexclip.train.grouping import window_sizes
 from naflexclip.train.openclip_flags import first_lines
 from naflexclip.train.optim import LrSchedule, create_optimizer, describe_param_groups
-from naflexclip.train.precision import create_precision
 from naflexclip.train.remote_sync import RemoteSync
 from naflexclip.train.report import Reporter, refuse_existing_run
 from naflexclip.train.resume import nothing_left, resume
-from naflexclip.train.self_distill import SelfDistillation
+from naflexclip.train.self_distill_schedule import SelfDistillation
 from naflexclip.train.step import StepResult, WindowStep, step_metrics, token_counts, windows
 from naflexclip.train.stop import StopSignals, TrainingStopped
+from naflexclip.train.train_config import TrainConfig
 
 
 class Trainer:

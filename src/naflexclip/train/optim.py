@@ -55,10 +55,10 @@ def param_groups(model: nn.Module, weight_decay: float, *, wd_exclude: Sequence[
 def layer_lr_scales(model: nn.Module, image_layer_decay: float | None, text_layer_decay: float | None
                     ) -> dict[int, float] | None:
     """OpenCLIP's layer-wise lr decay: parameter id -> `decay ** (groups above it)` over a tower's layer groups
-    (input to output, the lock groups of `naflexclip.lock`: the projection is the head at 1.0); None when neither
+    (input to output, the lock groups of `naflexclip.models.lock`: the projection is the head at 1.0); None when neither
     decay is set (or both are 1). Parameters of an undecayed tower and the temperature stay at 1."""
-    from naflexclip.lock import image_groups, text_groups
-    from naflexclip.parallel import unwrap_model
+    from naflexclip.models.lock import image_groups, text_groups
+    from naflexclip.parallel.wrapping import unwrap_model
 
     module = unwrap_model(model)
     scales: dict[int, float] = {}

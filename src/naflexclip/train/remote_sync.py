@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from naflexclip.train import checkpoint as storage
+from naflexclip.checkpoints import storage as storage
 
 PROTOCOLS = ("s3", "fsspec")
 _COMPARE_BYTES = 1 << 20  # files up to this size are compared by content, larger ones by size

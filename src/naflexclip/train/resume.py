@@ -21,16 +21,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from naflexclip.distributed import barrier, check_consistency, run_on_main
-from naflexclip.lock import Locks
-from naflexclip.model import weights_mismatch
-from naflexclip.train import checkpoint as storage
+from naflexclip.checkpoints import storage as storage
+from naflexclip.models.lock import Locks
+from naflexclip.models.naflex_clip import weights_mismatch
+from naflexclip.models.run_weights import architecture_changes
+from naflexclip.parallel.process_group import barrier, check_consistency, run_on_main
 from naflexclip.train.components import Checkpointer, Progress
-from naflexclip.train.config import TrainConfig
 from naflexclip.train.openclip_defaults import flag_name, flat_config, shown_setting, shown_setting_value
 from naflexclip.train.optim import scheduled_lr
 from naflexclip.train.remote_sync import restore_from_backup
 from naflexclip.train.report import Reporter, run_exists
+from naflexclip.train.train_config import TrainConfig
 
 APPLY = "apply"  # applied and named in the resume notice (every flag `POLICY` does not list)
 REFUSE = "refuse"  # another value would be another run: the resume stops (the detail says what it would change)
@@ -115,23 +116,6 @@ def changed_flags(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     old, new = flat_config(saved), flat_config(current)
     return [f"{shown_setting(key, old[key])} -> {shown_setting_value(key, new[key])}"
             for key in _changed(saved, current) if _rule(key) in (APPLY, RESCHEDULE)]
-
-
-# regularisation rates of the architecture: they change no weight, so a resume may change them (OpenCLIP's
-# --force-patch-dropout: fine-tune without patch dropout near the end)
-_RATES = ("image.patch_drop_rate",)
-
-
-def architecture_changes(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:
-    """The fields of two `config_to_dict` architectures that differ, as `name: old -> new`."""
-    changes = []
-    for key in sorted(set(saved) | set(current)):
-        old, new = saved.get(key), current.get(key)
-        if isinstance(old, dict) and isinstance(new, dict):
-            changes += architecture_changes(old, new, f"{prefix}{key}.")
-        elif _plain(old) != _plain(new) and f"{prefix}{key}" not in _RATES:
-            changes.append(f"{prefix}{key}: {old!r} -> {new!r}")
-    return changes
 
 
 # heads the run's flags add to the preset, and those flags: a change there is the flags', not the preset's

@@ -19,13 +19,13 @@ import torch
 from torch import nn
 
 from naflexclip.batch import is_naflex, to_device
-from naflexclip.distributed import DistributedEnv, fault_guard
-from naflexclip.parallel import no_sync_context, unwrap_model
-from naflexclip.train.config import TrainConfig
+from naflexclip.models.precision import Precision
+from naflexclip.parallel.process_group import DistributedEnv, fault_guard
+from naflexclip.parallel.wrapping import no_sync_context, unwrap_model
 from naflexclip.train.grouping import window_sizes
 from naflexclip.train.optim import LrSchedule
-from naflexclip.train.precision import Precision
-from naflexclip.train.self_distill import SelfDistillation
+from naflexclip.train.self_distill_schedule import SelfDistillation
+from naflexclip.train.train_config import TrainConfig
 from naflexclip.window import ExampleTerm, WindowStats, accumulate_gradients
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from naflexclip.loss.contrastive import loss_choice, pairwise_logits
-from naflexclip.loss.distill import DistillLoss
+from naflexclip.loss.distill_loss import DistillLoss
 from naflexclip.loss.tiling import (
     DEFAULT_TILE_SIZE,
     _check_tile_size,

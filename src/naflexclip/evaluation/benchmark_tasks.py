@@ -33,7 +33,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from naflexclip.train.config import PRECISIONS
+from naflexclip.models.precision import PRECISIONS
 
 TASKS = ("zeroshot_classification", "zeroshot_retrieval", "linear_probe")
 # CLIP_benchmark's default file name with the sequence length added: a sweep writes one file per length
@@ -106,9 +106,9 @@ def _require_clip_benchmark() -> None:
 
 def load_model(pretrained: str, device: torch.device) -> tuple[nn.Module, dict[str, Any]]:
     """(model, run config) of a naflexclip checkpoint or a SigLIP 2 directory, loaded as `naflexclip eval` does."""
-    from naflexclip.train.cli import _eval_model
+    from naflexclip.evaluation.evaluated_model import evaluated_model
 
-    return _eval_model(pretrained, device)
+    return evaluated_model(pretrained, device)
 
 
 def model_name(pretrained: str, config: dict[str, Any]) -> str:
@@ -168,7 +168,7 @@ def _check_file(path: str | None, flag: str) -> None:
 def plan_runs(args: argparse.Namespace, model: str) -> list[Run]:
     """Every (dataset, sequence length) with its dataset root, task and output file, checked before anything is
     evaluated: roots exist, output names are distinct and writable."""
-    from naflexclip.zeroshot import check_output
+    from naflexclip.evaluation.zero_shot import check_output
 
     if any(length < 1 for length in args.seq_len):
         raise ValueError(f"--seq-len {' '.join(map(str, args.seq_len))}: sequence lengths are positive")
@@ -340,7 +340,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
     """Handler of `naflexclip benchmark`: every input checked and every dataset opened before the first
     evaluation; then one evaluation and one JSON per (dataset, sequence length)."""
     from naflexclip.families import data_processing
-    from naflexclip.train.precision import create_precision
+    from naflexclip.models.precision import create_precision
 
     try:
         _require_clip_benchmark()

@@ -5,8 +5,8 @@ sequences of varied lengths, or the first batches of `--train-data`), computes t
 `s(W)·∇θ L(W)` in float64, then accumulates the same examples split at random into `--accum-freq`
 microbatches with each chosen method, and prints the worst relative error per parameter group against
 the tolerances of docs/accumulation.md. For contrast it also runs OpenCLIP's per-microbatch rule on the same splits.
-Exit code 0 when every group passes, 1 otherwise. The audit itself is `naflexclip.window_audit`, the random
-windows `naflexclip.random_windows`.
+Exit code 0 when every group passes, 1 otherwise. The audit itself is `naflexclip.audit.gradient_audit`, the random
+windows `naflexclip.audit.random_windows`.
 """
 
 from __future__ import annotations
@@ -19,21 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from naflexclip.batch import EXAMPLE_INPUTS, TEACHER_INPUTS, batch_size, concat_microbatches, to_device
-from naflexclip.data import DataError, TeacherInputs, add_data_args, build_loader, data_config_from_args
-from naflexclip.distill import Distill, add_distill_args
-from naflexclip.distributed import DEVICE_CHOICES, check_device
-from naflexclip.factory import create_model
-from naflexclip.families import data_processing
-from naflexclip.locca import random_decoder_inputs
-from naflexclip.lock import Locks, add_lock_args, lock_summary
-from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES, MULTI_POSITIVE_WEIGHTINGS, MultiPositiveLoss, create_loss
-from naflexclip.model import PRESETS
-from naflexclip.random_windows import random_grouped_batch, random_naflex_batch, random_split_sizes
-from naflexclip.recipe import RECIPE_LOSS, Recipe, add_recipe_args
-from naflexclip.train.components import load_checkpoint_model
-from naflexclip.window import METHODS, SCALE_MODES
-from naflexclip.window_audit import (
+from naflexclip.audit.gradient_audit import (
     FLOAT32_TOLERANCE,
     FLOAT64_TOLERANCE,
     POS_EMBED_TOLERANCE,
@@ -47,6 +33,20 @@ from naflexclip.window_audit import (
     tolerance_for,
     verify_window,
 )
+from naflexclip.audit.random_windows import random_grouped_batch, random_naflex_batch, random_split_sizes
+from naflexclip.batch import EXAMPLE_INPUTS, TEACHER_INPUTS, batch_size, concat_microbatches, to_device
+from naflexclip.data import DataError, TeacherInputs, add_data_args, build_loader, data_config_from_args
+from naflexclip.families import data_processing
+from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES, MULTI_POSITIVE_WEIGHTINGS, MultiPositiveLoss, create_loss
+from naflexclip.models.factory import create_model
+from naflexclip.models.lock import Locks, add_lock_args, lock_summary
+from naflexclip.models.naflex_clip import PRESETS
+from naflexclip.models.run_weights import load_checkpoint_model
+from naflexclip.objectives.distillation import Distill, add_distill_args
+from naflexclip.objectives.locca_decoder import random_decoder_inputs
+from naflexclip.objectives.siglip2_recipe import RECIPE_LOSS, Recipe, add_recipe_args
+from naflexclip.parallel.process_group import DEVICE_CHOICES, check_device
+from naflexclip.window import METHODS, SCALE_MODES
 
 # re-exported: the random windows and the audit were this module's, and tests and benchmarks import them from here
 __all__ = ["FLOAT32_TOLERANCE", "FLOAT64_TOLERANCE", "POS_EMBED_TOLERANCE", "GroupResult", "VerifyResult",

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from naflexclip.distributed import DistributedEnv, translate_faults
+from naflexclip.parallel.process_group import DistributedEnv, translate_faults
 
 
 def is_fsdp(model: nn.Module) -> bool:

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+PRECISIONS = ("fp32", "amp_bf16", "amp")
+
 
 @dataclass
 class Precision:

@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from naflexclip.data.microbatch import TeacherInputs
-from naflexclip.factory import create_model
 from naflexclip.families import data_processing, find_family, named_family
 from naflexclip.loss import DistillLoss, MultiPositiveDistillLoss
-from naflexclip.run_checkpoint import is_run_checkpoint
+from naflexclip.models.factory import create_model
+from naflexclip.models.run_weights import is_run_checkpoint
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ def _openclip_teacher(family: Any, name: str, pretrained: str | None, cache_dir:
 
 def _run_checkpoint_teacher(name: str, pretrained: str) -> tuple[nn.Module, str | None]:
     """The model of a naflexclip checkpoint, which must be a `name` model, and the processing it was trained with."""
-    from naflexclip.train.components import load_checkpoint_model  # train imports the window: only when asked
+    from naflexclip.models.run_weights import load_checkpoint_model
 
     try:
         model, trained = load_checkpoint_model(pretrained)

@@ -16,11 +16,11 @@ import argparse
 import sys
 
 from naflexclip.families import EXPORT_FORMATS, export_family
-from naflexclip.model import PRESETS
+from naflexclip.models.naflex_clip import PRESETS
 
 
 def run(args: argparse.Namespace) -> int:
-    from naflexclip.train.components import load_checkpoint_model
+    from naflexclip.models.run_weights import load_checkpoint_model
 
     config: dict = {}
     try:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from naflexclip.distributed import (
+from naflexclip.parallel.process_group import (
     DistributedEnv,
     DistributedFault,
     RankFailed,
@@ -25,7 +25,7 @@ from naflexclip.distributed import (
     one_line,
     translate_faults,
 )
-from naflexclip.parallel import is_fsdp
+from naflexclip.parallel.wrapping import is_fsdp
 from naflexclip.window import LocalExchange
 
 

@@ -15,7 +15,11 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from naflexclip.model import (
+import torch
+from torch import nn
+
+from naflexclip.checkpoints import storage as storage
+from naflexclip.models.naflex_clip import (
     PRESETS,
     ModelConfig,
     NaFlexClip,
@@ -24,7 +28,28 @@ from naflexclip.model import (
     load_weights,
     model_config,
 )
-from naflexclip.train import checkpoint as storage
+
+
+def _plain(value: Any) -> Any:
+    """Lists and tuples compare alike (a config may come back from a checkpoint with either)."""
+    return tuple(_plain(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+# regularisation rates of the architecture: they change no weight, so a resume may change them (OpenCLIP's
+# --force-patch-dropout: fine-tune without patch dropout near the end)
+_RATES = ("image.patch_drop_rate",)
+
+
+def architecture_changes(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:
+    """The fields of two `config_to_dict` architectures that differ, as `name: old -> new`."""
+    changes = []
+    for key in sorted(set(saved) | set(current)):
+        old, new = saved.get(key), current.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            changes += architecture_changes(old, new, f"{prefix}{key}.")
+        elif _plain(old) != _plain(new) and f"{prefix}{key}" not in _RATES:
+            changes.append(f"{prefix}{key}: {old!r} -> {new!r}")
+    return changes
 
 
 def is_run_checkpoint(path: str | Path) -> bool:
@@ -68,8 +93,6 @@ def model_name_conflict(name: str | None, found: RunWeights) -> str | None:
     if name is None or name == found.model_name:
         return None
     if name in PRESETS:
-        from naflexclip.train.resume import architecture_changes  # the resume's comparison (train imports this module)
-
         preset = model_config(name, loss=found.config.loss)
         changed = architecture_changes(config_to_dict(preset), config_to_dict(found.config))
         if not changed:
@@ -110,3 +133,13 @@ def load_run_model(path: str | Path, name: str | None = None, **overrides: Any) 
     model = NaFlexClip(with_overrides(found.config, overrides, where))
     load_weights(model, found.weights, where)
     return model
+
+
+def load_checkpoint_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Module, dict[str, Any]]:
+    """The trained model of a checkpoint (eval mode, on `device`) and its run's config as a plain dict; the
+    architecture is the checkpoint's own (a later change to a preset does not break it)."""
+    found = storage.load_checkpoint(path, device)
+    run = found.states["run"]
+    model = NaFlexClip(config_from_dict(run["model_config"]))
+    load_weights(model, found.states[storage.MODEL], f"checkpoint {str(found.path)!r}")
+    return model.to(device).eval(), run["config"]

@@ -1,6 +1,6 @@
 """Building and exporting models: a preset by name, a pretrained directory or a naflexclip run's checkpoint in
 (`create_model`), a pretrained family's directory out (`export_model`). The families are asked through their
-registry, `naflexclip.families`; a run's checkpoint is read by `naflexclip.run_checkpoint`."""
+registry, `naflexclip.families`; a run's checkpoint is read by `naflexclip.models.run_weights`."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from naflexclip.families import export_family, family_of, find_family, named_family
-from naflexclip.model import PRESETS, NaFlexClip, model_config
-from naflexclip.run_checkpoint import is_run_checkpoint, load_run_model
+from naflexclip.models.naflex_clip import PRESETS, NaFlexClip, model_config
+from naflexclip.models.run_weights import is_run_checkpoint, load_run_model
 
 
 def _looks_like_path(name: str) -> bool:
@@ -28,7 +28,7 @@ def create_model(name: str, pretrained: str | None = None, cache_dir: str | None
 
     A naflexclip run's checkpoint (its `checkpoints/` folder, one `step_N`/`epoch_N` in it, or a file inside one),
     as `name` or as `pretrained`, gives a new model with its architecture and weights only
-    (`naflexclip.run_checkpoint`); a `name` beside it must fit that architecture."""
+    (`naflexclip.models.run_weights`); a `name` beside it must fit that architecture."""
     if pretrained is not None and is_run_checkpoint(pretrained):
         return load_run_model(pretrained, name, **overrides)
     if os.path.exists(name) and is_run_checkpoint(name):

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from naflexclip.audit.openclip_rule import per_microbatch_scale_gradients
+from naflexclip.audit.random_windows import random_split_sizes
 from naflexclip.batch import (
     EXAMPLE_INPUTS,
     GROUP_KEYS,
@@ -24,8 +26,6 @@ from naflexclip.batch import (
     split_batch,
     teacher_inputs,
 )
-from naflexclip.legacy import per_microbatch_scale_gradients
-from naflexclip.random_windows import random_split_sizes
 from naflexclip.window import EXAMPLE_TERMS, ExampleTerm, accumulate_gradients, output_dict, window_loss_scale
 
 FLOAT64_TOLERANCE = 1e-10

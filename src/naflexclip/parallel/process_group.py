@@ -1,10 +1,12 @@
 """Multi-process plumbing on torch.distributed: process group, device, agreement and faults.
 
-The window's exchange lives in naflexclip.exchange, model wrapping and full state dicts in naflexclip.parallel;
+The window's exchange lives in naflexclip.parallel.feature_exchange, model wrapping and full state dicts in
+naflexclip.parallel.wrapping;
 this module is what both stand on:
 
 - `init_distributed` starts one process group (NCCL on CUDA, gloo on CPU, or `--dist-backend`) whose collectives
-  carry a timeout, on what the launcher's variables say (`naflexclip.launch`: torchrun, srun, mpirun, PMI). A
+  carry a timeout, on what the launcher's variables say (`naflexclip.parallel.launchers`: torchrun, srun, mpirun,
+  PMI). A
   single process has no process group, and everything here is a no-op.
 - `run_on_main`: work only rank 0 does (evaluation, checkpoint writing) while the others wait on the
   rendezvous store, with no collective timeout, and learn of rank 0's error at once.
@@ -29,7 +31,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from naflexclip.launch import (
+from naflexclip.parallel.launchers import (
     ENV_INIT,
     LOCAL_RANK_VARIABLES,
     Launch,
@@ -37,7 +39,7 @@ from naflexclip.launch import (
     check_dist_url,
     read_launch,
 )
-from naflexclip.launch import launched_world_size as launched_world_size  # re-exported: the CLI asks here
+from naflexclip.parallel.launchers import launched_world_size as launched_world_size  # re-exported: the CLI asks here
 
 # rendezvous-store keys used to say which rank failed and which are still alive
 _STORE_PREFIX = "naflexclip/fault"

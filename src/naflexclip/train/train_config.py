@@ -17,17 +17,24 @@ from pathlib import Path
 from typing import Any
 
 from naflexclip.data import DataConfig
-from naflexclip.distill import Distill
-from naflexclip.distributed import check_backend, check_dist_url
+from naflexclip.evaluation.zero_shot import (
+    IMAGENET_SETS,
+    imagenet_set,
+    read_classnames,
+    read_image_folder,
+    read_templates,
+)
 from naflexclip.families import family_of, named_family
-from naflexclip.lock import Locks
 from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES, MULTI_POSITIVE_WEIGHTINGS
-from naflexclip.model import PRESETS
-from naflexclip.recipe import RECIPE_LOSS, Recipe
-from naflexclip.run_checkpoint import is_run_checkpoint, model_name_conflict, read_run_weights
+from naflexclip.models.lock import Locks
+from naflexclip.models.naflex_clip import PRESETS
+from naflexclip.models.precision import PRECISIONS
+from naflexclip.models.run_weights import is_run_checkpoint, model_name_conflict, read_run_weights
+from naflexclip.objectives.distillation import Distill
+from naflexclip.objectives.siglip2_recipe import RECIPE_LOSS, Recipe
+from naflexclip.parallel.process_group import check_backend, check_dist_url
 from naflexclip.train.report import report_to_names
 from naflexclip.window import METHODS, SCALE_MODES
-from naflexclip.zeroshot import IMAGENET_SETS, imagenet_set, read_classnames, read_image_folder, read_templates
 
 from .openclip_defaults import (  # re-exported: their public import path was this module
     DEMO_DEFAULTS,
@@ -46,7 +53,6 @@ __all__ = ["DEFAULT_MODEL", "DEMO_DEFAULTS", "FLAG_NAMES", "OPENCLIP_DEFAULTS", 
            "flag_name", "flat_config", "openclip_differences", "parse_kwargs", "shown_setting", "shown_setting_value",
            "shown_value"]
 
-PRECISIONS = ("fp32", "amp_bf16", "amp")
 DEFAULT_MODEL = "small"
 
 
@@ -128,14 +134,15 @@ class TrainConfig:
     # a transformers SigLIP 2 directory (architecture, weights, tokenizer, patching), or with an OpenCLIP --model
     # name that model's weights: a checkpoint file, a pretrained tag or hf-hub:org/name in a local cache; or a
     # naflexclip checkpoint (a run's checkpoints/ or one step_N/epoch_N in it: its architecture and weights only,
-    # `naflexclip.run_checkpoint`)
+    # `naflexclip.models.run_weights`)
     pretrained: str | None = None
     cache_dir: str | None = None  # OpenCLIP's --cache-dir: where pretrained tags are looked up (besides HF's cache)
-    # here: the locked towers' fields (OpenCLIP's flags; `naflexclip.lock.Locks`)
+    # here: the locked towers' fields (OpenCLIP's flags; `naflexclip.models.lock.Locks`)
     # OpenCLIP's flags given that naflexclip has built in (`--flag [value]`; `openclip_flags.BUILT_IN`)
     openclip_built_in: tuple[str, ...] = ()
-    # here: distillation's fields (OpenCLIP's flags; `naflexclip.distill.Distill`), then SigLIP 2's recipe's
-    # (`naflexclip.recipe.Recipe`)
+    # here: distillation's fields (OpenCLIP's flags; `naflexclip.objectives.distillation.Distill`), then SigLIP 2's
+    # recipe's
+    # (`naflexclip.objectives.siglip2_recipe.Recipe`)
     # several captions per image as several positives (`naflexclip.loss.MultiPositiveLoss`)
     multi_positive: bool = False
     multi_positive_weighting: str = "symmetric"

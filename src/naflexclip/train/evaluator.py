@@ -23,13 +23,7 @@ from torch import nn
 from naflexclip.batch import to_device
 from naflexclip.data import DataConfig, build_loader, build_zero_shot_loader
 from naflexclip.data.synthetic import ATTRIBUTES, zero_shot_prompt_ensemble
-from naflexclip.distributed import DistributedEnv, barrier, run_on_main
-from naflexclip.families import data_processing
-from naflexclip.parallel import unwrap_model
-from naflexclip.recipe import Recipe
-from naflexclip.train.config import TrainConfig
-from naflexclip.train.report import Reporter, folder_zeroshot_keys
-from naflexclip.zeroshot import (
+from naflexclip.evaluation.zero_shot import (
     IMAGENET_SETS,
     empty_classes_line,
     ensemble_embeddings,
@@ -39,6 +33,12 @@ from naflexclip.zeroshot import (
     read_templates,
     zero_shot_classify,
 )
+from naflexclip.families import data_processing
+from naflexclip.objectives.siglip2_recipe import Recipe
+from naflexclip.parallel.process_group import DistributedEnv, barrier, run_on_main
+from naflexclip.parallel.wrapping import unwrap_model
+from naflexclip.train.report import Reporter, folder_zeroshot_keys
+from naflexclip.train.train_config import TrainConfig
 
 RECALL_AT = (1, 5, 10)
 DECODER_EVAL_SAMPLES = 64  # validation samples per decoder task (greedy decoding is a forward per token)
@@ -103,7 +103,8 @@ def evaluation_tasks(data: DataConfig, device: torch.device, autocast: Callable[
                      decoder: bool = False, notify: Callable[[str], None] = print) -> list[EvalTask]:
     """Retrieval on the validation split (`val/...`) when there is one; with `zero_shot_samples` > 0, zero-shot
     accuracy on that many built-in single-object images (`zeroshot/{attribute}_top1`); with `dense_probe`, the
-    linear segmentation probe of the patch tokens on the built-in scenes (`probe/miou`, `naflexclip.train.probe`);
+    linear segmentation probe of the patch tokens on the built-in scenes (`probe/miou`,
+    `naflexclip.evaluation.dense_probe`);
     with `decoder` and a validation split, the LocCa decoder's `decoder_metrics` (`notify` says, in one line, when
     pycocoevalcap is missing and BLEU-4 is left out)."""
     tasks = []
@@ -114,7 +115,7 @@ def evaluation_tasks(data: DataConfig, device: torch.device, autocast: Callable[
         tasks.append(EvalTask("builtin_zero_shot", frequency, lambda model, skips: zero_shot_metrics(
             model, data, device, autocast, zero_shot_samples)))
     if dense_probe:
-        from naflexclip.train.probe import dense_probe_metrics
+        from naflexclip.evaluation.dense_probe import dense_probe_metrics
 
         tasks.append(EvalTask("dense_probe", frequency,
                               lambda model, skips: dense_probe_metrics(model, data, device, autocast)))
@@ -235,7 +236,7 @@ def decoder_metrics(model: nn.Module, data: DataConfig, device: torch.device,
 
     from naflexclip.batch import EXAMPLE_INPUTS
     from naflexclip.data.regions import CaptionTokens, DecoderExamples
-    from naflexclip.locca import IGNORE
+    from naflexclip.processing.decoder_tokens import IGNORE
 
     decoder = model.decoder
     processing = data_processing(data.hf_processor, model.image_patch_size, **data.image_overrides())

@@ -2,7 +2,7 @@
 (OpenMPI) or PMI's (MPICH, Intel MPI) variables, in OpenCLIP's order; the rendezvous (MASTER_ADDR and MASTER_PORT,
 else the first node of SLURM's host list, else this host for a job on one node); and the checks of OpenCLIP's
 `--dist-url` and `--dist-backend`. `read_launch` refuses, in one line, what cannot form one job;
-`naflexclip.distributed.init_distributed` starts the process group on what it says.
+`naflexclip.parallel.process_group.init_distributed` starts the process group on what it says.
 """
 
 from __future__ import annotations

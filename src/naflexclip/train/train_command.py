@@ -6,7 +6,6 @@ Flag errors are reported as one line, `naflexclip train: error: <flag>: <what is
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -16,9 +15,9 @@ from pathlib import Path
 import torch
 
 from naflexclip.data import DataConfig, DataError, add_data_args
-from naflexclip.distributed import DistributedFault, check_device, launched_world_size
+from naflexclip.evaluation.evaluated_model import evaluated_model
+from naflexclip.parallel.process_group import DistributedFault, check_device, launched_world_size
 
-from .config import PRECISIONS
 from .flags import (  # re-exported: the flags' public names stay importable from here
     AUG_CFG_KEYS,
     DEMO_DATA_DEFAULTS,
@@ -28,6 +27,7 @@ from .flags import (  # re-exported: the flags' public names stay importable fro
     with_defaults,
 )
 from .openclip_flags import HelpFormatter, add_openclip_flags, group_by_origin
+from .train_config import PRECISIONS
 
 __all__ = ["AUG_CFG_KEYS", "add_parser", "config_from_args", "run_eval", "run_train", "with_defaults"]
 
@@ -93,26 +93,10 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _eval_model(checkpoint: str, device: torch.device) -> tuple[torch.nn.Module, dict]:
-    """(model, run config) of a naflexclip checkpoint, or of a pretrained family's directory (a config stating
-    its processor, its own patch budget and fp32)."""
-    from naflexclip.families import find_family
-
-    from .components import load_checkpoint_model
-
-    family = find_family(checkpoint)
-    if family is not None:
-        model = family.load(checkpoint).to(device).eval()
-        budget = family.patch_budget(checkpoint, model.image_patch_size)
-        data = DataConfig(hf_processor=checkpoint, naflex_seq_lens=(budget,), naflex_max_tokens_per_batch=32 * budget)
-        return model, {"data": dataclasses.asdict(data), "precision": "fp32", "zero_shot_samples": 0}
-    return load_checkpoint_model(checkpoint, device)
-
-
 def run_zero_shot(args: argparse.Namespace, model: torch.nn.Module, config: dict, device: torch.device,
                   autocast: object, output: Path) -> int:
     """`eval --zero-shot-data DIR`: classify the ImageFolder DIR, print the results, write them as JSON."""
-    from naflexclip.zeroshot import (
+    from naflexclip.evaluation.zero_shot import (
         format_results,
         read_classnames,
         read_image_folder,
@@ -141,17 +125,17 @@ def run_eval(args: argparse.Namespace) -> int:
     """Handler of `naflexclip eval`: the training run's evaluation on a checkpoint (with the built-in tasks, the dense
     probe; with a LocCa decoder, its metrics), printed as JSON (or, with --zero-shot-data, zero-shot classification
     of an ImageFolder)."""
-    from naflexclip.zeroshot import check_output
+    from naflexclip.evaluation.zero_shot import check_output
+    from naflexclip.models.precision import create_precision
 
-    from .evaluate import evaluate, has_builtin_tasks
-    from .precision import create_precision
+    from .evaluator import evaluate, has_builtin_tasks
 
     try:
         check_device(args.device)
         output = args.output or (DEFAULT_ZERO_SHOT_OUTPUT if args.zero_shot_data is not None else None)
         output = check_output(output) if output is not None else None
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        model, config = _eval_model(args.checkpoint, device)
+        model, config = evaluated_model(args.checkpoint, device)
         if args.zero_shot_data is not None:
             precision = create_precision(args.precision or config["precision"], device)
             return run_zero_shot(args, model, config, device, precision.autocast, output)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import shlex
 
-from naflexclip.data.export import EXPORT_FORMATS, IMAGE_FORMATS, export_synthetic, shard_spec
+from naflexclip.data.dataset_export import EXPORT_FORMATS, IMAGE_FORMATS, export_synthetic, shard_spec
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -44,11 +43,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from naflexclip.parallel import is_fsdp
+from naflexclip.parallel.wrapping import is_fsdp
 
 SELF_DISTILL = "self_distill"
 MASKED_PREDICTION = "masked_prediction"
-VIEW_SEED = "view_seed"  # example_inputs column: each example's seed of its crops and mask
 TEACHER_TARGETS = "teacher_targets"  # the model's keyword for the EMA teacher's outputs of its microbatch
 
 # SILC's local views cover 5–40% of the image area (its global views 40–100%; DINO's multi-crop)
@@ -60,14 +58,6 @@ TEACHER_TEMPERATURE = 0.04
 CENTER_MOMENTUM = 0.9
 TEACHER_HEADS = {"global": "global", "patches": "patch"}  # a teacher output's head: its prototypes and centre
 MASK_STREAM = 1_000_003  # the mask's generator is seeded with view_seed + this: crops and mask are independent draws
-
-
-def sample_view_seed(seed: int, epoch: int, sample_key: str) -> int:
-    """A sample's `view_seed` in an epoch: a function of (seed, epoch, key) alone, as a sample's decoder example and
-    caption choice are, so every split, rank count, replay and resume sees the same crops and mask (62 bits: the mask
-    stream's offset stays inside torch's seed range)."""
-    digest = hashlib.blake2b(f"{seed}:{epoch}:{sample_key}:views".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2
 
 
 @dataclass(frozen=True)

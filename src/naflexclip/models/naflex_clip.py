@@ -22,10 +22,10 @@ from open_clip.transformer import QuickGELU, TextTransformer
 from timm.models.naflexvit import NaFlexVit, NaFlexVitCfg
 from torch import nn
 
-from naflexclip import lock
-from naflexclip.locca import DecoderBatch, DecoderConfig, LoccaDecoder
 from naflexclip.loss import loss_choice
-from naflexclip.selfdistill import SelfDistillConfig, SelfDistillHeads, student_terms
+from naflexclip.models import lock
+from naflexclip.objectives.locca_decoder import DecoderBatch, DecoderConfig, LoccaDecoder
+from naflexclip.objectives.self_distillation import SelfDistillConfig, SelfDistillHeads, student_terms
 
 VOCAB_SIZE = 49408  # open_clip's SimpleTokenizer vocabulary (shipped in its wheel)
 MAX_LOGIT_SCALE = math.log(100.0)
@@ -102,10 +102,12 @@ class ModelConfig:
     init_logit_bias: float | None = None
     # the OpenCLIP model name this architecture is (`naflexclip.families.openclip`; export --format openclip)
     openclip_name: str | None = None
-    # SigLIP 2's LocCa decoder over the image tower's tokens (`naflexclip.locca`), trained beside the pair loss and
+    # SigLIP 2's LocCa decoder over the image tower's tokens (`naflexclip.objectives.locca_decoder`), trained beside
+    # the pair loss and
     # dropped at export; None: no decoder
     decoder: DecoderConfig | None = None
-    # SigLIP 2's self-distillation and masked-prediction heads and mask token (`naflexclip.selfdistill`), trained beside
+    # SigLIP 2's self-distillation and masked-prediction heads and mask token
+    # (`naflexclip.objectives.self_distillation`), trained beside
     # the pair loss and dropped at export; None: none
     self_distill: SelfDistillConfig | None = None
 
@@ -320,7 +322,7 @@ class NaFlexClip(nn.Module):
         """OpenCLIP's output dict; given a NaFlex image and decoder inputs (a microbatch's `example_inputs`), also
         each example's decoder loss summed over its target tokens, `example_terms["locca"]` (the window weighs it);
         given `view_seed` and the EMA teacher's `teacher_targets` of the microbatch, each example's `self_distill` and
-        `masked_prediction` terms (`naflexclip.selfdistill`)."""
+        `masked_prediction` terms (`naflexclip.objectives.self_distillation`)."""
         out: dict[str, Any] = {"logit_scale": self.logit_scale.exp()}
         if image is not None and decoder_input_ids is not None:
             if self.decoder is None:
@@ -383,13 +385,14 @@ class NaFlexClip(nn.Module):
             self.logit_scale.clamp_(0, self.config.max_logit_scale)
 
     def lock_image_tower(self, unlocked_groups: int = 0) -> None:
-        """LiT: lock the image tower but its last `unlocked_groups` layer groups (OpenCLIP's method; `naflexclip.lock`).
+        """LiT: lock the image tower but its last `unlocked_groups` layer groups (OpenCLIP's method;
+        `naflexclip.models.lock`).
         Call it before DDP/FSDP wrap the model and before the optimizer is built."""
         lock.lock_image_tower(self, unlocked_groups)
 
     def lock_text_tower(self, unlocked_layers: int = 0, freeze_layer_norm: bool = True) -> None:
         """Lock the text tower but its last `unlocked_layers` layer groups; `freeze_layer_norm=False` leaves the locked
-        groups' LayerNorms trainable (OpenCLIP's method; `naflexclip.lock`)."""
+        groups' LayerNorms trainable (OpenCLIP's method; `naflexclip.models.lock`)."""
         lock.lock_text_tower(self, unlocked_layers, freeze_layer_norm)
 
     def locked_towers(self) -> frozenset[str]:

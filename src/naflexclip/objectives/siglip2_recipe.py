@@ -1,13 +1,14 @@
 """SigLIP 2's training recipe: the objectives beside the sigmoid loss (`--recipe siglip2`, `--locca-loss-weight`).
 
 SigLIP 2 (Tschannen et al. 2025, https://arxiv.org/abs/2502.14786, sec. 2.2) trains the image tower with a LocCa
-decoder (`naflexclip.locca`) beside the sigmoid loss. The decoder's term is a
+decoder (`naflexclip.objectives.locca_decoder`) beside the sigmoid loss. The decoder's term is a
 per-example term of the window objective (`naflexclip.window.ExampleTerm`), normalised by the window's target tokens:
 
     J(W) = s(W) · [ L_sigmoid(W) + λ_locca · (1 / T(W)) · Σ_{i ∈ W} Σ_{t ∈ targets(i)} CE_i,t ]
 
 and, from `--self-distill-start` (SigLIP 2 sec. 2.3: the last 20% of training), the self-distillation (SILC) and
-masked-prediction (TIPS) terms against an EMA teacher (`naflexclip.selfdistill`), each normalised by the window's
+masked-prediction (TIPS) terms against an EMA teacher (`naflexclip.objectives.self_distillation`), each normalised by
+the window's
 examples `N(W)`:
 
     + λ_sd · (1 / N(W)) · Σ_i Σ_{crops c of i} CE(teacher(i), student(c))
@@ -23,9 +24,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from naflexclip.batch import batch_size
-from naflexclip.locca import DECODER_SIZES, DecoderConfig, target_tokens
-from naflexclip.model import PRESETS, ModelConfig, NaFlexClip
-from naflexclip.selfdistill import MASKED_PREDICTION, SELF_DISTILL, EmaTeacher, head_config
+from naflexclip.models.naflex_clip import PRESETS, ModelConfig, NaFlexClip
+from naflexclip.objectives.locca_decoder import DECODER_SIZES, DecoderConfig, target_tokens
+from naflexclip.objectives.self_distillation import MASKED_PREDICTION, SELF_DISTILL, EmaTeacher, head_config
 from naflexclip.window import ExampleTerm
 
 # the values `--recipe` sets, each with its source

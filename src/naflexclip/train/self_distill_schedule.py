@@ -25,10 +25,11 @@ import torch
 from torch import nn
 
 from naflexclip.batch import EXAMPLE_INPUTS
-from naflexclip.distributed import DistributedEnv
-from naflexclip.parallel import full_state_dict, is_fsdp, load_full_state_dict, unwrap_model
-from naflexclip.recipe import Recipe
-from naflexclip.selfdistill import VIEW_SEED, EmaTeacher
+from naflexclip.objectives.self_distillation import EmaTeacher
+from naflexclip.objectives.siglip2_recipe import Recipe
+from naflexclip.parallel.process_group import DistributedEnv
+from naflexclip.parallel.wrapping import full_state_dict, is_fsdp, load_full_state_dict, unwrap_model
+from naflexclip.processing.view_seeds import VIEW_SEED
 from naflexclip.window import ExampleTerm
 
 
@@ -96,7 +97,7 @@ class SelfDistillation:
             return self.recipe.ema_teacher(self.model).to(self.env.device)
         from torch.distributed.fsdp import fully_shard
 
-        from naflexclip.model import NaFlexClip
+        from naflexclip.models.naflex_clip import NaFlexClip
 
         student = unwrap_model(self.model)
         reference = next(student.parameters())

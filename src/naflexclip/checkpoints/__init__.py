@@ -1,0 +1,1 @@
+"""Checkpoint storage: a save's directory of named states, the `latest` pointer, atomic publishing (`storage`)."""
