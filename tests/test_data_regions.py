@@ -173,3 +173,15 @@ def test_a_tokenizer_without_start_or_end_tokens_ends_targets_with_its_padding()
 
     tokens = CaptionTokens(padded_only, 8)
     assert (tokens.start, tokens.end, tokens(["a red circle"])) == ([], 0, [[3, 5, 8]])
+
+
+@pytest.mark.parametrize("meta", [[{"bbox": [0, 0, 5, 5], "caption": "a box"}], "a string", 7, None])
+def test_a_region_json_that_is_not_an_object_is_a_named_skip_and_its_sample_trains(meta):
+    builder = MicrobatchBuilder(patch_size=16, context_length=CONTEXT, processing=default_processing(16),
+                                decoder=_decoder_examples())
+    raw = RawSample(Image.new("RGB", (64, 32), (200, 10, 10)), "a red image", None, "k0", json.dumps(meta).encode())
+    item = builder.build(ScheduledBatch(index=0, seq_len=64, batch_size=1, offset=0), [(raw, ("src", "k0", None))],
+                         [], (0, 0, 0))
+    assert item["keys"] == ["k0"]
+    assert [(r["reason"], r["key"]) for r in item["skips"]] == [("region_malformed", "k0")]
+    assert "not an object" in item["skips"][0]["detail"]

@@ -44,7 +44,9 @@ def parse_regions(data: Any, width: int, height: int) -> tuple[list[Region], lis
             data = json.loads(data)
         except (ValueError, UnicodeDecodeError):
             return [], [("region_malformed", "the .json is not JSON")]
-    entries = data.get("regions") if isinstance(data, dict) else None
+    if not isinstance(data, dict):  # valid JSON, but not the object that holds "regions"
+        return [], [("region_malformed", f"the .json is {_json_kind(data)}, not an object")]
+    entries = data.get("regions")
     if entries is None:
         return [], []
     if not isinstance(entries, list):
@@ -69,6 +71,15 @@ def parse_regions(data: Any, width: int, height: int) -> tuple[list[Region], lis
             continue
         regions.append(Region((x0 / width, y0 / height, x1 / width, y1 / height), caption.strip()))
     return regions, skipped
+
+
+def _json_kind(value: Any) -> str:
+    """What a parsed JSON value is, in JSON's words."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return {list: "an array", str: "a string"}.get(type(value), "a number")
 
 
 class CaptionTokens:

@@ -19,7 +19,7 @@ from PIL import Image, UnidentifiedImageError
 
 # a bad region of a sample's .json (`naflexclip.data.regions`): the region is skipped, the sample trains
 REGION_REASONS = (
-    "region_malformed",  # not {"bbox": [4 numbers], "caption": str}, or a .json that is not JSON
+    "region_malformed",  # not {"bbox": [4 numbers], "caption": str}, or a .json that is not a JSON object
     "region_outside_image",  # a coordinate outside [0, width] x [0, height] of the original image
     "region_empty_box",  # x1 <= x0 or y1 <= y0
     "region_no_caption",  # a missing or empty caption
