@@ -236,3 +236,21 @@ def test_sized_shards_are_not_read_at_startup_and_a_short_shard_is_named(tmp_pat
     assert scanned == [] and len(loader.source) == 14  # planned from sizes.json alone
     assert sorted(keys_in_order(loader)) == sorted(f"s{s}_{i}" for s in range(3) for i in range(4))
     assert dict(loader.skip_counts) == {"shard_size_mismatch": 2} and len(set(scanned)) == 3
+
+
+@pytest.mark.parametrize("factors", [None, "1::1"])
+@pytest.mark.parametrize("sizes_json", [True, False])
+def test_a_source_of_a_mixture_with_nothing_usable_stops_in_one_line_naming_it(tmp_path, factors, sizes_json):
+    from naflexclip.data import DataError
+
+    a = _shards(tmp_path / "a", "a", 2, 4, sizes_json)
+    (tmp_path / "e").mkdir()
+    write_tar(str(tmp_path / "e" / "empty.tar"), [])
+    if sizes_json:
+        (tmp_path / "e" / "sizes.json").write_text(json.dumps({"empty.tar": 0}))
+    empty = str(tmp_path / "e" / "empty.tar")
+    with pytest.raises(DataError) as error:
+        build_loader(cfg_for(f"{a}::{empty}", train_data_upsampling_factors=factors), split="train",
+                     patch_size=PATCH, context_length=CONTEXT)
+    message = str(error.value)
+    assert "\n" not in message and f"{empty!r}" in message and "no usable samples" in message

@@ -81,6 +81,11 @@ def _shard_loader(cfg: DataConfig, path: str, urls: list[str], ids: np.ndarray, 
         raise DataError(f"data source {path!r} has no usable samples (sizes.json lists none)")
     sources = path.split("::")
     shards = ShardSet(shard_sizes, ids, tuple(sources))
+    for s in np.flatnonzero(shards.source_sizes() == 0):  # one source of a `::` mixture with nothing usable
+        mine = {u for u, i in zip(urls, ids, strict=True) if i == s}
+        reasons = Counter(r["reason"] for r in source.index_skips if r["source"] in mine)
+        raise DataError(f"data source {sources[s]!r} of {path!r} has no usable samples "
+                        f"({reasons_line(reasons) or ('sizes.json lists none' if sizes is not None else 'empty')})")
     if requested is not None and requested > len(source) and not (resampled or factors is not None):
         raise _more_than_the_data(cfg, flag, requested, source)
     if sizes is None and not resampled and factors is None:
