@@ -55,6 +55,7 @@ except ImportError:  # pragma: no cover
 # registered small timm model of the same arguments
 SHRINK = {
     "ViT-B-32-quickgelu": ({"image_size": 64, "patch_size": 16, "width": 32, "head_width": 16, "layers": 2}, {}),
+    "ViT-B-32": ({"image_size": 64, "patch_size": 16, "width": 32, "head_width": 16, "layers": 2}, {}),
     "ViT-B-16": ({"image_size": 48, "patch_size": 8, "width": 32, "head_width": 16, "layers": 2}, {}),
     "ViT-L-14-CLIPA": ({"image_size": 56, "patch_size": 14, "width": 32, "head_width": 16, "layers": 2}, {}),
     "ViT-M-16-alt": ({"image_size": 48, "patch_size": 16, "width": 32, "head_width": 16, "layers": 2}, {}),

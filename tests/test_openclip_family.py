@@ -137,6 +137,34 @@ def test_pretrained_tag_and_hf_hub_resolve_from_a_local_cache_only(tmp_path: Pat
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("name, tag_quick_gelu, warned", [
+    ("ViT-B-32", True, "ViT-B-32-quickgelu-tiny"),  # the OpenAI weights into the GELU name
+    ("ViT-B-32-quickgelu", False, "ViT-B-32-tiny"),  # GELU-trained weights into the QuickGELU name
+    ("ViT-B-32-quickgelu", True, None),  # the activation the weights were trained with: nothing to say
+])
+def test_a_tag_trained_with_another_activation_is_named_in_one_line(
+        name: str, tag_quick_gelu: bool, warned: str | None, tmp_path: Path, monkeypatch, caplog,
+        capsys: pytest.CaptureFixture) -> None:
+    """As open_clip warns on `create_model("ViT-B-32", pretrained="openai")` (its tag says `quick_gelu`): one line
+    naming the name, the tag and the name of the weights' activation."""
+    from naflexclip.cli import main
+
+    tiny, _ = tiny_name(name), tiny_name("ViT-B-32" if "quickgelu" in name else "ViT-B-32-quickgelu")
+    torch.save(openclip_model(tiny, seed=8).state_dict(), tmp_path / "weights.pt")
+    monkeypatch.setattr(openclip_sources, "pretrained_cfg", lambda model, tag: {
+        "url": "https://example.invalid/weights.pt", "quick_gelu": tag_quick_gelu} if tag == "openai" else {})
+    with caplog.at_level("WARNING"):
+        assert main(["verify", "--model", tiny, "--pretrained", "openai", "--cache-dir", str(tmp_path), "--splits",
+                     "1", "--accum-freq", "2", "--batch-size", "3", "--accum-method", "cache"]) == 0
+    assert "PASS" in capsys.readouterr().out
+    lines = [record.getMessage() for record in caplog.records if "GELU" in record.getMessage()]
+    if warned is None:
+        assert lines == []
+        return
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert "--pretrained openai" in lines[0] and f"--model {tiny}" in lines[0] and f"--model {warned}" in lines[0]
+
+
 def test_a_wrong_position_table_or_ln_pre_mapping_is_caught(tmp_path: Path) -> None:
     """The comparison is sharp: a transposed position table or a dropped ln_pre changes the embeddings."""
     tiny = tiny_name("ViT-B-32-quickgelu")

@@ -6,13 +6,16 @@ or `hf-hub:org/name`, the last two found only in local caches (`--cache-dir`, th
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from naflexclip.families.openclip_names import OpenClipError
+from naflexclip.families.openclip_names import OpenClipError, model_names, openclip_config
+
+_log = logging.getLogger(__name__)
 
 # the weight files of a Hugging Face repo of open_clip, safetensors first (as open_clip prefers it)
 WEIGHT_FILES = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
@@ -62,6 +65,26 @@ def pretrained_cfg(name: str, tag: str) -> dict[str, Any]:
     return dict(open_clip.get_pretrained_cfg(name, tag) or SHIPPED_TAGS.get(name, {}).get(tag) or {})
 
 
+def _activation_name(quick_gelu: bool) -> str:
+    return "QuickGELU" if quick_gelu else "GELU"
+
+
+def warn_activation_mismatch(name: str, tag: str, cfg: dict[str, Any]) -> None:
+    """One line when the tag's weights were trained with another activation than the name's (open_clip's own check:
+    the tag's `quick_gelu` against the name's config), naming the name of the same architecture with theirs."""
+    config = openclip_config(name) or {}
+    ours, theirs = bool(config.get("quick_gelu", False)), bool(cfg.get("quick_gelu", False))
+    if ours == theirs:
+        return
+    config.pop("quick_gelu", None)
+    twin = {**config, "quick_gelu": True} if theirs else config
+    matching = [other for other in model_names() if other != name and openclip_config(other) == twin]
+    hint = f"; --model {matching[0]} is this architecture with {_activation_name(theirs)}" if matching else ""
+    _log.warning(f"--pretrained {tag}: the weights of {name} {tag} were trained with {_activation_name(theirs)}, "
+                 f"--model {name} uses {_activation_name(ours)} (open_clip warns alike: accuracy drops until "
+                 f"fine-tuning adapts){hint}")
+
+
 def resolve_pretrained(name: str, pretrained: str, cache_dir: str | None = None) -> Path:
     """The local file of a `--pretrained` weight source for the name: a file, an OpenCLIP pretrained tag or
     `hf-hub:org/name` found in a local cache (nothing downloads); one-line OpenClipError naming where it looked."""
@@ -84,6 +107,7 @@ def resolve_pretrained(name: str, pretrained: str, cache_dir: str | None = None)
         tags = open_clip.list_pretrained_tags_by_model(name) or list(SHIPPED_TAGS.get(name, {}))
         raise OpenClipError(f"--pretrained {pretrained!r}: not a file, nor a pretrained tag of {name} "
                             f"(its tags: {', '.join(tags) or 'none'})")
+    warn_activation_mismatch(name, pretrained, cfg)
     looked: list[str] = []
     if cfg.get("hf_hub"):
         repo_id, filename = os.path.split(cfg["hf_hub"].rstrip("/") if cfg["hf_hub"].endswith("/") else cfg["hf_hub"])
