@@ -37,7 +37,7 @@ def test_every_bad_kind_is_named_and_every_good_sample_arrives(tmp_path, split, 
     assert cut["source"].endswith("shard-1.tar") and cut["key"] == "t3"
     assert by_reason["corrupt_image"]["key"] == "b_truncated" and by_reason["missing_image"]["key"] == "b_noimage"
     assert by_reason["caption_not_utf8"]["source"].endswith("shard-0.tar")
-    assert all(r["epoch"] == 0 for r in loader.skip_records)
+    assert all(r["epoch"] == 1 for r in loader.skip_records)
 
 
 def test_dotted_keys_are_samples_not_missing_images(tmp_path):

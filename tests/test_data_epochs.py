@@ -62,7 +62,7 @@ def test_every_usable_sample_once_for_any_workers_and_ranks(tmp_path, kind):
             if baseline is None:
                 baseline = records
                 assert len(records) == sum(skips.values())
-                assert all(r["epoch"] == 0 and r["reason"] and r["source"] for r in map(dict, records))
+                assert all(r["epoch"] == 1 and r["reason"] and r["source"] for r in map(dict, records))
             assert records == baseline, (workers, world_size)  # the same skip log, entry for entry
 
 
@@ -72,7 +72,7 @@ def test_skip_counts_do_not_change_from_epoch_to_epoch(tmp_path):
     for epoch in (0, 1, 2):
         keys, records, counts = run_epoch(cfg, 2, epoch)
         assert keys == Counter(usable) and dict(counts) == skips
-        assert {dict(r)["epoch"] for r in records} == {epoch}
+        assert {dict(r)["epoch"] for r in records} == {epoch + 1}  # the record numbers epochs from 1
 
 
 def test_fewer_shards_than_workers_times_ranks(tmp_path):

@@ -43,12 +43,16 @@ def test_a_run_names_every_skipped_sample_and_sums_up_each_epoch(tmp_path, capsy
     assert code == 0
     out = capsys.readouterr()
     log = [json.loads(line) for line in (tmp_path / "run" / "skipped_samples.jsonl").read_text().splitlines()]
+    # epochs are numbered from 1 everywhere: skip log, data records, progress bar, closing summary
     assert sorted((r["epoch"], r["reason"], r["key"], r["line"]) for r in log) == [
-        (0, "missing_file", "i5.png", 7), (0, "not_an_image", "i2.png", 4),
-        (1, "missing_file", "i5.png", 7), (1, "not_an_image", "i2.png", 4)]
+        (1, "missing_file", "i5.png", 7), (1, "not_an_image", "i2.png", 4),
+        (2, "missing_file", "i5.png", 7), (2, "not_an_image", "i2.png", 4)]
     assert all(r["source"] == table for r in log)
-    assert "epoch 0: trained 6 samples, skipped 2 bad (missing_file=1, not_an_image=1)" in out.out
-    assert "epoch 1: trained 6 samples" in out.out and "skipped_samples.jsonl" in out.out
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["data/epoch"], r["epoch"]) for r in metrics if r["kind"] == "data"] == [(1, 1.0), (2, 2.0)]
+    assert "epoch 1: 100%" in out.err and "epoch 2: 100%" in out.err and "epoch 0" not in out.err
+    assert "epoch 1: trained 6 samples, skipped 2 bad (missing_file=1, not_an_image=1)" in out.out
+    assert "epoch 2: trained 6 samples" in out.out and "skipped_samples.jsonl" in out.out
     assert "skipped (missing_file): " in out.err  # each on its own line, not inside the progress bar
     assert (tmp_path / "run" / "curves.png").exists()
 
@@ -70,7 +74,7 @@ def test_validation_skips_are_in_the_skip_log_apart_from_training(tmp_path, caps
     last = max(r["step"] for r in metrics if r["kind"] == "train")
     assert sorted((r["split"], r["step"], r["reason"], r["key"], r["line"], r["rank"]) for r in val) == [
         ("val", 0, "missing_file", "i5.png", 7, 0), ("val", last, "missing_file", "i5.png", 7, 0)]
-    assert "epoch 0: trained 7 samples, skipped 1 bad (missing_file=1)" in out.out  # the epoch counts training only
+    assert "epoch 1: trained 7 samples, skipped 1 bad (missing_file=1)" in out.out  # the epoch counts training only
     assert f"skipped (missing_file, val): {val_table} [key i5.png, line 7]" in out.err
 
 
@@ -149,7 +153,7 @@ def test_a_run_on_a_shard_cut_inside_its_last_sample_trains_every_whole_sample(t
     log = [json.loads(line) for line in (tmp_path / "run" / "skipped_samples.jsonl").read_text().splitlines()]
     assert sorted(((r["key"], r["reason"]) for r in log), key=repr) == [
         ("k4", "truncated_sample"), (None, "truncated_shard")]
-    assert "epoch 0: trained 4 samples, skipped 1 bad (truncated_sample=1)" in out.out
+    assert "epoch 1: trained 4 samples, skipped 1 bad (truncated_sample=1)" in out.out
 
 
 def _one_row_table(root: Path) -> str:

@@ -260,7 +260,7 @@ def test_a_missing_image_on_one_rank_trains_its_7_pairs_in_seconds(tmp_path: Pat
     # the epoch's data record and summary count the 7 pairs trained and the missing one skipped
     (data,) = [r for r in records if r["kind"] == "data"]
     assert data["data/trained_samples"] == 7 and data["data/skipped/missing_file"] == 1
-    assert "epoch 0: trained 7 samples, skipped 1 bad (missing_file=1)" in result.stdout
+    assert "epoch 1: trained 7 samples, skipped 1 bad (missing_file=1)" in result.stdout
     assert "Traceback" not in result.stderr
 
 

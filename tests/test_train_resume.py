@@ -230,7 +230,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path: Path
     damaged = [line for line in err.splitlines() if "is damaged" in line]
     assert len(damaged) == 1 and "step_00000002" in damaged[0] and "PytorchStreamReader failed" in damaged[0]
     assert "using step_00000001 (step 1)" in damaged[0]
-    assert "resumed from " in err and "step_00000001 at epoch 0, step 1" in err
+    assert "resumed from " in err and "step_00000001 at epoch 1, step 1" in err
     assert "Traceback" not in err
     # the damaged step 2 was trained again and re-saved; metrics.jsonl has each step once
     assert ckpt.load_checkpoint(checkpoints).step == 3

@@ -219,9 +219,9 @@ def test_resume_latest_with_remote_sync_continues_the_backup_when_the_local_fold
     node_b = tmp_path / "node_b" / "run"
     capsys.readouterr()
     train(tiny_config(tmp_path / "node_b", "run", stop_after_steps=2, **flags))
-    assert "at epoch 0, step 1" in capsys.readouterr().err
+    assert "at epoch 1, step 1" in capsys.readouterr().err
     assert _train_steps(node_b) == [1, 2] and _train_steps(remote / "run") == [1, 2]  # the backup's log, continued
     node_a = tmp_path / "node_a" / "run"
     train(tiny_config(tmp_path / "node_a", "run", stop_after_steps=3, **flags))
-    assert "at epoch 0, step 2" in capsys.readouterr().err
+    assert "at epoch 1, step 2" in capsys.readouterr().err
     assert _train_steps(node_a) == [1, 2, 3] and _train_steps(remote / "run") == [1, 2, 3]

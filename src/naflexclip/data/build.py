@@ -97,7 +97,7 @@ def _shard_loader(cfg: DataConfig, path: str, urls: list[str], ids: np.ndarray, 
         raise DataError(str(error)) from None
     loader = MapLoader(source, recipe=recipe, **common)
     if common["rank"] == 0 and len(sources) > 1:
-        logger.warning("data %s epoch 0: %s", common["split"], ", ".join(
+        logger.warning("data %s epoch 1: %s", common["split"], ", ".join(
             f"{name} {count} samples" for name, count in loader.planned_sources.items()))
     return loader
 

@@ -185,9 +185,9 @@ class NaFlexLoader(abc.ABC):
     yields `len()` microbatches, none empty. Only a rank with fewer usable samples than microbatches cannot:
     in training that is a DataError; an evaluation split then yields fewer microbatches.
 
-    Every skip is a record (source, key, line, reason, detail, split, epoch) in `skip_records` (drained by the
-    caller) and counted by reason in `skip_counts` (the loader's lifetime). `state_dict()`/`load_state_dict()`
-    continue an epoch exactly, with any number of workers.
+    Every skip is a record (source, key, line, reason, detail, split, epoch numbered from 1) in `skip_records`
+    (drained by the caller) and counted by reason in `skip_counts` (the loader's lifetime).
+    `state_dict()`/`load_state_dict()` continue an epoch exactly, with any number of workers.
 
     `name` names the data in messages; `samples_per_epoch` counts all ranks' samples; `budget` sizes the
     microbatches, `builder` makes them; `shuffle`: a new order every epoch (training); `workers`: DataLoader
@@ -383,19 +383,19 @@ class NaFlexLoader(abc.ABC):
         # runs on its own, so there the broken samples just make it shorter (counted and logged above)
         if cover.owed > 0 and self.split == "train":
             raise DataError(
-                f"data source {self.name!r} ({self.split}) epoch {self.epoch}: rank {self.rank} has "
+                f"data source {self.name!r} ({self.split}) epoch {self.epoch + 1}: rank {self.rank} has "
                 f"{cover.owed} microbatch(es) fewer usable samples than its {self.num_batches} planned microbatches "
                 f"(skipped: {reasons_line(epoch_skips)}); raise --naflex-max-tokens-per-batch or fix the data")
 
     def _record(self, records: list[dict[str, Any]], epoch_skips: Counter) -> None:
         for record in records:
-            record = {**record, "split": self.split, "epoch": self.epoch}
+            record = {**record, "split": self.split, "epoch": self.epoch + 1}  # numbered from 1, as users read it
             self.skip_records.append(record)
             self.skip_counts[record["reason"]] += 1
             epoch_skips[record["reason"]] += 1
 
     def _log_epoch(self, num_batches: int, num_samples: int, start: int, skips: Counter) -> None:
-        line = (f"data {self.split} epoch {self.epoch} rank {self.rank}: {num_batches} batches, {num_samples} "
+        line = (f"data {self.split} epoch {self.epoch + 1} rank {self.rank}: {num_batches} batches, {num_samples} "
                 f"samples (planned {self.num_batches - start} batches)")
         if skips:
             logger.warning("%s; skipped %d (%s)", line, sum(skips.values()), reasons_line(skips))

@@ -32,8 +32,8 @@ from naflexclip.train.sinks import (
 from naflexclip.train.wandb_sink import WandbSink
 
 PLOT_FILE = "curves.png"
-# one JSON line per skipped sample: source, key, line, reason, detail, split, epoch, rank (and, for the
-# validation split, the step of the evaluation that left it out)
+# one JSON line per skipped sample: source, key, line, reason, detail, split, epoch (numbered from 1, as everywhere
+# a user reads one), rank (and, for the validation split, the step of the evaluation that left it out)
 SKIP_LOG_FILE = "skipped_samples.jsonl"
 MAX_SKIP_LINES = 20  # skipped samples printed per split and epoch; all of them are in the skip log
 # the metrics of the summary table, with the chance level next to them where there is one
@@ -121,7 +121,8 @@ class Reporter:
                 log.write(text + "\n")
 
     def progress_bar(self, epoch: int, total: int, initial: int) -> tqdm:
-        return tqdm(total=total, initial=initial, desc=f"epoch {epoch}", unit="step", dynamic_ncols=True,
+        """The bar of the epoch whose index is `epoch` (0: the first), shown numbered from 1."""
+        return tqdm(total=total, initial=initial, desc=f"epoch {epoch + 1}", unit="step", dynamic_ncols=True,
                     disable=not self.enabled, file=sys.stderr, leave=True)
 
     def write_skips(self, records: list[dict[str, Any]], **extra: Any) -> None:
@@ -150,13 +151,14 @@ class Reporter:
 
     def log_epoch_data(self, step: int, epoch: int, num_samples_seen: int, sources: Mapping[str, int] | None = None
                        ) -> None:
-        """The `data` record of a finished epoch (after every rank wrote its skip records); `sources`: the samples
-        each `::` source of a mixture contributed to it, as planned."""
+        """The `data` record of the finished epoch whose index is `epoch` (0: the first; it is numbered from 1 in the
+        record and messages), after every rank wrote its skip records; `sources`: the samples each `::` source of a
+        mixture contributed to it, as planned."""
         if self.enabled:
-            record = epoch_data_record(self.run_dir, epoch, num_samples_seen)
+            record = epoch_data_record(self.run_dir, epoch + 1, num_samples_seen)
             for i, (name, count) in enumerate((sources or {}).items()):
                 record[f"data/source/{i}"] = count
-                self.message(f"data epoch {epoch}: source {i} ({name}): {count} samples")
+                self.message(f"data epoch {epoch + 1}: source {i} ({name}): {count} samples")
             self.log("data", step, epoch + 1.0, record)
 
     def finish(self, evals: list[dict[str, float]], counts: dict[str, int], plot: bool) -> None:
@@ -267,8 +269,8 @@ def read_skip_log(path: Path) -> list[dict[str, Any]]:
 
 
 def epoch_data_record(run_dir: Path, epoch: int, num_samples_seen: int) -> dict[str, Any]:
-    """The `data` record of a finished epoch: samples trained in it (all ranks) and skipped by reason
-    (training samples: the validation split's skips are in the skip log apart)."""
+    """The `data` record of finished epoch number `epoch` (from 1): samples trained in it (all ranks) and skipped by
+    reason (training samples: the validation split's skips are in the skip log apart)."""
     metrics_path = run_dir / METRICS_FILE
     earlier = {}
     if metrics_path.exists():

@@ -227,7 +227,7 @@ def resume(cfg: TrainConfig, checkpointer: Checkpointer, reporter: Reporter, mod
         reporter.load_state_dict(states["reporter"], progress.step)
     barrier(checkpointer.env)
     check_consistency(checkpointer.env, step=progress.step, epoch=progress.epoch, next_batch=progress.next_batch)
-    reporter.message(f"resumed from {found.path} at epoch {progress.epoch}, step {progress.step}")
+    reporter.message(f"resumed from {found.path} at epoch {progress.epoch + 1}, step {progress.step}")
     if changes:
         reporter.message("resume applies changed flags: " + ", ".join(changes))
     return True
