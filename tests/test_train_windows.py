@@ -69,3 +69,33 @@ def test_the_rest_of_an_epoch_from_a_window_boundary_groups_as_the_whole_epoch(n
 def test_window_sizes_refuse_bad_counts(num_microbatches: int, accum_freq: int, flag: str) -> None:
     with pytest.raises(ValueError, match=flag):
         window_sizes(num_microbatches, accum_freq)
+
+
+ONE_IMAGE = ["--model", "tiny", "--synthetic-train-size", "16", "--synthetic-val-size", "8", "--zero-shot-samples", "1",
+             "--epochs", "1", "--warmup", "1", "--device", "cpu", "--workers", "0", "--val-frequency", "0",
+             "--no-plot", "--naflex-max-tokens-per-batch", "128", "--naflex-batch-divisor", "8"]
+
+
+def test_a_token_budget_whose_windows_hold_one_pair_is_refused_in_one_line(tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture) -> None:
+    """OpenCLIP's divisor 8 rounds the 3 images of 36 patches that 128 tokens hold down to 1 (at least 1): with
+    --accum-freq 1 every window is one pair, whose contrastive loss is 0. The run stops before training."""
+    code = main(["train", *ONE_IMAGE, "--naflex-seq-lens", "36", "--accum-freq", "1", "--logs", str(tmp_path),
+                 "--name", "run"])
+    err = capsys.readouterr().err
+    line = next(line for line in err.splitlines() if "--naflex-batch-divisor" in line)
+    assert code != 0 and "--naflex-max-tokens-per-batch 128" in line and "--naflex-batch-divisor 8" in line
+    assert "one pair" in line and "36" in line and "Traceback" not in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_a_token_budget_with_some_one_pair_windows_trains_and_says_so_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """At 16 patches 128 tokens hold 8 images, at 36 one (the divisor's rounding): the steps drawn at 36 learn
+    nothing, and the run says which length and both flags once."""
+    code = main(["train", *ONE_IMAGE, "--naflex-seq-lens", "16", "36", "--accum-freq", "1", "--logs", str(tmp_path),
+                 "--name", "run"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "--naflex-batch-divisor 8" in line and "one pair" in line]
+    assert code == 0 and len(lines) == 1 and "--naflex-max-tokens-per-batch 128" in lines[0]

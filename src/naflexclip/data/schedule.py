@@ -55,6 +55,28 @@ class TokenBudget:
         rows = self.max_tokens // seq_len
         return max(1, rows // self.divisor * self.divisor)
 
+    def one_pair_windows(self, microbatches_per_window: int) -> tuple[str, bool] | None:
+        """When a window of `microbatches_per_window` microbatches (--accum-freq x ranks) drawn at some length holds
+        one pair (its contrastive loss is 0: no negative): the one line saying why, naming the flags that size it,
+        and whether every length does (nothing can be learned). None when no window is one pair."""
+        drawn = [s for i, s in enumerate(self.seq_lens) if self.probs is None or self.probs[i] > 0]
+        single = [s for s in drawn if self.batch_size(s) * microbatches_per_window < 2]
+        if not single:
+            return None
+        held = [self.max_tokens // s for s in single]
+        shown = ", ".join(f"{n} image{'s' if n > 1 else ''} of {s} patches" for n, s in zip(held, single, strict=True))
+        rounded = f", which --naflex-batch-divisor {self.divisor} rounds down to 1" if max(held) > 1 else ""
+        needed = max(2, self.divisor) * max(single)
+        fix = f"raise --naflex-max-tokens-per-batch to {needed}"
+        if max(held) > 1:
+            fix += f" or lower --naflex-batch-divisor to {min(held)}"
+        every = len(single) == len(drawn)
+        which = "every window is" if every else "a window drawn at that length is"
+        return (f"--naflex-max-tokens-per-batch {self.max_tokens} holds {shown} (--naflex-seq-lens){rounded}: with "
+                f"{microbatches_per_window} microbatch{'es' if microbatches_per_window > 1 else ''} per window "
+                f"(--accum-freq x ranks) {which} one pair, with no negative to contrast (a CLIP loss of 0); "
+                f"{fix}, or raise --accum-freq"), every
+
     def at_longest(self) -> TokenBudget:
         """Every microbatch at the longest sequence length (evaluation: one deterministic size)."""
         return TokenBudget((max(self.seq_lens),), self.max_tokens, None, self.divisor)

@@ -118,6 +118,9 @@ class Trainer:
         processing = data_processing(cfg.data.hf_processor, self.module.image_patch_size, augment=cfg.data.augment,
                                      **cfg.data.image_overrides())
         example_terms = recipe.example_terms()
+        one_pair = cfg.data.token_budget().one_pair_windows(cfg.accum_freq * env.world_size)
+        if one_pair is not None and one_pair[1]:  # every step would learn nothing
+            raise ValueError(one_pair[0])
         self.loader = build_loader(cfg.data, split="train", patch_size=self.module.image_patch_size,
                                    context_length=self.module.context_length, rank=env.rank,
                                    world_size=env.world_size, device_pin=env.device.type == "cuda",
@@ -154,6 +157,8 @@ class Trainer:
                                        cfg.remote_sync_protocol, self.reporter.message)
                             if cfg.remote_sync and env.is_main else None)
         self.opening: list[str] = []  # announced after the resume check (`announce`)
+        if one_pair is not None:
+            self.opening.append(f"warning: {one_pair[0]}")
         if cfg.debug:  # --debug: more information is logged (OpenCLIP's)
             logging.getLogger("naflexclip").setLevel(logging.DEBUG)
             self.opening.append(describe_param_groups(self.optimizer))
