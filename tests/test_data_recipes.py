@@ -254,3 +254,27 @@ def test_a_source_of_a_mixture_with_nothing_usable_stops_in_one_line_naming_it(t
                      patch_size=PATCH, context_length=CONTEXT)
     message = str(error.value)
     assert "\n" not in message and f"{empty!r}" in message and "no usable samples" in message
+
+
+@pytest.mark.parametrize(("workers", "world_size"), [(0, 1), (2, 2)])
+def test_a_sizes_json_that_disagrees_with_a_shard_either_way_names_it_once_per_epoch(tmp_path, workers, world_size):
+    """Four shards of 16, sizes.json lists 20 / 16 / 10 / 16 (planned from it: nothing is read at startup). Shard 0
+    lacks 4 listed samples; shard 2 holds 6 past its listed 10, which this plan cannot read: each is named by key,
+    once per epoch on one rank, and counted apart from bad samples."""
+    spec = _shards(tmp_path / "s", "s", 4, 16)
+    (tmp_path / "s" / "sizes.json").write_text(json.dumps({"s-0.tar": 20, "s-1.tar": 16, "s-2.tar": 10, "s-3.tar": 16}))
+    for epoch in (0, 1):
+        keys, records = [], []
+        for rank in range(world_size):
+            loader = build_loader(cfg_for(spec, workers=workers), split="train", patch_size=PATCH,
+                                  context_length=CONTEXT, rank=rank, world_size=world_size, epoch=epoch)
+            keys += keys_in_order(loader)
+            records += loader.skip_records
+        assert sorted(keys) == sorted([f"s{s}_{i}" for s in (0, 1, 3) for i in range(16)]
+                                      + [f"s2_{i}" for i in range(10)])
+        mismatch = [r for r in records if r["reason"] == "shard_size_mismatch"]
+        assert len(mismatch) == len(records) == 10 and {r["epoch"] for r in records} == {epoch + 1}
+        assert sorted(r["key"] for r in mismatch if r["source"].endswith("s-2.tar")) == [
+            f"s2_{i}" for i in range(10, 16)]
+        assert sum(r["source"].endswith("s-0.tar") for r in mismatch) == 4
+        assert all("sizes.json lists" in r["detail"] for r in mismatch)

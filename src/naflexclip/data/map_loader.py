@@ -36,7 +36,8 @@ class MapEpoch(WorkerEpoch):
         for planned in worker_batches(self.schedule, worker_id, self.workers, self.first):
             indices = self.order[planned.offset: planned.offset + planned.batch_size].tolist()
             samples = [(self._load(i), self.source.describe(i)) for i in indices]
-            yield self.builder.build(planned, samples, [], (*self.seed_key, planned.index))
+            notes = [note for raw, _ in samples for note in raw.notes]
+            yield self.builder.build(planned, samples, notes, (*self.seed_key, planned.index))
 
 
 class MapLoader(NaFlexLoader):

@@ -13,6 +13,7 @@ import random
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -42,11 +43,14 @@ SKIP_REASONS = (
     "missing_shard",  # a shard URL that cannot be opened (a shard problem, not a bad sample)
     "epoch_remainder",  # an epoch with fewer samples than ranks: no rank can be given one without the others
     "duplicate_key",  # a key that names several samples of one shard: noted, each of them trains
-    "shard_size_mismatch",  # sizes.json lists more samples for a shard than it holds (each missing one counted)
+    # sizes.json's count for a shard is not what it holds: each listed sample it lacks, and each sample it holds past
+    # the listed count (which the plan, made from sizes.json alone, cannot read), counted
+    "shard_size_mismatch",
     *REGION_REASONS,
 )
 # reasons about whole shards, the plan or the packing, reported apart from bad samples
-NOT_SAMPLE_REASONS = ("truncated_shard", "missing_shard", "epoch_remainder", "duplicate_key", *REGION_REASONS)
+NOT_SAMPLE_REASONS = ("truncated_shard", "missing_shard", "epoch_remainder", "duplicate_key", "shard_size_mismatch",
+                      *REGION_REASONS)
 
 
 def reasons_line(counts: Mapping[str, int]) -> str:
@@ -58,12 +62,12 @@ IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
 
 
 class SkipSample(Exception):
-    """A sample that cannot be used; `reason` is one of SKIP_REASONS."""
+    """A sample that cannot be used; `reason` is one of SKIP_REASONS. `notes`: as `RawSample.notes`."""
 
-    def __init__(self, reason: str, detail: str = "") -> None:
+    def __init__(self, reason: str, detail: str = "", notes: list[dict[str, Any]] | None = None) -> None:
         assert reason in SKIP_REASONS, reason
         super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
+        self.reason, self.notes = reason, notes or []
 
 
 def to_rgb(img: Image.Image) -> Image.Image:

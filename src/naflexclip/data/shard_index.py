@@ -242,7 +242,9 @@ class SizedShardSource:
     at startup, and each shard is indexed (or its cached index read) by the worker that first reads from it.
 
     Sample i is position i of the shards' samples in order, numbered by `sizes`; what indexing finds unusable
-    (no image, no caption, a missing shard, fewer samples than `sizes.json` lists) is skipped when read.
+    (no image, no caption, a missing shard, fewer samples than `sizes.json` lists) is skipped when read. A shard
+    holding more samples than listed has them named (`shard_size_mismatch`) with its last listed sample, so once
+    per read of it: the plan, made from `sizes.json` alone, has no place for them.
     Startup and memory are O(shards), the same on every rank.
     """
 
@@ -282,17 +284,22 @@ class SizedShardSource:
             if shard_index.status == "truncated":
                 raise SkipSample("truncated_shard", f"sample {j} of {url}: the shard ends before it")
             raise SkipSample("shard_size_mismatch",
-                             f"sizes.json lists {int(self.sizes[shard])} samples, {url} holds {len(shard_index)}")
+                             f"sizes.json lists {int(self.sizes[shard])} samples, the shard holds {len(shard_index)}")
+        listed = int(self.sizes[shard])
+        notes = [] if j != listed - 1 else [
+            skip_record(url, key, None, "shard_size_mismatch", f"sizes.json lists {listed} samples, the shard holds "
+                        f"{len(shard_index)}: a plan made from sizes.json reads the first {listed}")
+            for key in shard_index.keys[listed:]]
         img_off, img_size, cap_off, cap_size, json_off, json_size = (int(v) for v in shard_index.offsets[j])
         reason = ("missing_image" if img_off < 0 else "empty_image" if img_size == 0
                   else "missing_caption" if cap_off < 0 else None)
         if reason is not None:
-            raise SkipSample(reason)
+            raise SkipSample(reason, notes=notes)
         with open(url, "rb") as f:
             image = os.pread(f.fileno(), img_size, img_off)
             caption = os.pread(f.fileno(), cap_size, cap_off)
             regions = os.pread(f.fileno(), json_size, json_off) if json_off >= 0 else None
-        return RawSample(image, caption, None, f"{url}:{shard_index.keys[j]}", regions)
+        return RawSample(image, caption, None, f"{url}:{shard_index.keys[j]}", regions, notes)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_indexes": collections.OrderedDict()}

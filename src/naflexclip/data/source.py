@@ -6,7 +6,7 @@ The readers: `readers` (the built-in synthetic splits), `tables` (CSV/TSV), `fol
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from PIL import Image
@@ -28,6 +28,8 @@ class RawSample:
     labels: dict[str, int] | None = None
     key: str = ""
     regions: Any = None  # the sample's regions: its .json (bytes, str or parsed; `naflexclip.data.regions`)
+    # skip records the reader found beside this sample (other samples of its shard that the plan cannot read)
+    notes: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Source(Protocol):
