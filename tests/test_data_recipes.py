@@ -278,3 +278,19 @@ def test_a_sizes_json_that_disagrees_with_a_shard_either_way_names_it_once_per_e
             f"s2_{i}" for i in range(10, 16)]
         assert sum(r["source"].endswith("s-0.tar") for r in mismatch) == 4
         assert all("sizes.json lists" in r["detail"] for r in mismatch)
+
+
+def test_a_mixture_that_copies_a_source_says_in_one_line_that_copies_can_meet(tmp_path, caplog):
+    a = _shards(tmp_path / "a", "a", 3, 4)
+    b = _shards(tmp_path / "b", "b", 2, 5)
+    with caplog.at_level("WARNING", logger="naflexclip.data"):
+        build_loader(cfg_for(f"{a}::{b}", train_data_upsampling_factors="1::2"), split="train", patch_size=PATCH,
+                     context_length=CONTEXT)
+    lines = [r.getMessage() for r in caplog.records if "--train-data-upsampling-factors" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0] and "1::2" in lines[0] and b in lines[0]
+    assert "same window" in lines[0] and "negatives" in lines[0] and a not in lines[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="naflexclip.data"):  # no source read twice: nothing to say
+        build_loader(cfg_for(f"{a}::{b}", train_data_upsampling_factors="1::0.5"), split="train", patch_size=PATCH,
+                     context_length=CONTEXT)
+    assert not any("--train-data-upsampling-factors" in r.getMessage() for r in caplog.records)

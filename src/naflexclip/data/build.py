@@ -27,7 +27,7 @@ from naflexclip.data.readers import (
 from naflexclip.data.regions import DecoderExamples
 from naflexclip.data.samples import reasons_line
 from naflexclip.data.shard_index import IndexedShardSource, SizedShardSource, is_indexable
-from naflexclip.data.shard_order import ShardRecipe, ShardSet
+from naflexclip.data.shard_order import ShardRecipe, ShardSet, mixture_counts
 from naflexclip.data.stream_loader import StreamLoader
 from naflexclip.processing.naflex_transform import Processing, default_processing
 
@@ -96,6 +96,14 @@ def _shard_loader(cfg: DataConfig, path: str, urls: list[str], ids: np.ndarray, 
     except ValueError as error:
         raise DataError(str(error)) from None
     loader = MapLoader(source, recipe=recipe, **common)
+    if common["rank"] == 0 and factors is not None and not resampled:
+        counts = mixture_counts(shards.source_sizes(), factors, requested)
+        copied = [f"{name} {count / size:.3g}x" for name, count, size in
+                  zip(sources, counts, shards.source_sizes(), strict=True) if count > size]
+        if copied:
+            logger.warning("--train-data-upsampling-factors %s reads %s per epoch: the copies of a pair are planned "
+                           "independently, so two can be in the same window, as each other's negatives",
+                           cfg.train_data_upsampling_factors, ", ".join(copied))
     if common["rank"] == 0 and len(sources) > 1:
         logger.warning("data %s epoch 1: %s", common["split"], ", ".join(
             f"{name} {count} samples" for name, count in loader.planned_sources.items()))
