@@ -116,7 +116,7 @@ def test_epoch_order_changes_with_epoch():
         ({"naflex_seq_lens": (64, 0)}, "--naflex-seq-lens"),
         ({"naflex_seq_len_probs": (1.0,)}, "--naflex-seq-len-probs"),
         ({"naflex_seq_len_probs": (1.0, -1.0, 1.0)}, "--naflex-seq-len-probs"),
-        ({"naflex_max_tokens_per_batch": 100}, "--naflex-max-tokens-per-batch"),
+        ({"naflex_max_tokens_per_batch": 50}, "--naflex-max-tokens-per-batch"),
         ({"naflex_batch_divisor": 0}, "--naflex-batch-divisor"),
         ({"dataset_type": "parquet"}, "--dataset-type"),
         ({"dataset_type": "csv"}, "--dataset-type"),

@@ -27,7 +27,7 @@ LAYERS: dict[str, set[str]] = {
     "train": {"audit", "evaluation"},
     "cli": {"train"},
 }
-CORE = ("batch", "rng", "checkpoints", "processing", "old_import_paths")
+CORE = ("batch", "rng", "checkpoints", "processing", "old_import_paths", "settings")
 
 
 def layer_of(module: str) -> str:

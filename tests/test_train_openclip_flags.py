@@ -105,8 +105,9 @@ def test_first_line_lists_the_settings_that_differ_from_openclips_defaults() -> 
     assert lines == ["settings that differ from OpenCLIP's defaults: --precision fp32 (OpenCLIP: amp_bf16), "
                      "--naflex-seq-lens 256 (OpenCLIP: 128 256 576 784 1024)"]
     demo = first_lines(_config().to_dict())[0]
-    assert demo.startswith("built-in dataset: the demo's settings, which differ from OpenCLIP's defaults: "
-                           "--precision fp32 (OpenCLIP: amp_bf16), --warmup 20 (OpenCLIP: 10000)")
+    assert demo.startswith("built-in dataset: the demo's settings, which differ from OpenCLIP's defaults: ")
+    assert "--precision fp32 (OpenCLIP: amp_bf16), --grad-clip-norm 1.0 (OpenCLIP: unset)" in demo
+    assert "--warmup 20 (OpenCLIP: 10000)" in demo
 
 
 def test_help_groups_the_flags_as_openclips_and_naflexclips() -> None:

@@ -36,6 +36,7 @@ from naflexclip.audit.gradient_audit import (
 from naflexclip.audit.random_windows import random_grouped_batch, random_naflex_batch, random_split_sizes
 from naflexclip.batch import EXAMPLE_INPUTS, TEACHER_INPUTS, batch_size, concat_microbatches, to_device
 from naflexclip.data import DataError, TeacherInputs, add_data_args, build_loader, data_config_from_args
+from naflexclip.data.data_config import VERIFY_DATA_DEFAULTS
 from naflexclip.families import data_processing
 from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES, MULTI_POSITIVE_WEIGHTINGS, MultiPositiveLoss, create_loss
 from naflexclip.models.factory import create_model
@@ -116,7 +117,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(**dict.fromkeys(Locks().as_dict()))
     # a real window: the first --accum-freq batches the loader yields (with --train-data, --checkpoint,
     # or --dataset-type synthetic); its own split is checked first, then random re-splits
-    add_data_args(parser)
+    add_data_args(parser, defaults=VERIFY_DATA_DEFAULTS)
     parser.set_defaults(func=run)
 
 

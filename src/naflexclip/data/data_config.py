@@ -1,8 +1,9 @@
-"""DataConfig: the typed data-pipeline config and the OpenCLIP-named flags that fill it.
+"""DataConfig: the typed data-pipeline config, each field declared once as a setting with its OpenCLIP-named flag
+(`naflexclip.settings`), and the data flags generated from it (`add_data_args`, `data_config_from_args`).
 
-Defaults are sized for a CPU demo: sequence lengths (64, 128, 256) at a token budget of
-4096 tokens per microbatch give microbatches of 64, 32 and 16 rows. Real runs use OpenCLIP's
-(128, 256, 576, 784, 1024) and a budget of 16k-64k tokens.
+Defaults are the built-in dataset's (the demo's, the command line's without --train-data): sequence lengths
+(36, 64, 100) at a token budget of 1024 tokens per microbatch. With --train-data the command line takes OpenCLIP's:
+(128, 256, 576, 784, 1024) and 16384 tokens.
 """
 
 from __future__ import annotations
@@ -16,11 +17,20 @@ from naflexclip.data.readers import MemberKeys
 from naflexclip.data.samples import JsonCaption
 from naflexclip.data.schedule import PatchSizes, TokenBudget, samples_for_image_tokens
 from naflexclip.data.synthetic import SHAPES
+from naflexclip.settings import APPLY, NO_FLAG, REFUSE, add_arguments, parse_kwargs, setting, values_from_args
 
 DATASET_TYPES = ("synthetic", "webdataset", "csv", "folder", "auto")
-DEFAULT_SEQ_LENS = (64, 128, 256)
 DEFAULT_IMAGE_KEY = "jpg;png;jpeg;webp"  # OpenCLIP's defaults
 DEFAULT_MAX_IMAGE_PIXELS = 25_000_000
+# --aug-cfg keys of OpenCLIP's AugmentationCfg: those timm's NaFlex train crop takes, those that change nothing here
+AUG_CFG_KEYS = ("scale", "ratio")
+AUG_CFG_IMPLIED = ("use_timm", "naflex")
+
+_DATA = "data"
+_RECIPES = "WebDataset recipes (OpenCLIP's flags)"
+_IMAGE = "image processing overrides"
+_ORDER = "the training data or its order"  # what the saved data position means: every epoch's samples and plan
+_PATCH = "the patch size of every microbatch"
 
 
 def split_keys(text: str) -> tuple[str, ...]:
@@ -28,64 +38,134 @@ def split_keys(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(";") if part.strip())
 
 
+def aug_cfg(args: argparse.Namespace) -> dict[str, Any]:
+    """--aug-cfg's items (one line for a key the NaFlex train crop does not take); {} for a command without it."""
+    aug = parse_kwargs(getattr(args, "aug_cfg", None), "--aug-cfg")
+    for key in aug:
+        if key not in AUG_CFG_KEYS + AUG_CFG_IMPLIED:
+            raise ValueError(f"--aug-cfg {key}: not applied by naflexclip's NaFlex train crop, which takes "
+                             f"{', '.join(AUG_CFG_KEYS)}")
+    return aug
+
+
 @dataclass
 class DataConfig:
-    """Where the data comes from and how microbatches are sized.
+    """Where the data comes from and how microbatches are sized; each field a setting (`naflexclip.settings`), its
+    default the built-in dataset's (the demo's: the `small` preset learns visibly within minutes on 2 CPU cores).
 
     The `naflex_*` fields are the flags of the token budget (`token_budget()`): sequence lengths, their
     weights, patches per microbatch and the batch-size divisor.
     """
 
-    train_data: str | None = None
-    val_data: str | None = None
-    dataset_type: str = "auto"
-    csv_img_key: str = "filepath"
-    csv_caption_key: str = "title"
-    csv_separator: str = "\t"
-    naflex_seq_lens: tuple[int, ...] = DEFAULT_SEQ_LENS
-    naflex_seq_len_probs: tuple[float, ...] | None = None
-    naflex_max_tokens_per_batch: int = 4096
-    naflex_batch_divisor: int = 1
+    train_data: str | None = setting(None, rule=REFUSE, why=_ORDER, section=_DATA, help=(
+        "training data: shards ('dir/{00000..00031}.tar'), a .csv/.tsv, or a folder; the built-in synthetic dataset "
+        "when omitted"))
+    val_data: str | None = setting(None, rule=APPLY, section=_DATA,
+                                   help="validation data, same forms as --train-data")
+    dataset_type: str = setting("auto", rule=REFUSE, why=_ORDER, section=_DATA, openclip="auto",
+                                argparse={"choices": DATASET_TYPES})
+    csv_img_key: str = setting("filepath", rule=REFUSE, why=_ORDER, section=_DATA, openclip="filepath")
+    csv_caption_key: str = setting("title", rule=REFUSE, why=_ORDER, section=_DATA, openclip="title")
+    csv_separator: str = setting("\t", rule=REFUSE, why=_ORDER, section=_DATA, openclip="\t")
+    # the built-in images are 48-512 px: 36-100 patches of 16 px keep their shapes legible, and a 1024-token budget
+    # (windows of ~20-110 examples at --accum-freq 2) gives ~260 optimizer steps (docs/demo.md)
+    naflex_seq_lens: tuple[int, ...] = setting((36, 64, 100), rule=REFUSE, why=_ORDER, section=_DATA,
+                                               openclip=(128, 256, 576, 784, 1024))
+    naflex_seq_len_probs: tuple[float, ...] | None = setting(None, rule=REFUSE, why=_ORDER, section=_DATA,
+                                                             openclip=None)
+    naflex_max_tokens_per_batch: int = setting(1024, rule=REFUSE, why=_ORDER, section=_DATA, openclip=16384)
+    naflex_batch_divisor: int = setting(1, rule=REFUSE, why=_ORDER, section=_DATA, openclip=8)
     # OpenCLIP's variable patch size: each training microbatch's patch size is drawn from these (weights: the probs);
     # None: the model's own. Evaluation runs at the model's own patch size.
-    naflex_patch_sizes: tuple[int, ...] | None = None
-    naflex_patch_size_probs: tuple[float, ...] | None = None
-    workers: int = 2
-    seed: int = 0
-    synthetic_seed: int = 0
-    synthetic_train_size: int = 4096
-    synthetic_shape_group_size: int = 1
-    synthetic_val_size: int = 512
-    synthetic_multi_caption: bool = False  # built-in train scenes with 2-5 captions each
+    naflex_patch_sizes: tuple[int, ...] | None = setting(
+        None, rule=REFUSE, why=_PATCH, section=_DATA, openclip=None, argparse={"metavar": "P"},
+        help="patch sizes each training microbatch draws one of (timm's patch interpolator resamples the embedding "
+             "to it); evaluation uses the model's own (default: the model's own only)")
+    naflex_patch_size_probs: tuple[float, ...] | None = setting(
+        None, rule=REFUSE, why=_PATCH, section=_DATA, openclip=None, argparse={"metavar": "W"},
+        help="weights of --naflex-patch-sizes (normalised; default: uniform)")
+    workers: int = setting(2, rule=APPLY, section=_DATA, openclip=4, help="DataLoader worker processes per rank")
+    seed: int = setting(0, rule=REFUSE, why=_ORDER, flag=NO_FLAG, shown_as="--seed", reads=("seed",),
+                        from_args=lambda args: args.seed)  # the command's --seed
+    synthetic_seed: int = setting(0, rule=REFUSE, why=_ORDER, section=_DATA,
+                                  help="seed of the built-in dataset's content (independent of --seed)")
+    synthetic_train_size: int = setting(3072, rule=REFUSE, why=_ORDER, section=_DATA)
+    # scenes come in pairs that differ only in their shapes: without these hard negatives colour alone matches
+    # nearly every pair in a window and zero-shot shape stays at chance (docs/demo.md)
+    synthetic_shape_group_size: int = setting(2, rule=REFUSE, why=_ORDER, section=_DATA, help=(
+        "built-in train data in groups of N scenes that differ only in their shapes (hard negatives within a "
+        "window; 1-8)"))
+    synthetic_val_size: int = setting(256, rule=APPLY, section=_DATA)
+    synthetic_multi_caption: bool = setting(False, rule=APPLY, section=_DATA, help=(
+        "built-in train scenes with 2-5 captions each (one per epoch; all with --multi-positive)"))
     # several captions per image become several text rows with group ids (train --multi-positive); without it a
     # sample with several captions trains on one of them, drawn per (seed, epoch, sample)
-    multi_caption: bool = False
-    # a caption file (a folder's .txt, a shard's text member) holds one caption per non-empty line
-    caption_per_line: bool = False
-    train_num_samples: int | None = None
+    multi_caption: bool = setting(False, rule=APPLY, flag=NO_FLAG, shown_as="--multi-positive")
+    caption_per_line: bool = setting(False, rule=APPLY, section=_DATA, help=(
+        "a caption file (a folder's .txt, a shard's --text-key member) holds one caption per non-empty line: "
+        "several captions of its image (one per epoch; all with --multi-positive)"))
+    train_num_samples: int | None = setting(None, rule=REFUSE, why=_ORDER, section=_DATA, openclip=None, help=(
+        "samples per epoch: a fresh random subset of the usable samples each epoch (at most their number); "
+        "required for streamed shards (pipe:, URLs) without a sizes.json; ignored for a CSV (OpenCLIP's: an epoch "
+        "is the whole file)"))
     # OpenCLIP's --naflex-num-train-image-tokens: the epoch sized by image tokens (`samples_for_image_tokens`)
-    naflex_num_train_image_tokens: int | None = None
-    val_num_samples: int | None = None
-    shuffle_buffer: int = 1000
-    augment: bool = False
+    naflex_num_train_image_tokens: int | None = setting(
+        None, rule=REFUSE, why=_ORDER, section=_DATA, openclip=None, argparse={"metavar": "TOKENS"},
+        help="an epoch of training is the samples whose planned microbatches hold this many image tokens, as "
+             "OpenCLIP plans them (instead of --train-num-samples)")
+    val_num_samples: int | None = setting(None, rule=APPLY, section=_DATA)
+    shuffle_buffer: int = setting(1000, rule=REFUSE, why=_ORDER, section=_DATA, help=(
+        "shuffle buffer (samples) of streamed shards; local .tar shards are indexed instead"))
+    augment: bool = setting(False, rule=APPLY, section=_DATA, reads=("aug_cfg",),
+                            from_args=lambda args: bool(args.augment or getattr(args, "aug_cfg", None)), help=(
+        "random resized crop to sequence at train time (timm RandomResizedCropToSequence; area 0.9-1, OpenCLIP's; "
+        "--aug-cfg scale= sets it)"))  # OpenCLIP's NaFlex training always crops; --aug-cfg shapes that crop
     # a pretrained model's directory (transformers SigLIP 2) whose family's tokenizer and patching feed the data
     # (set by `train --pretrained`; the caller hands that processing to the loaders); None: ours
-    hf_processor: str | None = None
-    shard_index_dir: str | None = None
+    hf_processor: str | None = setting(None, rule=APPLY, flag=NO_FLAG, shown_as="--pretrained")
+    shard_index_dir: str | None = setting(None, rule=APPLY, section=_DATA, help=(
+        "where shard indexes are cached (default: beside each shard, else ~/.cache/naflexclip)"))
     # OpenCLIP's WebDataset recipe flags (docs/data.md, "Data recipes")
-    dataset_resampled: bool = False
-    train_data_upsampling_factors: str | None = None  # "1::2::0.5", one weight per `::` source of --train-data
-    image_key: str = DEFAULT_IMAGE_KEY
-    text_key: str = "txt"
-    json_text_key: str | None = None
-    json_text_key_probs: tuple[float, ...] | None = None
-    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
-    # ---- OpenCLIP's image processing overrides (issue 22; set by `train`, applied by `families.data_processing`)
-    image_mean: tuple[float, ...] | None = None  # per channel (None: the model's own, OpenAI CLIP's for ours)
-    image_std: tuple[float, ...] | None = None
-    image_interpolation: str | None = None  # bicubic or bilinear (None: the model's own)
-    aug_scale: tuple[float, float] | None = None  # --aug-cfg scale=: the train crop's area range (with --augment)
-    aug_ratio: tuple[float, float] | None = None  # --aug-cfg ratio=: its aspect range
+    dataset_resampled: bool = setting(False, rule=REFUSE, why=_ORDER, section=_RECIPES, help=(
+        "draw shards with replacement (weighted by --train-data-upsampling-factors); an epoch is "
+        "--train-num-samples samples (default: the shards' total)"))
+    train_data_upsampling_factors: str | None = setting(None, rule=REFUSE, why=_ORDER, section=_RECIPES, help=(
+        "one weight per `::`-joined --train-data source, e.g. 1::2: with --dataset-resampled the shard weights; "
+        "without it, each source's exact share of every epoch"))
+    image_key: str = setting(DEFAULT_IMAGE_KEY, rule=REFUSE, why=_ORDER, section=_RECIPES, help=(
+        "tar member suffix of the image; ';'-separated alternatives in priority order"))
+    text_key: str = setting("txt", rule=REFUSE, why=_ORDER, section=_RECIPES, help=(
+        "tar member suffix of the caption; ';'-separated alternatives (ignored with --json-text-key)"))
+    json_text_key: str | None = setting(None, rule=REFUSE, why=_ORDER, section=_RECIPES, help=(
+        "read the caption from this field of each sample's .json member; ';'-separated alternatives: the first "
+        "non-empty one, or one drawn per sample and epoch by --json-text-key-probs"))
+    # which caption of the .json a sample trains on (applied: the order of the samples stays)
+    json_text_key_probs: tuple[float, ...] | None = setting(None, rule=APPLY, section=_RECIPES, help=(
+        "weights of the --json-text-key fields (missing ones 0: fallback only)"))
+    max_image_pixels: int = setting(DEFAULT_MAX_IMAGE_PIXELS, rule=APPLY, section=_RECIPES, help=(
+        "skip images with more pixels than this, read from the header before decoding (0: PIL's own limit only)"))
+    # ---- OpenCLIP's image processing overrides (`train` only; applied by `families.data_processing`)
+    image_mean: tuple[float, ...] | None = setting(
+        None, rule=APPLY, section=_IMAGE, openclip=None, argparse={"metavar": "MEAN"},
+        help="per-channel mean the patches are normalised with (1 or 3 values; default: the model's own, OpenAI "
+             "CLIP's for the presets); train, validation and zero-shot alike")
+    image_std: tuple[float, ...] | None = setting(None, rule=APPLY, section=_IMAGE, openclip=None,
+                                                  argparse={"metavar": "STD"}, help="the same for the std")
+    # no argparse choices: a bad value is the one line of the checks (OpenCLIP's `random` among them), not a usage
+    # block
+    image_interpolation: str | None = setting(
+        None, rule=APPLY, section=_IMAGE, openclip=None, argparse={"metavar": "{bicubic,bilinear}"},
+        help="the resize to the patch budget (default: the model's own, bicubic for the presets)")
+    # --aug-cfg scale= / ratio=: the train crop's area and aspect ranges (with --augment)
+    aug_scale: tuple[float, float] | None = setting(
+        None, rule=APPLY, section=_IMAGE, openclip=None, flag="--aug-cfg", dest="aug_cfg", shown_as="--aug-cfg scale=",
+        argparse={"nargs": "*", "metavar": "KEY=VALUE", "type": str}, flag_default=[],
+        from_args=lambda args: aug_cfg(args).get("scale"),
+        help="the train crop (timm's RandomResizedCropToSequence; turns --augment on): scale=(lo, hi) of the image's "
+             "area, ratio=(lo, hi) of its aspect; use_timm and naflex are accepted (always so here)")
+    aug_ratio: tuple[float, float] | None = setting(None, rule=APPLY, openclip=None, flag=NO_FLAG,
+                                                    shown_as="--aug-cfg ratio=", reads=("aug_cfg",),
+                                                    from_args=lambda args: aug_cfg(args).get("ratio"))
 
     def image_overrides(self) -> dict[str, Any]:
         """The processing overrides set (`mean`, `std`, `interpolation`, the crop's `scale` and `ratio`), for
@@ -273,113 +353,20 @@ def infer_dataset_type(path: str | None) -> str:
     return "folder"
 
 
-def add_data_args(parser: argparse.ArgumentParser) -> None:
-    """Add the data flags (OpenCLIP names) to `parser`; `--seed` belongs to the calling command."""
-    group = parser.add_argument_group("data")
-    group.add_argument("--train-data", default=None,
-                       help="training data: shards ('dir/{00000..00031}.tar'), a .csv/.tsv, or a folder; "
-                            "the built-in synthetic dataset when omitted")
-    group.add_argument("--val-data", default=None, help="validation data, same forms as --train-data")
-    group.add_argument("--dataset-type", default="auto", choices=DATASET_TYPES)
-    group.add_argument("--csv-img-key", default="filepath")
-    group.add_argument("--csv-caption-key", default="title")
-    group.add_argument("--csv-separator", default="\t")
-    group.add_argument("--naflex-seq-lens", type=int, nargs="+", default=list(DEFAULT_SEQ_LENS))
-    group.add_argument("--naflex-seq-len-probs", type=float, nargs="+", default=None)
-    group.add_argument("--naflex-max-tokens-per-batch", type=int, default=4096)
-    group.add_argument("--naflex-batch-divisor", type=int, default=1)
-    group.add_argument("--naflex-patch-sizes", type=int, nargs="+", default=None, metavar="P",
-                       help="patch sizes each training microbatch draws one of (timm's patch interpolator resamples "
-                            "the embedding to it); evaluation uses the model's own (default: the model's own only)")
-    group.add_argument("--naflex-patch-size-probs", type=float, nargs="+", default=None, metavar="W",
-                       help="weights of --naflex-patch-sizes (normalised; default: uniform)")
-    group.add_argument("--workers", type=int, default=2, help="DataLoader worker processes per rank")
-    group.add_argument("--train-num-samples", type=int, default=None,
-                       help="samples per epoch: a fresh random subset of the usable samples each epoch (at most "
-                            "their number); required for streamed shards (pipe:, URLs) without a sizes.json; "
-                            "ignored for a CSV (OpenCLIP's: an epoch is the whole file)")
-    group.add_argument("--naflex-num-train-image-tokens", type=int, default=None, metavar="TOKENS",
-                       help="an epoch of training is the samples whose planned microbatches hold this many image "
-                            "tokens, as OpenCLIP plans them (instead of --train-num-samples)")
-    group.add_argument("--val-num-samples", type=int, default=None)
-    group.add_argument("--shuffle-buffer", type=int, default=1000,
-                       help="shuffle buffer (samples) of streamed shards; local .tar shards are indexed instead")
-    group.add_argument("--shard-index-dir", default=None,
-                       help="where shard indexes are cached (default: beside each shard, else ~/.cache/naflexclip)")
-    recipe = parser.add_argument_group("WebDataset recipes (OpenCLIP's flags)")
-    recipe.add_argument("--dataset-resampled", action="store_true",
-                        help="draw shards with replacement (weighted by --train-data-upsampling-factors); an epoch "
-                             "is --train-num-samples samples (default: the shards' total)")
-    recipe.add_argument("--train-data-upsampling-factors", default=None,
-                        help="one weight per `::`-joined --train-data source, e.g. 1::2: with --dataset-resampled "
-                             "the shard weights; without it, each source's exact share of every epoch")
-    recipe.add_argument("--image-key", default=DEFAULT_IMAGE_KEY,
-                        help="tar member suffix of the image; ';'-separated alternatives in priority order")
-    recipe.add_argument("--text-key", default="txt",
-                        help="tar member suffix of the caption; ';'-separated alternatives (ignored with "
-                             "--json-text-key)")
-    recipe.add_argument("--json-text-key", default=None,
-                        help="read the caption from this field of each sample's .json member; ';'-separated "
-                             "alternatives: the first non-empty one, or one drawn per sample and epoch by "
-                             "--json-text-key-probs")
-    recipe.add_argument("--json-text-key-probs", type=float, nargs="+", default=None,
-                        help="weights of the --json-text-key fields (missing ones 0: fallback only)")
-    recipe.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
-                        help="skip images with more pixels than this, read from the header before decoding "
-                             "(0: PIL's own limit only)")
-    group.add_argument("--synthetic-train-size", type=int, default=4096)
-    group.add_argument("--synthetic-val-size", type=int, default=512)
-    group.add_argument("--synthetic-shape-group-size", type=int, default=1,
-                       help="built-in train data in groups of N scenes that differ only in their shapes "
-                            "(hard negatives within a window; 1-8)")
-    group.add_argument("--synthetic-multi-caption", action="store_true",
-                       help="built-in train scenes with 2-5 captions each (one per epoch; all with --multi-positive)")
-    group.add_argument("--caption-per-line", action="store_true",
-                       help="a caption file (a folder's .txt, a shard's --text-key member) holds one caption per "
-                            "non-empty line: several captions of its image (one per epoch; all with --multi-positive)")
-    group.add_argument("--synthetic-seed", type=int, default=0,
-                       help="seed of the built-in dataset's content (independent of --seed)")
-    group.add_argument("--augment", action="store_true",
-                       help="random resized crop to sequence at train time (timm RandomResizedCropToSequence; area "
-                            "0.9-1, OpenCLIP's; --aug-cfg scale= sets it)")
+# verify's window sizes (its own defaults, older than the demo's)
+VERIFY_DATA_DEFAULTS: dict[str, Any] = {"naflex_seq_lens": (64, 128, 256), "naflex_max_tokens_per_batch": 4096,
+                                        "synthetic_train_size": 4096, "synthetic_val_size": 512,
+                                        "synthetic_shape_group_size": 1}
+
+
+def add_data_args(parser: argparse.ArgumentParser, *, defaults: dict[str, Any] | None = None,
+                  image_overrides: bool = False, openclip_with_data: bool = False) -> None:
+    """Add the data flags (OpenCLIP names) to `parser` (`add_arguments`; `--seed` belongs to the calling command):
+    `defaults` another default per field, `image_overrides` with OpenCLIP's image processing overrides."""
+    add_arguments(parser, DataConfig, skip_sections=() if image_overrides else (_IMAGE,), defaults=defaults,
+                  openclip_with_data=openclip_with_data)
 
 
 def data_config_from_args(args: argparse.Namespace) -> DataConfig:
     """Build a DataConfig from flags added by `add_data_args` plus the command's `--seed`."""
-    probs = args.naflex_seq_len_probs
-    return DataConfig(
-        train_data=args.train_data,
-        val_data=args.val_data,
-        dataset_type=args.dataset_type,
-        csv_img_key=args.csv_img_key,
-        csv_caption_key=args.csv_caption_key,
-        csv_separator=args.csv_separator,
-        naflex_seq_lens=tuple(args.naflex_seq_lens),
-        naflex_seq_len_probs=tuple(probs) if probs is not None else None,
-        naflex_max_tokens_per_batch=args.naflex_max_tokens_per_batch,
-        naflex_batch_divisor=args.naflex_batch_divisor,
-        naflex_patch_sizes=tuple(args.naflex_patch_sizes) if args.naflex_patch_sizes is not None else None,
-        naflex_patch_size_probs=(tuple(args.naflex_patch_size_probs) if args.naflex_patch_size_probs is not None
-                                 else None),
-        workers=args.workers,
-        seed=args.seed,
-        synthetic_seed=args.synthetic_seed,
-        synthetic_train_size=args.synthetic_train_size,
-        synthetic_shape_group_size=args.synthetic_shape_group_size,
-        synthetic_val_size=args.synthetic_val_size,
-        synthetic_multi_caption=args.synthetic_multi_caption,
-        caption_per_line=args.caption_per_line,
-        train_num_samples=args.train_num_samples,
-        naflex_num_train_image_tokens=args.naflex_num_train_image_tokens,
-        val_num_samples=args.val_num_samples,
-        shuffle_buffer=args.shuffle_buffer,
-        augment=args.augment,
-        shard_index_dir=args.shard_index_dir,
-        dataset_resampled=args.dataset_resampled,
-        train_data_upsampling_factors=args.train_data_upsampling_factors,
-        image_key=args.image_key,
-        text_key=args.text_key,
-        json_text_key=args.json_text_key,
-        json_text_key_probs=tuple(args.json_text_key_probs) if args.json_text_key_probs is not None else None,
-        max_image_pixels=args.max_image_pixels,
-    )
+    return DataConfig(**values_from_args(DataConfig, args))

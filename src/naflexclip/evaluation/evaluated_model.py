@@ -19,6 +19,8 @@ def evaluated_model(checkpoint: str, device: torch.device) -> tuple[torch.nn.Mod
     if family is not None:
         model = family.load(checkpoint).to(device).eval()
         budget = family.patch_budget(checkpoint, model.image_patch_size)
-        data = DataConfig(hf_processor=checkpoint, naflex_seq_lens=(budget,), naflex_max_tokens_per_batch=32 * budget)
+        # the built-in evaluation's 512 validation scenes (the demo's default is 256)
+        data = DataConfig(hf_processor=checkpoint, naflex_seq_lens=(budget,), naflex_max_tokens_per_batch=32 * budget,
+                          synthetic_val_size=512)
         return model, {"data": dataclasses.asdict(data), "precision": "fp32", "zero_shot_samples": 0}
     return load_checkpoint_model(checkpoint, device)

@@ -32,6 +32,8 @@ from typing import Any
 from timm.models import group_parameters
 from torch import nn
 
+from naflexclip.settings import REFUSE, add_arguments, setting
+
 TOWERS = ("image", "text")
 
 
@@ -126,15 +128,27 @@ def lock_summary(model: nn.Module) -> str | None:
     return "locked: " + "; ".join(parts) if parts else None
 
 
+_LOCKS = "locked towers (LiT)"
+_TRAINABLE = "which parameters train"  # the optimizer state holds the trainable parameters only
+
+
 @dataclass(frozen=True)
 class Locks:
-    """OpenCLIP's lock flags (`--lock-image`, ...), as `naflexclip train` and `naflexclip verify` take them."""
+    """OpenCLIP's lock flags (`--lock-image`, ...), as `naflexclip train` and `naflexclip verify` take them; each
+    field a setting (`naflexclip.settings`): another value on resume is refused."""
 
-    lock_image: bool = False
-    lock_image_unlocked_groups: int = 0
-    lock_text: bool = False
-    lock_text_unlocked_layers: int = 0
-    lock_text_freeze_layer_norm: bool = False
+    lock_image: bool = setting(False, rule=REFUSE, why=_TRAINABLE, section=_LOCKS, openclip=False, help=(
+        "lock the image tower (no gradient, no optimizer state); fully locked, the window computes its features "
+        "once per microbatch"))
+    lock_image_unlocked_groups: int = setting(0, rule=REFUSE, why=_TRAINABLE, section=_LOCKS, openclip=0,
+                                              help="leave the last N image tower layer groups trainable")
+    lock_text: bool = setting(False, rule=REFUSE, why=_TRAINABLE, section=_LOCKS, openclip=False,
+                              help="lock the text tower")
+    lock_text_unlocked_layers: int = setting(0, rule=REFUSE, why=_TRAINABLE, section=_LOCKS, openclip=0,
+                                             help="leave the last N text tower layer groups trainable")
+    lock_text_freeze_layer_norm: bool = setting(False, rule=REFUSE, why=_TRAINABLE, section=_LOCKS, openclip=False,
+                                                help="lock the LayerNorms of the locked text layers too (without it "
+                                                     "they train)")
 
     def __post_init__(self) -> None:
         for flag, value in (("--lock-image-unlocked-groups", self.lock_image_unlocked_groups),
@@ -180,15 +194,5 @@ class Locks:
 
 
 def add_lock_args(parser: argparse.ArgumentParser) -> None:
-    """OpenCLIP's lock flags."""
-    g = parser.add_argument_group("locked towers (LiT)")
-    g.add_argument("--lock-image", action="store_true",
-                   help="lock the image tower (no gradient, no optimizer state); fully locked, the window computes its "
-                        "features once per microbatch")
-    g.add_argument("--lock-image-unlocked-groups", type=int, default=0,
-                   help="leave the last N image tower layer groups trainable")
-    g.add_argument("--lock-text", action="store_true", help="lock the text tower")
-    g.add_argument("--lock-text-unlocked-layers", type=int, default=0,
-                   help="leave the last N text tower layer groups trainable")
-    g.add_argument("--lock-text-freeze-layer-norm", action="store_true",
-                   help="lock the LayerNorms of the locked text layers too (without it they train)")
+    """OpenCLIP's lock flags (`Locks`' declarations)."""
+    add_arguments(parser, Locks)

@@ -26,15 +26,25 @@ from naflexclip.families import data_processing, find_family, named_family
 from naflexclip.loss import DistillLoss, MultiPositiveDistillLoss
 from naflexclip.models.factory import create_model
 from naflexclip.models.run_weights import is_run_checkpoint
+from naflexclip.settings import APPLY, add_arguments, setting
+
+_DISTILL = "distillation"
 
 
 @dataclass(frozen=True)
 class Distill:
-    """The distillation flags, as `naflexclip train` and `naflexclip verify` take them."""
+    """The distillation flags, as `naflexclip train` and `naflexclip verify` take them (each field a setting,
+    `naflexclip.settings`)."""
 
-    distill_model: str | None = None
-    distill_pretrained: str | None = None
-    distill_loss_weight: float = 1.0
+    distill_model: str | None = setting(None, rule=APPLY, section=_DISTILL, help=(
+        "teacher: a preset, a pretrained model directory or an OpenCLIP model name (create_model); frozen, run once "
+        "per microbatch without gradient"))
+    distill_pretrained: str | None = setting(None, rule=APPLY, section=_DISTILL, help=(
+        "the teacher's weights: a naflexclip checkpoint, or a run's checkpoints/ (its latest); for an OpenCLIP name "
+        "also an open_clip_train checkpoint, a state dict file, a pretrained tag or hf-hub:org/name in a local cache "
+        "(--cache-dir)"))
+    distill_loss_weight: float = setting(1.0, rule=APPLY, section=_DISTILL, help=(
+        "λ of the window objective contrastive + λ·distill (default 1, OpenCLIP's)"))
 
     def __post_init__(self) -> None:
         if self.distill_pretrained is not None and self.distill_model is None:
@@ -193,14 +203,5 @@ def teacher_inputs(teacher: nn.Module, teacher_processor: str | None, student: n
 
 
 def add_distill_args(parser: argparse.ArgumentParser) -> None:
-    """OpenCLIP's distillation flags."""
-    g = parser.add_argument_group("distillation")
-    g.add_argument("--distill-model", default=None,
-                   help="teacher: a preset, a pretrained model directory or an OpenCLIP model name "
-                        "(create_model); frozen, run once per microbatch without gradient")
-    g.add_argument("--distill-pretrained", default=None,
-                   help="the teacher's weights: a naflexclip checkpoint, or a run's checkpoints/ (its latest); for "
-                        "an OpenCLIP name also an open_clip_train checkpoint, a state dict file, a pretrained tag or "
-                        "hf-hub:org/name in a local cache (--cache-dir)")
-    g.add_argument("--distill-loss-weight", type=float, default=1.0,
-                   help="λ of the window objective contrastive + λ·distill (default 1, OpenCLIP's)")
+    """OpenCLIP's distillation flags (`Distill`'s declarations)."""
+    add_arguments(parser, Distill)

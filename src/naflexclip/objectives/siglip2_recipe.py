@@ -27,6 +27,7 @@ from naflexclip.batch import batch_size
 from naflexclip.models.naflex_clip import PRESETS, ModelConfig, NaFlexClip
 from naflexclip.objectives.locca_decoder import DECODER_SIZES, DecoderConfig, target_tokens
 from naflexclip.objectives.self_distillation import MASKED_PREDICTION, SELF_DISTILL, EmaTeacher, head_config
+from naflexclip.settings import APPLY, REFUSE, add_arguments, setting
 from naflexclip.window import ExampleTerm
 
 # the values `--recipe` sets, each with its source
@@ -57,19 +58,39 @@ DEFAULTS: dict[str, Any] = {"locca_loss_weight": 0.0, "self_distill_loss_weight"
                             "ema_momentum": 0.996, "self_distill_start": 0.8}
 
 
+_RECIPE = "SigLIP 2's recipe"
+
+
 @dataclass(frozen=True)
 class Recipe:
-    """The recipe flags, as `naflexclip train` and `naflexclip verify` take them."""
+    """The recipe flags, as `naflexclip train` and `naflexclip verify` take them (each field a setting,
+    `naflexclip.settings`)."""
 
-    recipe: str | None = None
-    locca_loss_weight: float | None = None  # None: the recipe's value, or 0 (no decoder) without one
+    # the recipe decides the objectives and the model's decoder; --locca-loss-weight is a weight (applied: the
+    # decoder, in the checkpoint, continues; 0 <-> > 0 adds or drops the decoder, refused as an architecture change)
+    recipe: str | None = setting(None, rule=REFUSE, why="the objectives and the model (the recipe's decoder)",
+                                 section=_RECIPE, argparse={"choices": sorted(RECIPES)}, help=(
+        "set the recipe's objectives and weights (siglip2: the LocCa decoder beside the sigmoid loss, SigLIP 2 sec. "
+        "2.2, and self-distillation and masked prediction for the last 20%%, sec. 2.3; docs/siglip2_recipe.md)"))
+    # None: the recipe's value, or 0 (no decoder) without one
+    locca_loss_weight: float | None = setting(None, rule=APPLY, section=_RECIPE, help=(
+        "λ of the LocCa decoder's term, normalised by the window's target tokens (default: the recipe's, else 0: "
+        "no decoder)"))
     # None: the recipe's value, else DEFAULTS
-    self_distill_loss_weight: float | None = None
-    masked_prediction_loss_weight: float | None = None
-    local_crops: int | None = None
-    mask_ratio: float | None = None
-    ema_momentum: float | None = None
-    self_distill_start: float | None = None
+    self_distill_loss_weight: float | None = setting(None, rule=APPLY, section=_RECIPE, help=(
+        "λ of the self-distillation term (SILC: local crops vs the EMA teacher's full image), per window example "
+        "(default: the recipe's, siglip2: 1, else 0)"))
+    masked_prediction_loss_weight: float | None = setting(None, rule=APPLY, section=_RECIPE, help=(
+        "λ of the masked-prediction term (TIPS: masked patches vs the EMA teacher's), per window example (default: "
+        "the recipe's, siglip2: 0.25, else 0)"))
+    local_crops: int | None = setting(None, rule=APPLY, section=_RECIPE,
+                                      help="student local crops per image (default 8)")
+    mask_ratio: float | None = setting(None, rule=APPLY, section=_RECIPE, help=(
+        "fraction of each image's patches masked for masked prediction (default 0.5)"))
+    ema_momentum: float | None = setting(None, rule=APPLY, section=_RECIPE, help=(
+        "the EMA teacher's momentum, fixed (default 0.996; SigLIP 2 does not state it)"))
+    self_distill_start: float | None = setting(None, rule=APPLY, section=_RECIPE, help=(
+        "fraction of training after which the self-distillation terms are on (default 0.8)"))
 
     def __post_init__(self) -> None:
         if self.recipe is not None and self.recipe not in RECIPES:
@@ -194,24 +215,5 @@ def decoder_config(config: ModelConfig) -> DecoderConfig:
 
 
 def add_recipe_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("SigLIP 2's recipe")
-    g.add_argument("--recipe", default=None, choices=sorted(RECIPES),
-                   help="set the recipe's objectives and weights (siglip2: the LocCa decoder beside the sigmoid loss, "
-                        "SigLIP 2 sec. 2.2, and self-distillation and masked prediction for the last 20%%, sec. 2.3; "
-                        "docs/siglip2_recipe.md)")
-    g.add_argument("--locca-loss-weight", type=float, default=None,
-                   help="λ of the LocCa decoder's term, normalised by the window's target tokens (default: the "
-                        "recipe's, else 0: no decoder)")
-    g.add_argument("--self-distill-loss-weight", type=float, default=None,
-                   help="λ of the self-distillation term (SILC: local crops vs the EMA teacher's full image), per "
-                        "window example (default: the recipe's, siglip2: 1, else 0)")
-    g.add_argument("--masked-prediction-loss-weight", type=float, default=None,
-                   help="λ of the masked-prediction term (TIPS: masked patches vs the EMA teacher's), per window "
-                        "example (default: the recipe's, siglip2: 0.25, else 0)")
-    g.add_argument("--local-crops", type=int, default=None, help="student local crops per image (default 8)")
-    g.add_argument("--mask-ratio", type=float, default=None,
-                   help="fraction of each image's patches masked for masked prediction (default 0.5)")
-    g.add_argument("--ema-momentum", type=float, default=None,
-                   help="the EMA teacher's momentum, fixed (default 0.996; SigLIP 2 does not state it)")
-    g.add_argument("--self-distill-start", type=float, default=None,
-                   help="fraction of training after which the self-distillation terms are on (default 0.8)")
+    """SigLIP 2's recipe flags (`Recipe`'s declarations)."""
+    add_arguments(parser, Recipe)

@@ -1,9 +1,9 @@
 """The resume policy, in one place: what a resumed run may change, what it refuses, what is re-mapped; and the
 resume itself (find the checkpoint, check it, restore every component, continue the logs).
 
-A resume continues the checkpoint exactly or refuses in one line naming the flag and both values. `POLICY` says
-what each flag means to it; a flag it does not list is applied and named in one notice ("resume applies changed
-flags: --wd 0.1 -> 0.05, ..."). Besides the flags:
+A resume continues the checkpoint exactly or refuses in one line naming the flag and both values. `POLICY`, made
+from each setting's declared rule (`naflexclip.settings`), says what each flag means to it; an applied one is named
+in one notice ("resume applies changed flags: --wd 0.1 -> 0.05, ..."). Besides the flags:
 
 - the architecture (the checkpoint's own, `run.model_config`) and the weights must fit the model this run builds;
 - the world size may change only where the saved data position is a place in the epoch's global sample order
@@ -22,65 +22,20 @@ from collections.abc import Callable
 from typing import Any
 
 from naflexclip.checkpoints import storage as storage
-from naflexclip.models.lock import Locks
 from naflexclip.models.naflex_clip import weights_mismatch
 from naflexclip.models.run_weights import architecture_changes
 from naflexclip.parallel.process_group import barrier, check_consistency, run_on_main
+from naflexclip.settings import APPLY, REFUSE, RESCHEDULE
 from naflexclip.train.components import Checkpointer, Progress
 from naflexclip.train.openclip_defaults import flag_name, flat_config, shown_setting, shown_setting_value
 from naflexclip.train.optim import scheduled_lr
 from naflexclip.train.remote_sync import restore_from_backup
 from naflexclip.train.report import Reporter, run_exists
-from naflexclip.train.train_config import TrainConfig
+from naflexclip.train.train_config import SETTINGS, TrainConfig
 
-APPLY = "apply"  # applied and named in the resume notice (every flag `POLICY` does not list)
-REFUSE = "refuse"  # another value would be another run: the resume stops (the detail says what it would change)
-RESCHEDULE = "reschedule"  # applied; defines the lr schedule, which is then re-planned over the steps left
-IGNORE = "ignore"  # not compared: where a run writes, when it stops, on which devices, how it logs
-
-_DATA_ORDER = "the training data or its order"
-# config fields (`TrainConfig.to_dict()`, data fields as `data.<name>`) -> (rule, detail); others: applied, listed
-POLICY: dict[str, tuple[str, str]] = {
-    "model": (REFUSE, "the model"),
-    "pretrained": (REFUSE, "the model"),
-    "loss": (REFUSE, "the loss"),
-    # the recipe decides the objectives and the model's decoder; --locca-loss-weight is a weight (applied: the
-    # decoder, in the checkpoint, continues; 0 <-> > 0 adds or drops the decoder, refused as an architecture change)
-    "recipe": (REFUSE, "the objectives and the model (the recipe's decoder)"),
-    # the optimizer state holds the trainable parameters only (a run unlocking more is a new run)
-    **{key: (REFUSE, "which parameters train") for key in Locks().as_dict()},
-    # what the saved data position means: the sample order and the batch plan of every epoch
-    **{f"data.{key}": (REFUSE, _DATA_ORDER) for key in (
-        "train_data", "dataset_type", "csv_img_key", "csv_caption_key", "csv_separator", "seed", "synthetic_seed",
-        "synthetic_train_size", "synthetic_shape_group_size", "train_num_samples",
-        "naflex_num_train_image_tokens", "shuffle_buffer", "naflex_seq_lens", "naflex_seq_len_probs",
-        "naflex_max_tokens_per_batch", "naflex_batch_divisor")},
-    **{key: (RESCHEDULE, "") for key in ("lr", "warmup", "epochs", "accum_freq")},
-    # ---- optimizer and schedule flags (issue 22) ----
-    # another optimizer's state, or other parameter groups (layer decay, --wd-exclude), cannot be loaded
-    **{key: (REFUSE, "the optimizer or its parameter groups") for key in (
-        "opt", "wd_exclude", "opt_fallback_list", "image_layer_decay", "text_layer_decay")},
-    **{key: (RESCHEDULE, "") for key in ("lr_scheduler", "epochs_cooldown", "lr_cooldown_end", "lr_cooldown_power",
-                                         "skip_scheduler")},  # opt_kwargs, momentum: applied as --wd, --beta1
-    # ---- run flags (issue 22): where and how the run saves and logs ----
-    **{key: (IGNORE, "") for key in ("save_most_recent", "delete_previous_checkpoint", "remote_sync",
-                                     "remote_sync_frequency", "remote_sync_protocol", "log_local", "debug")},
-    # ---- model overrides (issue 22) ----
-    **{key: (REFUSE, "the model") for key in ("force_context_length", "force_image_size")},
-    **{key: (IGNORE, "") for key in ("name", "logs", "resume", "resume_fresh", "stop_after_steps", "device",
-                                     "dist_timeout", "plot", "report_to", "wandb_project_name", "wandb_notes",
-                                     "cache_dir", "log_every_n_steps", "log_metric_every_n_steps")},
-    **{key: (IGNORE, "") for key in ("dist_url", "dist_backend", "no_set_device_rank")},  # how the job forms
-    # ---- data recipes (issue 22): which samples and shards make an epoch, so what a saved position means;
-    # --json-text-key-probs (which caption), --max-image-pixels (skipped when read) and --imagenet-* apply ----
-    **{f"data.{key}": (REFUSE, _DATA_ORDER) for key in (
-        "dataset_resampled", "train_data_upsampling_factors", "image_key", "text_key", "json_text_key")},
-    # ---- variable patch size (issue 22): the patch size every saved microbatch position trains at ----
-    **{f"data.{key}": (REFUSE, "the patch size of every microbatch") for key in (
-        "naflex_patch_sizes", "naflex_patch_size_probs")},
-    # ---- OpenCLIP's flags (issue 22) ----
-    "openclip_built_in": (IGNORE, ""),  # OpenCLIP's flags that change nothing here
-}
+# every setting of TrainConfig (data fields as `data.<name>`) -> (rule, what a refused change would change), as
+# declared with it (`naflexclip.settings`: APPLY, REFUSE, RESCHEDULE, IGNORE)
+POLICY: dict[str, tuple[str, str]] = {key: (d.setting.rule, d.setting.why) for key, d in SETTINGS.items()}
 
 
 def _plain(value: Any) -> Any:
@@ -96,15 +51,17 @@ def _changed(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
 
 
 def _rule(key: str) -> str:
+    """The key's resume rule; a key no setting declares (a saved config's field this version has not) is applied
+    and named."""
     return POLICY.get(key, (APPLY, ""))[0]
 
 
 def refusal(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
     """Why a run with config `current` cannot continue one saved with `saved` (one line naming the flag and
     both values; the first such flag in `POLICY`), or None."""
-    changed = set(_changed(saved, current))
-    for key, (rule, what) in POLICY.items():
-        if rule == REFUSE and key in changed:
+    for key in _changed(saved, current):
+        rule, what = POLICY.get(key, (APPLY, ""))
+        if rule == REFUSE:
             old, new = flat_config(saved)[key], flat_config(current)[key]
             return (f"{flag_name(key)}: the checkpoint has {old!r}, this run {new!r}; a resume cannot change {what} "
                     f"(keep {flag_name(key)} as it was, or start a new --name)")

@@ -14,15 +14,13 @@ from pathlib import Path
 
 import torch
 
-from naflexclip.data import DataConfig, DataError, add_data_args
+from naflexclip.data import DataConfig, DataError
 from naflexclip.evaluation.evaluated_model import evaluated_model
 from naflexclip.parallel.process_group import DistributedFault, check_device, launched_world_size
 
 from .flags import (  # re-exported: the flags' public names stay importable from here
     AUG_CFG_KEYS,
-    DEMO_DATA_DEFAULTS,
     add_train_args,
-    apply_openclip_defaults,
     config_from_args,
     with_defaults,
 )
@@ -167,10 +165,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "to OpenCLIP's value, on the built-in dataset to the demo's (both are shown). The run's first "
                     "lines list the settings that differ from OpenCLIP's defaults.",
         formatter_class=HelpFormatter)
-    add_data_args(train)
-    train.set_defaults(**DEMO_DATA_DEFAULTS)
     add_train_args(train)
-    apply_openclip_defaults(train)
     add_openclip_flags(train)  # last: OpenCLIP's flags no block above has added are built in or refused
     group_by_origin(train)
     train.set_defaults(func=run_train)

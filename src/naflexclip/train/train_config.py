@@ -1,18 +1,19 @@
-"""TrainConfig: the typed, validated configuration of one training run (the CLI maps its flags onto it).
+"""TrainConfig: the typed, validated configuration of one training run, each field a setting declared once with
+its flag, help, OpenCLIP's default and resume rule (`naflexclip.settings`; the CLI's flags are generated from it).
 
-Defaults are the newcomer's first run: the `small` preset on the built-in synthetic dataset, sized to
-finish in a few minutes on a 2-core CPU (`DEMO_DEFAULTS`). With `--train-data` the CLI uses OpenCLIP's defaults
-instead (`OPENCLIP_DEFAULTS`; both in `train.openclip_defaults`). Every validation error is one line and names
-the flag.
+Defaults are the newcomer's first run, for the Python API and the command line alike: the `small` preset on the
+built-in synthetic dataset, sized to finish in a few minutes on a 2-core CPU (`DEMO_DEFAULTS`: those that differ
+from OpenCLIP's). With `--train-data` the CLI uses OpenCLIP's defaults instead (`OPENCLIP_DEFAULTS`). Every
+validation error is one line and names the flag.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,149 +33,288 @@ from naflexclip.models.precision import PRECISIONS
 from naflexclip.models.run_weights import is_run_checkpoint, model_name_conflict, read_run_weights
 from naflexclip.objectives.distillation import Distill
 from naflexclip.objectives.siglip2_recipe import RECIPE_LOSS, Recipe
-from naflexclip.parallel.process_group import check_backend, check_dist_url
+from naflexclip.parallel.process_group import DEVICE_CHOICES, check_backend, check_dist_url
+from naflexclip.settings import (
+    APPLY,
+    IGNORE,
+    NO_FLAG,
+    NOT_OPENCLIP,
+    REFUSE,
+    RESCHEDULE,
+    flat_config,
+    nested,
+    parse_kwargs,
+    same_as,
+    setting,
+    settings_of,
+    shown_value,
+    switches_with_data,
+)
 from naflexclip.train.report import report_to_names
 from naflexclip.window import METHODS, SCALE_MODES
 
-from .openclip_defaults import (  # re-exported: their public import path was this module
-    DEMO_DEFAULTS,
-    FLAG_NAMES,
-    OPENCLIP_DEFAULTS,
-    flag_name,
-    flat_config,
-    openclip_differences,
-    parse_kwargs,
-    shown_setting,
-    shown_setting_value,
-    shown_value,
-)
-
-__all__ = ["DEFAULT_MODEL", "DEMO_DEFAULTS", "FLAG_NAMES", "OPENCLIP_DEFAULTS", "PRECISIONS", "TrainConfig",
-           "flag_name", "flat_config", "openclip_differences", "parse_kwargs", "shown_setting", "shown_setting_value",
-           "shown_value"]
+__all__ = ["DEFAULT_MODEL", "DEMO_DEFAULTS", "FLAG_NAMES", "OPENCLIP_DEFAULTS", "PRECISIONS", "SETTINGS", "TrainConfig",
+           "flag_name", "flat_config", "parse_kwargs", "shown_value"]
 
 DEFAULT_MODEL = "small"
 
+# --help's sections
+_MODEL = "model and window"
+_OPTIMIZATION = "optimization"
+_CAPTIONS = "several captions per image"
+_OPTIMIZER = "optimizer and lr schedule"
+_BACKUP = "checkpoints, backup and logs"
+_OVERRIDES = "model overrides"
+_RUN = "run, logs and checkpoints"
+_ZERO_SHOT = "zero-shot classification of your own ImageFolder during training"
+_DEVICES = "devices"
+_LAUNCHER = "launcher (torchrun, srun, mpirun)"
+# what a refused change would change
+_THE_MODEL = "the model"
+_GROUPS = "the optimizer or its parameter groups"  # another optimizer's state or other groups cannot be loaded
+_BETAS = "OpenCLIP's for a ViT; with --opt timm/<name> the optimizer's own"
 
-def _with_fields_of(*groups: tuple[str, type]) -> Callable[[type], type]:
-    """Declares in the decorated class (before `@dataclass` reads it) the fields of each flag group, a dataclass,
-    in the group's order right after the class's field named with it: a group's fields are written once, in the
-    group, and a config keeps them flat in their place (`to_dict`, the saved run config, is unchanged)."""
 
-    def declare(cls: type) -> type:
-        annotations = dict(cls.__dict__.get("__annotations__", {}))
-        for after, group in groups:
-            if after not in annotations:
-                raise TypeError(f"{cls.__name__} has no field {after!r} to put {group.__name__}'s fields after")
-            items = list(annotations.items())
-            position = list(annotations).index(after) + 1
-            added = [(f.name, f.type) for f in dataclasses.fields(group)]
-            annotations = dict(items[:position] + added + items[position:])
-            for f in dataclasses.fields(group):
-                default = (field(default_factory=f.default_factory)
-                           if f.default_factory is not dataclasses.MISSING else f.default)
-                setattr(cls, f.name, default)
-        cls.__annotations__ = annotations
-        return cls
+def _optional_int(text: str) -> int | None:
+    return None if text.lower() in ("", "none") else int(text)
 
-    return declare
+
+def _own_unless_timm(name: str, default: float, shown: str) -> Any:
+    """--beta1/--beta2/--eps not given: OpenCLIP's for a ViT, a timm optimizer's own (None)."""
+    def value(args: Any) -> float | None:
+        given = getattr(args, name)
+        return given if given is not None or str(args.opt).startswith("timm/") else default
+    return setting(default, rule=APPLY, section=_OPTIMIZATION, openclip=default, flag_default=None,
+                   reads=(name, "opt"), from_args=value, help=f"(default: {shown}, {_BETAS})")
 
 
 @dataclass
-@_with_fields_of(("cache_dir", Locks), ("openclip_built_in", Distill), ("distill_loss_weight", Recipe))
 class TrainConfig:
-    """One run. `batch_size` is the reference batch size B_ref of the window scale (`--batch-size`);
-    the rows of each microbatch come from the token budget (`--naflex-max-tokens-per-batch`)."""
+    """One run; each field a setting (`naflexclip.settings`): its flag, help, OpenCLIP's default and resume rule
+    declared with it, its default the built-in dataset's. `batch_size` is the reference batch size B_ref of the
+    window scale (`--batch-size`); the rows of each microbatch come from the token budget
+    (`--naflex-max-tokens-per-batch`)."""
 
-    data: DataConfig = field(default_factory=DataConfig)
-    model: str | None = None  # None: `small`, or with --pretrained a naflexclip checkpoint that checkpoint's model
-    loss: str | None = None  # a name of LOSSES; None: the model's own (clip for tiny/small/base, siglip for SigLIP 2)
-    batch_size: int | None = None
-    accum_freq: int = 2
-    accum_method: str = "cache"
-    loss_tile_size: int = DEFAULT_TILE_SIZE
-    naflex_loss_scale: str = "none"
-    lr: float = 1e-3
-    wd: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.98
-    eps: float = 1e-6
-    warmup: int = 20
-    epochs: int = 3
-    precision: str = "fp32"
-    grad_clip_norm: float | None = 1.0
-    seed: int = 0
-    logs: str = "./logs"
-    name: str | None = None  # None: `default_name()`, decided when the run starts
-    save_frequency: int = 1
-    save_every_n_steps: int | None = None
-    stop_after_steps: int | None = None
-    resume: str | None = None
-    resume_fresh: bool = False  # --resume latest on a run with no usable checkpoint: start over, not stop
-    report_to: str = ""  # sinks besides metrics.jsonl, comma-separated ("wandb,tensorboard")
-    wandb_project_name: str | None = None  # None: $WANDB_PROJECT, else "naflexclip"
-    wandb_notes: str = ""
-    log_every_n_steps: int = 1  # OpenCLIP's: the console line (the progress bar's figures) every N steps
-    log_metric_every_n_steps: int = 1  # OpenCLIP's: the metrics to the sinks (metrics.jsonl, ...) every N steps
-    val_frequency: int = 1
-    zero_shot_samples: int = 300
-    zeroshot_data: str | None = None  # an ImageFolder classified zero-shot during training (`zeroshot/<name>/...`)
-    zeroshot_classnames: str | None = None  # its class names file (one line per class folder)
-    zeroshot_templates: str | None = None  # its prompt templates file
-    zeroshot_frequency: int = 2  # OpenCLIP's: every N epochs (before training and at the end too); 0: never
-    imagenet_val: str | None = None  # OpenCLIP's: ImageNet val ImageFolder, zero-shot as `zeroshot/imagenet-val/...`
-    imagenet_v2: str | None = None  # OpenCLIP's: ImageNetV2 (imagenetv2_pytorch's layout), `zeroshot/imagenet-v2/...`
-    device: str | None = None
-    max_skipped_steps: int = 10
-    fsdp: bool = False
-    grad_checkpointing: bool = False  # recompute block activations in backward (both towers)
-    torchcompile: bool = False  # torch.compile the towers' blocks (dynamic shapes)
-    dist_timeout: float = 1800.0
-    plot: bool = True
+    data: DataConfig = nested(DataConfig)
+    # None: `small`, or with --pretrained a naflexclip checkpoint that checkpoint's model
+    model: str | None = setting(None, rule=REFUSE, why=_THE_MODEL, section=_MODEL, help=(
+        f"model preset ({', '.join(sorted(PRESETS))}) or an OpenCLIP model name (ViT-B-16, ViT-B-16-SigLIP2, "
+        f"naflex_ViT-B-16, ...: open_clip.list_models(); docs/openclip.md); default: {DEFAULT_MODEL}, or with "
+        "--pretrained a naflexclip checkpoint that checkpoint's model"))
+    # a name of LOSSES; None: the model's own (clip for tiny/small/base, siglip for SigLIP 2)
+    loss: str | None = setting(None, rule=REFUSE, why="the loss", section=_MODEL, argparse={"choices": sorted(LOSSES)},
+                               also=(("--siglip",), {"action": "store_const", "const": "siglip",
+                                                     "default": argparse.SUPPRESS,
+                                                     "help": "OpenCLIP's name for --loss siglip"}),
+                               help="contrastive loss: clip (softmax) or siglip (sigmoid, the model gets a "
+                                    "logit_bias); default: the model's own (clip for tiny, small and base; siglip for "
+                                    "siglip2-*, SigLIP names and --pretrained SigLIP 2)")
+    batch_size: int | None = setting(None, rule=APPLY, section=_MODEL, openclip=64, help=(
+        "reference batch size B_ref of --naflex-loss-scale (rows per microbatch come from the token budget "
+        "--naflex-max-tokens-per-batch)"))
+    accum_freq: int = setting(2, rule=RESCHEDULE, section=_MODEL, openclip=1, help=(
+        "microbatches per optimizer step (one window; every example is a negative for every other)"))
+    accum_method: str = setting("cache", rule=APPLY, section=_MODEL, argparse={"choices": METHODS})
+    loss_tile_size: int = setting(DEFAULT_TILE_SIZE, rule=APPLY, section=_MODEL, help=(
+        "rows/columns of one block of the tiled loss (speed only; memory O(N·D + tile²))"))
+    naflex_loss_scale: str = setting("none", rule=APPLY, section=_MODEL, openclip="none",
+                                     argparse={"choices": SCALE_MODES})
+    lr: float = setting(1e-3, rule=RESCHEDULE, section=_OPTIMIZATION, openclip=5e-4, help="peak learning rate")
+    wd: float = setting(0.1, rule=APPLY, section=_OPTIMIZATION, openclip=0.2,
+                        help="AdamW weight decay (matrices only)")
+    beta1: float = _own_unless_timm("beta1", 0.9, "0.9")
+    beta2: float = _own_unless_timm("beta2", 0.98, "0.98")
+    eps: float = _own_unless_timm("eps", 1e-6, "1e-6")
+    warmup: int = setting(20, rule=RESCHEDULE, section=_OPTIMIZATION, openclip=10000,
+                          help="linear warmup, in optimizer steps")
+    epochs: int = setting(3, rule=RESCHEDULE, section=_OPTIMIZATION, openclip=32)
+    precision: str = setting("fp32", rule=APPLY, section=_OPTIMIZATION, openclip="amp_bf16",
+                             argparse={"choices": PRECISIONS})
+    grad_clip_norm: float | None = setting(1.0, rule=APPLY, section=_OPTIMIZATION, openclip=None,
+                                           convert=lambda clip: clip if clip is not None and clip > 0 else None,
+                                           help="clip the window's gradient norm (0 or less: no clipping)")
+    seed: int = setting(0, rule=APPLY, section=_OPTIMIZATION, openclip=0)
+    # --logs-dir: torchrun (torch >= 2.9) rejects `--logs` after the script as ambiguous with its --logs-specs
+    logs: str = setting("./logs", rule=IGNORE, section=_RUN, aliases=("--logs-dir",),
+                        help="runs go to {logs}/{name}/ (under torchrun spell it --logs-dir)")
+    # None: `default_name()`, decided when the run starts
+    name: str | None = setting(None, rule=IGNORE, section=_RUN, help="run name (default: date, model, lr, precision)")
+    save_frequency: int = setting(1, rule=APPLY, section=_RUN, openclip=1,
+                                  help="save a checkpoint every N epochs (0: never)")
+    save_every_n_steps: int | None = setting(None, rule=APPLY, section=_RUN, argparse={"type": _optional_int})
+    stop_after_steps: int | None = setting(None, rule=IGNORE, section=_RUN, argparse={"type": _optional_int}, help=(
+        "save and stop after this many optimizer steps; the lr schedule still spans --epochs"))
+    resume: str | None = setting(None, rule=IGNORE, section=_RUN, help=(
+        "a checkpoint directory, or 'latest' (of --name: its newest usable checkpoint; a run folder without one "
+        "stops the run)"))
+    # --resume latest on a run with no usable checkpoint: start over, not stop
+    resume_fresh: bool = setting(False, rule=IGNORE, section=_RUN, help=(
+        "with --resume latest: start the run over when it has no usable checkpoint"))
+    # sinks besides metrics.jsonl, comma-separated ("wandb,tensorboard")
+    report_to: str = setting("", rule=IGNORE, section=_RUN, help=(
+        "also log to these, comma-separated: tensorboard, wandb (metrics.jsonl is always written)"))
+    wandb_project_name: str | None = setting(None, rule=IGNORE, section=_RUN,
+                                             help="W&B project (default: $WANDB_PROJECT, else naflexclip)")
+    wandb_notes: str = setting("", rule=IGNORE, section=_RUN, help="notes of the W&B run")
+    log_every_n_steps: int = setting(1, rule=IGNORE, section=_RUN, openclip=100, help=(
+        "the console line (the progress bar's loss, lr, throughput) every N steps"))
+    log_metric_every_n_steps: int = setting(1, rule=IGNORE, section=_RUN, openclip=10, help=(
+        "the metrics to metrics.jsonl, tensorboard and wandb every N steps (and every skipped step)"))
+    val_frequency: int = setting(1, rule=APPLY, section=_RUN, openclip=1, help=(
+        "evaluate every N epochs (and at the end); 0: only before training and at the end"))
+    zero_shot_samples: int = setting(300, rule=APPLY, section=_RUN, help=(
+        "built-in single-object images for the zero-shot shape/colour evaluation"))
+    # an ImageFolder classified zero-shot during training (`zeroshot/<name>/...`)
+    zeroshot_data: str | None = setting(None, rule=APPLY, section=_ZERO_SHOT, help=(
+        "an ImageFolder (one sub-folder of images per class), logged as zeroshot/<folder name>/top1 and top5"))
+    zeroshot_classnames: str | None = setting(None, rule=APPLY, section=_ZERO_SHOT, help=(
+        "text file, one class name per line in sorted folder order (default: the folder names)"))
+    zeroshot_templates: str | None = setting(None, rule=APPLY, section=_ZERO_SHOT, help=(
+        "text file, one prompt template per line with {} for the class name (default: a short set)"))
+    # OpenCLIP's: every N epochs (before training and at the end too); 0: never. Not given: absent from the
+    # namespace (config_from_args tells a given one without zero-shot data)
+    zeroshot_frequency: int = setting(2, rule=APPLY, section=_ZERO_SHOT, openclip=2, flag_default=argparse.SUPPRESS,
+                                      help="classify --zeroshot-data every N epochs (also before training and at the "
+                                           "end); 0: never (default: 2)")
+    imagenet_val: str | None = setting(None, rule=APPLY, section=_ZERO_SHOT, help=(
+        "ImageNet's validation ImageFolder (1000 synset folders): zero-shot with OpenCLIP's class names and 80 "
+        "templates, logged as zeroshot/imagenet-val/top1 and top5"))
+    imagenet_v2: str | None = setting(None, rule=APPLY, section=_ZERO_SHOT, help=(
+        "ImageNetV2 (imagenetv2_pytorch's folder: ImageNetV2-matched-frequency/0..999), likewise "
+        "zeroshot/imagenet-v2/..."))
+    device: str | None = setting(None, rule=IGNORE, section=_DEVICES, help=(
+        f"{', '.join(DEVICE_CHOICES)} (default: cuda if available; cuda:<local rank> in a job)"))
+    max_skipped_steps: int = setting(10, rule=APPLY, section=_OPTIMIZATION, help=(
+        "stop after this many consecutive steps with a non-finite loss or gradient"))
+    fsdp: bool = setting(False, rule=APPLY, section=_DEVICES, openclip=False, help=(
+        "shard the model with FSDP2 instead of DDP (needs several processes: torchrun, srun, mpirun)"))
+    # recompute block activations in backward (both towers)
+    grad_checkpointing: bool = setting(False, rule=APPLY, section=_DEVICES, openclip=False, help=(
+        "recompute each tower block's activations in backward: less memory, ~1.3x time; stays exact"))
+    # torch.compile the towers' blocks (dynamic shapes)
+    torchcompile: bool = setting(False, rule=APPLY, section=_DEVICES, openclip=False, help=(
+        "torch.compile the towers (dynamic shapes: one graph per grad mode, not one per batch shape)"))
+    dist_timeout: float = setting(1800.0, rule=IGNORE, section=_DEVICES, help=(
+        "seconds before a collective that another rank never joins fails"))
+    plot: bool = setting(True, rule=IGNORE, section=_RUN, flag="--no-plot", dest="no_plot",
+                         argparse={"action": "store_true"}, flag_default=False, convert=lambda no_plot: not no_plot,
+                         help="do not write curves.png")
     # a transformers SigLIP 2 directory (architecture, weights, tokenizer, patching), or with an OpenCLIP --model
     # name that model's weights: a checkpoint file, a pretrained tag or hf-hub:org/name in a local cache; or a
     # naflexclip checkpoint (a run's checkpoints/ or one step_N/epoch_N in it: its architecture and weights only,
     # `naflexclip.models.run_weights`)
-    pretrained: str | None = None
-    cache_dir: str | None = None  # OpenCLIP's --cache-dir: where pretrained tags are looked up (besides HF's cache)
-    # here: the locked towers' fields (OpenCLIP's flags; `naflexclip.models.lock.Locks`)
-    # OpenCLIP's flags given that naflexclip has built in (`--flag [value]`; `openclip_flags.BUILT_IN`)
-    openclip_built_in: tuple[str, ...] = ()
-    # here: distillation's fields (OpenCLIP's flags; `naflexclip.objectives.distillation.Distill`), then SigLIP 2's
-    # recipe's
-    # (`naflexclip.objectives.siglip2_recipe.Recipe`)
+    pretrained: str | None = setting(None, rule=REFUSE, why=_THE_MODEL, section=_MODEL, help=(
+        "with an OpenCLIP --model name: its weights, an open_clip checkpoint (.pt, .bin, .safetensors, an "
+        "open_clip_train epoch_N.pt), a pretrained tag (laion2b_s34b_b79k) or hf-hub:org/name found in a local cache; "
+        "otherwise a transformers SigLIP 2 directory, whose architecture replaces --model and whose tokenizer and "
+        "patching the data's; or a naflexclip run's checkpoint (logs/RUN/checkpoints, or one step_N/epoch_N in it): "
+        "its model's architecture and weights only, a new run from step 0 with its own schedule"))
+    # OpenCLIP's --cache-dir: where pretrained tags are looked up (besides HF's cache)
+    cache_dir: str | None = setting(None, rule=IGNORE, section=_MODEL, help=(
+        "where --pretrained tags and hf-hub: names are looked up (a Hugging Face hub cache or open_clip's download "
+        "folder), besides the default caches; nothing is downloaded"))
+    # the locked towers (OpenCLIP's flags), declared in `naflexclip.models.lock.Locks`, which verify takes too
+    lock_image: bool = same_as(Locks, "lock_image")
+    lock_image_unlocked_groups: int = same_as(Locks, "lock_image_unlocked_groups")
+    lock_text: bool = same_as(Locks, "lock_text")
+    lock_text_unlocked_layers: int = same_as(Locks, "lock_text_unlocked_layers")
+    lock_text_freeze_layer_norm: bool = same_as(Locks, "lock_text_freeze_layer_norm")
+    # OpenCLIP's flags given that naflexclip has built in (`--flag [value]`; `openclip_flags.BUILT_IN`): what they
+    # change here is said at the start of the run
+    openclip_built_in: tuple[str, ...] = setting(
+        (), rule=IGNORE, flag=NO_FLAG, reads=("openclip_built_in",),
+        from_args=lambda args: tuple(getattr(args, "openclip_built_in", ())))
+    # distillation (OpenCLIP's flags), declared in `naflexclip.objectives.distillation.Distill`
+    distill_model: str | None = same_as(Distill, "distill_model")
+    distill_pretrained: str | None = same_as(Distill, "distill_pretrained")
+    distill_loss_weight: float = same_as(Distill, "distill_loss_weight")
+    # SigLIP 2's recipe, declared in `naflexclip.objectives.siglip2_recipe.Recipe`
+    recipe: str | None = same_as(Recipe, "recipe")
+    locca_loss_weight: float | None = same_as(Recipe, "locca_loss_weight")
+    self_distill_loss_weight: float | None = same_as(Recipe, "self_distill_loss_weight")
+    masked_prediction_loss_weight: float | None = same_as(Recipe, "masked_prediction_loss_weight")
+    local_crops: int | None = same_as(Recipe, "local_crops")
+    mask_ratio: float | None = same_as(Recipe, "mask_ratio")
+    ema_momentum: float | None = same_as(Recipe, "ema_momentum")
+    self_distill_start: float | None = same_as(Recipe, "self_distill_start")
     # several captions per image as several positives (`naflexclip.loss.MultiPositiveLoss`)
-    multi_positive: bool = False
-    multi_positive_weighting: str = "symmetric"
-    # ---- optimizer and schedule (OpenCLIP's flags, issue 22; `train.optim`) ----
-    opt: str = "adamw"  # adamw, nadamw or timm/<name>
-    opt_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the optimizer last
-    momentum: float | None = None  # timm optimizers only
-    wd_exclude: tuple[str, ...] = ()  # parameter-name globs that get no weight decay
-    opt_fallback_list: tuple[str, ...] = ()  # globs of parameters a Muon-family timm optimizer's fallback updates
-    image_layer_decay: float | None = None  # layer-wise lr decay of the image tower, in (0, 1]
-    text_layer_decay: float | None = None
-    lr_scheduler: str = "cosine"  # cosine, const, const-cooldown
-    epochs_cooldown: int | None = None  # const-cooldown: cool down over the last N epochs
-    lr_cooldown_end: float = 0.0
-    lr_cooldown_power: float = 1.0
-    skip_scheduler: bool = False  # the lr stays --lr (no warmup, no decay)
-    # ---- run flags (OpenCLIP's, issue 22) ----
-    save_most_recent: bool = False  # epoch_latest after every epoch
-    delete_previous_checkpoint: bool = False  # epoch_{N - save_frequency} removed once epoch_N is saved
-    remote_sync: str | None = None  # the run folder is backed up to {remote_sync}/{name} (`train.remote_sync`)
-    remote_sync_frequency: float = 300.0  # seconds between syncs
-    remote_sync_protocol: str = "s3"  # s3 (aws s3 sync) or fsspec
-    log_local: bool = False  # each node's local rank 0 writes its messages to out-{rank}.log
-    debug: bool = False  # more is logged (the optimizer's groups; naflexclip loggers at DEBUG)
-    # launcher (OpenCLIP's flags; the job itself comes from torchrun's, srun's or mpirun's variables)
-    dist_url: str | None = None  # torch's init method; None: env://
-    dist_backend: str | None = None  # None: nccl on CUDA, gloo on CPU
-    no_set_device_rank: bool = False  # --device cuda is the first visible GPU, not cuda:<local rank>
-    # ---- model overrides (OpenCLIP's --force-* flags, issue 22; `model_overrides`) ----
-    force_context_length: int | None = None  # the text tower's context length (its position table)
-    force_patch_dropout: float | None = None  # the image tower's patch dropout rate while training
-    force_image_size: tuple[int, ...] | None = None  # NaFlex: the position table's grid, size / patch per side
+    multi_positive: bool = setting(False, rule=APPLY, section=_CAPTIONS, help=(
+        "every caption of an image is a text row and a positive of it (group ids over the window): clip: "
+        "multi-positive InfoNCE; siglip: SigLIP+ (without it: one caption per image per epoch)"))
+    multi_positive_weighting: str = setting("symmetric", rule=APPLY, section=_CAPTIONS,
+                                            argparse={"choices": tuple(MULTI_POSITIVE_WEIGHTINGS)}, help=(
+        "SigLIP+'s positive weights α/k_i + β/k'_j: symmetric ½, ½; asymmetric 1, 0; soft: as labels"))
+    # ---- optimizer and schedule (OpenCLIP's flags; `train.optim`) ----
+    opt: str = setting("adamw", rule=REFUSE, why=_GROUPS, section=_OPTIMIZER, openclip="adamw", help=(
+        "adamw, nadamw (torch NAdam, decoupled weight decay) or timm/<name>: any optimizer of "
+        "timm.optim.create_optimizer_v2"))
+    # passed to the optimizer last (applied, as --wd and --beta1 are)
+    opt_kwargs: dict[str, Any] = setting(
+        default_factory=dict, rule=APPLY, section=_OPTIMIZER, openclip={},
+        argparse={"nargs": "*", "metavar": "KEY=VALUE"}, flag_default=[],
+        convert=lambda items: parse_kwargs(items, "--opt-kwargs"),
+        help="more optimizer arguments, each a Python literal (else a string), passed last")
+    momentum: float | None = setting(None, rule=APPLY, section=_OPTIMIZER, openclip=None,
+                                     help="momentum of a timm optimizer")
+    wd_exclude: tuple[str, ...] = setting((), rule=REFUSE, why=_GROUPS, section=_OPTIMIZER, openclip=(),
+                                          argparse={"nargs": "*", "metavar": "PATTERN"}, help=(
+        "parameter-name globs (fnmatch) that get no weight decay, besides norms, biases, embeddings"))
+    opt_fallback_list: tuple[str, ...] = setting((), rule=REFUSE, why=_GROUPS, section=_OPTIMIZER, openclip=(),
+                                                 argparse={"nargs": "*", "metavar": "PATTERN"}, help=(
+        "parameter-name globs a Muon-family timm optimizer (timm/muon, ...) updates with its AdamW fallback"))
+    image_layer_decay: float | None = setting(None, rule=REFUSE, why=_GROUPS, section=_OPTIMIZER, openclip=None,
+                                              aliases=("--visual-layer-decay",), help=(
+        "layer-wise lr decay of the image tower: lr * decay ** (layer groups above; the projection at full lr), in "
+        "(0, 1]; unset or 1: off"))
+    text_layer_decay: float | None = setting(None, rule=REFUSE, why=_GROUPS, section=_OPTIMIZER, openclip=None,
+                                             help="the same for the text tower")
+    lr_scheduler: str = setting("cosine", rule=RESCHEDULE, section=_OPTIMIZER, openclip="cosine",
+                                argparse={"choices": ("cosine", "const", "const-cooldown")},
+                                help="after --warmup: cosine decay to 0, constant, or constant then a cooldown")
+    epochs_cooldown: int | None = setting(None, rule=RESCHEDULE, section=_OPTIMIZER, openclip=None,
+                                          help="const-cooldown: cool down over the windows of the last N epochs")
+    lr_cooldown_end: float = setting(0.0, rule=RESCHEDULE, section=_OPTIMIZER, openclip=0.0,
+                                     help="const-cooldown: the lr it ends at")
+    lr_cooldown_power: float = setting(1.0, rule=RESCHEDULE, section=_OPTIMIZER, openclip=1.0,
+                                       help="const-cooldown: (1 - progress) ** power (1: linear)")
+    skip_scheduler: bool = setting(False, rule=RESCHEDULE, section=_OPTIMIZER, openclip=False,
+                                   help="no schedule: the lr stays --lr (no warmup)")
+    # ---- run flags (OpenCLIP's): where and how the run saves and logs ----
+    save_most_recent: bool = setting(False, rule=IGNORE, section=_BACKUP, openclip=False, help=(
+        "also save checkpoints/epoch_latest after every epoch (replaced each time)"))
+    delete_previous_checkpoint: bool = setting(False, rule=IGNORE, section=_BACKUP, openclip=False, help=(
+        "remove epoch_{N - --save-frequency} once epoch_N is saved"))
+    # the run folder is backed up to {remote_sync}/{name} (`train.remote_sync`)
+    remote_sync: str | None = setting(None, rule=IGNORE, section=_BACKUP, openclip=None, help=(
+        "back the run folder up to REMOTE/<name> (at the start, every --remote-sync-frequency s, at the end)"))
+    remote_sync_frequency: float = setting(300, rule=IGNORE, section=_BACKUP, openclip=300,
+                                           help="seconds between syncs")
+    remote_sync_protocol: str = setting("s3", rule=IGNORE, section=_BACKUP, openclip="s3", help=(
+        "s3 (runs `aws s3 sync`, as OpenCLIP) or fsspec (any fsspec URL or a local folder)"))
+    log_local: bool = setting(False, rule=IGNORE, section=_BACKUP, openclip=False, help=(
+        "each node's local rank 0 also writes its messages to {logs}/{name}/out-{rank}.log"))
+    debug: bool = setting(False, rule=IGNORE, section=_BACKUP, openclip=False, help=(
+        "log more: the optimizer's parameter groups, naflexclip's loggers at DEBUG"))
+    # launcher (OpenCLIP's flags; the job itself comes from torchrun's, srun's or mpirun's variables): how the job
+    # forms
+    dist_url: str | None = setting(None, rule=IGNORE, section=_LAUNCHER, help=(
+        "torch's init method: env:// (MASTER_ADDR/MASTER_PORT, or the first node of SLURM's host list and port "
+        "12802), tcp://HOST:PORT or file:///shared/path (default: env://)"))
+    dist_backend: str | None = setting(None, rule=IGNORE, section=_LAUNCHER, help=(
+        "process group backend (default: nccl on CUDA, gloo on CPU)"))
+    no_set_device_rank: bool = setting(False, rule=IGNORE, section=_LAUNCHER, help=(
+        "--device cuda is the first visible GPU, not cuda:<local rank> (when CUDA_VISIBLE_DEVICES gives each "
+        "process its own GPU)"))
+    # ---- model overrides (OpenCLIP's --force-* flags; `model_overrides`) ----
+    force_context_length: int | None = setting(None, rule=REFUSE, why=_THE_MODEL, section=_OVERRIDES, openclip=None,
+                                               help="the text tower's context length (captions are tokenized to it)")
+    force_patch_dropout: float | None = setting(None, rule=APPLY, section=_OVERRIDES, openclip=None, help=(
+        "the image tower's patch dropout rate while training (0: none; a resume may change it)"))
+    # NaFlex: the position table's grid, size / patch per side
+    force_image_size: tuple[int, ...] | None = setting(None, rule=REFUSE, why=_THE_MODEL, section=_OVERRIDES,
+                                                       openclip=None, help=(
+        "NaFlex: the image tower's position-embedding grid, SIZE / patch size per side (H W for a non-square table); "
+        "the patches per image still come from --naflex-seq-lens"))
 
     def __post_init__(self) -> None:
         self._check_run_checkpoint()
@@ -475,3 +615,30 @@ class TrainConfig:
         values = dict(values)
         data = DataConfig(**values.pop("data", {}))
         return cls(data=data, **values)
+
+
+# the declarations as tables: every setting by key (data fields as `data.<name>`), top-level ones first
+SETTINGS = dict(sorted(settings_of(TrainConfig).items(), key=lambda item: item[0].startswith("data.")))
+# open_clip_train/params.py's defaults (and get_default_params' for a ViT) of every flag naflexclip shares with it;
+# the CLI defaults to them with --train-data, the run's first lines name the settings that differ from them
+OPENCLIP_DEFAULTS: dict[str, Any] = {key: d.openclip for key, d in SETTINGS.items() if d.openclip is not NOT_OPENCLIP}
+# the built-in dataset's own values where they differ from OpenCLIP's (the demo: docs/demo.md)
+DEMO_DEFAULTS: dict[str, Any] = {key: d.default for key, d in SETTINGS.items() if switches_with_data(d)}
+# config keys whose flag is not `--` + the field's name (an `--aug-cfg` item ends in `=`: its value follows it)
+FLAG_NAMES: dict[str, str] = {key: d.flag for key, d in SETTINGS.items()
+                              if d.flag != "--" + d.name.replace("_", "-")}
+
+
+def flag_name(key: str) -> str:
+    """The flag of a config key (`data.naflex_seq_lens` -> `--naflex-seq-lens`, `data.aug_scale` ->
+    `--aug-cfg scale=`)."""
+    return FLAG_NAMES.get(key) or "--" + key.rsplit(".", 1)[-1].replace("_", "-")
+
+
+def __getattr__(name: str) -> Any:
+    """How a setting is shown, importable from here as before (`train.openclip_defaults`)."""
+    if name in ("openclip_differences", "shown_setting", "shown_setting_value"):
+        from naflexclip.train import openclip_defaults
+
+        return getattr(openclip_defaults, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

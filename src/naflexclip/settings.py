@@ -1,0 +1,297 @@
+"""Run settings, each declared once: a config dataclass field made with `setting(...)` carries its flag, help,
+argparse type, OpenCLIP's default and its resume rule; the field's own default is the built-in dataset's (the
+Python API's and the command line's without `--train-data`).
+
+From those declarations come the parsers and their --help (`add_arguments`), the config a command line gives
+(`values_from_args`), the resume policy, the defaults tables and the flag a saved key is shown with
+(`settings_of`). `undeclared_destinations` finds a parser flag no setting reads; a config field declared without
+`setting(...)` is a TypeError naming it. Adding a setting: docs/code_map.md, "Declaring a setting".
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import re
+import shlex
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+# what a resume does with a setting whose value differs from the checkpoint's (`naflexclip.train.resume`)
+APPLY = "apply"  # applied and named in the resume notice
+REFUSE = "refuse"  # another value would be another run: the resume stops (`why` says what it would change)
+RESCHEDULE = "reschedule"  # applied; defines the lr schedule, which is then re-planned over the steps left
+IGNORE = "ignore"  # not compared: where a run writes, when it stops, on which devices, how it logs
+RULES = (APPLY, REFUSE, RESCHEDULE, IGNORE)
+
+
+class _Marker:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+NOT_OPENCLIP = _Marker("NOT_OPENCLIP")  # naflexclip's own setting: no OpenCLIP default to compare with
+FIELD_DEFAULT = _Marker("FIELD_DEFAULT")  # the parser's default is the field's
+NO_FLAG = _Marker("NO_FLAG")  # the setting has no flag of its own (another flag, or the config's checks, set it)
+
+_METADATA_KEY = "naflexclip.setting"
+_NESTED_KEY = "naflexclip.nested"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A setting's declaration (a field's metadata). `flag`: "" for `--` + the field's name; `NO_FLAG` when another
+    flag sets it (`shown_as` then names that flag, `from_args` reads it). `argparse`: add_argument's type, nargs,
+    choices, metavar or action where the field's annotation does not say them. `convert`: the flag's value to the
+    field's. `reads`: the parser destinations `from_args` reads."""
+
+    rule: str
+    why: str = ""
+    help: str | None = None
+    section: str = ""
+    flag: Any = ""
+    aliases: tuple[str, ...] = ()
+    dest: str = ""
+    shown_as: str = ""
+    openclip: Any = NOT_OPENCLIP
+    argparse: Mapping[str, Any] = field(default_factory=dict)
+    flag_default: Any = FIELD_DEFAULT
+    convert: Callable[[Any], Any] | None = None
+    from_args: Callable[[argparse.Namespace], Any] | None = None
+    reads: tuple[str, ...] = ()
+    also: tuple[Any, ...] = ()  # another flag for the same destination: (option strings, add_argument's kwargs)
+
+    def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise ValueError(f"resume rule {self.rule!r} is not one of {RULES}")
+        if self.rule == REFUSE and not self.why:
+            raise ValueError("a refused setting says what a change would change (why=...)")
+
+
+def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING, rule: str,
+            **declaration: Any) -> Any:
+    """A config field declared as a setting: its default (the built-in dataset's), its resume `rule` and the rest
+    of `Setting`."""
+    metadata = {_METADATA_KEY: Setting(rule=rule, **declaration)}
+    if default_factory is not dataclasses.MISSING:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def nested(config: type) -> Any:
+    """A field holding another config dataclass (its settings are `<field>.<name>`)."""
+    return field(default_factory=config, metadata={_NESTED_KEY: config})
+
+
+def same_as(config: type, name: str) -> Any:
+    """A field declared as `config`'s field `name` is (a group of settings another command shares, such as the
+    lock flags, kept flat in a larger config): the same default and declaration."""
+    original = config.__dataclass_fields__[name]
+    if original.default_factory is not dataclasses.MISSING:
+        return field(default_factory=original.default_factory, metadata=original.metadata)
+    return field(default=original.default, metadata=original.metadata)
+
+
+@dataclass(frozen=True)
+class Declared:
+    """A setting as declared on its config: `key` (`name`, or `data.<name>` in a nested config), the field's
+    annotation and default, its `Setting`."""
+
+    key: str
+    name: str
+    annotation: str
+    default: Any
+    setting: Setting
+
+    @property
+    def dest(self) -> str:
+        return self.setting.dest or self.name
+
+    @property
+    def has_flag(self) -> bool:
+        return self.setting.flag is not NO_FLAG
+
+    @property
+    def flag(self) -> str:
+        """The flag that sets it, as the run's lines show it (`--aug-cfg scale=` for an --aug-cfg item)."""
+        if self.setting.shown_as:
+            return self.setting.shown_as
+        return self.setting.flag if self.has_flag and self.setting.flag else "--" + self.name.replace("_", "-")
+
+    @property
+    def openclip(self) -> Any:
+        return self.setting.openclip
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """The parser destinations this setting's value comes from."""
+        return ((self.dest,) if self.has_flag else ()) + self.setting.reads
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def _declared_field(config: type, f: dataclasses.Field, prefix: str = "") -> Declared:
+    if _METADATA_KEY not in f.metadata:
+        raise TypeError(f"{config.__name__}.{f.name} is not declared as a setting (flag, help, defaults, resume "
+                        f"rule): make it with naflexclip.settings.setting(...)")
+    return Declared(prefix + f.name, f.name, str(f.type), _default(f), f.metadata[_METADATA_KEY])
+
+
+def declared(config: type, prefix: str = "") -> Iterator[Declared]:
+    """Every setting of `config` in field order, nested configs' as `<field>.<name>` in their place; a field that
+    is not declared is a TypeError naming it."""
+    for f in dataclasses.fields(config):
+        if _NESTED_KEY in f.metadata:
+            yield from declared(f.metadata[_NESTED_KEY], f"{prefix}{f.name}.")
+            continue
+        yield _declared_field(config, f, prefix)
+
+
+def settings_of(config: type) -> dict[str, Declared]:
+    """`declared(config)` by key."""
+    return {d.key: d for d in declared(config)}
+
+
+# ---- the parser ----
+_TYPES: dict[str, type] = {"int": int, "float": float, "str": str}
+
+
+def _argparse_kwargs(d: Declared) -> dict[str, Any]:
+    kwargs = dict(d.setting.argparse)
+    base = d.annotation.replace(" | None", "").replace("None | ", "").strip()
+    if "action" not in kwargs:
+        if base == "bool":
+            kwargs["action"] = "store_false" if d.default else "store_true"
+        elif base.startswith("tuple["):
+            kwargs.setdefault("nargs", "+")
+            inner = base[len("tuple["):].split(",")[0].strip()
+            if inner in _TYPES and inner != "str":
+                kwargs.setdefault("type", _TYPES[inner])
+        elif base in _TYPES and base != "str":
+            kwargs.setdefault("type", _TYPES[base])
+    default = d.default if d.setting.flag_default is FIELD_DEFAULT else d.setting.flag_default
+    if isinstance(default, tuple):
+        default = list(default)
+    kwargs["default"] = default
+    return kwargs
+
+
+def add_arguments(parser: argparse.ArgumentParser, config: type, *, skip_sections: tuple[str, ...] = (),
+                  defaults: Mapping[str, Any] | None = None, openclip_with_data: bool = False) -> None:
+    """Add `config`'s flags to `parser`, one argument group per section in declaration order. `defaults`: another
+    parser default per key (a command with its own sizes). `openclip_with_data`: a flag whose OpenCLIP default
+    differs from the built-in dataset's gets no parser default (`resolve_defaults` fills it) and says both."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for d in declared(config):
+        if not d.has_flag or d.setting.section in skip_sections:
+            continue
+        section = d.setting.section
+        if section not in groups:
+            groups[section] = parser.add_argument_group(section) if section else parser.add_argument_group()
+        kwargs = _argparse_kwargs(d)
+        text = d.setting.help
+        if defaults and d.key in defaults:
+            kwargs["default"] = list(defaults[d.key]) if isinstance(defaults[d.key], tuple) else defaults[d.key]
+        elif openclip_with_data and switches_with_data(d):
+            kwargs["default"] = argparse.SUPPRESS
+            text = ((text + " ") if text else "") + (
+                f"(default: {shown_value(d.openclip)}, OpenCLIP's; on the built-in dataset: {shown_value(d.default)})")
+        groups[section].add_argument(d.setting.flag or d.flag, *d.setting.aliases, dest=d.dest, help=text, **kwargs)
+        if d.setting.also:
+            flags, more = d.setting.also
+            groups[section].add_argument(*flags, dest=d.dest, **more)
+
+
+def switches_with_data(d: Declared) -> bool:
+    """With --train-data the command line takes OpenCLIP's default for this setting (it differs from the demo's)."""
+    return d.openclip is not NOT_OPENCLIP and _plain(d.openclip) != _plain(d.default)
+
+
+def resolve_defaults(args: argparse.Namespace, config: type) -> argparse.Namespace:
+    """`args` with every flag of `switches_with_data` not given at its default: OpenCLIP's with --train-data, the
+    built-in dataset's without."""
+    with_data = bool(getattr(args, "train_data", None))
+    defaults = {d.dest: (d.openclip if with_data else d.default) for d in declared(config) if switches_with_data(d)}
+    defaults = {key: list(value) if isinstance(value, tuple) else value for key, value in defaults.items()}
+    return argparse.Namespace(**{**defaults, **vars(args)})
+
+
+def values_from_args(config: type, args: argparse.Namespace) -> dict[str, Any]:
+    """`config`'s keyword arguments from a parsed command line (nested configs built); a setting whose flag was
+    not given (an `argparse.SUPPRESS` default) or that has none keeps the field's default."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        if _NESTED_KEY in f.metadata:
+            inner = f.metadata[_NESTED_KEY]
+            values[f.name] = inner(**values_from_args(inner, args))
+            continue
+        d = _declared_field(config, f)
+        if d.setting.from_args is not None:
+            values[f.name] = d.setting.from_args(args)
+        elif d.has_flag and d.dest in args:
+            value = getattr(args, d.dest)
+            if d.setting.convert is not None:
+                value = d.setting.convert(value)
+            elif isinstance(value, list):
+                value = tuple(value)
+            values[f.name] = value
+    return values
+
+
+def undeclared_destinations(parser: argparse.ArgumentParser, config: type,
+                            besides: tuple[str, ...] = ()) -> list[str]:
+    """The flags of `parser` whose value no setting of `config` reads (`besides`: destinations the command reads
+    itself), as `--flag (dest)`."""
+    read = {dest for d in declared(config) for dest in d.reads} | set(besides) | {"help"}
+    return sorted(f"{action.option_strings[0] if action.option_strings else action.dest} ({action.dest})"
+                  for action in parser._actions
+                  if action.dest not in read and not isinstance(action, argparse._SubParsersAction))
+
+
+# ---- how a setting's value is shown and read ----
+def _plain(value: Any) -> Any:
+    """Lists and tuples compare alike (a config may come back from a checkpoint with either)."""
+    return tuple(_plain(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def flat_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A config dict with its data fields as `data.<name>`."""
+    flat = {key: value for key, value in config.items() if key != "data"}
+    flat.update({f"data.{key}": value for key, value in config.get("data", {}).items()})
+    return flat
+
+
+def shown_value(value: Any) -> str:
+    """A flag's value as typed on the command line (`unset` for None, a list space-separated, a string quoted
+    where it holds a space or comma)."""
+    if value is None:
+        return "unset"
+    if isinstance(value, (list, tuple)):
+        return " ".join(shown_value(v) for v in value)
+    text = str(value)
+    return shlex.quote(text) if isinstance(value, str) and (not text or re.search(r"[\s,']", text)) else text
+
+
+def parse_kwargs(items: list[str] | None, flag: str) -> dict[str, Any]:
+    """OpenCLIP's `key=value ...` flags (--opt-kwargs, --aug-cfg): each value a Python literal, else a string."""
+    values: dict[str, Any] = {}
+    for item in items or []:
+        if not item:
+            continue
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{flag}: {item!r} is not key=value")
+        try:
+            values[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            values[key] = text  # OpenCLIP's fallback: a string needs no quotes on the command line
+    return values

@@ -1,0 +1,79 @@
+"""Each setting declared once (`naflexclip.settings`): every flag of `naflexclip train` reaches the config, every
+config field has a resume rule, the Python API and the command line share defaults, and a config saved before the
+declarations resumes unchanged."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from naflexclip.cli import build_parser
+from naflexclip.data.data_config import DataConfig
+from naflexclip.settings import RULES, setting, settings_of, undeclared_destinations
+from naflexclip.train.resume import POLICY, changed_flags, refusal
+from naflexclip.train.train_command import config_from_args
+from naflexclip.train.train_config import TrainConfig, flat_config
+
+# what `train` reads itself besides the settings: the refused OpenCLIP flags (the first one stops the run)
+COMMAND_DESTINATIONS = ("openclip_refused",)
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    return build_parser()._subparsers._group_actions[0].choices["train"]
+
+
+def _config(line: str = "") -> TrainConfig:
+    return config_from_args(build_parser().parse_args(["train", *shlex.split(line)]))
+
+
+def test_every_flag_of_train_reaches_the_config() -> None:
+    assert undeclared_destinations(_train_parser(), TrainConfig, COMMAND_DESTINATIONS) == []
+
+
+def test_a_flag_no_setting_reads_is_found() -> None:
+    """Teeth: a flag added to the parser by hand, not declared, is named."""
+    parser = _train_parser()
+    parser.add_argument("--fsdp-something", type=int, default=1)
+    assert undeclared_destinations(parser, TrainConfig, COMMAND_DESTINATIONS) == ["--fsdp-something (fsdp_something)"]
+
+
+def test_every_config_field_has_a_resume_rule() -> None:
+    keys = set(flat_config(TrainConfig().to_dict()))
+    assert set(POLICY) == keys, sorted(set(POLICY) ^ keys)
+    assert all(rule in RULES for rule, _ in POLICY.values())
+
+
+def test_a_field_without_a_declaration_or_a_rule_is_refused() -> None:
+    """Teeth: a plain field (a new data-order setting added without its rule) is a TypeError naming it, and a
+    setting cannot be declared without a rule."""
+
+    @dataclasses.dataclass
+    class Grown(DataConfig):
+        shard_shuffle: bool = False
+
+    with pytest.raises(TypeError, match="Grown.shard_shuffle is not declared as a setting"):
+        settings_of(Grown)
+    with pytest.raises(TypeError, match="rule"):
+        setting(False)  # type: ignore[call-arg]
+
+
+def test_the_python_api_and_the_command_line_share_their_defaults() -> None:
+    assert TrainConfig().to_dict() == _config().to_dict()
+    assert DataConfig().synthetic_train_size == 3072 == _config().data.synthetic_train_size
+
+
+def test_a_config_saved_before_the_declarations_resumes_unchanged() -> None:
+    """A run config written by the hand-mapped flags (every key, a locked tower, --aug-cfg, --opt-kwargs) loads, and
+    the same flags today give the same config: nothing refused, nothing applied."""
+    saved = json.loads((Path(__file__).parent / "saved_run_config.json").read_text())
+    config = _config(saved["flags"]).to_dict()
+    assert json.loads(json.dumps(config)) == saved["config"]
+    assert json.loads(json.dumps(TrainConfig.from_dict(saved["config"]).to_dict())) == saved["config"]
+    assert refusal(saved["config"], config) is None and changed_flags(saved["config"], config) == []
+    other = _config(saved["flags"].replace("--lock-image-unlocked-groups 1", "--lock-image-unlocked-groups 2"))
+    assert "--lock-image-unlocked-groups: the checkpoint has 1, this run 2" in refusal(saved["config"], other.to_dict())
