@@ -1,4 +1,4 @@
-"""OpenCLIP names as NaFlex models against open_clip's own (issue 21's Measure):
+"""OpenCLIP names as NaFlex models against open_clip's own:
 
 (a) loading a ViT-B-16-size checkpoint file: `naflexclip.create_model(NAME, pretrained=FILE)` (what `train --model
     NAME --pretrained FILE` builds) against `open_clip.create_model_and_transforms(NAME, pretrained=FILE)`: wall time

@@ -140,18 +140,18 @@ def split_batch(batch: dict[str, Any], sizes: Sequence[int]) -> list[dict[str, A
     grouped = is_grouped(batch)
     if grouped:
         piece_of_image = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(list(sizes)))
-        first_piece = {}
+        first_piece: dict[int, int] = {}
         for group, piece in zip(batch["image_group"].tolist(), piece_of_image.tolist(), strict=True):
             first_piece.setdefault(group, piece)
         text_piece = torch.tensor([first_piece.get(group, -1) for group in batch["text_group"].tolist()])
-    pieces = []
+    pieces: list[dict[str, Any]] = []
     start = 0
     for size in sizes:
         rows = slice(start, start + size)
         start += size
         texts: slice | torch.Tensor = rows
         if grouped:
-            texts = (text_piece == len(pieces)).nonzero().flatten()
+            texts = torch.eq(text_piece, len(pieces)).nonzero().flatten()
             piece = {"image": _image_rows(batch["image"], rows), "text": batch["text"][texts],
                      "image_group": batch["image_group"][rows], "text_group": batch["text_group"][texts]}
         else:

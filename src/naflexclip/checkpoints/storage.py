@@ -217,7 +217,7 @@ def candidates(checkpoint_dir: Path, notify: Notify | None = None) -> list[Path]
     ordered = sorted(complete, key=_order_key, reverse=True)
     target = _pointer_target(checkpoint_dir)
     named = checkpoint_dir / target if target else None
-    if named is not None and named not in ordered and target.endswith(_NEW_SUFFIX):
+    if target is not None and named is not None and named not in ordered and target.endswith(_NEW_SUFFIX):
         named = named.with_name(target[: -len(_NEW_SUFFIX)])  # a re-save stopped after moving the new copy in
     if named is not None and named in ordered:
         ordered.remove(named)

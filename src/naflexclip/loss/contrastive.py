@@ -91,6 +91,7 @@ class _TiledClip(torch.autograd.Function):
                 block_rows = torch.logsumexp(z, dim=1)
                 lse = block_rows if lse is None else torch.logaddexp(lse, block_rows)
                 column_lse[j0:j1] = torch.logaddexp(column_lse[j0:j1], torch.logsumexp(z, dim=0))
+            assert lse is not None  # every row tile meets at least one column tile
             row_lse[i0:i1] = lse
         column_lse = reduce_column_lse(column_lse)  # every rank's rows: the full column normaliser
         loss = (row_lse.sum() + column_lse[row_offset : row_offset + num_rows].sum() - 2 * diagonal) / (2 * num_all)

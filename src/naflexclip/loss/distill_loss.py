@@ -126,6 +126,7 @@ class _TiledDistillClip(torch.autograd.Function):
                 column_lse[:, j0:j1] = torch.logaddexp(column_lse[:, j0:j1],
                                                        torch.stack([student_columns, w.logsumexp(dim=0)]))
                 del w  # not held while the next block is made
+            assert lse is not None  # every row tile meets at least one column tile
             row_lse[:, i0:i1] = lse
         column_lse = reduce_column_lse(column_lse)
         weighted = image_rows.new_zeros(())  # Σ (P' + Q') ⊙ z over the block
@@ -274,7 +275,8 @@ class DistillLoss(nn.Module):
         _check_shapes(image_rows, text_features, row_offset)
         _check_teacher(image_rows, text_features, teacher_image_rows, teacher_text_features)
         num_images = text_features.shape[0] if num_images is None else num_images
-        text_rows = (row_offset, row_offset + image_rows.shape[0]) if text_rows is None else tuple(text_rows)
+        text_rows = ((row_offset, row_offset + image_rows.shape[0]) if text_rows is None
+                     else (text_rows[0], text_rows[1]))
         teacher = (teacher_image_rows.detach(), teacher_text_features.detach(), teacher_logit_scale.detach())
         if self.kind == "clip":
             return _TiledDistillClip.apply(image_rows, text_features, logit_scale, logit_bias, *teacher, self.weight,

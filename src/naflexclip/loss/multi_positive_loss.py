@@ -117,6 +117,7 @@ class _TiledMultiPositive(torch.autograd.Function):
                     lse = block_rows if lse is None else torch.logaddexp(lse, block_rows)
                     column_lse[j0:j1] = torch.logaddexp(column_lse[j0:j1], torch.logsumexp(z, dim=0))
                     del z  # not held while the next block is made
+                assert lse is not None  # every row tile meets at least one column tile
                 row_lse[i0:i1] = lse
             column_lse = reduce_column_lse(column_lse)
             t0, t1 = text_rows

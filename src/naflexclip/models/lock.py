@@ -39,7 +39,8 @@ TOWERS = ("image", "text")
 
 def tower_modules(model: nn.Module) -> dict[str, list[nn.Module]]:
     """The modules of each tower of a `NaFlexClip`, by the input it encodes."""
-    return {"image": [model.visual, model.image_projection], "text": [model.text]}
+    towers: Any = model
+    return {"image": [towers.visual, towers.image_projection], "text": [towers.text]}
 
 
 def locked_towers(model: nn.Module) -> frozenset[str]:
@@ -50,20 +51,20 @@ def locked_towers(model: nn.Module) -> frozenset[str]:
 
 def image_groups(model: nn.Module) -> list[list[nn.Parameter]]:
     """The image tower's layer groups, input to output."""
-    visual = model.visual
+    visual: Any = model.visual  # timm's NaFlexVit (nn.Module attributes type as Tensor | Module)
     # timm's matcher puts `norm_pre` (OpenCLIP's ln_pre, `^norm`) with the final norm; it acts on the embeddings,
     # so it belongs to the stem group, as in OpenCLIP's own VisionTransformer.lock
     matcher = {**visual.group_matcher(), "stem": r"^embeds|^norm_pre"}
     matcher["blocks"] = [(r"^blocks\.(\d+)", None), (r"^norm\.|^fc_norm\.", (99999,))]
     names = group_parameters(visual, matcher)
     groups = [[visual.get_parameter(name) for name in group] for _, group in sorted(names.items())]
-    projection = list(model.image_projection.parameters())
+    projection = list(model.get_submodule("image_projection").parameters())
     return groups + ([projection] if projection else [])
 
 
 def text_groups(model: nn.Module) -> list[list[nn.Parameter]]:
     """The text tower's layer groups, input to output."""
-    text = model.text
+    text: Any = model.text  # open_clip's TextTransformer
     blocks = list(text.transformer.resblocks)
     items: list[list[Any]] = [[text.token_embedding, text.positional_embedding, getattr(text, "cls_emb", None)],
                               *([block] for block in blocks[:-1]), [blocks[-1], text.ln_final],
@@ -106,7 +107,8 @@ def lock_image_tower(model: nn.Module, unlocked_groups: int = 0) -> None:
 def lock_text_tower(model: nn.Module, unlocked_layers: int = 0, freeze_layer_norm: bool = True) -> None:
     """Lock the text tower but its last `unlocked_layers` layer groups (`NaFlexClip.lock_text_tower`)."""
     norms = frozenset() if freeze_layer_norm else frozenset(
-        id(p) for module in model.text.modules() if isinstance(module, nn.LayerNorm) for p in module.parameters())
+        id(p) for module in model.get_submodule("text").modules() if isinstance(module, nn.LayerNorm)
+        for p in module.parameters())
     _lock_groups(text_groups(model), unlocked_layers, "unlocked_layers", keep=norms)
 
 
@@ -186,10 +188,11 @@ class Locks:
             count = len(groups(model)) if on else 0
             if unlocked > count:
                 raise ValueError(f"{flag} {unlocked}: the {tower} tower has {count} layer groups")
+        towers: Any = model  # a NaFlexClip (its lock methods)
         if self.lock_image:
-            model.lock_image_tower(unlocked_groups=self.lock_image_unlocked_groups)
+            towers.lock_image_tower(unlocked_groups=self.lock_image_unlocked_groups)
         if self.lock_text:
-            model.lock_text_tower(unlocked_layers=self.lock_text_unlocked_layers,
+            towers.lock_text_tower(unlocked_layers=self.lock_text_unlocked_layers,
                                   freeze_layer_norm=self.lock_text_freeze_layer_norm)
 
 

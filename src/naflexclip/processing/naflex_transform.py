@@ -86,8 +86,8 @@ class NaFlexTransform:
         self.patch_size = patch_size
         self.augment = augment
         # the crop's area and aspect ranges (OpenCLIP's --aug-cfg scale=, ratio=; None: the class's)
-        self.scale = tuple(scale) if scale is not None else NaFlexTransform.scale
-        self.ratio = tuple(ratio) if ratio is not None else NaFlexTransform.ratio
+        self.scale = (scale[0], scale[1]) if scale is not None else NaFlexTransform.scale
+        self.ratio = (ratio[0], ratio[1]) if ratio is not None else NaFlexTransform.ratio
         self.interpolation = interpolation  # "bicubic" or "bilinear" (a model's own, e.g. an OpenCLIP name's)
         self._resizers: dict[int, torch.nn.Module] = {}
 

@@ -536,7 +536,7 @@ class TrainConfig:
                 setattr(self, key, os.path.abspath(getattr(self, key)))
 
     def _check_optimizer(self) -> None:
-        """The optimizer and schedule flags (issue 22), one line naming the flag."""
+        """The optimizer and schedule flags, one line naming the flag."""
         from naflexclip.train.optim import SCHEDULERS, check_optimizer_name
 
         check_optimizer_name(self.opt)
@@ -564,7 +564,7 @@ class TrainConfig:
                              f"timm/nadamuon), not --opt {self.opt}")
 
     def _check_run_flags(self) -> None:
-        """The run flags (issue 22), one line naming the flag."""
+        """The run flags, one line naming the flag."""
         from naflexclip.train.remote_sync import PROTOCOLS
 
         if self.remote_sync_protocol not in PROTOCOLS:
@@ -573,7 +573,7 @@ class TrainConfig:
             raise ValueError(f"--remote-sync-frequency must be > 0 seconds, got {self.remote_sync_frequency:g}")
 
     def _check_model_overrides(self) -> None:
-        """OpenCLIP's --force-* flags (issue 22), one line naming the flag."""
+        """OpenCLIP's --force-* flags, one line naming the flag."""
         if self.force_image_size is not None:
             self.force_image_size = tuple(int(v) for v in self.force_image_size)
             if len(self.force_image_size) not in (1, 2) or min(self.force_image_size) < 1:
