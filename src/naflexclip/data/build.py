@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from naflexclip.data import remote
 from naflexclip.data.data_config import DataConfig
 from naflexclip.data.loader import NaFlexLoader
 from naflexclip.data.map_loader import MapLoader
@@ -185,8 +186,9 @@ def build_loader(
     urls, ids = expand_sources(path) if kind == "webdataset" and path is not None else ([], np.zeros(0, np.int64))
     if urls:
         check_shards(urls, path)
+        remote.check_remote_shards([u for u in urls if is_indexable(u)], path)
     loader: NaFlexLoader
-    if not all(is_indexable(u) for u in urls):  # pipe:, URLs, compressed: streamed
+    if not all(is_indexable(u) for u in urls):  # pipe:, compressed: streamed
         if factors is not None and not resampled:
             raise DataError("--train-data-upsampling-factors without --dataset-resampled plans each source's exact "
                             "share, which needs local .tar shards; these are streamed: add --dataset-resampled")
@@ -222,6 +224,10 @@ def build_loader(
                            "the first listed, %d)", " ".join(map(str, sizes)), patch_size, sizes[0])
     if epoch or start_batch:
         loader.set_epoch(epoch, start_batch)
+    retried = remote.take_notes()  # startup's (listing, sizes.json, indexing): before any worker forks
+    if retried and rank == 0:
+        logger.warning("data %s (%s): %d remote reads retried at startup, e.g. %s", split, path, len(retried),
+                       retried[0]["detail"])
     return loader
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from naflexclip.data import remote
 from naflexclip.data.loader import NaFlexLoader, WorkerEpoch
 from naflexclip.data.readers import RawSample, Source, skip_record
 from naflexclip.data.samples import SkipSample
@@ -28,9 +29,11 @@ class MapEpoch(WorkerEpoch):
 
     def _load(self, index: int) -> RawSample | SkipSample:
         try:
-            return self.source.load(index)
+            raw: RawSample | SkipSample = self.source.load(index)
         except SkipSample as skip:
-            return skip
+            raw = skip
+        raw.notes = raw.notes + remote.take_notes()  # object storage reads retried for it
+        return raw
 
     def batches(self, worker_id: int) -> Iterator[dict[str, Any]]:
         for planned in worker_batches(self.schedule, worker_id, self.workers, self.first):

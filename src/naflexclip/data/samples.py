@@ -46,10 +46,13 @@ SKIP_REASONS = (
     # sizes.json's count for a shard is not what it holds: each listed sample it lacks, and each sample it holds past
     # the listed count (which the plan, made from sizes.json alone, cannot read), counted
     "shard_size_mismatch",
+    "unreachable_shard",  # a remote shard whose reads kept failing after retries (each of its samples counted)
+    "read_retry",  # a remote read that failed transiently and was retried: a note, nothing is lost
     *REGION_REASONS,
 )
 # reasons about whole shards, the plan or the packing, reported apart from bad samples
 NOT_SAMPLE_REASONS = ("truncated_shard", "missing_shard", "epoch_remainder", "duplicate_key", "shard_size_mismatch",
+                      "read_retry",
                       *REGION_REASONS)
 
 

@@ -3,8 +3,10 @@
 Indexing reads tar headers only (no member data, no decoding). The index of a shard is cached as
 JSON beside it (`<shard>.naflexclip-index.json`), or under a cache directory when the shard's folder
 is not writable or `--shard-index-dir` is set; a cached index is used only while the shard's size and
-modification time are the ones it was built from. Streams that cannot be indexed (`pipe:`, URLs,
-compressed tars) are read by `shards.shard_samples` instead.
+modification time are the ones it was built from. Shards in object storage (`s3://`, `gs://`, `hf://`,
+`https://`: `remote`) are indexed the same way from headers read by ranged requests (their index cached
+locally, stamped with size and ETag) and read by ranged requests of their members. Streams that cannot be
+indexed (`pipe:`, compressed tars) are read by `shards.shard_samples` instead.
 
 Grouping follows WebDataset (consecutive members with the same key are one sample), with one change:
 when a member's last suffix is an image or caption extension, its key is everything before that suffix,
@@ -15,6 +17,7 @@ so `img.v2.3.jpg` + `img.v2.3.txt` is sample `img.v2.3` (WebDataset would make i
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -24,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from naflexclip.data import remote
 from naflexclip.data.samples import SkipSample
 from naflexclip.data.shards import (
     DEFAULT_MEMBER_KEYS,
@@ -40,17 +44,18 @@ INDEX_SUFFIX = ".naflexclip-index.json"
 
 
 def is_indexable(url: str) -> bool:
-    """A local, uncompressed tar file path (what can be read by offset)."""
-    return "://" not in url and not url.startswith("pipe:") and url.endswith(".tar")
+    """An uncompressed tar file, local or in object storage (what can be read by offset)."""
+    return not url.startswith("pipe:") and url.endswith(".tar")
 
 
 @dataclass
 class ShardIndex:
     """One shard's samples: key, image (offset, size, or -1, -1), caption (offset, size, or -1, -1).
 
-    `status`: "ok", "missing" (cannot be opened) or "truncated" (ends early or is not a tar; the samples
-    before the damage are kept). `cut`: the key of the sample a member of which the damage cut (left out of
-    `keys`), or None when no member was cut."""
+    `status`: "ok", "missing" (cannot be opened), "unreachable" (a remote shard whose reads kept failing:
+    `detail` says why) or "truncated" (ends early or is not a tar; the samples before the damage are kept).
+    `cut`: the key of the sample a member of which the damage cut (left out of `keys`), or None when no member
+    was cut."""
 
     url: str
     status: str
@@ -58,27 +63,42 @@ class ShardIndex:
     offsets: np.ndarray  # int64 [num_samples, 6]: image, caption and .json member offset and size (-1, -1: none)
     cut: str | None = None
     duplicates: list[str] = field(default_factory=list)  # keys that name several samples (each trains)
+    detail: str = ""
 
     def __len__(self) -> int:
         return len(self.keys)
 
 
-def scan_shard(url: str, keys: MemberKeys = DEFAULT_MEMBER_KEYS) -> ShardIndex:
-    """Index a local tar shard by reading its member headers; `keys` picks each sample's image and caption."""
+def _unreadable(url: str, error: remote.Unreachable) -> ShardIndex:
+    return ShardIndex(url, "missing" if error.missing else "unreachable", [], np.zeros((0, 6), np.int64),
+                      detail=str(error))
+
+
+def scan_shard(url: str, keys: MemberKeys = DEFAULT_MEMBER_KEYS, file_size: int | None = None) -> ShardIndex:
+    """Index a tar shard by reading its member headers (a remote one's by ranged requests); `keys` picks each
+    sample's image and caption. `file_size`: the shard's, when known."""
     try:
-        file_size = os.path.getsize(url)
+        if remote.is_remote(url):
+            file_size = remote.info(url)["size"] if file_size is None else file_size
+            stream = remote.open_ranged(url, file_size)
+        else:
+            file_size = os.path.getsize(url)
+            stream = open(url, "rb")  # noqa: SIM115 - closed with the tar below
     except OSError:
         return ShardIndex(url, "missing", [], np.zeros((0, 6), np.int64))
+    except remote.Unreachable as error:
+        return _unreadable(url, error)
     members: list[tuple[str, int, int]] = []
     truncated, cut_member = False, None
     try:
-        with tarfile.open(url, "r:") as tar:  # reads headers and seeks past member data
+        with stream, tarfile.open(fileobj=stream, mode="r:") as tar:  # reads headers and seeks past member data
             while True:
                 try:
                     info = tar.next()
                 except (tarfile.TarError, EOFError, OSError):
                     truncated = True
                     break
+                # a remote read failing for good (Unreachable) passes through to the handler below
                 if info is None:
                     break
                 if not info.isreg():
@@ -89,6 +109,8 @@ def scan_shard(url: str, keys: MemberKeys = DEFAULT_MEMBER_KEYS) -> ShardIndex:
                 members.append((info.name, info.offset_data, info.size))
     except (tarfile.TarError, EOFError, OSError):
         truncated = True
+    except remote.Unreachable as error:  # not a damaged shard: nothing of it is known
+        return _unreadable(url, error)
     image_rank = {e: i for i, e in enumerate(keys.image)}
     caption_rank = {e: i for i, e in enumerate(keys.caption)}
     sample_keys: list[str] = []
@@ -133,22 +155,30 @@ def repeated_keys(sample_keys: list[str]) -> list[str]:
 
 
 def _cache_path(url: str, cache_dir: str | None) -> str:
-    if cache_dir is None and os.access(os.path.dirname(os.path.abspath(url)), os.W_OK):
+    local = not remote.is_remote(url)
+    if cache_dir is None and local and os.access(os.path.dirname(os.path.abspath(url)), os.W_OK):
         return url + INDEX_SUFFIX
     directory = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "naflexclip", "shard-index")
-    digest = hashlib.sha1(os.path.abspath(url).encode()).hexdigest()[:20]
-    return os.path.join(directory, f"{os.path.basename(url)}-{digest}.json")
+    digest = hashlib.sha1((os.path.abspath(url) if local else url).encode()).hexdigest()[:20]
+    return os.path.join(directory, f"{url.rpartition('/')[2]}-{digest}.json")
 
 
 def load_shard_index(url: str, cache_dir: str | None = None, keys: MemberKeys = DEFAULT_MEMBER_KEYS) -> ShardIndex:
     """The shard's index: from its cache while the shard's size and mtime (and the member keys) match, else
     scanned and cached."""
-    try:
-        st = os.stat(url)
-    except OSError:
-        return scan_shard(url, keys)
-    stamp = {"version": INDEX_VERSION, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-             "image_key": list(keys.image), "caption_key": list(keys.caption)}
+    if remote.is_remote(url):  # a remote shard's version is its ETag (or its backend's modification stamp)
+        try:
+            found = remote.info(url)
+        except remote.Unreachable as error:
+            return _unreadable(url, error)
+        stamp = {"version": INDEX_VERSION, "size": found["size"], "etag": found["version"]}
+    else:
+        try:
+            st = os.stat(url)
+        except OSError:
+            return scan_shard(url, keys)
+        stamp = {"version": INDEX_VERSION, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    stamp.update({"image_key": list(keys.image), "caption_key": list(keys.caption)})
     path = _cache_path(url, cache_dir)
     try:
         with open(path) as f:
@@ -159,7 +189,9 @@ def load_shard_index(url: str, cache_dir: str | None = None, keys: MemberKeys = 
                               cached["duplicates"])
     except (OSError, ValueError, KeyError):
         pass
-    index = scan_shard(url, keys)
+    index = scan_shard(url, keys, stamp["size"])
+    if index.status in ("missing", "unreachable"):
+        return index  # a fault of this moment, not the shard's content: never cached
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         tmp = f"{path}.tmp-{os.getpid()}"
@@ -170,6 +202,26 @@ def load_shard_index(url: str, cache_dir: str | None = None, keys: MemberKeys = 
     except OSError:
         pass  # an unwritable cache only costs a re-scan next time
     return index
+
+
+def load_shard_indexes(urls: list[str], cache_dir: str | None, keys: MemberKeys) -> list[ShardIndex]:
+    """Every shard's index, in order; remote shards' by several requests at once."""
+    if not any(remote.is_remote(u) for u in urls):
+        return [load_shard_index(url, cache_dir, keys) for url in urls]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        return list(pool.map(lambda url: load_shard_index(url, cache_dir, keys), urls))
+
+
+def read_remote_sample(url: str, key: str, row: np.ndarray, notes: list[dict[str, Any]] | None = None) -> RawSample:
+    """A remote shard's sample: its members in one ranged request; a read failing for good skips it as
+    `unreachable_shard`, naming the URL and the error. `notes`: as `RawSample.notes`."""
+    img_off, img_size, cap_off, cap_size, json_off, json_size = (int(v) for v in row)
+    try:
+        image, caption, regions = remote.read_spans(url, [(img_off, img_size), (cap_off, cap_size),
+                                                          (json_off, json_size)])
+    except remote.Unreachable as error:
+        raise SkipSample("unreachable_shard", str(error), notes=notes) from None
+    return RawSample(image, caption, None, f"{url}:{key}", regions, notes or [])
 
 
 class IndexedShardSource:
@@ -187,10 +239,10 @@ class IndexedShardSource:
         self.urls = urls
         self.index_skips: list[dict[str, Any]] = []
         shard_ids, keys, offsets = [], [], []
-        for shard_id, url in enumerate(urls):
-            index = load_shard_index(url, cache_dir, member_keys)
+        for shard_id, index in enumerate(load_shard_indexes(urls, cache_dir, member_keys)):
+            url = index.url
             if index.status != "ok":
-                self.index_skips.append(skip_record(url, None, None, f"{index.status}_shard"))
+                self.index_skips.append(skip_record(url, None, None, f"{index.status}_shard", index.detail))
             for key in index.duplicates:
                 self.index_skips.append(skip_record(url, key, None, "duplicate_key", DUPLICATE_DETAIL))
             if index.cut is not None:
@@ -227,6 +279,8 @@ class IndexedShardSource:
     def load(self, index: int) -> RawSample:
         shard_id = int(self.shard_ids[index])
         img_off, img_size, cap_off, cap_size, json_off, json_size = (int(v) for v in self.offsets[index])
+        if remote.is_remote(self.urls[shard_id]):
+            return read_remote_sample(self.urls[shard_id], self.keys[index], self.offsets[index])
         fd = self._fd(shard_id)
         image = os.pread(fd, img_size, img_off)  # pread: no shared file position between threads or forks
         caption = os.pread(fd, cap_size, cap_off)
@@ -280,6 +334,8 @@ class SizedShardSource:
         url = self.urls[shard]
         if shard_index.status == "missing":
             raise SkipSample("missing_shard", url)
+        if shard_index.status == "unreachable":
+            raise SkipSample("unreachable_shard", shard_index.detail)
         if j >= len(shard_index):
             if shard_index.status == "truncated":
                 raise SkipSample("truncated_shard", f"sample {j} of {url}: the shard ends before it")
@@ -295,6 +351,8 @@ class SizedShardSource:
                   else "missing_caption" if cap_off < 0 else None)
         if reason is not None:
             raise SkipSample(reason, notes=notes)
+        if remote.is_remote(url):
+            return read_remote_sample(url, shard_index.keys[j], shard_index.offsets[j], notes)
         with open(url, "rb") as f:
             image = os.pread(f.fileno(), img_size, img_off)
             caption = os.pread(f.fileno(), cap_size, cap_off)

@@ -19,6 +19,7 @@ from webdataset.gopen import gopen
 from webdataset.shardlists import expand_urls
 from webdataset.tariterators import base_plus_ext
 
+from naflexclip.data import remote
 from naflexclip.data.samples import IMAGE_EXTENSIONS
 from naflexclip.data.source import CAPTION_EXTENSIONS, DataError, RawSample, skip_record
 
@@ -78,9 +79,12 @@ def read_sizes(urls: list[str]) -> np.ndarray | None:
         if directory not in tables:
             path = os.path.join(directory, "sizes.json")
             try:
-                with open(path) as f:
-                    tables[directory] = json.load(f)
-            except (OSError, ValueError):
+                if remote.is_remote(path):
+                    tables[directory] = json.loads(remote.read_bytes(path))
+                else:
+                    with open(path) as f:
+                        tables[directory] = json.load(f)
+            except (OSError, ValueError, remote.Unreachable):
                 tables[directory] = None
         table = tables[directory]
         if table is None or name not in table:

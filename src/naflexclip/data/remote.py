@@ -1,0 +1,228 @@
+"""Files in object storage (`s3://`, `gs://`, `hf://`, `https://`, any fsspec URL), read by byte range.
+
+Each URL's filesystem is fsspec's, configured the way that backend reads its credentials and endpoint
+(`AWS_ENDPOINT_URL`, profiles, `GOOGLE_APPLICATION_CREDENTIALS`, `HF_TOKEN`...). Only the ranges a reader asks
+for are fetched; nothing is written to local disk (`--remote-cache-dir` asks for fsspec's block cache).
+
+Faults: a transient error (a timeout, a dropped connection, a 5xx, throttling) is retried with exponential
+backoff, up to `RETRIES` times; each retry is a `read_retry` note (`take_notes`, recorded by the loader in the
+epoch's skip log); a read that still fails raises `Unreachable`, naming the URL and the last error. A missing
+file or a refused one is not retried. S3's own retries are turned off so that every retry is counted here.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from naflexclip.data.source import DataError, skip_record
+
+RETRIES = 5  # retries of a transient error, after the first attempt
+BACKOFF_S = 0.25  # the first retry's wait; doubled each retry (with jitter), at most MAX_BACKOFF_S
+MAX_BACKOFF_S = 8.0
+SCAN_BLOCK = 1 << 18  # bytes fetched per request while reading tar headers (several small members per request)
+_T = TypeVar("_T")
+
+# not worth retrying: the object is not there, or we may not read it
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+_cache_dir: str | None = None
+_notes: list[dict[str, Any]] = []
+_filesystems: dict[tuple[int, str], Any] = {}
+
+
+class Unreachable(RuntimeError):
+    """A remote read that failed after every retry, or failed for good (the URL and the reason in the message).
+
+    Not an OSError on purpose: `tarfile` reads an OSError as a truncated shard."""
+
+    def __init__(self, url: str, error: BaseException, attempts: int) -> None:
+        tried = f" after {attempts} attempts" if attempts > 1 else ""
+        super().__init__(f"{url}: {type(error).__name__}: {error}{tried}".strip())
+        self.url, self.missing = url, isinstance(error, FileNotFoundError)
+
+
+def is_remote(url: str) -> bool:
+    """A URL fsspec reads (`s3://`, `gs://`, `hf://`, `https://`, ...): not a local path, not a `pipe:`."""
+    return "://" in url and not url.startswith(("pipe:", "file://"))
+
+
+def set_cache_dir(path: str | None) -> None:
+    """Cache fetched blocks on disk under `path` (fsspec's `blockcache`); None: fetch every time (the default)."""
+    global _cache_dir
+    _cache_dir = path
+    forget_filesystems()
+
+
+def forget_filesystems() -> None:
+    """Make the next read create its filesystems again (after the endpoint or credentials in the environment
+    changed)."""
+    _filesystems.clear()
+
+
+def filesystem(url: str) -> tuple[Any, str]:
+    """(fsspec filesystem, path) of a remote URL; one filesystem per protocol and process (a forked worker
+    makes its own)."""
+    import fsspec
+
+    protocol = url.split("://", 1)[0]
+    key = (os.getpid(), protocol)
+    if key not in _filesystems:
+        s3 = protocol in ("s3", "s3a")
+        options: dict[str, Any] = {"config_kwargs": {"retries": {"total_max_attempts": 1}}} if s3 else {}
+        fs = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
+        if s3:  # every retry is ours, so it is counted (s3fs and botocore retry otherwise, silently)
+            fs.retries = 1
+        if _cache_dir is not None:
+            fs = fsspec.filesystem("blockcache", fs=fs, cache_storage=_cache_dir)
+        _filesystems[key] = fs
+    fs = _filesystems[key]
+    return fs, getattr(fs, "fs", fs)._strip_protocol(url)
+
+
+def is_transient(error: BaseException) -> bool:
+    """Worth retrying: a timeout, a dropped or refused connection, a server error or throttling (fsspec backends
+    raise these as OSError, TimeoutError, or their HTTP client's errors)."""
+    if isinstance(error, _PERMANENT):
+        return False
+    if isinstance(error, OSError) and error.errno in (errno.EACCES, errno.ENOENT):
+        return False
+    return isinstance(error, (OSError, TimeoutError, ConnectionError)) or type(error).__module__.startswith(
+        ("aiohttp", "botocore", "requests", "urllib3", "huggingface_hub", "google"))
+
+
+def with_retries(url: str, what: str, call: Callable[[], _T]) -> _T:
+    """`call()`, retried on transient errors with backoff; each retry is noted. Raises `Unreachable`."""
+    for attempt in range(RETRIES + 1):
+        try:
+            return call()
+        except Exception as error:  # noqa: BLE001 - classified below, re-raised as Unreachable
+            if not is_transient(error) or attempt == RETRIES:
+                raise Unreachable(url, error, attempt + 1) from error
+            _notes.append(skip_record(url, None, None, "read_retry",
+                                      f"{what}, attempt {attempt + 1}: {type(error).__name__}: {error}"))
+            wait = min(MAX_BACKOFF_S, BACKOFF_S * 2 ** attempt)
+            time.sleep(wait * random.uniform(0.5, 1.0))
+    raise AssertionError("unreachable")
+
+
+def take_notes() -> list[dict[str, Any]]:
+    """The `read_retry` notes of this process since the last call."""
+    notes = list(_notes)
+    _notes.clear()
+    return notes
+
+
+def info(url: str) -> dict[str, Any]:
+    """The object's size and version stamp (ETag or modification time), with retries."""
+    fs, path = filesystem(url)
+    found = with_retries(url, "info", lambda: fs.info(path))
+    version = found.get("ETag") or found.get("etag") or found.get("md5Hash") or found.get("LastModified") or \
+        found.get("mtime") or found.get("last_modified") or found.get("blob_id")
+    return {"size": int(found["size"]), "version": str(version)}
+
+
+def read_range(url: str, start: int, end: int) -> bytes:
+    """Bytes [start, end) of the object, one ranged request (retried)."""
+    fs, path = filesystem(url)
+    data = with_retries(url, f"bytes {start}-{end}", lambda: fs.cat_file(path, start=start, end=end))
+    if len(data) != end - start:  # a short read is a dropped transfer, not the object's end
+        data = with_retries(url, f"bytes {start}-{end} (short read)",
+                            lambda: _exact(fs.cat_file(path, start=start, end=end), end - start))
+    return data
+
+
+def _exact(data: bytes, size: int) -> bytes:
+    if len(data) != size:
+        raise OSError(errno.EIO, f"got {len(data)} of {size} bytes")
+    return data
+
+
+def read_spans(url: str, spans: Sequence[tuple[int, int]]) -> list[bytes | None]:
+    """Several (offset, size) members of one object in one ranged request covering them (a sample's members
+    are consecutive in its shard); an offset < 0 gives None."""
+    present = [(o, s) for o, s in spans if o >= 0]
+    if not present:
+        return [None] * len(spans)
+    start = min(o for o, _ in present)
+    data = read_range(url, start, max(o + s for o, s in present))
+    return [None if o < 0 else data[o - start: o - start + s] for o, s in spans]
+
+
+def read_bytes(url: str) -> bytes:
+    """The whole object (small files: `sizes.json`), retried."""
+    fs, path = filesystem(url)
+    return with_retries(url, "read", lambda: fs.cat_file(path))
+
+
+class RangedFile(io.RawIOBase):
+    """A remote object as a seekable binary file whose reads are retried ranged requests (wrap it in an
+    `io.BufferedReader` to fetch `SCAN_BLOCK` bytes at a time): what `tarfile` reads a shard's headers from."""
+
+    def __init__(self, url: str, size: int) -> None:
+        super().__init__()
+        self.url, self.size, self.position = url, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.size}[whence]
+        self.position = max(0, base + offset)
+        return self.position
+
+    def readinto(self, buffer: Any) -> int:
+        end = min(self.size, self.position + len(buffer))
+        if end <= self.position:
+            return 0
+        data = read_range(self.url, self.position, end)
+        buffer[: len(data)] = data
+        self.position += len(data)
+        return len(data)
+
+
+def open_ranged(url: str, size: int) -> io.BufferedReader:
+    """The object as a buffered, seekable file reading `SCAN_BLOCK` bytes per request."""
+    return io.BufferedReader(RangedFile(url, size), buffer_size=SCAN_BLOCK)
+
+
+def list_objects(urls: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """The objects of the folders `urls` are in, by URL (one listing per folder, retried): which shards exist, and
+    their sizes, before any worker reads. Folders that cannot be listed (plain `https://`) are left out."""
+    found: dict[str, dict[str, Any]] = {}
+    for folder in sorted({u.rpartition("/")[0] for u in urls}):
+        fs, path = filesystem(folder + "/")
+        try:
+            entries = with_retries(folder, "list", lambda fs=fs, path=path: fs.ls(path, detail=True))
+        except Unreachable as error:
+            if error.missing or isinstance(error.__cause__, NotImplementedError):
+                continue
+            raise
+        for entry in entries:
+            found[f"{folder}/{entry['name'].rstrip('/').rpartition('/')[2]}"] = entry
+    return found
+
+
+def check_remote_shards(urls: Sequence[str], spec: str) -> None:
+    """Fail early, in one line naming `spec`, when the folders of its remote shards cannot be listed (after
+    retries) or list none of them. Shards a listing leaves out are skipped by name when read (`missing_shard`)."""
+    wanted = [u for u in urls if is_remote(u)]
+    if not wanted:
+        return
+    try:
+        found = list_objects(wanted)
+    except Unreachable as error:
+        raise DataError(f"--train-data/--val-data {spec!r}: cannot list its shards: {error}") from None
+    if not any(u in found for u in wanted):
+        raise DataError(f"no shard of --train-data/--val-data {spec!r} exists (expanded to {len(wanted)} urls, "
+                        "none of them listed in object storage)")

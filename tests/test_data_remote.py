@@ -1,0 +1,194 @@
+"""Shards in object storage, read from a real S3 API on localhost (moto's server): every sample once per epoch for any
+workers and ranks, exactly as the same shards on local disk; a mid-epoch resume continues exactly; transient faults
+are retried and counted with nothing lost; a shard that stays unreachable is skipped by name."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from s3_server import FaultProxy, s3_environment, s3_server, upload
+
+from naflexclip.cli import main
+from naflexclip.data import DataConfig, DataError, build_loader, remote
+from naflexclip.data.dataset_export import export_synthetic
+
+PATCH, CONTEXT = 8, 16
+LOCAL_SPEC = "train-{00000..00003}.tar"
+SAMPLES = 40
+
+
+@pytest.fixture(scope="module")
+def bucket(tmp_path_factory: pytest.TempPathFactory):
+    """40 built-in scenes in 4 shards, on local disk and in an S3 bucket (with and without a sizes.json):
+    (endpoint, local folder, the local folder without sizes.json)."""
+    local = tmp_path_factory.mktemp("shards")
+    export_synthetic(str(local), count=SAMPLES, shard_size=10, image_format="png")
+    unsized = tmp_path_factory.mktemp("unsized")
+    for name in os.listdir(local):
+        if name.endswith(".tar"):
+            shutil.copy(local / name, unsized / name)
+    with s3_server() as endpoint:
+        saved = {k: os.environ.get(k) for k in s3_environment(endpoint)}
+        os.environ.update(s3_environment(endpoint))
+        upload(str(local), "s3://data/sized")
+        upload(str(unsized), "s3://data/unsized")
+        try:
+            yield endpoint, local, unsized
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+@pytest.fixture(autouse=True)
+def fresh_filesystems() -> None:
+    """Each test's endpoint (a fault proxy's or the server's) is read when its first request is made."""
+    remote.forget_filesystems()
+    yield
+    remote.forget_filesystems()
+
+
+@pytest.fixture
+def fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
+
+
+def config(spec: str, tmp_path: Path, **overrides) -> DataConfig:
+    values = dict(train_data=spec, naflex_seq_lens=(16, 32), naflex_max_tokens_per_batch=128, workers=0, seed=3,
+                  shard_index_dir=str(tmp_path / "index"))
+    values.update(overrides)
+    return DataConfig(**values)
+
+
+def epoch_keys(cfg: DataConfig, world_size: int = 1) -> tuple[list[str], Counter]:
+    """The sample keys (without their shard's folder) every rank trains in epoch 0, in order, and the skips."""
+    keys: list[str] = []
+    skips: Counter = Counter()
+    for rank in range(world_size):
+        loader = build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT, rank=rank,
+                              world_size=world_size)
+        keys += [key.rpartition("/")[2] for batch in loader for key in batch["keys"]]
+        skips.update(loader.skip_counts)
+    return keys, skips
+
+
+@pytest.mark.parametrize("folder", ["sized", "unsized"])
+def test_remote_shards_train_every_sample_once_in_the_local_order(bucket, tmp_path: Path, folder: str) -> None:
+    """With a sizes.json (indexed by the worker that reads a shard) and without (indexed at startup): every sample
+    once, for any workers and ranks, in the order the same shards on local disk give."""
+    source = bucket[1] if folder == "sized" else bucket[2]
+    local_keys, _ = epoch_keys(config(str(source / LOCAL_SPEC), tmp_path / "local"), world_size=2)
+    assert sorted(local_keys) == [f"train-0000{i // 10}.tar:train{i:08d}" for i in range(SAMPLES)]
+    for workers, world_size in ((0, 1), (2, 2)):
+        cfg = config(f"s3://data/{folder}/{LOCAL_SPEC}", tmp_path / f"{workers}", workers=workers)
+        keys, skips = epoch_keys(cfg, world_size)
+        if world_size == 2:
+            assert keys == local_keys
+        assert Counter(keys) == Counter(local_keys) and not skips
+
+
+def test_a_remote_epoch_resumed_mid_way_continues_exactly(bucket, tmp_path: Path) -> None:
+    cfg = config(f"s3://data/sized/{LOCAL_SPEC}", tmp_path)
+    whole = build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT)
+    expected = [batch["keys"] for batch in whole]
+    first = build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT)
+    head = []
+    for batch in first:
+        head.append(batch["keys"])
+        if len(head) == 3:
+            break
+    state = first.state_dict()
+    resumed = build_loader(config(f"s3://data/sized/{LOCAL_SPEC}", tmp_path, workers=2), split="train",
+                           patch_size=PATCH, context_length=CONTEXT)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(state["epoch"], state["position"])
+    assert head + [batch["keys"] for batch in resumed] == expected
+
+
+def test_transient_faults_are_retried_and_counted_and_nothing_is_lost(bucket, tmp_path: Path, fast_retries,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every third request fails (503 SlowDown, 500, a body cut half-way) up to 12 times: the epoch is the whole
+    data, each retry is a `read_retry` note. Teeth: without retries the same faults lose samples."""
+    endpoint = bucket[0]
+    expected, _ = epoch_keys(config(f"s3://data/sized/{LOCAL_SPEC}", tmp_path / "clean"))
+    for retries in (remote.RETRIES, 0):
+        proxy = FaultProxy(endpoint, every=3, limit=12)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        remote.forget_filesystems()
+        monkeypatch.setattr(remote, "RETRIES", retries)
+        try:
+            cfg = config(f"s3://data/sized/{LOCAL_SPEC}", tmp_path / f"faulty{retries}")
+            if retries:
+                keys, skips = epoch_keys(cfg)
+                assert keys == expected and proxy.failed >= 6
+                assert set(skips) == {"read_retry"} and skips["read_retry"] >= 4
+            else:
+                try:
+                    keys, skips = epoch_keys(cfg)
+                    lost = Counter(keys) != Counter(expected) or bool(skips.keys() - {"read_retry"})
+                except DataError:  # the shard listing failed
+                    lost = True
+                assert lost
+        finally:
+            proxy.close()
+
+
+def test_a_shard_that_stays_unreachable_is_skipped_by_name_with_its_samples(bucket, tmp_path: Path, fast_retries,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    endpoint = bucket[0]
+    monkeypatch.setattr(remote, "RETRIES", 2)
+    proxy = FaultProxy(endpoint, every=10**9, limit=0, down="train-00002.tar")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    remote.forget_filesystems()
+    try:
+        loader = build_loader(config(f"s3://data/sized/{LOCAL_SPEC}", tmp_path), split="train", patch_size=PATCH,
+                              context_length=CONTEXT)
+        keys = [key for batch in loader for key in batch["keys"]]
+    finally:
+        proxy.close()
+    assert len(keys) == 30 and not any("train-00002" in k for k in keys)
+    assert loader.skip_counts["unreachable_shard"] == 10  # sizes.json's count: the samples the shard held
+    record = next(r for r in loader.skip_records if r["reason"] == "unreachable_shard")
+    assert record["source"] == "s3://data/sized/train-00002.tar"
+    assert "s3://data/sized/train-00002.tar" in record["detail"] and "after 3 attempts" in record["detail"]
+
+
+def test_a_store_that_cannot_be_reached_stops_in_one_line(bucket, tmp_path: Path, fast_retries,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(remote, "RETRIES", 1)
+    with FaultProxy(bucket[0], every=1, limit=10**9) as proxy:  # every request fails
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        remote.forget_filesystems()
+        code = main(["train", "--model", "tiny", "--device", "cpu", "--workers", "0", "--logs", str(tmp_path),
+                     "--train-data", f"s3://data/unsized/{LOCAL_SPEC}", "--shard-index-dir", str(tmp_path / "i")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "Traceback" not in "\n".join(err)
+    assert err[-1].startswith("naflexclip train: error: ") and "s3://data/unsized/train-{00000..00003}.tar" in err[-1]
+
+
+def _weights(run_dir: Path) -> str:
+    latest = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    return hashlib.sha256((latest / "model.safetensors").read_bytes()).hexdigest()
+
+
+@pytest.mark.slow
+def test_a_run_from_the_bucket_stopped_and_resumed_ends_on_the_uninterrupted_weights(bucket, tmp_path: Path) -> None:
+    flags = ["--model", "tiny", "--device", "cpu", "--epochs", "1", "--warmup", "1", "--val-frequency", "0",
+             "--no-plot", "--zero-shot-samples", "4", "--naflex-seq-lens", "16", "32",
+             "--naflex-max-tokens-per-batch", "128", "--workers", "2", "--logs", str(tmp_path),
+             "--train-data", f"s3://data/sized/{LOCAL_SPEC}", "--shard-index-dir", str(tmp_path / "index")]
+    assert main(["train", *flags, "--name", "whole"]) == 0
+    assert main(["train", *flags, "--name", "part", "--stop-after-steps", "2", "--save-every-n-steps", "1"]) == 0
+    assert main(["train", *flags, "--name", "part", "--resume", "latest", "--workers", "0"]) == 0
+    assert _weights(tmp_path / "part") == _weights(tmp_path / "whole")
+    local = ["--train-data", str(bucket[1] / LOCAL_SPEC)]
+    assert main(["train", *flags, *local, "--name", "local"]) == 0
+    assert _weights(tmp_path / "local") == _weights(tmp_path / "whole")  # the bucket trains what local disk does
