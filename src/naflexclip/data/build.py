@@ -196,7 +196,7 @@ def build_loader(
         if num < 1:
             raise DataError(f"no samples found in shards {path!r}; pass {flag} for remote shards")
         if rank == 0:
-            logger.warning("data %s (%s): shards that cannot be indexed (pipe:, URLs, compressed) are streamed; an "
+            logger.warning("data %s (%s): shards that cannot be indexed (pipe:, compressed) are streamed; an "
                            "epoch is %d samples split by (rank, worker) slot, so a sample can repeat or be missed in "
                            "it", split, path, num)
         weights = None if factors is None else [factors[s] for s in ids]

@@ -2,7 +2,7 @@
 
 Each URL's filesystem is fsspec's, configured the way that backend reads its credentials and endpoint
 (`AWS_ENDPOINT_URL`, profiles, `GOOGLE_APPLICATION_CREDENTIALS`, `HF_TOKEN`...). Only the ranges a reader asks
-for are fetched; nothing is written to local disk (`--remote-cache-dir` asks for fsspec's block cache).
+for are fetched; nothing is written to local disk.
 
 Faults: a transient error (a timeout, a dropped connection, a 5xx, throttling) is retried with exponential
 backoff, up to `RETRIES` times; each retry is a `read_retry` note (`take_notes`, recorded by the loader in the
@@ -30,7 +30,6 @@ _T = TypeVar("_T")
 
 # not worth retrying: the object is not there, or we may not read it
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
-_cache_dir: str | None = None
 _notes: list[dict[str, Any]] = []
 _filesystems: dict[tuple[int, str], Any] = {}
 
@@ -49,13 +48,6 @@ class Unreachable(RuntimeError):
 def is_remote(url: str) -> bool:
     """A URL fsspec reads (`s3://`, `gs://`, `hf://`, `https://`, ...): not a local path, not a `pipe:`."""
     return "://" in url and not url.startswith(("pipe:", "file://"))
-
-
-def set_cache_dir(path: str | None) -> None:
-    """Cache fetched blocks on disk under `path` (fsspec's `blockcache`); None: fetch every time (the default)."""
-    global _cache_dir
-    _cache_dir = path
-    forget_filesystems()
 
 
 def forget_filesystems() -> None:
@@ -77,11 +69,9 @@ def filesystem(url: str) -> tuple[Any, str]:
         fs = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
         if s3:  # every retry is ours, so it is counted (s3fs and botocore retry otherwise, silently)
             fs.retries = 1
-        if _cache_dir is not None:
-            fs = fsspec.filesystem("blockcache", fs=fs, cache_storage=_cache_dir)
         _filesystems[key] = fs
     fs = _filesystems[key]
-    return fs, getattr(fs, "fs", fs)._strip_protocol(url)
+    return fs, fs._strip_protocol(url)
 
 
 def is_transient(error: BaseException) -> bool:
