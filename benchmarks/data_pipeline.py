@@ -15,8 +15,14 @@ ratio to today's); then the startup of a 100,000-shard `sizes.json` (10,000 samp
 seconds and peak MiB above the imports for `build_loader` and the next epoch's plan, at 1 and 8 simulated ranks
 (rank 0 of each, in a fresh process).
 
+`--epoch-start` measures the time from the start of an epoch (the loader's iteration) to its first microbatch, for
+epochs 2 and on, with `--workers`: one loader whose workers are kept from epoch to epoch (ours) against a new loader
+each epoch, whose workers start with the epoch (what each epoch cost before they were kept); the median over
+`--repeats` epochs, on WebDataset shards with a `sizes.json` and on a CSV of files.
+
     python benchmarks/data_pipeline.py --num-images 2000 --workers 1
     python benchmarks/data_pipeline.py --recipes --num-images 2000 --workers 2
+    python benchmarks/data_pipeline.py --epoch-start --num-images 400 --workers 2 --repeats 5
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import contextlib
 import io
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -137,6 +144,41 @@ def recipes(args: argparse.Namespace, tmp: str) -> None:
         print(f"{name:<20}: {rate:8.1f} samples/s  {rate / today:.2f}x today's")
 
 
+def first_batch_s(loader, epoch: int) -> float:
+    """Seconds from the start of `epoch`'s iteration to its first microbatch (the rest of the epoch is read too)."""
+    loader.set_epoch(epoch)
+    start = time.perf_counter()
+    iterator = iter(loader)
+    next(iterator)
+    elapsed = time.perf_counter() - start
+    for _ in iterator:
+        pass
+    return elapsed
+
+
+def epoch_start(args: argparse.Namespace, tmp: str) -> None:
+    """Time to an epoch's first microbatch: workers kept across epochs against workers started with each epoch."""
+    table = export_synthetic(tmp, fmt="csv", count=args.num_images, image_format=args.image_format)[0]
+    shards = export_synthetic(os.path.join(tmp, "shards"), fmt="webdataset", count=args.num_images,
+                              image_format=args.image_format, shard_size=args.shard_size)
+    common = dict(naflex_seq_lens=tuple(args.seq_lens), naflex_max_tokens_per_batch=args.max_tokens,
+                  workers=args.workers)
+    print(f"time to the first microbatch of epochs 2..{args.repeats + 1}, median; images={args.num_images} "
+          f"({args.image_format}) workers={args.workers} seq_lens={args.seq_lens} max_tokens={args.max_tokens}")
+    for name, cfg in (("webdataset, sizes.json", DataConfig(train_data=shard_spec(shards), **common)),
+                      ("csv (files)", DataConfig(train_data=table, **common))):
+        build = lambda epoch, cfg=cfg: build_loader(cfg, split="train", patch_size=args.patch_size,  # noqa: E731
+                                                    context_length=77, epoch=epoch)
+        kept_loader = build(0)
+        first_batch_s(kept_loader, 0)  # the workers start here, once
+        kept, restarted = [], []
+        for epoch in range(1, args.repeats + 1):  # alternate, so background load hits both alike
+            kept.append(first_batch_s(kept_loader, epoch))
+            restarted.append(first_batch_s(build(epoch), epoch))
+        k, r = statistics.median(kept), statistics.median(restarted)
+        print(f"{name:<24}: kept {k:.3f} s, restarted each epoch {r:.3f} s ({r / k:.1f}x)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-images", type=int, default=2000)
@@ -151,8 +193,14 @@ def main() -> None:
                         help="the resampled and mixture loaders against today's, and startup at 100,000 shards")
     parser.add_argument("--startup-shards", type=int, default=100_000)
     parser.add_argument("--startup-shard-size", type=int, default=10_000)
+    parser.add_argument("--epoch-start", action="store_true",
+                        help="time to each epoch's first microbatch, workers kept across epochs or restarted")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.epoch_start:
+        with tempfile.TemporaryDirectory() as tmp:
+            epoch_start(args, tmp)
+        return
     if args.recipes:
         with tempfile.TemporaryDirectory() as tmp:
             recipes(args, tmp)

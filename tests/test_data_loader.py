@@ -241,3 +241,48 @@ def test_a_sigterm_while_workers_start_does_not_kill_one(monkeypatch) -> None:
 
     monkeypatch.setattr(loader_module, "_worker_init", signalled_first)
     assert len(batches(small_cfg(workers=2))) == len(batches(small_cfg(workers=0)))
+
+
+class _PidSource:
+    """A map-style source whose samples are named by the process that read them."""
+
+    name, index_skips, group_size = "pid source", [], 1
+
+    def __len__(self) -> int:
+        return 24
+
+    def load(self, index: int):
+        import os
+
+        from naflexclip.data.source import RawSample
+        from naflexclip.data.synthetic import synthetic_sample
+
+        image, caption = synthetic_sample(0, "train", index)
+        return RawSample(image, caption, None, f"{os.getpid()}:{index}")
+
+    def describe(self, index: int) -> tuple[str, str, None]:
+        return self.name, str(index), None
+
+
+def test_workers_are_kept_from_one_epoch_to_the_next_and_each_epoch_stays_exact():
+    """Worker processes start once per loader, not once per epoch (OpenCLIP's persistent workers), and a stop
+    mid-epoch and a new epoch still read every sample once."""
+    from naflexclip.data.map_loader import MapLoader
+    from naflexclip.data.microbatch import MicrobatchBuilder
+    from naflexclip.processing.naflex_transform import default_processing
+
+    cfg = small_cfg()
+    loader = MapLoader(_PidSource(), split="train", budget=cfg.token_budget(), seed=0, shuffle=True, workers=2,
+                       builder=MicrobatchBuilder(patch_size=PATCH, context_length=CONTEXT,
+                                                 processing=default_processing(PATCH)))
+    pids, per_epoch = set(), []
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        keys = [k for b in loader for k in b["keys"]]
+        pids |= {k.split(":")[0] for k in keys}
+        per_epoch.append(sorted(int(k.split(":")[1]) for k in keys))
+        if epoch == 1:  # stopped after one microbatch, then the epoch again from its start
+            loader.set_epoch(epoch)
+            next(iter(loader))
+    assert per_epoch == [list(range(24))] * 3
+    assert len(pids) == 2, pids

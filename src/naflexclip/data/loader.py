@@ -4,8 +4,9 @@ A loader plans an epoch (the same plan on every rank) and torch DataLoader worke
 microbatches round-robin (worker w builds planned microbatches w, w+K, ...), which the DataLoader hands back
 in plan order. There are two kinds: `MapLoader` reads a map-style `Source` (built-in, CSV, folder, indexed
 local shards) by one global plan, so an epoch is every usable sample once whatever the workers, ranks and
-shards; `StreamLoader` reads shards that cannot be indexed (`pipe:`, URLs, compressed tars) as streams. This
-module holds what they share: the covering of empty microbatches, the skip log, and the resume state.
+shards, and its workers are kept from one epoch to the next; `StreamLoader` reads shards that cannot be indexed
+(`pipe:`, URLs, compressed tars) as streams, with workers started for each epoch. This module holds what they
+share: the covering of empty microbatches, the skip log, the resume state and the DataLoader settings.
 
 Two numbers place a microbatch: its `planned` index in the epoch's plan, and its `position` among the
 microbatches the loader has yielded this epoch (the item's "batch_index", what `set_epoch(epoch, start_batch)`
@@ -222,8 +223,9 @@ class NaFlexLoader(abc.ABC):
         """Planned microbatches this epoch on this rank (the same on every rank)."""
 
     @abc.abstractmethod
-    def _worker_epoch(self, first: int) -> WorkerEpoch:
-        """What the DataLoader workers build: the planned microbatches from `first` on."""
+    def _dataloader(self, first: int) -> DataLoader:
+        """The DataLoader whose iteration gives the planned microbatches from `first` on, in plan order (made with
+        `data_loader`); an item with "error" is raised as one DataError."""
 
     def _epoch_start_records(self) -> list[dict[str, Any]]:
         """Skips known before decoding, recorded once per epoch."""
@@ -328,22 +330,29 @@ class NaFlexLoader(abc.ABC):
                f"({reasons_line(self.skip_counts)})"
 
     # -- iteration --------------------------------------------------------------------------------
-    def _fetch(self, first: int) -> Iterator[dict[str, Any]]:
-        """The planned microbatches from `first` on, in plan order, as the workers build them. The DataLoader
-        draws its worker seed from its own generator, never from the process's global torch RNG."""
+    def data_loader(self, dataset: Any, sampler: Any = None, persistent: bool = False) -> DataLoader:
+        """A DataLoader of this loader's workers over `dataset` (items, not batches: each is a built microbatch).
+        It draws its worker seed from its own generator, never from the process's global torch RNG. `persistent`:
+        its workers are kept between iterations (each new one takes its tasks from `sampler` again)."""
         kwargs: dict[str, Any] = {"prefetch_factor": 2, "worker_init_fn": _worker_init} if self.workers else {}
-        loader = DataLoader(self._worker_epoch(first), batch_size=None, num_workers=self.workers,
-                            pin_memory=self.pin_memory, generator=torch.Generator().manual_seed(self.seed),
-                            persistent_workers=False, **kwargs)
+        return DataLoader(dataset, batch_size=None, sampler=sampler, num_workers=self.workers,
+                          pin_memory=self.pin_memory, generator=torch.Generator().manual_seed(self.seed),
+                          persistent_workers=persistent and self.workers > 0, **kwargs)
+
+    def _fetch(self, first: int) -> Iterator[dict[str, Any]]:
+        """The planned microbatches from `first` on, in plan order, as the workers build them."""
+        loader = self._dataloader(first)
         with _workers_start_unsignalled(self.workers):
-            iterator = iter(loader)  # starts the workers
+            iterator = iter(loader)  # starts the workers (persistent ones: only the first time)
         try:
             for item in iterator:
                 if "error" in item:
                     raise DataError(f"data source {self.name!r} ({self.split}): {item['error']}")
                 yield item
         finally:
-            del iterator  # shuts the workers down, also when the consumer stops early
+            # shuts non-persistent workers down, also when the consumer stops early; persistent ones drop what is
+            # still queued when the next iteration starts
+            del iterator
 
     def _covered(self, cover: _Cover, epoch_skips: Counter) -> Iterator[_Emitted]:
         fetched = self._fetch(cover.start.planned)

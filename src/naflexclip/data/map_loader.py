@@ -5,6 +5,8 @@ microbatch per rank (`schedule.build_global_plan`), so every usable sample is re
 whatever the workers, ranks and shards, and every rank has `len()` microbatches. Problems found by indexing
 (missing files, malformed rows, missing shards...) and the samples no step can take are recorded once per
 epoch, by rank 0. A position that is one place in the epoch's global order continues at any world size.
+The main process computes each planned microbatch's sample indices and sends them to the DataLoader workers as
+tasks (`MapTasks`), so the workers are started once per loader and kept from one epoch to the next.
 """
 
 from __future__ import annotations
@@ -12,20 +14,27 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from torch.utils.data import DataLoader, Dataset
+
 from naflexclip.data import remote
-from naflexclip.data.loader import NaFlexLoader, WorkerEpoch
+from naflexclip.data.loader import NaFlexLoader
+from naflexclip.data.microbatch import MicrobatchBuilder
 from naflexclip.data.readers import RawSample, Source, skip_record
 from naflexclip.data.samples import SkipSample
-from naflexclip.data.schedule import build_global_plan, epoch_order, worker_batches
+from naflexclip.data.schedule import ScheduledBatch, build_global_plan, epoch_order, worker_batches
 from naflexclip.data.shard_order import ShardRecipe
 
+# what a worker is sent for one planned microbatch: the plan's entry, its samples' indices, its seed key
+Task = tuple[ScheduledBatch, list[int], tuple[int, ...]]
 
-class MapEpoch(WorkerEpoch):
-    """A worker's planned microbatches of a map-style epoch: each reads its samples by index."""
 
-    def __init__(self, source: Source, order: Any, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.source, self.order = source, order
+class MapTasks(Dataset):
+    """What the workers of a map-style loader do: build a planned microbatch from its samples' indices. The tasks
+    come from the main process (`EpochTasks`), so the workers need nothing of an epoch and are kept across epochs.
+    A worker never raises: its error is an item, raised by the loader as one DataError naming the source."""
+
+    def __init__(self, source: Source, builder: MicrobatchBuilder) -> None:
+        self.source, self.builder = source, builder
 
     def _load(self, index: int) -> RawSample | SkipSample:
         try:
@@ -35,12 +44,24 @@ class MapEpoch(WorkerEpoch):
         raw.notes = raw.notes + remote.take_notes()  # object storage reads retried for it
         return raw
 
-    def batches(self, worker_id: int) -> Iterator[dict[str, Any]]:
-        for planned in worker_batches(self.schedule, worker_id, self.workers, self.first):
-            indices = self.order[planned.offset: planned.offset + planned.batch_size].tolist()
+    def __getitem__(self, task: Task) -> dict[str, Any]:
+        planned, indices, seed_key = task
+        try:
             samples = [(self._load(i), self.source.describe(i)) for i in indices]
             notes = [note for raw, _ in samples for note in raw.notes]
-            yield self.builder.build(planned, samples, notes, (*self.seed_key, planned.index))
+            return self.builder.build(planned, samples, notes, seed_key)
+        except Exception as exc:  # noqa: BLE001 - reported by the main process as one DataError
+            return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+class EpochTasks:
+    """The DataLoader's sampler: the tasks of the iteration about to start (set by the loader before each one)."""
+
+    def __init__(self) -> None:
+        self.tasks: Iterator[Task] = iter(())
+
+    def __iter__(self) -> Iterator[Task]:
+        return self.tasks
 
 
 class MapLoader(NaFlexLoader):
@@ -54,6 +75,7 @@ class MapLoader(NaFlexLoader):
     def __init__(self, source: Source, *, samples_per_epoch: int | None = None, recipe: ShardRecipe | None = None,
                  **kwargs: Any) -> None:
         self.source, self.recipe = source, recipe
+        self._loader: DataLoader | None = None  # made at the first iteration; its workers serve every epoch
         if recipe is not None:
             samples_per_epoch = recipe.epoch_samples()
         super().__init__(name=source.name, samples_per_epoch=samples_per_epoch or len(source), **kwargs)
@@ -81,9 +103,14 @@ class MapLoader(NaFlexLoader):
     def num_batches(self) -> int:
         return self.plan.num_steps
 
-    def _worker_epoch(self, first: int) -> MapEpoch:
-        return MapEpoch(self.source, self.order, schedule=self.schedule, first=first, workers=self.workers,
-                        builder=self.builder, seed_key=(self.seed, self.epoch, self.rank))
+    def _dataloader(self, first: int) -> DataLoader:
+        if self._loader is None:
+            self._tasks = EpochTasks()
+            self._loader = self.data_loader(MapTasks(self.source, self.builder), self._tasks, persistent=True)
+        order, key = self.order, (self.seed, self.epoch, self.rank)
+        self._tasks.tasks = ((b, order[b.offset: b.offset + b.batch_size].tolist(), (*key, b.index))
+                             for b in worker_batches(self.schedule, 0, 1, first))
+        return self._loader
 
     def _epoch_start_records(self) -> list[dict[str, Any]]:
         if self.rank != 0:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import webdataset as wds
+from torch.utils.data import DataLoader
 
 from naflexclip.data.loader import NaFlexLoader, WorkerEpoch
 from naflexclip.data.readers import DEFAULT_MEMBER_KEYS, DataError, MemberKeys, RawSample, ShardReadLog, shard_samples
@@ -133,6 +134,7 @@ class StreamLoader(NaFlexLoader):
     def num_batches(self) -> int:
         return len(self.schedule)
 
-    def _worker_epoch(self, first: int) -> StreamEpoch:
-        return StreamEpoch(self, schedule=self.schedule, first=first, workers=self.workers, builder=self.builder,
-                           seed_key=(self.seed, self.epoch, self.rank))
+    def _dataloader(self, first: int) -> DataLoader:
+        # a stream's position lives in its workers' iterators: they start over with each epoch
+        return self.data_loader(StreamEpoch(self, schedule=self.schedule, first=first, workers=self.workers,
+                                            builder=self.builder, seed_key=(self.seed, self.epoch, self.rank)))
