@@ -1,18 +1,12 @@
-"""Microbatch helpers: size, kind (dense or NaFlex), device moves, concatenation and splitting.
+"""The microbatch format, and its helpers: size, kind (dense or NaFlex), device moves, concatenation, splitting.
 
-A microbatch is `{"image": dense [B, C, H, W] or NaFlex dict, "text": long [B, T], ...}`, with
-`example_inputs` (row-aligned tensors of fixed width, e.g. decoder tokens) where the objective has per-example terms;
-NaFlex dicts hold `patches [B, L, P*P*C]`, `patch_coord [B, L, 2]` (row, col)
-and `patch_valid [B, L]` (True for real patches), `L` being that microbatch's padded length.
-
-A grouped microbatch (several captions per image) also holds `image_group` long `[B]` and `text_group` long `[M]`:
-image i and text j are a positive pair when their group ids are equal, and `M` may differ from `B`. Its size
-(`batch_size`) is its number of images, the examples; its texts are `text_rows`.
-
-A distilled microbatch whose teacher reads other inputs than the student (another patch size, context length or
-tokenizer) also holds `teacher_inputs`: `{"image": NaFlex dict, "text": long [B, T']}`, the teacher's processing of
-the same samples, row for row (its images the microbatch's images, its texts the microbatch's texts); without it the
-teacher reads `image` and `text` (`teacher_inputs()`).
+A microbatch is `{"image": dense [B, C, H, W] or NaFlex dict, "text": long [B, T], ...}`; a NaFlex dict holds
+`patches [B, L, P*P*C]`, `patch_coord [B, L, 2]` (row, col) and `patch_valid [B, L]` (True for real patches), `L`
+that microbatch's padded length. Optional keys, each row-aligned: `example_inputs` (fixed-width tensors of
+per-example terms, e.g. decoder tokens); `image_group` long `[B]` and `text_group` long `[M]` (several captions per
+image: image i and text j are a positive pair when their ids are equal; `M` may differ from `B`); `teacher_inputs`
+(`{"image": NaFlex dict, "text": long [B, T']}`, a teacher's own processing of the same rows when it reads other
+inputs than the student; without it the teacher reads `image` and `text`). Its size (`batch_size`) is its images.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
-"""Contrastive losses over feature rows: CLIP (softmax) and SigLIP (sigmoid), tiled, with a per-rank form.
+"""The pair losses over feature rows: CLIP (softmax), SigLIP (sigmoid), their distillation and multi-positive forms.
 
-Memory contract (FlashAttention's online softmax; Inf-CL, Yu et al. 2024, https://arxiv.org/abs/2410.17243):
-the `N×N` logit matrix never exists. The forward walks `tile × tile` blocks of it and keeps O(N·D) inputs
-plus per-row/per-column statistics (CLIP: log-sum-exp of each row and column; SigLIP: none); the backward
-recomputes every block from them. The largest temporary is a few `tile × tile` blocks.
-
-Per-rank form (`sharded`): rank r holds the block of logit rows of its own images against every text,
-`z[I_r, :]`. Its terms are the rows' image→text cross-entropies and — CLIP — the text→image terms of its
-own texts, whose column normalisers combine every rank's partial column log-sum-exp (`N` numbers per rank,
-passed in as `reduce_column_lse`). Its backward gives the gradient of the *whole* `L(W)` with respect to
-its block: complete for its image rows, a partial sum for the texts (the caller sums those over ranks,
-with one reduce-scatter) and for `logit_scale`/`logit_bias` (summed over ranks once). The per-rank values
-sum to `L(W)`. In one process (`forward`) the block is the whole matrix.
-
-`DistillLoss` adds a teacher: the student's contrastive loss and a distillation term over the whole window
-(OpenCLIP's `DistillClipLoss` for CLIP; soft-label binary cross-entropy per pair for SigLIP), as the terms
-`[contrastive, weight · distill]`, tiled and sharded the same way (the teacher's blocks recomputed beside the
-student's, its column log-sum-exps exchanged with the student's).
-
-The dense formulas (`clip_loss_dense`, `siglip_loss_dense`, `distill_*_loss_dense`) are kept as the reference
-for the tests. CLIP: Radford et al. 2021; SigLIP: Zhai et al. 2023.
+Each is tiled (the `N×N` logit matrix never exists: O(N·D) memory plus a few `tile × tile` blocks) and has a
+per-rank form (`sharded`): rank r computes the block `z[I_r, :]` of its own images against every text, and its
+backward gives the gradient of the whole `L(W)` for that block (complete for its image rows, partial sums for the
+texts and `logit_scale`/`logit_bias`, which the caller sums over ranks); in one process (`forward`) the block is
+the whole matrix. The dense formulas (`*_dense`) are the tests' reference. The math and the exchange:
+docs/accumulation.md#the-loss-at-scale.
 """
 
 from __future__ import annotations

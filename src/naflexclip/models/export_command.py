@@ -1,13 +1,8 @@
-"""`naflexclip export`: write a trained checkpoint as a directory of a pretrained family (`--format transformers`:
-a transformers SigLIP 2 directory) or, for a run of an OpenCLIP model name, as the file `--format openclip` writes:
-an open_clip state dict that `open_clip.create_model(NAME, pretrained=FILE)` loads (docs/openclip.md).
+"""`naflexclip export`: a run's checkpoint as a pretrained family's directory (`--format transformers`, SigLIP 2)
+or, for a run of an OpenCLIP model name, as an open_clip state dict (`--format openclip`).
 
-The directory holds `config.json`, `model.safetensors` and, for a run fine-tuned from an imported checkpoint,
-that checkpoint's tokenizer and image-processor files; `transformers.Siglip2Model.from_pretrained` loads it
-with the same outputs. A model transformers cannot express is refused in one line naming what does not map (for a
-preset's run, adding that a new run starts from the checkpoint itself: `train --pretrained CHECKPOINT`).
-Either format writes the towers only: a LocCa decoder, the self-distillation heads and the EMA teacher (`--recipe
-siglip2`) stay in the run's checkpoint.
+Either format writes the towers only; what each writes and refuses, and how it loads back:
+docs/siglip2.md#export and docs/openclip.md#export.
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
-"""Locked towers (LiT, Zhai et al. 2022, https://arxiv.org/abs/2111.07991) with OpenCLIP's flags and methods.
+"""Locked towers (LiT) with OpenCLIP's flags and methods: the towers' layer groups, locking, the `Locks` settings.
 
-A locked parameter has `requires_grad` False: autograd gives it no gradient, the optimizer (built from the
-trainable parameters only, `train.optim.create_optimizer`) holds no state and applies no weight decay to it, and
-nothing else writes it, so it stays bit for bit what it was loaded as.
-
-Layer groups run from the input to the output; `unlocked_groups` / `unlocked_layers` leave the last N trainable,
-as OpenCLIP counts them:
-
-- image: timm's groups of the NaFlexVit (`group_matcher`: the patch and position embeddings, class and register
-  tokens and OpenCLIP's `ln_pre`; each block, the last one with the final norm; the MAP head `attn_pool` where
-  there is one), then the image projection (CLIP presets and OpenCLIP's ViTs; SigLIP 2 has none);
-- text: the embeddings (token and position tables); each block, the last one with `ln_final`; the projection.
-
-`freeze_layer_norm=False` leaves the LayerNorm gains and biases of the locked text groups trainable (OpenCLIP's
-meaning of `--lock-text-freeze-layer-norm`, from its HF text tower); True locks them with the rest.
-
-A tower none of whose parameters trains (`locked_towers`) is a fixed function: it stays in eval mode while the
-model trains (no dropout, drop-path or patch dropout; `NaFlexClip.train`), so its features are the ones
-evaluation sees, and the window computes them once per microbatch without gradient, never replayed. Locked
-groups of a partly locked tower keep the model's mode: their stochastic layers regularise the trainable groups
-above them, and the window replays that tower (with its RNG state) as it replays any trainable tower.
+`lock_image_tower` / `lock_text_tower` set `requires_grad` False on every layer group of a tower but the last N
+(`unlocked_groups` / `unlocked_layers`, counted from the output as OpenCLIP counts them; `freeze_layer_norm`
+with OpenCLIP's meaning); `locked_towers` names the towers none of whose parameters trains, which stay in eval
+mode and which the window treats as fixed feature sources. The groups of each tower, what locked means for the
+optimizer, the modes and the window: docs/finetuning.md.
 """
 
 from __future__ import annotations

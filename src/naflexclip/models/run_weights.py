@@ -1,12 +1,8 @@
-"""A naflexclip run's checkpoint as the starting weights of a new run (`train --pretrained logs/run/checkpoints`,
-`create_model(NAME, pretrained=...)`): OpenCLIP's `--pretrained epoch_K.pt` habit, and the way to a staged LiT
-unlock (a run with `--lock-image`, then a new one from its checkpoint with `--lock-image-unlocked-groups 2`).
+"""A naflexclip run's checkpoint as a model: its architecture (`model_config`) and weights, nothing else.
 
-Only the model is taken: its architecture (the checkpoint's own `model_config`) and its weights. The optimizer
-state, the lr schedule, the data position, the step and the random streams stay behind: the new run starts at
-step 0 with its own schedule (a resume, which takes them all, is `--resume`). The path is one `load_checkpoint`
-takes: a run's `checkpoints/` folder (its newest usable checkpoint), one `step_N` / `epoch_N` directory in it, or
-a file inside one.
+`train --pretrained logs/run/checkpoints`, `create_model(NAME, pretrained=...)`, `eval`, `verify`, `export` and
+teachers read a run's weights here; the path is one `load_checkpoint` takes. Optimizer, schedule, data position,
+step and random streams stay behind (that is `--resume`): docs/training.md#checkpoints-and-resume.
 """
 
 from __future__ import annotations
