@@ -1,12 +1,10 @@
-"""Pretrained families: model directories of other libraries that naflexclip loads, fine-tunes and exports.
+"""Pretrained families: model directories and names of other libraries that naflexclip loads, fine-tunes and exports.
 
-A family is one module with the members of `PretrainedFamily`: how to recognise its directory (or the processor
-spec it gives its models), build and load our model from it, export our model as one, and the data processing
-(tokenizer, patching) its models expect. `siglip2`: SigLIP 2 NaFlex directories of transformers. `openclip`: a
-family of model names (`NamedFamily`: OpenCLIP's `ViT-B-16`, `ViT-B-16-SigLIP2`, ...) whose weights are checkpoint
-files or pretrained tags. They are registered in `FAMILIES`; everything else (`create_model`, `train --model`
-and `--pretrained`, `eval --checkpoint`, `export`) asks this table, and `data_processing` hands the data pipeline
-(which imports no family) the processing of the model it feeds.
+A family is one module with the members of `PretrainedFamily` (recognise its directory or processor spec, build and
+load our model, export it, the tokenizer and patching its models expect), registered in `FAMILIES`: `siglip2`
+(transformers SigLIP 2 directories) and `openclip` (a `NamedFamily` of OpenCLIP's model names). `create_model`,
+`train --model`/`--pretrained`, `eval` and `export` ask this table; `data_processing` hands the data pipeline,
+which imports no family, the processing of the model it feeds.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The `openclip` family: OpenCLIP's model names and checkpoints in, as NaFlex models, and out again.
 
-`build(NAME)` maps the name's open_clip config onto our `ModelConfig` (`openclip_names`: which towers map, and how);
-`build(NAME, pretrained=...)` finds the weights locally (`openclip_sources`: a file, a pretrained tag or
-`hf-hub:org/name` in a local cache; nothing downloads) and loads every tensor through the explicit map
-(`openclip_weights`). `export` writes the inverse: a state dict `open_clip.create_model(NAME, pretrained=FILE)` loads.
-The processing is the name's: timm's NaFlex patching with its mean and std, and its tokenizer (open_clip's
-`SimpleTokenizer`, or for names with a Hugging Face tokenizer that tokenizer read from a local directory).
-Equality with open_clip's own model is proven by outputs (tests/test_openclip_family.py).
+`build(NAME, pretrained=...)` maps the name onto our `ModelConfig` (`openclip_names`), finds its weights locally
+(`openclip_sources`; nothing downloads) and loads every tensor through the explicit map (`openclip_weights`);
+`export` writes the inverse, a state dict `open_clip.create_model(NAME, pretrained=FILE)` loads. The processing is
+the name's own (its mean, std and tokenizer). Equality with open_clip's model, tested by outputs: docs/openclip.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """OpenCLIP model names and their architectures as our `ModelConfig` (the `openclip` family's name map).
 
-A name's config is open_clip's (`open_clip.get_model_config`; OpenCLIP main's NaFlex names, absent from the released
-package, ship in `openclip_configs/`), mapped onto our `ModelConfig`:
-
-- image tower: timm `NaFlexVit` in the configuration of the name's ViT. A native OpenCLIP ViT (`VisionTransformer`:
-  class token, `ln_pre`, `ln_post`, token or average pooling, bias-free projection, QuickGELU for `-quickgelu`
-  names) or a timm ViT trunk (`TimmModel`: SigLIP's MAP-pooled ViTs, the `naflexvit_*` trunks of the NaFlex names).
-  The learned position table keeps the native grid (e.g. 14x14 for `ViT-B-16` at 224) and is resampled per image
-  grid; at the native grid the tower is the original function.
-- text tower: open_clip's own `TextTransformer` with the name's settings.
-- loss: `siglip` for names with a logit bias (SigLIP, SigLIP 2), starting at their temperature and bias; else `clip`.
-
-A name whose towers cannot be NaFlex is refused in one line (`OpenClipError`) saying why.
+A name's open_clip config (`open_clip.get_model_config`; OpenCLIP main's NaFlex names ship in `openclip_configs/`)
+maps onto a timm `NaFlexVit` image tower, open_clip's own `TextTransformer` and the `clip` or `siglip` loss; a name
+whose towers cannot be NaFlex is refused in one line (`OpenClipError`) saying why. The mapping, part by part:
+docs/openclip.md#names.
 """
 
 from __future__ import annotations

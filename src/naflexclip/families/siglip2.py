@@ -1,15 +1,8 @@
-"""The `siglip2` family: a transformers `Siglip2Model` checkpoint directory in, and out again.
+"""The `siglip2` family: a transformers `Siglip2Model` checkpoint directory in (`load`), and out again (`export`).
 
-Import (`load`) builds our architecture from the directory's `config.json` (timm `NaFlexVit` in the SigLIP
-configuration, open_clip `TextTransformer` with last-token pooling, no causal mask and a biased projection) and
-loads every tensor through the explicit weight map below; `export` writes the inverse: `config.json`,
-`model.safetensors` and the tokenizer / image-processor files, a directory `Siglip2Model.from_pretrained` loads.
-Equivalence is proven by outputs (tests/test_siglip2.py), not key counts. Its data processing (`processing`,
-`patch_budget`) is in `siglip2_processing`. The module is registered in `naflexclip.families`.
-
-Inputs map as `pixel_values = patches`, `pixel_attention_mask = patch_valid`, `spatial_shapes[i] = (rows_i,
-cols_i)` with patches in row-major order (`naflex_to_transformers`). transformers keeps `logit_scale` as its
-log, as we do; our forward returns its exponential.
+Our architecture is built from the directory's `config.json` and every tensor goes through the explicit weight
+map below, both ways; equality is proven by outputs (tests/test_siglip2.py). `naflex_to_transformers` maps a NaFlex
+dict onto transformers' image inputs. Its data processing is `siglip2_processing`: docs/siglip2.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
-"""Data processing of a SigLIP 2 directory (the `siglip2` family's `processing`): its tokenizer, and patching
-exactly as transformers' `Siglip2ImageProcessor` does it for a patch budget.
+"""The `siglip2` family's data processing: the directory's own tokenizer, and patching exactly as transformers'
+`Siglip2ImageProcessor` does it for a patch budget (tests/test_siglip2_processing.py).
 
-Per image (tested equal to the processor's output, tests/test_siglip2_processing.py): the largest grid of
-`patch_size` patches that fits the budget at the image's aspect ratio (the processor's own binary search,
-`get_image_size_for_max_num_patches`), torchvision's bilinear antialiased resize of the uint8 image, patches
-flattened as (ph, pw, C), then `(x - 255 mean) / (255 std)` per channel (the processor's fused
-rescale-normalise). Our token-budget schedule still chooses the budget (the microbatch's sequence length);
-patches stay uint8 until collation as in the default pipeline. Captions go through the checkpoint's own
-tokenizer, padded and truncated to the text tower's context length (`padding="max_length"`, as the published
-models expect); only the token ids reach the text tower, which runs unmasked as SigLIP 2 was trained, whatever
-else the tokenizer returns. An exported directory's tokenizer returns the ids alone too
-(`write_training_tokenizer_config`), so transformers' `Siglip2Model(**inputs)` gives the same embeddings.
-
+The token-budget schedule chooses each microbatch's budget; patches stay uint8 until collation; only the token ids
+reach the text tower, and `write_training_tokenizer_config` makes an exported directory's tokenizer return them
+alone. The steps per image and why the text runs unmasked: docs/siglip2.md#data and #the-text-attention-mask.
 Needs the `siglip2` extra (transformers with its tokenizers).
 """
 
