@@ -1,11 +1,10 @@
 """The window's view of the other ranks: `window_exchange` → `ProcessGroupExchange` (or one process's).
 
-Every rank's microbatch sizes, and one no-grad all-gather of feature rows with uneven per-rank row counts
-(pad to the largest, then trim). The size exchange meets every rank every window, so it also checks that the
-ranks agree on the step and epoch and that every rank has data (`RanksDisagree` on every rank at once, never
-a wait until the timeout), and carries the error of a rank that failed between windows (`fail`: e.g. its
-loader raised); FSDP's equal microbatch counts are checked there too. The sharded loss's row gradients go
-back to their owners with `reduce_scatter_rows`, its per-rank values with `sum_over_ranks` (a few numbers).
+Every window it exchanges the ranks' microbatch sizes, which also checks that they agree on step, epoch and data
+(`RanksDisagree` on every rank at once), carries the error of a rank that failed between windows (`fail`) and,
+under FSDP, equal microbatch counts; it all-gathers feature rows without gradient (uneven counts: pad, then trim),
+returns the sharded loss's row gradients to their owners (`reduce_scatter_rows`) and sums its per-rank values
+(`sum_over_ranks`). docs/accumulation.md#across-ranks and docs/training.md#several-processes.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
-"""Multi-process plumbing on torch.distributed: process group, device, agreement and faults.
+"""Multi-process plumbing on torch.distributed: the process group, the device, rank 0's work, agreement, faults.
 
-The window's exchange lives in naflexclip.parallel.feature_exchange, model wrapping and full state dicts in
-naflexclip.parallel.wrapping;
-this module is what both stand on:
-
-- `init_distributed` starts one process group (NCCL on CUDA, gloo on CPU, or `--dist-backend`) whose collectives
-  carry a timeout, on what the launcher's variables say (`naflexclip.parallel.launchers`: torchrun, srun, mpirun,
-  PMI). A
-  single process has no process group, and everything here is a no-op.
-- `run_on_main`: work only rank 0 does (evaluation, checkpoint writing) while the others wait on the
-  rendezvous store, with no collective timeout, and learn of rank 0's error at once.
-- `check_consistency`: ranks agree on values (step, epoch, schedule) at a resume; `gather_to_main`: small
-  per-rank objects (RNG states, loader positions) to rank 0.
-- `fault_guard` / `translate_faults`: a rank that raises records why in the rendezvous store; a rank whose
-  collective fails or times out names the rank that raised, died or stopped answering, in one line.
+What the window's exchange (`feature_exchange`) and the model wrapping (`wrapping`) stand on. `init_distributed`
+starts one process group, its collectives under a timeout, where the launcher's variables say (`launchers`); a
+single process has none, and everything here is a no-op. `run_on_main` runs rank 0's work (evaluation, checkpoint
+writing) while the others wait on the rendezvous store without a timeout; `check_consistency` / `gather_to_main`
+compare and collect small per-rank values; `fault_guard` / `translate_faults` record a rank's error in the store
+and name the rank that raised, died or stopped answering, in one line. docs/training.md#several-processes.
 """
 
 from __future__ import annotations
