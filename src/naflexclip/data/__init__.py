@@ -1,12 +1,9 @@
 """The NaFlex data pipeline: sources, timm NaFlex transform, open_clip tokenizer, token-budget loader.
 
 Public API: `DataConfig`, `add_data_args`, `data_config_from_args`, `build_loader`, `build_zero_shot_loader`,
-`Processing`, `default_processing`, `TeacherInputs`, `tokenize`, `DataError`, and the built-in dataset in
-`naflexclip.data.synthetic`.
-The package knows no pretrained family: a model's own tokenizer and patching are handed to the loaders as a
-`Processing` by the caller (`naflexclip.families.data_processing`). A loader is a `NaFlexLoader`: a `MapLoader`
-over a map-style `Source`, or a `StreamLoader` over shards that cannot be indexed; `TokenBudget` sizes its
-microbatches.
+`Processing`, `default_processing`, `TeacherInputs`, `tokenize`, `DataError`; the built-in dataset is
+`naflexclip.data.synthetic`. The package knows no pretrained family: the caller hands the loaders a model's
+tokenizer and patching as a `Processing` (`naflexclip.families.data_processing`). docs/data.md.
 """
 
 from naflexclip.data.build import build_loader, build_zero_shot_loader

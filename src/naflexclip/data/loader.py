@@ -1,17 +1,11 @@
 """The NaFlex loader: one rank's epoch of token-budget microbatches, built in DataLoader workers.
 
-A loader plans an epoch (the same plan on every rank) and torch DataLoader workers build the planned
-microbatches round-robin (worker w builds planned microbatches w, w+K, ...), which the DataLoader hands back
-in plan order. There are two kinds: `MapLoader` reads a map-style `Source` (built-in, CSV, folder, indexed
-local shards) by one global plan, so an epoch is every usable sample once whatever the workers, ranks and
-shards, and its workers are kept from one epoch to the next; `StreamLoader` reads shards that cannot be indexed
-(`pipe:`, URLs, compressed tars) as streams, with workers started for each epoch. This module holds what they
-share: the covering of empty microbatches, the skip log, the resume state and the DataLoader settings.
-
-Two numbers place a microbatch: its `planned` index in the epoch's plan, and its `position` among the
-microbatches the loader has yielded this epoch (the item's "batch_index", what `set_epoch(epoch, start_batch)`
-starts at). They differ only around a planned microbatch whose samples all turned out broken: it is covered
-by splitting a neighbour on the same rank, so the rank still yields as many microbatches as planned.
+Workers build the planned microbatches round-robin and the DataLoader hands them back in plan order. This module
+holds what its two kinds (`map_loader.MapLoader`, `stream_loader.StreamLoader`) share: the covering of a planned
+microbatch whose samples all turned out broken (a neighbour on the same rank is split, so the rank yields as many
+microbatches as planned), the skip log, the resume state and the DataLoader settings. A microbatch's `planned`
+index and its `position` among those yielded ("batch_index", where `set_epoch(epoch, start_batch)` starts)
+differ only around a covered one. docs/data.md#epochs and #skipped-samples.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
-"""The map-style loader: a `Source` (built-in, CSV, folder, indexed local shards) read by one global plan.
+"""The map-style loader: a `Source` (built-in, CSV, folder, indexed local shards) read by one global plan per epoch.
 
-Each epoch is one permutation of the usable samples (`schedule.epoch_order`), cut into steps of one
-microbatch per rank (`schedule.build_global_plan`), so every usable sample is read exactly once per epoch
-whatever the workers, ranks and shards, and every rank has `len()` microbatches. Problems found by indexing
-(missing files, malformed rows, missing shards...) and the samples no step can take are recorded once per
-epoch, by rank 0. A position that is one place in the epoch's global order continues at any world size.
-The main process computes each planned microbatch's sample indices and sends them to the DataLoader workers as
-tasks (`MapTasks`), so the workers are started once per loader and kept from one epoch to the next.
+Every usable sample once per epoch whatever the workers, ranks and shards, `len()` microbatches on every rank, and
+a position that continues at any world size. The main process sends each planned microbatch's sample indices to
+the workers as tasks (`MapTasks`), so they start once per loader; indexing problems are recorded once per epoch,
+by rank 0. docs/data.md#epochs.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
-"""Regions of a sample (boxes with captions) and the LocCa decoder example each sample trains in an epoch.
+"""A sample's regions (boxes with captions) and the LocCa decoder example each sample trains in an epoch.
 
-A sample may carry regions: a `.json` with `"regions": [{"bbox": [x0, y0, x1, y1], "caption": "..."}]`, pixel
-coordinates of the original image. A box is normalised by the original width and height: the NaFlex resize scales
-the whole image (it keeps the aspect ratio, and no resize without a crop moves a fraction), so the fraction is where
-the object lands in the resized patches too. Crop augmentation would move boxes: a LocCa term refuses `--augment`.
-
-A bad region (not a box of 4 numbers, outside the image, x1 <= x0 or y1 <= y0, no caption) is skipped by name
-(`naflexclip.data.samples.REGION_REASONS`), never the sample.
-
-`DecoderExamples` builds each sample's decoder example (SigLIP 2 sec. 2.2, LocCa): a sample without regions trains
-the caption task; one with regions draws caption / aref / gcap uniformly and one region; half of the examples are
-parallel (CapPa). Every draw comes from (seed, epoch, sample key) alone, so a resume and any split of the data see
-the same examples.
+`parse_regions` reads a sample's `.json` regions, each box divided by the stored image's width and height, and
+skips a bad region by name (`samples.REGION_REASONS`), never the sample; `DecoderExamples` draws each sample's
+decoder example (caption, aref or gcap; half of them parallel) from (seed, epoch, sample key) alone, so a resume
+and any split of the data see the same examples. docs/data.md#regions-siglip-2s-locca-decoder.
 """
 
 from __future__ import annotations

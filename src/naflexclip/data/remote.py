@@ -1,13 +1,9 @@
 """Files in object storage (`s3://`, `gs://`, `hf://`, `https://`, any fsspec URL), read by byte range.
 
-Each URL's filesystem is fsspec's, configured the way that backend reads its credentials and endpoint
-(`AWS_ENDPOINT_URL`, profiles, `GOOGLE_APPLICATION_CREDENTIALS`, `HF_TOKEN`...). Only the ranges a reader asks
-for are fetched; nothing is written to local disk.
-
-Faults: a transient error (a timeout, a dropped connection, a 5xx, throttling) is retried with exponential
-backoff, up to `RETRIES` times; each retry is a `read_retry` note (`take_notes`, recorded by the loader in the
-epoch's skip log); a read that still fails raises `Unreachable`, naming the URL and the last error. A missing
-file or a refused one is not retried. S3's own retries are turned off so that every retry is counted here.
+Each URL's filesystem is fsspec's, with its backend's own credentials and endpoint; only the ranges a reader asks
+for are fetched, nothing is written to disk. A transient error is retried with backoff (`RETRIES`), each retry a
+`read_retry` note (`take_notes`); a read that still fails raises `Unreachable`, naming the URL and the last error;
+a missing or refused file is not retried. docs/data.md#data-in-object-storage.
 """
 
 from __future__ import annotations

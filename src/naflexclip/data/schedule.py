@@ -1,11 +1,9 @@
 """Token-budget batch schedule: per-epoch (seq_len, batch_size) plans shared by every rank and worker.
 
-A `TokenBudget` says how microbatches are sized: for each step a sequence length is drawn from its
-`seq_lens` (weights `probs`), and the batch size is `max_tokens // seq_len` rounded down to a multiple of
-`divisor` (at least 1). `build_global_plan` cuts one global per-epoch order (`epoch_order`) into steps of
-one microbatch per rank, so every position is read once and all ranks step through the same number of
-microbatches; `build_schedule` plans one rank's share of a stream. DataLoader workers take a plan's batches
-round-robin (worker w owns batches w, w+K, ...), which torch's DataLoader hands back in plan order.
+A `TokenBudget` sizes each microbatch (a drawn sequence length; `max_tokens // seq_len` rows rounded down to a
+multiple of `divisor`, at least 1). `build_global_plan` cuts one global epoch order (`epoch_order`) into steps of
+one microbatch per rank; `build_schedule` plans one rank's share of a stream; DataLoader workers take a plan's
+batches round-robin. docs/data.md#batches-a-token-budget.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
-"""Epoch orders over shards, for LAION-scale shard lists and OpenCLIP's recipes: weighted `::` mixtures and
-`--dataset-resampled`.
+"""Epoch orders over shards at LAION scale: plain, weighted `::` mixtures and `--dataset-resampled`.
 
-An epoch is a sequence of *slots*, each a shard and how many of its samples it contributes, cut into blocks
-of `BLOCK_SLOTS` consecutive slots; within a block the samples are one permutation (drawn from seed, epoch
-and block), so a microbatch mixes up to `BLOCK_SLOTS` shards. The order is computed a block at a time from
-O(slots) arrays: nothing holds one entry per sample of the dataset, and every rank and worker computes the
-same order from (seed, epoch) alone. A global position is a place in that order, so a resume, at any world
-size, continues the same stream.
-
-- Plain: every shard once, in a shuffled order.
-- Mixture without resampling (`--train-data-upsampling-factors`): source s contributes exactly
-  n_s ∝ factor_s x its samples to every epoch (largest remainder, summing to `--train-num-samples` or to
-  sum(factor_s x samples_s)): whole passes over its shards in fresh orders, the last one cut short by a fresh
-  random subset; the sources' slots are interleaved in proportion.
-- Resampled: shards drawn with replacement, each with its source's factor as weight (OpenCLIP's
-  `ResampledShards2`), until the epoch's `--train-num-samples` samples.
+An epoch is a sequence of *slots* (a shard and how many of its samples it gives) cut into blocks of `BLOCK_SLOTS`
+whose samples are one permutation, computed a block at a time from O(slots) arrays and from (seed, epoch) alone,
+so every rank and worker computes the same order and a global position resumes at any world size.
+docs/data.md#shard-lists-at-laion-scale and #mixtures-and-resampling-openclips-flags.
 """
 
 from __future__ import annotations

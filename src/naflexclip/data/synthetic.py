@@ -1,19 +1,9 @@
-"""Built-in synthetic image-caption dataset: coloured shapes on varied backgrounds, made from (seed, index).
+"""Built-in synthetic image-caption dataset: coloured shapes on varied backgrounds, drawn from (seed, index).
 
-Each image holds 1-3 objects, each with a shape (8 kinds), a colour (10), a size (small/large)
-and a slot along the image's long side, over a plain, gradient, striped or noisy grey-toned
-background. Sides lie in 48-512 px; the aspect ratio (up to 4:1 either way) is about the object
-count, so each object gets a roughly square slot and stays a few patches wide at short NaFlex
-sequence lengths. Captions come from several templates that name every object with its size, colour
-and shape, so retrieval among images that share colours or shapes needs the attributes bound
-to the right object. Splits use separate seed streams ("train", "val", "zeroshot"), so their
-samples never coincide. Nothing is downloaded: an image is drawn when it is indexed.
-
-Shape groups (`shape_group_size` k > 1): consecutive indices come in groups of k scenes that are the same
-in everything (size, background, object count, colours, sizes, places, caption template) except their
-shapes, which differ at every object slot. Trained on in one window, a group is a set of hard negatives
-that only shape tells apart; without them colour alone matches nearly every pair in a window, and the
-model never needs shape.
+Each scene holds 1-3 objects (a shape, a colour, a size, a slot), captions that name every object, its regions
+(`object_regions`) and per-pixel shape classes (`synthetic_segmentation`); the splits ("train", "val", "zeroshot")
+draw from separate seed streams. With `shape_group_size` k > 1 consecutive indices are groups of k scenes that
+differ only in their shapes. What the scenes look like and why: docs/data.md#the-built-in-dataset, docs/demo.md.
 """
 
 from __future__ import annotations
