@@ -1,18 +1,10 @@
 """`naflexclip benchmark`: CLIP_benchmark's own evaluation (zero-shot classification, zero-shot retrieval, linear
 probe) of a naflexclip checkpoint or a SigLIP 2 directory, at one or several NaFlex sequence lengths.
 
-CLIP_benchmark builds the dataset with a per-image transform, batches it (`default_collate`, or webdataset's
-batching for `wds/` datasets), moves the batch with `.to(device)` and calls `model.encode_image(batch)`; text goes
-through `tokenizer(texts)` and `model.encode_text`. A NaFlex image is a dict (patches, their grid coordinates and
-a validity mask), so the transform packs one image, padded to the sequence length by the model's own collation,
-into a single float tensor `[seq_len, P*P*3 + 3]` (patch values, row, column, valid) that every batching stacks;
-`encode_image` unpacks it. The patch values are the ones `naflexclip eval` computes, and the forwards run at the
-precision eval runs them at (the checkpoint's `--precision` unless given; CLIP_benchmark's own autocast is off), so
-both score the same images alike.
-
-Nothing is downloaded: datasets are read from `--dataset_root` as they lie, and where CLIP_benchmark would fetch
-files (`download=True`, or the shell commands some of its datasets run) the command stops with one line naming
-the flag. Needs the `benchmark` extra (`pip install 'naflexclip[benchmark]'`).
+A NaFlex image travels through CLIP_benchmark's batching as one float tensor `[seq_len, P*P*3 + 3]` (patch values,
+row, column, valid) that `encode_image` unpacks; patches and precision are `naflexclip eval`'s, and where
+CLIP_benchmark would download the command stops in one line naming the flag. Needs the `benchmark` extra.
+docs/siglip2.md#clip_benchmark.
 """
 
 from __future__ import annotations

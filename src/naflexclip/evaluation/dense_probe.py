@@ -1,13 +1,9 @@
 """The dense-feature probe: a linear segmentation probe of the image tower's patch tokens on the built-in scenes.
 
-Each built-in scene has per-pixel shape classes (`naflexclip.data.synthetic.scene_labels`: background and the 8
-shapes). A patch's class is the one of most of its pixels once the scene is resized to its NaFlex grid, as the
-model's own processing resizes it. The tower is frozen: its last-layer patch tokens (prefix tokens dropped) of
-`PROBE_SCENES["train"]` train scenes fit a linear softmax classifier (float64, standardised features, class-balanced
-cross-entropy, a small L2 penalty, L-BFGS), which labels every patch of `PROBE_SCENES["val"]` validation scenes.
-`probe/miou` is the mean over classes of intersection over union (classes with an empty union left out, as mmseg's
-mIoU), `probe/patch_acc` the fraction of patches right, `probe/miou_chance` the expected mIoU of a class drawn uniformly
-per patch (where the class-balanced probe lands on features that say nothing about the scene).
+The frozen tower's last-layer patch tokens of `PROBE_SCENES["train"]` scenes fit a linear softmax classifier of
+the patches' shape classes, which labels the patches of `PROBE_SCENES["val"]` scenes: `probe/miou`,
+`probe/patch_acc` and `probe/miou_chance`. How patches get their class, the fit and the metrics:
+docs/training.md#the-dense-feature-probe.
 """
 
 from __future__ import annotations
