@@ -1,10 +1,8 @@
-"""NaFlex image transform (timm's) and batch collation into the project's microbatch format.
+"""What a model reads by default: timm's NaFlex image transform, open_clip's tokenizer (`tokenize`), their
+`Processing`, and the collation of samples into the microbatch format.
 
-Per sample: timm `ResizeToSequence` (eval) or `RandomResizedCropToSequence` (train augment) keeps
-the aspect ratio and fits the patch grid to the sampled sequence length, then timm
-`patchify_image` with `channels_last=True` gives patches flattened as (ph, pw, C), the layout
-timm's NaFlexVit embeds. Patches stay uint8 until collation, where a whole microbatch is
-normalised at once (OpenAI CLIP mean/std) and padding rows are zeroed.
+Patches (timm's layout, flattened as (ph, pw, C)) stay uint8 until `collate` normalises a whole microbatch at
+once and zeroes its padding rows. The steps per image: docs/data.md#batches-a-token-budget.
 """
 
 from __future__ import annotations

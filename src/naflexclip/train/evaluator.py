@@ -1,11 +1,8 @@
-"""Evaluation: image↔text retrieval on the validation split and zero-shot classification of the built-in
-dataset's attributes (shape, colour) from text prompts; during training an `Evaluator` built from the config
-runs them (each an `EvalTask` with its own frequency) and keeps their history.
+"""Evaluation: image↔text retrieval on the validation split, zero-shot classification of the built-in dataset's
+attributes (shape, colour) and of ImageFolders, the dense probe and the LocCa decoder's metrics.
 
-Retrieval: every validation image against every validation caption (its own caption is the one match);
-Recall@K is the fraction whose match ranks in the top K, median rank is 1-based. Zero-shot: each class
-embedding is the mean of its prompts' normalised text embeddings (a prompt ensemble, as in CLIP), an
-image is assigned the nearest class; chance is 1 / number of classes.
+During training an `Evaluator` built from the config runs them (each an `EvalTask` with its own frequency) and
+keeps their history. What each metric measures: docs/training.md#outputs.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The training loop: it composes the run's components and asks them to act, epoch after epoch.
 
-`Trainer` builds the model, the window step (`train.step`), the loader, the evaluator (`train.evaluate`), the
-reporter (`train.report`) and the checkpointer (`train.components`), then runs: resume or evaluate first, train
-every remaining epoch one window per optimizer step, evaluate and save where due, report at the end.
-
-Stops and resumes: SIGINT/SIGTERM let the current step finish, save it and end the run with one line (a
-second signal stops at once, naming the last complete checkpoint). A resume continues exactly or refuses in
-one line; what it may change and how is `train.resume`'s policy.
+`Trainer` builds the model, the window step (`train.step`), the loader, the evaluator (`train.evaluator`), the
+reporter (`train.report`) and the checkpointer (`train.components`), then resumes or evaluates first, trains every
+remaining epoch one window per optimizer step, evaluates and saves where due, and reports at the end; a signal
+ends it after the current step (`train.stop`). docs/training.md.
 """
 
 from __future__ import annotations

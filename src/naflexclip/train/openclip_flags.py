@@ -1,16 +1,10 @@
-"""OpenCLIP's training flags (`open_clip_train/params.py`) as `naflexclip train` treats each, and the --help layout
-that groups the command's flags as OpenCLIP's and naflexclip's.
+"""OpenCLIP's training flags (`open_clip_train/params.py`) as `naflexclip train` treats each, and the --help
+layout that groups the command's flags as OpenCLIP's and naflexclip's.
 
-Every flag of OpenCLIP's parser is one of:
-
-- accepted: the train parser has it, with OpenCLIP's meaning (and, with `--train-data`, OpenCLIP's default:
-  `openclip_defaults.OPENCLIP_DEFAULTS`);
-- built in (`BUILT_IN`): accepted; what it asks for is what naflexclip always does, and one line at the start of
-  the run says so;
-- refused (`REFUSED`, and any flag of the list no parser block has added yet): one line naming the flag and why.
-
-`add_openclip_flags` registers the built-in and refused ones for every name the parser does not have, so a flag a
-later parser block adds (its own action) simply stops being refused.
+Every flag of OpenCLIP's parser is accepted (the train parser has it, with OpenCLIP's meaning), built in
+(`BUILT_IN`: accepted, one line says what naflexclip does instead) or refused (`REFUSED`, and any flag no parser
+block has added yet: one line naming it and why). `add_openclip_flags` registers the last two for every name the
+parser lacks, so a flag a later parser block adds stops being refused. docs/training.md#openclips-flags-and-defaults.
 """
 
 from __future__ import annotations

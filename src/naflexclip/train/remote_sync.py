@@ -1,16 +1,10 @@
-"""`--remote-sync REMOTE`: OpenCLIP's backup of the run folder to `REMOTE/<name>`, once at the start (a target that
-cannot be written stops the run before training, in one line), every `--remote-sync-frequency` seconds from a
-background thread, and once at the end. The main rank syncs; the training loop only starts and closes it.
+"""`--remote-sync REMOTE`: OpenCLIP's backup of the run folder to `REMOTE/<name>`, and its restore at `--resume latest`.
 
-`--remote-sync-protocol s3` runs `aws s3 sync` as OpenCLIP does; `fsspec` copies through fsspec to any URL it
-knows (a local folder, `s3://`, `gs://`, ...): every file rewritten since it last copied it (size and mtime), and at
-the first sync every file missing there or different (`sync_fsspec`). Files deleted locally (an old checkpoint) stay
-in the backup. A checkpoint being written is a hidden
-`.tmp-*` folder until complete (`train.checkpoint`), so hidden entries are never copied.
-
-With `--resume latest` the backup is where the latest checkpoint is looked for, as OpenCLIP does
-(`restore_from_backup`): when its newest complete checkpoint is ahead of the run folder's (a new node after a
-preemption has no run folder), the run folder is restored from it before the resume, then continues as usual.
+The main rank syncs once at the start (a target that cannot be written stops the run before training), every
+`--remote-sync-frequency` seconds from a background thread, and once at the end; the loop only starts and closes
+it. `s3` runs `aws s3 sync`, `fsspec` copies changed files itself (`sync_fsspec`), never a hidden `.tmp-*` save in
+progress. `restore_from_backup` copies the backup's newer complete checkpoint into the run folder before a resume.
+docs/training.md#checkpoints-backup-and-logs-openclips-flags.
 """
 
 from __future__ import annotations

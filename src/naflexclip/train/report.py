@@ -1,10 +1,9 @@
 """What a user sees of a run: the progress bar and messages, the logged metrics, the skip log, `curves.png` and
 the terminal summary.
 
-Metrics go to a `Reporter` of sinks: `metrics.jsonl` always, others named by `--report-to` in OpenCLIP's comma
-form ("wandb,tensorboard"). A sink is one small class (`Sink`) registered by name in `SINKS`; it exists on the main rank
-only, and it saves what a resume needs (`state_dict`) so that a resumed run logs every step once. Every rank
-appends the samples its loader skipped to `skipped_samples.jsonl`; the main rank prints the first few.
+Metrics go to a `Reporter` of sinks (`metrics.jsonl` always, others by `--report-to`), each a small `Sink` class
+registered by name in `SINKS`, on the main rank only, saving what a resume needs (`state_dict`). Every rank appends
+its skipped samples to `skipped_samples.jsonl`. docs/training.md#outputs.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """SigLIP 2's self-distillation and masked prediction in a run: the EMA teacher's life, one component.
 
-`SelfDistillation` decides for every optimizer step whether the two terms are on: step `k` (1-based) of a run of
-`T` optimizer steps trains them when `(k − 1) / T >= --self-distill-start` (SigLIP 2 sec. 2.3: "at 80% of training
-completion"; `T` is the lr schedule's, so a resume that re-plans the run moves the switch with it). At the first
-such step it builds the EMA teacher from the student as it is then (SigLIP 2 initialises the teacher with the
-student's parameters), hands the window the terms and the teacher (one no-grad forward per microbatch, never
-replayed: `window.accumulate_gradients(example_teacher=)`), and after every optimizer step updates the teacher
-(`EmaTeacher.update`, its centres summed over ranks) or, after a skipped step, forgets the step's logits.
-
-Run state `ema_teacher`: `{"built": False}` before the switch, else the teacher's full parameters and centres
-(gathered from every rank's shards), so a resume on either side of the switch continues bit-exactly; a resume
-whose switch comes after the saved teacher's step (a later `--self-distill-start`, a re-planned `T`) drops it in one
-line and builds it again from the student at the new switch. Under FSDP2 the teacher is sharded like the student
-(each image-tower block one unit, the rest one unit, on the same mesh): its parameters are DTensors placed as the
-student's, the EMA pairs local shards, and its forward gathers one block at a time as the student's does.
+`SelfDistillation` decides for every optimizer step whether the two terms are on (from `--self-distill-start` of
+the lr schedule's steps), builds the EMA teacher from the student at the switch, hands the window the terms and
+the teacher, updates the teacher after each step (or forgets a skipped step's logits), and saves and restores it
+as the run state `ema_teacher`, sharded like the student under FSDP2.
+docs/siglip2_recipe.md#self-distillation-and-masked-prediction.
 """
 
 from __future__ import annotations

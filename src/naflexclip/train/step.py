@@ -1,11 +1,9 @@
 """One optimizer step per accumulation window.
 
-Each step takes `--accum-freq` consecutive microbatches from the loader (an epoch's tail of fewer joins its
-last window, `grouping.window_sizes`) and hands them to `accumulate_gradients`, which leaves `s(W)·∇θ L(W)` in
-`.grad`: nothing here computes a loss coefficient. After the window the step unscales (fp16), measures and
-clips the gradient norm once, skips the update if the loss or the gradient is not finite (alike on every rank:
-both are the whole window's), steps AdamW, clamps `logit_scale` and advances the lr schedule (once per
-window, skipped or not, so the schedule and the data position stay in step).
+Each step hands `--accum-freq` microbatches (`grouping.window_sizes`) to `accumulate_gradients`, which leaves
+`s(W)·∇θ L(W)` in `.grad` (nothing here computes a loss coefficient), then unscales, clips once, skips a
+non-finite window alike on every rank, steps the optimizer, clamps `logit_scale` and advances the lr schedule
+once per window, skipped or not. docs/training.md#one-step.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """`--report-to wandb`: a Weights & Biases run per training run, which every resume continues.
 
-The run id is saved in the checkpoint (`state_dict`); a resume reopens that run (`resume="allow"`) and logs only
-the steps the run does not have yet, so each step is in the run once. Which steps it has: online, the server says
-(`run.starting_step`); offline, the run's earlier offline files under the same wandb directory do (what `wandb sync`
-uploads, in order). Steps a killed process logged after its last checkpoint are therefore not logged again: the run
-keeps their first values, which an exact resume reproduces anyway. Steps it logged up to its checkpoint that wandb
-had not yet written when it was killed are logged by the resume from the run's record, `metrics.jsonl`.
-
-wandb's own settings are honoured: `WANDB_MODE=offline` (or `wandb offline`) logs to local files for a later
-`wandb sync`, `WANDB_MODE=disabled` logs nothing, WANDB_DIR, WANDB_ENTITY and the rest as usual. Online without
-an API key is an error before training starts, never a login prompt. The package is optional and imported only
-when the sink is built: `pip install 'naflexclip[wandb]'`.
+The run id is saved in the checkpoint (`state_dict`); a resume reopens that run and logs only the steps it lacks
+(online the server says which, offline the run's earlier offline files do), those up to its checkpoint that a kill
+kept wandb from writing taken from `metrics.jsonl`. wandb's own settings apply; online without an API key is an
+error before training. Imported only when the sink is built (the `wandb` extra). docs/training.md#weights--biases.
 """
 
 from __future__ import annotations
