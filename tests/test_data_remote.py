@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from s3_server import FaultProxy, s3_environment, s3_server, upload
 
+from naflexclip.checkpoints import storage as ckpt
 from naflexclip.cli import main
 from naflexclip.data import DataConfig, DataError, build_loader, remote
 from naflexclip.data.dataset_export import export_synthetic
@@ -25,20 +26,24 @@ SAMPLES = 40
 @pytest.fixture(scope="module")
 def bucket(tmp_path_factory: pytest.TempPathFactory):
     """40 built-in scenes in 4 shards, on local disk and in an S3 bucket (with and without a sizes.json):
-    (endpoint, local folder, the local folder without sizes.json)."""
+    and as Parquet in the Hub's layout: (endpoint, local folder, the local folder without sizes.json, the Parquet
+    folder)."""
     local = tmp_path_factory.mktemp("shards")
     export_synthetic(str(local), count=SAMPLES, shard_size=10, image_format="png")
     unsized = tmp_path_factory.mktemp("unsized")
     for name in os.listdir(local):
         if name.endswith(".tar"):
             shutil.copy(local / name, unsized / name)
+    tables = tmp_path_factory.mktemp("parquet")
+    export_synthetic(str(tables), fmt="parquet", count=SAMPLES, shard_size=10, image_format="png")
     with s3_server() as endpoint:
         saved = {k: os.environ.get(k) for k in s3_environment(endpoint)}
         os.environ.update(s3_environment(endpoint))
         upload(str(local), "s3://data/sized")
         upload(str(unsized), "s3://data/unsized")
+        upload(str(tables), "s3://data/parquet")
         try:
-            yield endpoint, local, unsized
+            yield endpoint, local, unsized, tables
         finally:
             for key, value in saved.items():
                 if value is None:
@@ -92,6 +97,18 @@ def test_remote_shards_train_every_sample_once_in_the_local_order(bucket, tmp_pa
         if world_size == 2:
             assert keys == local_keys
         assert Counter(keys) == Counter(local_keys) and not skips
+
+
+def test_remote_parquet_and_a_mixture_with_remote_shards_read_as_local_files_do(bucket, tmp_path: Path) -> None:
+    parquet = "train-{00000..00003}.parquet"
+    local_keys, _ = epoch_keys(config(str(bucket[3] / parquet), tmp_path))
+    remote_keys, skips = epoch_keys(config(f"s3://data/parquet/{parquet}", tmp_path, workers=2))
+    assert remote_keys == local_keys and len(set(remote_keys)) == SAMPLES and not skips
+    mixture = config(f"s3://data/sized/{LOCAL_SPEC}::s3://data/parquet/{parquet}", tmp_path,
+                     train_data_upsampling_factors="1::0.5")
+    keys, skips = epoch_keys(mixture)
+    assert sum(".tar:" in k for k in keys) == SAMPLES and sum(".parquet:" in k for k in keys) == SAMPLES // 2
+    assert len(set(keys)) == len(keys) and not skips
 
 
 def test_a_remote_epoch_resumed_mid_way_continues_exactly(bucket, tmp_path: Path) -> None:
@@ -175,8 +192,8 @@ def test_a_store_that_cannot_be_reached_stops_in_one_line(bucket, tmp_path: Path
 
 
 def _weights(run_dir: Path) -> str:
-    latest = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
-    return hashlib.sha256((latest / "model.safetensors").read_bytes()).hexdigest()
+    latest = ckpt.find_latest(run_dir / "checkpoints")
+    return hashlib.sha256((latest / ckpt.MODEL_FILE).read_bytes()).hexdigest()
 
 
 @pytest.mark.slow

@@ -9,10 +9,12 @@ from typing import Any
 import numpy as np
 
 from naflexclip.data import remote
-from naflexclip.data.data_config import DataConfig
+from naflexclip.data.data_config import DEFAULT_IMAGE_KEY, DataConfig, split_keys
+from naflexclip.data.joined_sources import JoinedSources
 from naflexclip.data.loader import NaFlexLoader
 from naflexclip.data.map_loader import MapLoader
 from naflexclip.data.microbatch import MicrobatchBuilder, TeacherInputs
+from naflexclip.data.parquet_source import BLOCK_ROW_GROUPS, ParquetSource, is_parquet
 from naflexclip.data.readers import (
     CsvSource,
     DataError,
@@ -97,17 +99,72 @@ def _shard_loader(cfg: DataConfig, path: str, urls: list[str], ids: np.ndarray, 
     except ValueError as error:
         raise DataError(str(error)) from None
     loader = MapLoader(source, recipe=recipe, **common)
-    if common["rank"] == 0 and factors is not None and not resampled:
-        counts = mixture_counts(shards.source_sizes(), factors, requested)
+    if common["rank"] == 0:
+        _announce_mixture(cfg, loader, recipe, common["split"])
+    return loader
+
+
+def _announce_mixture(cfg: DataConfig, loader: MapLoader, recipe: ShardRecipe, split: str) -> None:
+    """A mixture's planned samples per source; a source read more than once per epoch, named."""
+    shards = recipe.shards
+    sources = shards.source_names
+    if recipe.factors is not None and not recipe.resampled:
+        counts = mixture_counts(shards.source_sizes(), recipe.factors, recipe.num_samples)
         copied = [f"{name} {count / size:.3g}x" for name, count, size in
                   zip(sources, counts, shards.source_sizes(), strict=True) if count > size]
         if copied:
             logger.warning("--train-data-upsampling-factors %s reads %s per epoch: the copies of a pair are planned "
                            "independently, so two can be in the same window, as each other's negatives",
                            cfg.train_data_upsampling_factors, ", ".join(copied))
-    if common["rank"] == 0 and len(sources) > 1:
-        logger.warning("data %s epoch 1: %s", common["split"], ", ".join(
+    if len(sources) > 1:
+        logger.warning("data %s epoch 1: %s", split, ", ".join(
             f"{name} {count} samples" for name, count in loader.planned_sources.items()))
+
+
+def _table_loader(cfg: DataConfig, path: str, requested: int | None, flag: str, resampled: bool,
+                  factors: tuple[float, ...] | None, common: dict[str, Any]) -> MapLoader:
+    """Parquet files, alone or `::`-joined with WebDataset shards: each Parquet row group is a shard of the epoch's
+    `ShardRecipe` (`parquet_source`), each tar source's shards as in `_shard_loader`."""
+    sources: list[Source] = []
+    sizes, ids = [], []
+    parts = path.split("::")
+    for s, part in enumerate(parts):
+        urls = expand_shards(part)
+        source: Source
+        if is_parquet(part):
+            # columns: the ones named, else the usual names (the flags' defaults are WebDataset suffixes)
+            image_keys = None if cfg.image_key == DEFAULT_IMAGE_KEY else split_keys(cfg.image_key)
+            source = ParquetSource(part, urls, image_keys, None if cfg.text_key == "txt" else split_keys(cfg.text_key))
+            part_sizes = source.group_sizes
+        else:
+            check_shards(urls, part)
+            remote.check_remote_shards(urls, part)
+            listed = read_sizes(urls)
+            if listed is not None:
+                source = SizedShardSource(part, urls, listed, cfg.shard_index_dir, cfg.member_keys())
+                part_sizes = listed
+            else:
+                source = IndexedShardSource(part, urls, cfg.shard_index_dir, cfg.member_keys())
+                part_sizes = np.bincount(source.shard_ids, minlength=len(urls)).astype(np.int64)
+        if len(source) == 0:
+            reasons = Counter(r["reason"] for r in source.index_skips)
+            raise DataError(f"data source {part!r} of {path!r} has no usable samples "
+                            f"({reasons_line(reasons) or 'empty'})")
+        sources.append(source)
+        sizes.append(np.asarray(part_sizes, np.int64))
+        ids.append(np.full(len(part_sizes), s, np.int64))
+    joined = JoinedSources(path, sources) if len(sources) > 1 else sources[0]
+    if requested is not None and requested > len(joined) and not (resampled or factors is not None):
+        raise _more_than_the_data(cfg, flag, requested, joined)
+    try:
+        recipe = ShardRecipe(ShardSet(np.concatenate(sizes), np.concatenate(ids), tuple(parts)), factors, resampled,
+                             requested, block_slots=BLOCK_ROW_GROUPS)
+        recipe.epoch_samples()
+    except ValueError as error:
+        raise DataError(str(error)) from None
+    loader = MapLoader(joined, recipe=recipe, **common)
+    if common["rank"] == 0:
+        _announce_mixture(cfg, loader, recipe, common["split"])
     return loader
 
 
@@ -183,12 +240,18 @@ def build_loader(
                                   view_seeds=view_seeds and train),
         seed=cfg.seed, shuffle=train, workers=cfg.workers, rank=rank, world_size=world_size, pin_memory=device_pin,
     )
-    urls, ids = expand_sources(path) if kind == "webdataset" and path is not None else ([], np.zeros(0, np.int64))
+    # Parquet, alone or in a `::` mixture with shards
+    tables = kind == "parquet" or (kind == "webdataset" and any(is_parquet(p) for p in str(path).split("::")))
+    shards = kind == "webdataset" and path is not None and not tables
+    urls, ids = expand_sources(path) if shards else ([], np.zeros(0, np.int64))
     if urls:
         check_shards(urls, path)
         remote.check_remote_shards([u for u in urls if is_indexable(u)], path)
     loader: NaFlexLoader
-    if not all(is_indexable(u) for u in urls):  # pipe:, compressed: streamed
+    if tables:
+        assert path is not None
+        loader = _table_loader(cfg, path, requested, flag, resampled, factors, common)
+    elif not all(is_indexable(u) for u in urls):  # pipe:, compressed: streamed
         if factors is not None and not resampled:
             raise DataError("--train-data-upsampling-factors without --dataset-resampled plans each source's exact "
                             "share, which needs local .tar shards; these are streamed: add --dataset-resampled")

@@ -1,4 +1,4 @@
-"""`naflexclip data export`: write a slice of the built-in dataset as shards, CSV + images, or a folder."""
+"""`naflexclip data export`: write a slice of the built-in dataset as shards, CSV + images, a folder, or Parquet."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     data = subparsers.add_parser("data", help="data tools (export the built-in dataset)")
     commands = data.add_subparsers(dest="data_command", required=True)
     export = commands.add_parser(
-        "export", help="write the built-in dataset as WebDataset shards, image folder + CSV, or image + .txt"
+        "export", help="write the built-in dataset as WebDataset shards, image folder + CSV, image + .txt, or Parquet "
+        "in the Hub's layout"
     )
     export.add_argument("--out", required=True, help="output directory")
     export.add_argument("--format", default="webdataset", choices=EXPORT_FORMATS)
@@ -21,7 +22,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument("--start", type=int, default=0, help="first sample index")
     export.add_argument("--count", type=int, default=1000, help="number of samples")
     export.add_argument("--image-format", default="jpg", choices=tuple(IMAGE_FORMATS))
-    export.add_argument("--shard-size", type=int, default=1000, help="samples per tar shard")
+    export.add_argument("--shard-size", type=int, default=1000, help="samples per tar shard (Parquet file)")
     export.add_argument("--synthetic-seed", type=int, default=0)
     export.add_argument("--csv-separator", default="\t")
     export.set_defaults(func=run_export)
@@ -34,7 +35,7 @@ def run_export(args: argparse.Namespace) -> int:
         image_format=args.image_format, shard_size=args.shard_size, seed=args.synthetic_seed,
         csv_separator=args.csv_separator,
     )
-    target = shard_spec(paths) if args.format == "webdataset" else paths[0]
+    target = shard_spec(paths) if args.format in ("webdataset", "parquet") else paths[0]
     flags = f"--{args.split}-data {shlex.quote(target)} --dataset-type {args.format}"
     if args.format == "csv" and args.csv_separator != "\t":  # the reader's default is a tab: say the one written
         flags += f" --csv-separator {shlex.quote(args.csv_separator)}"

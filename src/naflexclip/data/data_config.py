@@ -19,7 +19,7 @@ from naflexclip.data.schedule import PatchSizes, TokenBudget, samples_for_image_
 from naflexclip.data.synthetic import SHAPES
 from naflexclip.settings import APPLY, NO_FLAG, REFUSE, add_arguments, parse_kwargs, setting, values_from_args
 
-DATASET_TYPES = ("synthetic", "webdataset", "csv", "folder", "auto")
+DATASET_TYPES = ("synthetic", "webdataset", "csv", "folder", "parquet", "auto")
 DEFAULT_IMAGE_KEY = "jpg;png;jpeg;webp"  # OpenCLIP's defaults
 DEFAULT_MAX_IMAGE_PIXELS = 25_000_000
 # --aug-cfg keys of OpenCLIP's AugmentationCfg: those timm's NaFlex train crop takes, those that change nothing here
@@ -58,8 +58,8 @@ class DataConfig:
     """
 
     train_data: str | None = setting(None, rule=REFUSE, why=_ORDER, section=_DATA, help=(
-        "training data: shards ('dir/{00000..00031}.tar'), a .csv/.tsv, or a folder; the built-in synthetic dataset "
-        "when omitted"))
+        "training data: shards ('dir/{00000..00031}.tar', also s3://, gs://, hf://, https://), .parquet files, a "
+        ".csv/.tsv, or a folder; the built-in synthetic dataset when omitted"))
     val_data: str | None = setting(None, rule=APPLY, section=_DATA,
                                    help="validation data, same forms as --train-data")
     dataset_type: str = setting("auto", rule=REFUSE, why=_ORDER, section=_DATA, openclip="auto",
@@ -133,9 +133,11 @@ class DataConfig:
         "one weight per `::`-joined --train-data source, e.g. 1::2: with --dataset-resampled the shard weights; "
         "without it, each source's exact share of every epoch"))
     image_key: str = setting(DEFAULT_IMAGE_KEY, rule=REFUSE, why=_ORDER, section=_RECIPES, help=(
-        "tar member suffix of the image; ';'-separated alternatives in priority order"))
+        "tar member suffix of the image (Parquet: its column, then 'image'); ';'-separated alternatives in priority "
+        "order"))
     text_key: str = setting("txt", rule=REFUSE, why=_ORDER, section=_RECIPES, help=(
-        "tar member suffix of the caption; ';'-separated alternatives (ignored with --json-text-key)"))
+        "tar member suffix of the caption (Parquet: its column, a string or a list of strings, then 'text', "
+        "'caption'); ';'-separated alternatives (ignored with --json-text-key)"))
     json_text_key: str | None = setting(None, rule=REFUSE, why=_ORDER, section=_RECIPES, help=(
         "read the caption from this field of each sample's .json member; ';'-separated alternatives: the first "
         "non-empty one, or one drawn per sample and epoch by --json-text-key-probs"))
@@ -204,7 +206,7 @@ class DataConfig:
             self.naflex_seq_len_probs = tuple(float(p) for p in self.naflex_seq_len_probs)
         if self.dataset_type not in DATASET_TYPES:
             raise ValueError(f"--dataset-type must be one of {DATASET_TYPES}, got {self.dataset_type!r}")
-        if self.dataset_type in ("webdataset", "csv", "folder") and not self.train_data and not self.val_data:
+        if self.dataset_type not in ("synthetic", "auto") and not self.train_data and not self.val_data:
             raise ValueError(f"--dataset-type {self.dataset_type} needs --train-data or --val-data, got neither")
         self.token_budget()  # the --naflex-* flags, checked where they are used
         self._check_patch_sizes()
@@ -259,8 +261,8 @@ class DataConfig:
         recipe = [flag for flag, on in (("--dataset-resampled", self.dataset_resampled),
                                         ("--train-data-upsampling-factors",
                                          self.train_data_upsampling_factors is not None)) if on]
-        if recipe and (self.train_data is None or self.source("train")[0] != "webdataset"):
-            raise ValueError(f"{recipe[0]} applies to WebDataset --train-data shards, got "
+        if recipe and (self.train_data is None or self.source("train")[0] not in ("webdataset", "parquet")):
+            raise ValueError(f"{recipe[0]} applies to WebDataset or Parquet --train-data, got "
                              f"{self.train_data or 'the built-in dataset'!r}")
         if self.train_data_upsampling_factors is not None:
             self.upsampling_factors()
@@ -342,10 +344,12 @@ class DataConfig:
 
 
 def infer_dataset_type(path: str | None) -> str:
-    """Guess the dataset type from a path: .tar shards, .csv/.tsv tables, else a folder."""
+    """Guess the dataset type from a path: .tar shards, .parquet files, .csv/.tsv tables, else a folder."""
     if not path:
         return "synthetic"
     first = path.split("::")[0]
+    if first.endswith((".parquet", ".parq")):
+        return "parquet"
     if first.endswith(".tar") or ".tar" in first.rsplit("/", 1)[-1]:
         return "webdataset"
     if first.endswith((".csv", ".tsv")):

@@ -1,4 +1,5 @@
-"""Export slices of the built-in dataset as WebDataset shards, an image folder + CSV, or image + .txt pairs.
+"""Export slices of the built-in dataset as WebDataset shards, an image folder + CSV, image + .txt pairs, or Parquet
+files in the Hub's layout (an `image` struct {bytes, path} and a `caption` column).
 
 So the real readers can be exercised (and benchmarked) on data with known content. WebDataset
 export also writes an OpenCLIP-style `sizes.json` (shard name -> sample count) that the reader
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 import os
 
@@ -16,7 +18,10 @@ from webdataset.writer import TarWriter
 
 from naflexclip.data.synthetic import synthetic_scene
 
-EXPORT_FORMATS = ("webdataset", "csv", "folder")
+EXPORT_FORMATS = ("webdataset", "csv", "folder", "parquet")
+PARQUET_ROW_GROUP = 100  # rows per Parquet row group (the `datasets` library's for image datasets)
+# the `datasets` library's description of the Hub layout's columns (what it reads the image struct as)
+HUB_FEATURES = {"info": {"features": {"image": {"_type": "Image"}, "caption": {"dtype": "string", "_type": "Value"}}}}
 IMAGE_FORMATS = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}
 
 
@@ -42,8 +47,10 @@ def export_synthetic(
 
     webdataset: `{split}-{00000..}.tar` shards of `shard_size` samples (key.jpg/png + key.txt + key.json);
     csv: `images/{key}.{ext}` (+ `images/{key}.json`) and `{split}.csv` with columns filepath, title (relative paths);
-    folder: `{key}.{ext}` + `{key}.txt` + `{key}.json`. Each `.json` holds the scene's regions
-    (`{"regions": [{"bbox": [x0, y0, x1, y1], "caption": ...}]}`, pixels; `naflexclip.data.regions`).
+    folder: `{key}.{ext}` + `{key}.txt` + `{key}.json`; parquet: `{split}-{00000..}.parquet` files of `shard_size`
+    rows in row groups of `PARQUET_ROW_GROUP`, the Hub's layout (`image`: {bytes, path}, `caption`; no regions).
+    Each `.json` holds the scene's regions (`{"regions": [{"bbox": [x0, y0, x1, y1], "caption": ...}]}`, pixels;
+    `naflexclip.data.regions`).
     """
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"--format must be one of {EXPORT_FORMATS}, got {fmt!r}")
@@ -55,6 +62,8 @@ def export_synthetic(
     samples = ((f"{split}{i:08d}", *synthetic_scene(seed, split, i)) for i in range(start, start + count))
     if fmt == "webdataset":
         return _write_shards(out_dir, split, samples, image_format, shard_size, count)
+    if fmt == "parquet":
+        return _write_parquet(out_dir, split, samples, image_format, shard_size, count)
     if fmt == "csv":
         os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
         table = os.path.join(out_dir, f"{split}.csv")
@@ -104,10 +113,27 @@ def _write_shards(out_dir, split, samples, image_format, shard_size, count) -> l
     return paths
 
 
+def _write_parquet(out_dir, split, samples, image_format, shard_size, count) -> list[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pa.schema([("image", pa.struct([("bytes", pa.binary()), ("path", pa.string())])),
+                        ("caption", pa.string())], metadata={"huggingface": json.dumps(HUB_FEATURES)})
+    paths: list[str] = []
+    for shard in range((count + shard_size - 1) // shard_size):
+        rows = [{"image": {"bytes": _encode(img, image_format), "path": f"{key}.{image_format}"}, "caption": caption}
+                for key, img, caption, _regions in itertools.islice(samples, shard_size)]
+        path = os.path.join(out_dir, f"{split}-{shard:05d}.parquet")
+        pq.write_table(pa.Table.from_pylist(rows, schema=schema), path, row_group_size=PARQUET_ROW_GROUP)
+        paths.append(path)
+    return paths
+
+
 def shard_spec(paths: list[str]) -> str:
-    """A brace pattern naming exported shards, e.g. "out/train-{00000..00003}.tar"."""
+    """A brace pattern naming exported shards or files, e.g. "out/train-{00000..00003}.tar"."""
     if len(paths) == 1:
         return paths[0]
     head, tail = paths[0].rsplit("-", 1)
     last = paths[-1].rsplit("-", 1)[1]
-    return f"{head}-{{{tail.split('.')[0]}..{last.split('.')[0]}}}.tar"
+    suffix = tail.split(".", 1)[1]
+    return f"{head}-{{{tail.split('.')[0]}..{last.split('.')[0]}}}.{suffix}"

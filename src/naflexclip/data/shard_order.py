@@ -117,13 +117,13 @@ def _cut(slot_shards: np.ndarray, slot_counts: np.ndarray, total: int) -> tuple[
     return slot_shards[:n], counts
 
 
-def plain_order(shards: ShardSet, *, seed: int, epoch: int, shuffle: bool, num_samples: int | None = None
-                ) -> BlockOrder:
+def plain_order(shards: ShardSet, *, seed: int, epoch: int, shuffle: bool, num_samples: int | None = None,
+                block_slots: int = BLOCK_SLOTS) -> BlockOrder:
     """Every shard once (a shuffled order when `shuffle`), cut at `num_samples` (a fresh subset each epoch)."""
     order = _rng(seed, epoch, _TAG_SLOTS).permutation(len(shards.sizes)) if shuffle else np.arange(len(shards.sizes))
     order = order[shards.sizes[order] > 0]
     slots = _cut(order, shards.sizes[order], int(shards.sizes.sum()) if num_samples is None else num_samples)
-    return BlockOrder(shards, *slots, seed=seed, epoch=epoch, shuffle=shuffle)
+    return BlockOrder(shards, *slots, seed=seed, epoch=epoch, shuffle=shuffle, block_slots=block_slots)
 
 
 def mixture_counts(source_sizes: np.ndarray, factors: tuple[float, ...], num_samples: int | None) -> list[int]:
@@ -143,7 +143,7 @@ def mixture_counts(source_sizes: np.ndarray, factors: tuple[float, ...], num_sam
 
 
 def mixture_order(shards: ShardSet, factors: tuple[float, ...], *, seed: int, epoch: int,
-                  num_samples: int | None = None) -> BlockOrder:
+                  num_samples: int | None = None, block_slots: int = BLOCK_SLOTS) -> BlockOrder:
     """Each source's exact share of the epoch (`mixture_counts`), its slots interleaved in proportion."""
     counts = mixture_counts(shards.source_sizes(), factors, num_samples)
     all_shards, all_counts, keys, sources = [], [], [], []
@@ -168,15 +168,16 @@ def mixture_order(shards: ShardSet, factors: tuple[float, ...], *, seed: int, ep
         keys.append((before + cnt / 2) / wanted)  # where in its own stream a slot falls: interleave by it
         sources.append(np.full(len(cnt), s))
     if not all_shards:
-        return BlockOrder(shards, np.zeros(0, np.int64), np.zeros(0, np.int64), seed=seed, epoch=epoch, shuffle=True)
+        return BlockOrder(shards, np.zeros(0, np.int64), np.zeros(0, np.int64), seed=seed, epoch=epoch, shuffle=True,
+                          block_slots=block_slots)
     key, source = np.concatenate(keys), np.concatenate(sources)
     merged = np.lexsort((source, key))
     return BlockOrder(shards, np.concatenate(all_shards)[merged], np.concatenate(all_counts)[merged], seed=seed,
-                      epoch=epoch, shuffle=True)
+                      epoch=epoch, shuffle=True, block_slots=block_slots)
 
 
 def resampled_order(shards: ShardSet, factors: tuple[float, ...] | None, *, seed: int, epoch: int,
-                    num_samples: int) -> BlockOrder:
+                    num_samples: int, block_slots: int = BLOCK_SLOTS) -> BlockOrder:
     """Shards drawn with replacement, weight = the factor of the shard's source (uniform without factors), until
     `num_samples` samples; each drawn shard contributes all its samples (the last one a random subset)."""
     weights = np.ones(len(shards.sizes)) if factors is None else np.asarray(factors, np.float64)[shards.source_ids]
@@ -192,7 +193,7 @@ def resampled_order(shards: ShardSet, factors: tuple[float, ...] | None, *, seed
         more = np.searchsorted(cdf, rng.random(int(num_samples / mean) + 16), side="right")
         drawn = np.concatenate([drawn, np.minimum(more, len(cdf) - 1)])
     slots = _cut(drawn, shards.sizes[drawn], num_samples)
-    return BlockOrder(shards, *slots, seed=seed, epoch=epoch, shuffle=True)
+    return BlockOrder(shards, *slots, seed=seed, epoch=epoch, shuffle=True, block_slots=block_slots)
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,7 @@ class ShardRecipe:
     factors: tuple[float, ...] | None = None
     resampled: bool = False
     num_samples: int | None = None
+    block_slots: int = BLOCK_SLOTS  # shards (or Parquet row groups) whose samples are shuffled together
 
     def epoch_samples(self) -> int:
         """Samples of every epoch."""
@@ -216,7 +218,9 @@ class ShardRecipe:
     def order(self, *, seed: int, epoch: int, shuffle: bool) -> BlockOrder:
         if self.resampled:
             return resampled_order(self.shards, self.factors, seed=seed, epoch=epoch,
-                                   num_samples=self.epoch_samples())
+                                   num_samples=self.epoch_samples(), block_slots=self.block_slots)
         if self.factors is not None:
-            return mixture_order(self.shards, self.factors, seed=seed, epoch=epoch, num_samples=self.num_samples)
-        return plain_order(self.shards, seed=seed, epoch=epoch, shuffle=shuffle, num_samples=self.num_samples)
+            return mixture_order(self.shards, self.factors, seed=seed, epoch=epoch, num_samples=self.num_samples,
+                                 block_slots=self.block_slots)
+        return plain_order(self.shards, seed=seed, epoch=epoch, shuffle=shuffle, num_samples=self.num_samples,
+                           block_slots=self.block_slots)
