@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "naflexclip.audit.verify_command",
     "naflexclip.data.data_command",
     "naflexclip.models.export_command",
+    "naflexclip.checkpoints.checkpoint_command",
     "naflexclip.evaluation.benchmark_tasks",
 )
 

@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 MODEL = "model"  # the named state stored as safetensors
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "train_state.pt"
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a sharded checkpoint (`checkpoints.sharded`)
 META_FILE = "checkpoint.json"
 LATEST_FILE = "latest"
 # hidden leftovers of an interrupted save: the temp directory, the old copy swapped out, the pointer's temp file
@@ -60,6 +61,17 @@ class Checkpoint:
     step: int
     epoch: int
     states: dict[str, Any]
+    # the states a sharded checkpoint holds as shards (`checkpoints.sharded`), not in `states`: each is read by
+    # resharding into a live object's state (a resume) or whole into this process (`full_state`)
+    sharded: tuple[str, ...] = ()
+
+    def full_state(self, name: str) -> Any:
+        """The named state whole, in this process: from `states`, or gathered from a sharded checkpoint's shards."""
+        if name not in self.sharded:
+            return self.states[name]
+        from naflexclip.checkpoints import sharded
+
+        return sharded.read_whole(self.path, name)
 
 
 # ---------------------------------------------------------------------------------------------- write
@@ -79,8 +91,8 @@ def _write_fsynced(path: Path, write: Any) -> None:
         os.fsync(f.fileno())
 
 
-def _discard(path: Path) -> None:
-    """Remove a leftover directory or file; failing to is not worth failing a run over."""
+def discard(path: Path) -> None:
+    """Remove a leftover directory or file (an interrupted save's); failing to is not worth failing a run over."""
     try:
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
@@ -97,7 +109,7 @@ def clean_stale(checkpoint_dir: Path) -> None:
         target = _pointer_target(checkpoint_dir)
         for path in checkpoint_dir.iterdir():
             if _STALE.match(path.name) or (path.name.endswith(_NEW_SUFFIX) and path.name != target):
-                _discard(path)
+                discard(path)
 
 
 def remove_checkpoint(checkpoint_dir: Path, name: str) -> bool:
@@ -108,7 +120,7 @@ def remove_checkpoint(checkpoint_dir: Path, name: str) -> bool:
         return False
     aside = checkpoint_dir / f".old-{name}-{os.getpid()}"
     os.replace(path, aside)
-    _discard(aside)
+    discard(aside)
     return True
 
 
@@ -122,32 +134,52 @@ def _point_latest(checkpoint_dir: Path, name: str) -> None:
 def save_checkpoint(checkpoint_dir: Path, name: str, states: Mapping[str, Any], *, step: int, epoch: int) -> Path:
     """Write `states` (name -> state; "model" a mapping of tensors) as `checkpoint_dir/name/` and point `latest`
     at it, never leaving `latest` without a complete checkpoint behind it (module docstring); returns its path."""
+    return install_checkpoint(checkpoint_dir, name, lambda tmp: write_full(tmp, states, step=step, epoch=epoch))
 
-    def write(tmp: Path) -> None:
-        # safetensors refuses shared or non-contiguous storage: save plain contiguous copies
-        tensors = {key: value.detach().contiguous() for key, value in states[MODEL].items()}
-        _write_fsynced(tmp / MODEL_FILE, lambda p: save_file(tensors, str(p)))
-        others = {key: value for key, value in states.items() if key != MODEL}
-        _write_fsynced(tmp / STATE_FILE, lambda p: torch.save(others, p))
-        meta = {"step": step, "epoch": epoch, "sizes": {f: (tmp / f).stat().st_size for f in (MODEL_FILE, STATE_FILE)}}
-        _write_fsynced(tmp / META_FILE, lambda p: p.write_text(json.dumps(meta) + "\n"))
 
-    return install_checkpoint(checkpoint_dir, name, write)
+def write_full(folder: Path, states: Mapping[str, Any], *, step: int, epoch: int) -> None:
+    """The full form's three files of `states` into the existing `folder` (`checkpoint.json` last)."""
+    # safetensors refuses shared or non-contiguous storage: save plain contiguous copies
+    tensors = {key: value.detach().contiguous() for key, value in states[MODEL].items()}
+    _write_fsynced(folder / MODEL_FILE, lambda p: save_file(tensors, str(p)))
+    write_state_file(folder, {key: value for key, value in states.items() if key != MODEL})
+    write_meta(folder, step, epoch)
+
+
+def write_state_file(folder: Path, states: Mapping[str, Any]) -> None:
+    """`train_state.pt`: named states of tensors, numbers, strings and containers (read back weights-only)."""
+    _write_fsynced(folder / STATE_FILE, lambda p: torch.save(dict(states), p))
 
 
 def install_checkpoint(checkpoint_dir: Path, name: str, write: Callable[[Path], None]) -> Path:
     """`write(folder)` fills a hidden temporary folder with a checkpoint's files (`checkpoint.json` last), which
     then becomes `checkpoint_dir/name/` and `latest` (a save, or a copy from a --remote-sync backup); returns it."""
-    checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    clean_stale(checkpoint_dir)
-    final = checkpoint_dir / name
-    tmp = checkpoint_dir / f".tmp-{name}-{os.getpid()}"
+    tmp = staging_dir(checkpoint_dir, name, f"{os.getpid()}")
     try:
         tmp.mkdir()
         write(tmp)
-        _fsync_dir(tmp)
     except BaseException:  # an interrupted write (Ctrl-C, full disk) leaves no temp directory behind
-        _discard(tmp)
+        discard(tmp)
+        raise
+    return publish(checkpoint_dir, name, tmp)
+
+
+def staging_dir(checkpoint_dir: Path, name: str, tag: str) -> Path:
+    """The hidden folder `.tmp-{name}-{tag}` a save writes before `publish` (not created here); the leftovers of
+    interrupted saves are removed first (one writer per run: none is live)."""
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    clean_stale(checkpoint_dir)
+    return checkpoint_dir / f".tmp-{name}-{tag}"
+
+
+def publish(checkpoint_dir: Path, name: str, tmp: Path) -> Path:
+    """A complete hidden folder `tmp` (its `checkpoint.json` written last) becomes `checkpoint_dir/name/` and
+    `latest`, never leaving `latest` without a complete checkpoint behind it (module docstring); returns it."""
+    final = checkpoint_dir / name
+    try:
+        _fsync_dir(tmp)
+    except BaseException:
+        discard(tmp)
         raise
     if not final.exists():
         os.replace(tmp, final)
@@ -157,7 +189,7 @@ def install_checkpoint(checkpoint_dir: Path, name: str, write: Callable[[Path], 
         return final
     # re-saving a name in use: the old copy stays complete and reachable until the new one is pointed to
     staged = checkpoint_dir / f"{name}{_NEW_SUFFIX}"
-    _discard(staged)  # a complete leftover of an earlier crash: superseded by this save
+    discard(staged)  # a complete leftover of an earlier crash: superseded by this save
     os.replace(tmp, staged)
     _fsync_dir(checkpoint_dir)
     _point_latest(checkpoint_dir, staged.name)
@@ -166,16 +198,26 @@ def install_checkpoint(checkpoint_dir: Path, name: str, write: Callable[[Path], 
     os.replace(staged, final)
     _fsync_dir(checkpoint_dir)
     _point_latest(checkpoint_dir, name)
-    _discard(old)
+    discard(old)
     return final
+
+
+def write_meta(folder: Path, step: int, epoch: int, **fields: Any) -> None:
+    """`checkpoint.json`, the last file of a save: step, epoch, `fields`, and the size of every file in `folder`
+    (a reader checks them: a truncated or missing file is named)."""
+    sizes = {path.name: path.stat().st_size for path in sorted(folder.iterdir()) if path.is_file()}
+    meta = {"step": step, "epoch": epoch, **fields, "sizes": sizes}
+    _write_fsynced(folder / META_FILE, lambda p: p.write_text(json.dumps(meta) + "\n"))
 
 
 # ----------------------------------------------------------------------------------------------- find
 
 
 def is_complete(path: Path) -> bool:
-    """The three files are there (`checkpoint.json`, written last, marks a finished save)."""
-    return path.is_dir() and all((path / f).is_file() for f in (MODEL_FILE, STATE_FILE, META_FILE))
+    """`checkpoint.json` (written last, it marks a finished save) and the state files of its form are there: the
+    full form's `model.safetensors`, or a sharded one's DCP `.metadata`, beside `train_state.pt`."""
+    return (path.is_dir() and (path / META_FILE).is_file() and (path / STATE_FILE).is_file()
+            and ((path / MODEL_FILE).is_file() or (path / DCP_METADATA).is_file()))
 
 
 def _read_meta(path: Path) -> dict[str, Any] | None:
@@ -245,19 +287,26 @@ def _read(directory: Path, device: str | torch.device) -> Checkpoint:
     meta = _read_meta(directory)
     if meta is None or _order_key(directory)[0] < 0:
         raise CheckpointError(f"{damaged} ({META_FILE}: cannot be read)")
-    for file in (MODEL_FILE, STATE_FILE):
-        expected = meta.get("sizes", {}).get(file)
+    for file, expected in meta.get("sizes", {}).items():
         size = (directory / file).stat().st_size if (directory / file).is_file() else None
+        if size is None:
+            raise CheckpointError(f"{damaged} ({file}: missing, written {expected} bytes)")
         if size != expected:
             raise CheckpointError(f"{damaged} ({file}: {size} bytes, written {expected})")
-    try:
-        model_state = load_file(str(directory / MODEL_FILE), device=str(device))
-    except Exception as error:  # safetensors' SafetensorError, OSError: one line, not a traceback
-        raise CheckpointError(f"{damaged} ({MODEL_FILE}: {_first_line(error)})") from None
     try:
         train_state = torch.load(directory / STATE_FILE, map_location=device, weights_only=True)
     except Exception as error:  # "PytorchStreamReader failed ...", UnpicklingError, EOFError
         raise CheckpointError(f"{damaged} ({STATE_FILE}: {_first_line(error)})") from None
+    if meta.get("format") == "sharded":
+        from naflexclip.checkpoints import sharded
+
+        names = tuple(meta.get("sharded", ()))
+        sharded.check_metadata(directory, names, damaged)
+        return Checkpoint(directory, int(meta["step"]), int(meta["epoch"]), train_state, names)
+    try:
+        model_state = load_file(str(directory / MODEL_FILE), device=str(device))
+    except Exception as error:  # safetensors' SafetensorError, OSError: one line, not a traceback
+        raise CheckpointError(f"{damaged} ({MODEL_FILE}: {_first_line(error)})") from None
     return Checkpoint(directory, int(meta["step"]), int(meta["epoch"]), {MODEL: model_state, **train_state})
 
 

@@ -463,8 +463,11 @@ def weights_mismatch(model: nn.Module, state: dict[str, torch.Tensor]) -> str | 
     if not (missing or unexpected or reshaped):
         return None
     first = (missing or unexpected or reshaped)[0]
+    shapes = (f" {tuple(state[first].shape)} in the checkpoint, {expected[first]} in the model"
+              if not (missing or unexpected) else "")
     return (f"weights do not fit the model ({len(missing)} tensors missing, {len(unexpected)} unexpected, "
-            f"{len(reshaped)} of another shape, e.g. {first!r}); was it written by another version of the preset?")
+            f"{len(reshaped)} of another shape, e.g. {first!r}{shapes}); was it written by another version of the "
+            f"preset?")
 
 
 def load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:

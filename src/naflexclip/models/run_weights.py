@@ -2,7 +2,8 @@
 
 `train --pretrained logs/run/checkpoints`, `create_model(NAME, pretrained=...)`, `eval`, `verify`, `export` and
 teachers read a run's weights here; the path is one `load_checkpoint` takes. Optimizer, schedule, data position,
-step and random streams stay behind (that is `--resume`): docs/training.md#checkpoints-and-resume.
+step and random streams stay behind (that is `--resume`): docs/training.md#checkpoints-and-resume. Either form:
+a sharded checkpoint's model is gathered whole in this process from its shards.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def read_run_weights(path: str | Path, notify: storage.Notify | None = None) -> 
     naming the path when there is none or it is damaged."""
     found = storage.load_checkpoint(path, notify=notify)
     run = found.states["run"]
-    return RunWeights(found.path, found.step, config_from_dict(run["model_config"]), found.states[storage.MODEL],
+    return RunWeights(found.path, found.step, config_from_dict(run["model_config"]), found.full_state(storage.MODEL),
                       run["config"])
 
 
@@ -137,5 +138,5 @@ def load_checkpoint_model(path: str | Path, device: str | torch.device = "cpu") 
     found = storage.load_checkpoint(path, device)
     run = found.states["run"]
     model = NaFlexClip(config_from_dict(run["model_config"]))
-    load_weights(model, found.states[storage.MODEL], f"checkpoint {str(found.path)!r}")
+    load_weights(model, found.full_state(storage.MODEL), f"checkpoint {str(found.path)!r}")
     return model.to(device).eval(), run["config"]

@@ -258,3 +258,48 @@ def load_full_optimizer_state_dict(
     if not state:
         raise ValueError(f"rank {env.rank}: empty optimizer state; under DDP every rank loads the checkpoint's")
     optimizer.load_state_dict(state)
+
+
+# ------------------------------------------------------------------------------ sharded checkpoints
+
+
+def sharded_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state as this rank holds it, keyed as the unwrapped model's: FSDP2's DTensor shards (no gather),
+    or the whole tensors under DDP or in one process; the live tensors (a sharded checkpoint's writer copies or
+    writes them before the next step). Every rank must call it; DCP loads into it in place."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model)
+
+
+def load_sharded_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Put a `sharded_state_dict`-shaped state (filled from a checkpoint) into the model; every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    with torch.no_grad():
+        set_model_state_dict(model, state)
+
+
+def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state as this rank holds it (FSDP2: DTensor shards), keyed by parameter name. An optimizer
+    without state yet gets one first (torch's zero-gradient step at lr 0, which leaves the weights as they are),
+    so that it can be filled from a checkpoint."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer)
+
+
+def load_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                                      saved: set[str]) -> None:
+    """Put a `sharded_optimizer_state_dict`-shaped state (filled from a checkpoint) into the optimizer; `saved`:
+    the parameter names the checkpoint holds a state for. A parameter it has none for (no gradient yet) is left
+    without state, as the full form's loader leaves it (its state starts at its first step)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = {id(param): name for name, param in unwrap_model(model).named_parameters()}
+    kept = {**state, "state": {name: value for name, value in state["state"].items() if name in saved}}
+    set_optimizer_state_dict(model, optimizer, kept, options=StateDictOptions(strict=False))
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if names.get(id(param)) not in saved:
+                optimizer.state.pop(param, None)

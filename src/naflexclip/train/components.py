@@ -20,16 +20,19 @@ and takes its own part.
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from naflexclip.checkpoints import storage as storage
+from naflexclip.checkpoints import sharded, storage
 from naflexclip.models.factory import create_model
 from naflexclip.models.run_weights import load_checkpoint_model as load_checkpoint_model  # its old import path
 from naflexclip.parallel.process_group import DistributedEnv, gather_to_main, run_on_main
@@ -38,6 +41,10 @@ from naflexclip.parallel.wrapping import (
     full_state_dict,
     load_full_optimizer_state_dict,
     load_full_state_dict,
+    load_sharded_optimizer_state_dict,
+    load_sharded_state_dict,
+    sharded_optimizer_state_dict,
+    sharded_state_dict,
 )
 from naflexclip.train.train_config import TrainConfig
 
@@ -81,6 +88,16 @@ class ModelState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         load_full_state_dict(self.model, state, self.env)
 
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's shards (FSDP2) or whole tensors, live (`parallel.sharded_state_dict`)."""
+        return sharded_state_dict(self.model)
+
+    def load_sharded(self, checkpoint: Path) -> None:
+        """Fill this rank's part of the model from a sharded checkpoint's shards, at any world size."""
+        state = sharded_state_dict(self.model)
+        sharded.load_into(checkpoint, {"model": state})
+        load_sharded_state_dict(self.model, state)
+
 
 class OptimizerState:
     """The optimizer's full state. Loading keeps this run's hyperparameters (--lr, --wd, --beta1, ...), which
@@ -95,8 +112,25 @@ class OptimizerState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         hyper = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         load_full_optimizer_state_dict(self.model, self.optimizer, state, self.env)
+        self._keep_hyperparameters(hyper)
+
+    def _keep_hyperparameters(self, hyper: list[dict[str, Any]]) -> None:
         for group, values in zip(self.optimizer.param_groups, hyper, strict=True):
             group.update(values)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's shards (FSDP2) or whole state, keyed by parameter name."""
+        return sharded_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_sharded(self, checkpoint: Path) -> None:
+        """Fill this rank's part of the optimizer state from a sharded checkpoint, at any world size."""
+        hyper = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        state = sharded_optimizer_state_dict(self.model, self.optimizer)
+        held = sharded.saved_keys(checkpoint, "optimizer")
+        saved = {name for name in state["state"] if any(key.startswith(f"state.{name}.") for key in held)}
+        sharded.load_into(checkpoint, {"optimizer": state}, partial=True)
+        load_sharded_optimizer_state_dict(self.model, self.optimizer, state, saved)
+        self._keep_hyperparameters(hyper)
 
 
 class DataPosition:
@@ -181,17 +215,34 @@ class RngStreams:
 
 
 class Checkpointer:
-    """The run's components by name, saved together as one checkpoint (`train.checkpoint` stores them) and
-    restored by name. `run`: saved beside them for the resume policy (config, architecture, world size)."""
+    """The run's components by name, saved together as one checkpoint and restored by name. `run`: saved beside
+    them for the resume policy (config, architecture, world size).
+
+    Full form (`--fsdp-checkpoint full`): every state gathered to the main rank, which writes the folder
+    (`checkpoints.storage`). Sharded (`sharded`): the components with a `sharded_state_dict()` (model, optimizer)
+    are written by every rank, its own shards, through DCP, the others gathered to the main rank as before
+    (`checkpoints.sharded`). `async_save` (sharded only): the shards are copied aside and written in the
+    background while training continues; the main rank publishes the folder once every rank's are written; the next
+    save, and the run's end (`wait`), wait for it."""
 
     def __init__(self, checkpoint_dir: Path, components: dict[str, Stateful], run: dict[str, Any],
-                 progress: Progress, env: DistributedEnv, notify: Callable[[str], None]) -> None:
+                 progress: Progress, env: DistributedEnv, notify: Callable[[str], None], *, sharded: bool = False,
+                 async_save: bool = False) -> None:
         self.checkpoint_dir, self.components, self.run = checkpoint_dir, components, run
         self.progress, self.env, self.notify = progress, env, notify
+        self.sharded, self.async_save = sharded, async_save
         self.last_step_saved: int | None = None
+        self._pending: tuple[Future, threading.Event] | None = None
+        self._failed: list[BaseException] = []
+        self._after_pending: list[Callable[[], None]] = []
+        # a background save's collectives run beside the training's: their own gloo group (torchtitan's way)
+        self._group = dist.new_group(backend="gloo") if async_save and env.distributed else None
 
     def save(self, name: str) -> Path:
-        """Gather every component's state (every rank) and write them (main rank); the checkpoint's path."""
+        """Gather every component's state (every rank) and write them (main rank), or, sharded, every rank its
+        shards; the checkpoint's path (an asynchronous save: once published)."""
+        if self.sharded:
+            return self._save_sharded(name)
         states = {"run": self.run, **{key: component.state_dict() for key, component in self.components.items()}}
         step, epoch = self.progress.step, self.progress.epoch
 
@@ -202,6 +253,69 @@ class Checkpointer:
 
         # the others wait without a collective timeout (a large checkpoint may take longer) and hear of an error
         return run_on_main(self.env, f"writing checkpoint {name}", write) or self.checkpoint_dir / name
+
+    def _save_sharded(self, name: str) -> Path:
+        self.wait()  # one save in flight at a time
+        shards: dict[str, Any] = {}
+        others: dict[str, Any] = {"run": self.run}
+        for key, component in self.components.items():  # every rank in the same order (some gather)
+            if callable(getattr(component, "sharded_state_dict", None)):
+                shards[key] = component.sharded_state_dict()  # type: ignore[attr-defined]
+            else:
+                others[key] = component.state_dict()
+        step, epoch = self.progress.step, self.progress.epoch
+        folder = self.checkpoint_dir / f".tmp-{name}-sharded"  # one writer per run: the same name on every rank
+
+        def prepare() -> None:
+            storage.staging_dir(self.checkpoint_dir, name, "sharded")  # removes an interrupted save's leftovers
+            folder.mkdir()
+
+        def publish() -> Path:
+            written = sharded.finish(self.checkpoint_dir, name, folder, others, step=step, epoch=epoch,
+                                     sharded=list(shards))
+            self.notify(f"saved {written}")
+            return written
+
+        run_on_main(self.env, f"preparing checkpoint {name}", prepare)
+        future = sharded.write_shards(shards, folder, process_group=self._group, asynchronous=self.async_save)
+        if future is None:
+            return run_on_main(self.env, f"writing checkpoint {name}", publish) or self.checkpoint_dir / name
+        published = threading.Event()
+        if self.env.is_main:  # published from the writer's thread as soon as every rank's shards are written
+            future.add_done_callback(lambda done: self._publish_when_written(done, publish, published))
+        else:
+            published.set()
+        self._pending = (future, published)
+        return self.checkpoint_dir / name
+
+    def _publish_when_written(self, done: Future, publish: Callable[[], Path], published: threading.Event) -> None:
+        try:
+            done.result()
+            publish()
+        except BaseException as error:  # raised in the training's thread by `wait`
+            self._failed.append(error)
+        finally:
+            published.set()
+
+    def wait(self) -> None:
+        """Until the asynchronous save in flight is written and published (every rank must call it); then what
+        waited for it (--delete-previous-checkpoint's removal). Raises a failed save's error."""
+        if self._pending is not None:
+            future, published = self._pending
+            self._pending = None
+            try:
+                future.result()
+            except BaseException as error:
+                if not self.env.is_main:  # the main rank's callback records its own
+                    self._failed.append(error)
+            published.wait()  # the callback publishes after the future resolves, on the writer's thread
+        if self._failed:
+            error = self._failed.pop()
+            self._failed.clear()
+            raise RuntimeError(f"writing a checkpoint failed: {type(error).__name__}: {error}") from error
+        after, self._after_pending = self._after_pending, []
+        for work in after:
+            work()
 
     def save_step(self) -> Path:
         """Save `step_{step}` unless this step was saved already (--save-every-n-steps and --stop-after-steps
@@ -225,13 +339,25 @@ class Checkpointer:
                     if storage.remove_checkpoint(self.checkpoint_dir, previous):
                         self.notify(f"removed {self.checkpoint_dir / previous} (--delete-previous-checkpoint)")
 
-                run_on_main(self.env, f"removing checkpoint {previous}", remove)
+                def remove_on_main() -> None:
+                    run_on_main(self.env, f"removing checkpoint {previous}", remove)
+
+                if self._pending is not None:  # once `latest` names the new one (removing it before would fail)
+                    self._after_pending.append(remove_on_main)
+                else:
+                    remove_on_main()
         if most_recent:
             self.save("epoch_latest")
 
-    def load(self, states: dict[str, Any], skip: tuple[str, ...] = ()) -> None:
-        """Restore every component from its named state (every rank), but those in `skip`."""
+    def load(self, states: dict[str, Any], skip: tuple[str, ...] = (), sharded_in: Path | None = None,
+             sharded_states: tuple[str, ...] = ()) -> None:
+        """Restore every component from its named state (every rank), but those in `skip`; those in
+        `sharded_states` from the shards of the sharded checkpoint `sharded_in`, resharded to this run."""
         for key, component in self.components.items():
-            if key not in skip:
+            if key in skip:
+                continue
+            if key in sharded_states:
+                component.load_sharded(sharded_in)  # type: ignore[attr-defined]
+            else:
                 component.load_state_dict(states[key])
         self.last_step_saved = self.progress.step

@@ -147,7 +147,8 @@ class Trainer:
         run = {"config": cfg.to_dict(), "model_config": config_to_dict(self.module.config),
                "world_size": env.world_size}
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", components, run, self.progress, env,
-                                         self.reporter.message)
+                                         self.reporter.message, sharded=cfg.fsdp_checkpoint == "sharded",
+                                         async_save=cfg.async_save)
         self.stop = StopSignals()
         # --remote-sync: the run folder's backup (main rank), started before training and closed after it
         self.remote_sync = (RemoteSync(self.run_dir, cfg.remote_sync, cfg.remote_sync_frequency,
@@ -376,8 +377,9 @@ class Trainer:
         (a signal may reach one rank only, or a step apart): all stop at the same step. One process stops after
         the step in progress."""
         if self.exchange.should_stop(self.stop.number is not None):
-            raise self.stop.stopped(self.progress.step, self.checkpointer.save_step(), show=self.env.is_main,
-                                        name=str(self.cfg.name))
+            saved = self.checkpointer.save_step()
+            self.checkpointer.wait()  # an asynchronous save completes before the run ends
+            raise self.stop.stopped(self.progress.step, saved, show=self.env.is_main, name=str(self.cfg.name))
 
 
 def decoder_examples(model: NaFlexClip, processing: Processing) -> DecoderExamples:
@@ -406,6 +408,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
         trainer = Trainer(cfg, env)
         with trainer.stop.installed():
             result = trainer.fit()
+            trainer.checkpointer.wait()  # the last asynchronous save is written and published
         barrier(env)  # every rank has read rank 0's last word before rank 0 (srun: the store's host) leaves
         return result
     except KeyboardInterrupt:

@@ -23,9 +23,13 @@ _COMPARE_BYTES = 1 << 20  # files up to this size are compared by content, large
 
 
 def _visible_files(root: Path) -> list[Path]:
-    """Files under `root` outside hidden entries (a save in progress, a checkpoint swapped aside)."""
-    return sorted(path for path in root.rglob("*") if path.is_file()
-                  and not any(part.startswith(".") for part in path.relative_to(root).parts))
+    """Files under `root` outside hidden entries (a save in progress, a checkpoint swapped aside); a sharded
+    checkpoint's DCP index `.metadata` is a file of its checkpoint, not hidden."""
+    def hidden(parts: tuple[str, ...]) -> bool:
+        return any(part.startswith(".") for part in parts[:-1]) or (
+            parts[-1].startswith(".") and parts[-1] != storage.DCP_METADATA)
+
+    return sorted(path for path in root.rglob("*") if path.is_file() and not hidden(path.relative_to(root).parts))
 
 
 def sync_fsspec(local_dir: Path, remote_dir: str, copied_versions: dict[str, tuple[int, int]] | None = None) -> int:
@@ -97,7 +101,8 @@ class _FsspecBackup:
         return int(self.fs.size(f"{self.root}/{relative}"))
 
     def copy_folder(self, relative: str, folder: Path) -> None:
-        for file in (storage.MODEL_FILE, storage.STATE_FILE, storage.META_FILE):
+        meta = json.loads(self.read(f"{relative}/{storage.META_FILE}"))
+        for file in [*meta["sizes"], storage.META_FILE]:  # checkpoint.json last: it marks the copy complete
             self.fs.get_file(f"{self.root}/{relative}/{file}", str(folder / file))
 
     def copy_logs(self, local_dir: Path) -> None:
@@ -152,7 +157,7 @@ class _AwsBackup:
 
 
 def _backup_checkpoints(backup: _FsspecBackup | _AwsBackup) -> list[tuple[int, str]]:
-    """(step, name) of the backup's complete checkpoints (`checkpoint.json` readable, both files of the sizes it
+    """(step, name) of the backup's complete checkpoints (`checkpoint.json` readable, every file of the size it
     gives), the one its `latest` names first, then by step (highest first): the order `checkpoint.candidates`
     tries a local run's."""
     found = []
@@ -161,8 +166,9 @@ def _backup_checkpoints(backup: _FsspecBackup | _AwsBackup) -> list[tuple[int, s
             continue
         try:
             meta = json.loads(backup.read(f"checkpoints/{name}/{storage.META_FILE}"))
-            sizes = [backup.size(f"checkpoints/{name}/{file}") for file in (storage.MODEL_FILE, storage.STATE_FILE)]
-            if sizes == [meta["sizes"][storage.MODEL_FILE], meta["sizes"][storage.STATE_FILE]]:
+            written = meta["sizes"]  # the full form's two files, or a sharded one's shards, index and state file
+            if storage.STATE_FILE in written and all(backup.size(f"checkpoints/{name}/{file}") == size
+                                                     for file, size in written.items()):
                 found.append((int(meta["step"]), name))
         except (OSError, ValueError, KeyError, TypeError):  # incomplete or unreadable: not a candidate
             continue

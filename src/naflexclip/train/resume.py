@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from naflexclip.checkpoints import storage as storage
+from naflexclip.checkpoints import sharded, storage
 from naflexclip.models.naflex_clip import weights_mismatch
 from naflexclip.models.run_weights import architecture_changes
 from naflexclip.parallel.process_group import barrier, check_consistency, run_on_main
@@ -93,15 +93,17 @@ def architecture_error(model: str | None, saved: dict[str, Any], current: dict[s
     return f"--model {model}: the preset's architecture is not the checkpoint's (checkpoint -> preset: {shown})"
 
 
-def resume_error(states: dict[str, Any], checkpointer: Checkpointer, model: Any) -> str | None:
+def resume_error(states: dict[str, Any], checkpointer: Checkpointer, model: Any,
+                 weights: dict[str, Any] | None = None) -> str | None:
     """Why this run cannot continue a checkpoint's `states` exactly (flags, architecture, weights, world size),
-    or None. `model`: the plain (unwrapped) model this run built."""
+    or None. `model`: the plain (unwrapped) model this run built; `weights`: the checkpoint's model tensors (a
+    sharded checkpoint's as empty tensors of their shapes), default `states["model"]`."""
     saved, current = states["run"], checkpointer.run
     error = refusal(saved["config"], current["config"])
     if error is None:
         error = architecture_error(current["config"]["model"], saved["model_config"], current["model_config"])
     if error is None:
-        error = weights_mismatch(model, states[storage.MODEL])
+        error = weights_mismatch(model, states[storage.MODEL] if weights is None else weights)
     world_size, saved_world_size = current["world_size"], saved["world_size"]
     if error is None and saved_world_size != world_size and not checkpointer.components["data"].remaps(states["data"]):
         error = (f"world size: the checkpoint was saved by {saved_world_size} process(es), this run has {world_size}; "
@@ -172,10 +174,12 @@ def resume(cfg: TrainConfig, checkpointer: Checkpointer, reporter: Reporter, mod
         except FileNotFoundError as error:  # one line naming the flag and the path
             raise ValueError(f"--resume {cfg.resume!r}: {error}") from None
     states = dict(found.states)
-    error = resume_error(states, checkpointer, model)
+    # a sharded checkpoint's model is checked by its shapes (read from DCP's index), then resharded on load
+    weights = sharded.tensor_shapes(found.path, storage.MODEL) if storage.MODEL in found.sharded else None
+    error = resume_error(states, checkpointer, model, weights)
     if error is not None:
         raise ValueError(f"--resume {str(found.path)!r}: {error}")
-    checkpointer.load(states, skip=("reporter", "lr_schedule"))
+    checkpointer.load(states, skip=("reporter", "lr_schedule"), sharded_in=found.path, sharded_states=found.sharded)
     progress = checkpointer.progress  # the data position re-mapped to this world size, where it changed
     changes = changed_flags(states["run"]["config"], cfg.to_dict()) + reschedule(
         states, cfg, checkpointer.run["world_size"], progress, plan)

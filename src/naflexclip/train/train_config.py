@@ -188,6 +188,15 @@ class TrainConfig:
         "stop after this many consecutive steps with a non-finite loss or gradient"))
     fsdp: bool = setting(False, rule=APPLY, section=_DEVICES, openclip=False, help=(
         "shard the model with FSDP2 instead of DDP (needs several processes: torchrun, srun, mpirun)"))
+    # how a checkpoint is written: either form resumes at any world size, under FSDP2, DDP or one process
+    fsdp_checkpoint: str = setting("full", rule=IGNORE, section=_DEVICES, openclip="full",
+                                   argparse={"choices": ("full", "sharded")}, help=(
+        "full: rank 0 gathers the model and optimizer and writes model.safetensors; sharded: every rank writes its "
+        "own shards through torch.distributed.checkpoint (no gather; resumes at any world size, under FSDP2, DDP or "
+        "one process)"))
+    async_save: bool = setting(False, rule=IGNORE, section=_DEVICES, help=(
+        "with --fsdp-checkpoint sharded: training continues while the shards are written (DCP's async_save); the "
+        "next save waits for the previous one"))
     # recompute block activations in backward (both towers)
     grad_checkpointing: bool = setting(False, rule=APPLY, section=_DEVICES, openclip=False, help=(
         "recompute each tower block's activations in backward: less memory, ~1.3x time; stays exact"))
@@ -571,6 +580,9 @@ class TrainConfig:
             raise ValueError(f"--remote-sync-protocol: {self.remote_sync_protocol!r} is not one of {list(PROTOCOLS)}")
         if not self.remote_sync_frequency > 0:
             raise ValueError(f"--remote-sync-frequency must be > 0 seconds, got {self.remote_sync_frequency:g}")
+        if self.async_save and self.fsdp_checkpoint != "sharded":
+            raise ValueError(f"--async-save writes sharded checkpoints in the background; it goes with "
+                             f"--fsdp-checkpoint sharded, got --fsdp-checkpoint {self.fsdp_checkpoint}")
 
     def _check_model_overrides(self) -> None:
         """OpenCLIP's --force-* flags, one line naming the flag."""
