@@ -19,6 +19,7 @@ and takes its own part.
 
 from __future__ import annotations
 
+import copy
 import random
 import threading
 from collections.abc import Callable
@@ -263,6 +264,8 @@ class Checkpointer:
                 shards[key] = component.sharded_state_dict()  # type: ignore[attr-defined]
             else:
                 others[key] = component.state_dict()
+        # published later when asynchronous: a copy, not the live lists a component goes on appending to
+        others = copy.deepcopy(others) if self.async_save else others
         step, epoch = self.progress.step, self.progress.epoch
         folder = self.checkpoint_dir / f".tmp-{name}-sharded"  # one writer per run: the same name on every rank
 
