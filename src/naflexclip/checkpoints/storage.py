@@ -4,8 +4,11 @@ inside a state. The layout, the states a training run saves and how a resume use
     {checkpoint_dir}/{name}/
         model.safetensors   the state named "model" (a flat mapping of tensors)
         train_state.pt      every other named state, `{name: state}`, read back weights-only
-        checkpoint.json     step, epoch and the two files' sizes; written last, so it marks a complete save
+        checkpoint.json     step, epoch and every file's size; written last, so it marks a complete save
     {checkpoint_dir}/latest the name of the newest complete checkpoint directory
+
+A sharded checkpoint (`checkpoints.sharded`) holds DCP's `.metadata` and each rank's shards in place of
+`model.safetensors`; this module publishes, finds and checks it alike.
 
 A save never removes the last complete checkpoint before the new one is complete and pointed to: it
 writes a hidden `.tmp-*` directory, fsyncs it, renames it to a name that is not in use, and only then
