@@ -72,6 +72,6 @@ def test_a_file_that_is_not_a_checkpoint_is_one_line_naming_the_flag_and_the_fil
 def test_a_pickle_of_other_objects_names_what_it_holds(tmp_path: Path) -> None:
     """The refusal says why such a file is not read (objects other than tensors) and names them."""
     file = _write(tmp_path, "numpy_pickle")
-    with pytest.raises(ValueError, match=r"only tensors.*numpy") as error:
+    with pytest.raises(ValueError) as error:
         create_model(tiny_name("ViT-B-32-quickgelu"), pretrained=str(file))
-    assert "\n" not in str(error.value)
+    assert "numpy" in str(error.value) and "only tensors" in str(error.value) and "\n" not in str(error.value)

@@ -138,7 +138,10 @@ def _setup(args: argparse.Namespace) -> VerifySetup:
     if args.loss is None and args.recipe in RECIPE_LOSS and not (args.checkpoint or args.pretrained):
         args.loss = RECIPE_LOSS[args.recipe]  # --recipe siglip2: a model from scratch trains the sigmoid loss
     if args.checkpoint:
-        model, trained = load_checkpoint_model(args.checkpoint)
+        try:
+            model, trained = load_checkpoint_model(args.checkpoint)
+        except (ValueError, FileNotFoundError) as error:
+            raise ValueError(f"--checkpoint {args.checkpoint}: {str(error).splitlines()[0]}") from None
     else:
         model = create_model(args.model, pretrained=args.pretrained, cache_dir=args.cache_dir,
                              **({} if args.loss is None else {"loss": args.loss}))

@@ -349,11 +349,15 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", notify
         # OpenCLIP's README resumes from `checkpoints/epoch_K.pt`: its checkpoint of epoch K is the folder here
         (notify or _log.warning)(f"{path}: OpenCLIP's checkpoint file is the folder {folder} here; using it")
         path = folder
+    given = path
     if path.is_file():
         path = path.parent
     if is_complete(path):
         return _read(path, device)
     found = load_latest(path, device, notify)
+    if found is None and given.is_file():  # a weight file of another kind, a text file: say what it is not
+        raise FileNotFoundError(f"{str(given)!r} is not a naflexclip checkpoint: a file outside any checkpoint "
+                                f"directory (one holds {MODEL_FILE}, {STATE_FILE}, {META_FILE})")
     if found is None:
         raise FileNotFoundError(f"no usable checkpoint ({MODEL_FILE}, {STATE_FILE}, {META_FILE}) at {str(path)!r}")
     return found

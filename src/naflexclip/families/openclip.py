@@ -56,10 +56,19 @@ def build(name: str, pretrained: str | None = None, cache_dir: str | None = None
     if config.loss != model_config(name).loss:
         raise OpenClipError(f"--loss {config.loss}: the weights of {name} are trained with --loss "
                             f"{model_config(name).loss}; drop --loss")
-    file = resolve_pretrained(name, pretrained, cache_dir)
+    file, state = _pretrained_state(name, pretrained, cache_dir)
     model = _uninitialised(config)
-    model.load_state_dict(import_state_dict(model, read_state_dict(file), str(file)))  # strict: every tensor
+    model.load_state_dict(import_state_dict(model, state, str(file)))  # strict: every tensor
     return model
+
+
+def _pretrained_state(name: str, pretrained: str, cache_dir: str | None) -> tuple[Path, dict[str, torch.Tensor]]:
+    """The local file of `pretrained` and its tensors; a file that is not a checkpoint is one line naming the flag."""
+    file = resolve_pretrained(name, pretrained, cache_dir)
+    try:
+        return file, read_state_dict(file)
+    except OpenClipError as error:
+        raise OpenClipError(f"--pretrained {pretrained}: {error}") from None
 
 
 def _uninitialised(config: ModelConfig) -> NaFlexClip:
@@ -80,10 +89,10 @@ def _uninitialised(config: ModelConfig) -> NaFlexClip:
 def check_pretrained(name: str, pretrained: str, cache_dir: str | None = None) -> Path:
     """The local weight file of `pretrained` for the name, read and mapped once (one-line OpenClipError otherwise)."""
     model_config(name)
-    file = resolve_pretrained(name, pretrained, cache_dir)
+    file, state = _pretrained_state(name, pretrained, cache_dir)
     with torch.device("meta"):
         model = NaFlexClip(model_config(name))
-    import_state_dict(model, read_state_dict(file), str(file))
+    import_state_dict(model, state, str(file))
     return file
 
 

@@ -6,8 +6,12 @@ or `hf-hub:org/name`, the last two found only in local caches (`--cache-dir`, th
 
 from __future__ import annotations
 
+import codecs
 import logging
 import os
+import pickle
+import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +137,47 @@ def resolve_pretrained(name: str, pretrained: str, cache_dir: str | None = None)
                         f"cache (looked in {', '.join(looked)}); put the file there or pass --cache-dir")
 
 
+def _load_weights_only(path: Path) -> Any:
+    """`torch.load` of tensors and plain containers only (no other object is unpickled: that could run code);
+    a file it cannot read is a one-line OpenClipError saying what the file is not, never torch's advice to load
+    it with `weights_only=False`."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's notes on pickle protocols: the refusal below says what matters
+        try:  # memory-mapped: the tensors are read from the page cache as they are copied into the model
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:
+            try:  # a file of torch's legacy (non-zip) format cannot be mapped
+                return torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as error:
+                raise OpenClipError(f"{str(path)!r} {_not_a_checkpoint(path, error)}") from None
+
+
+def _not_a_checkpoint(path: Path, error: Exception) -> str:
+    """What a file `torch.load(weights_only=True)` refused is, in a few words (torch's message is a paragraph)."""
+    checkpoint = "a checkpoint (a torch.save file of tensors, or .safetensors)"
+    if path.stat().st_size == 0:
+        return f"is empty, not {checkpoint}"
+    if isinstance(error, pickle.UnpicklingError):
+        try:
+            others = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        except Exception:  # not torch.save's zip archive: a pickle of some other program
+            others = []
+        if others:
+            return (f"holds objects other than tensors ({', '.join(sorted(others))}): a checkpoint is read as only "
+                    f"tensors and plain containers (unpickling others could run code); save its tensors with "
+                    f"torch.save(model.state_dict()) or as .safetensors")
+        return f"is a pickle torch.save did not write, not {checkpoint}"
+    with open(path, "rb") as handle:
+        head = handle.read(4096)
+    if zipfile.is_zipfile(path) or head.startswith(b"PK\x03\x04"):
+        return f"is a zip archive torch.save did not write (or a damaged one), not {checkpoint}"
+    try:  # incremental: the 4096 bytes may end inside a character
+        text = b"\0" not in head and codecs.getincrementaldecoder("utf-8")().decode(head, final=False) is not None
+    except UnicodeDecodeError:
+        text = False
+    return f"reads as text, not {checkpoint}" if text else f"is not {checkpoint}"
+
+
 def read_state_dict(file: str | Path) -> dict[str, torch.Tensor]:
     """The tensors of a checkpoint file: `open_clip_train`'s `{"state_dict": ...}`, a plain state dict (`.pt`,
     `.bin`) or `.safetensors`; the `module.` (DDP) and `_orig_mod.` (torch.compile) prefixes removed."""
@@ -146,14 +191,7 @@ def read_state_dict(file: str | Path) -> dict[str, torch.Tensor]:
         except SafetensorError as error:
             raise OpenClipError(f"{str(path)!r} is truncated or damaged ({str(error).strip()})") from None
     else:
-        try:  # memory-mapped: the tensors are read from the page cache as they are copied into the model
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except Exception:
-            try:  # a file of torch's legacy (non-zip) format cannot be mapped
-                state = torch.load(path, map_location="cpu", weights_only=True)
-            except Exception as error:  # pickle errors of many kinds: not a state dict we can read
-                raise OpenClipError(f"{str(path)!r} is not a readable checkpoint "
-                                    f"({str(error).splitlines()[0]})") from None
+        state = _load_weights_only(path)
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):

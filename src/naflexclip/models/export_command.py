@@ -20,7 +20,10 @@ def run(args: argparse.Namespace) -> int:
     config: dict = {}
     try:
         family = export_family(args.format)
-        model, config = load_checkpoint_model(args.checkpoint)
+        try:
+            model, config = load_checkpoint_model(args.checkpoint)
+        except (ValueError, FileNotFoundError) as error:
+            raise ValueError(f"--checkpoint {args.checkpoint}: {str(error).splitlines()[0]}") from None
         processor_dir = config.get("data", {}).get("hf_processor")
         out = family.export(model, args.out, processor_dir)
     except (ValueError, FileNotFoundError) as error:

@@ -133,7 +133,10 @@ def run_eval(args: argparse.Namespace) -> int:
         output = args.output or (DEFAULT_ZERO_SHOT_OUTPUT if args.zero_shot_data is not None else None)
         output = check_output(output) if output is not None else None
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        model, config = evaluated_model(args.checkpoint, device)
+        try:
+            model, config = evaluated_model(args.checkpoint, device)
+        except (ValueError, FileNotFoundError) as error:
+            return _error("eval", f"--checkpoint {args.checkpoint}: {str(error).splitlines()[0]}")
         if args.zero_shot_data is not None:
             precision = create_precision(args.precision or config["precision"], device)
             return run_zero_shot(args, model, config, device, precision.autocast, output)
