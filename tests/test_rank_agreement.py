@@ -40,7 +40,7 @@ def _exchange_seeing(monkeypatch: pytest.MonkeyPatch, headers: list[list[int]], 
     gathered = iter([_gathered_headers(headers), torch.tensor([2, 2, 2], dtype=torch.int64)])
     monkeypatch.setattr(exchange_module, "all_gather_tensor", lambda env, tensor: next(gathered))
     exchange = ProcessGroupExchange(env, **kwargs)
-    exchange.set_position(7, 1)
+    exchange.set_position(7, 1)  # epoch index 1: the second, shown as epoch 2
     return exchange
 
 
@@ -49,14 +49,14 @@ def test_a_rank_at_another_step_is_named_with_both_values(monkeypatch: pytest.Mo
     with pytest.raises(RanksDisagree) as raised:
         exchange.gather_sizes([2])
     assert str(raised.value) == (
-        "ranks disagree at the window's size exchange: ranks 0, 1: step 7, epoch 1, 1 microbatch; "
-        "rank 2: step 8, epoch 1, 1 microbatch"
+        "ranks disagree at the window's size exchange: ranks 0, 1: step 7, epoch 2, 1 microbatch; "
+        "rank 2: step 8, epoch 2, 1 microbatch"
     )
 
 
 def test_a_rank_without_data_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     exchange = _exchange_seeing(monkeypatch, [[3, 1, 7, 1], [0, 1, 7, 1], [2, 1, 7, 1]])
-    with pytest.raises(RanksDisagree, match=r"rank 1: step 7, epoch 1, no microbatches left.*ended at different"):
+    with pytest.raises(RanksDisagree, match=r"rank 1: step 7, epoch 2, no microbatches left.*ended at different"):
         exchange.gather_sizes([2, 2, 2])
 
 
@@ -191,9 +191,9 @@ def test_every_rank_raises_the_same_disagreement_at_once(agree: list[dict[str, A
     prefix = "ranks disagree at the window's size exchange: "
     expected = {
         "agree": None,
-        "step": prefix + "rank 0: step 2, epoch 0, 2 microbatches; rank 1: step 3, epoch 0, 2 microbatches",
-        "epoch": prefix + "rank 0: step 3, epoch 0, 2 microbatches; rank 1: step 3, epoch 1, 2 microbatches",
-        "no_data": prefix + "rank 0: step 4, epoch 0, 2 microbatches; rank 1: step 4, epoch 0, no microbatches left "
+        "step": prefix + "rank 0: step 2, epoch 1, 2 microbatches; rank 1: step 3, epoch 1, 2 microbatches",
+        "epoch": prefix + "rank 0: step 3, epoch 1, 2 microbatches; rank 1: step 3, epoch 2, 2 microbatches",
+        "no_data": prefix + "rank 0: step 4, epoch 1, 2 microbatches; rank 1: step 4, epoch 1, no microbatches left "
                             "(the ranks' data ended at different points)",
         "all_ended": None,
         "after": None,

@@ -235,7 +235,7 @@ def _disagreement(rows: Sequence[tuple[int, ...]], equal_counts: bool) -> str | 
     """What the ranks' exchange headers (count, position set, step, epoch, ...) disagree on, or None."""
 
     def where(row: tuple[int, ...]) -> str:
-        return f"step {row[2]}, epoch {row[3]}" if row[1] else "no step given"
+        return f"step {row[2]}, epoch {row[3] + 1}" if row[1] else "no step given"  # epochs numbered from 1
 
     def holds(count: int) -> str:
         return "no microbatches left" if count == 0 else f"{count} microbatch{'es' if count != 1 else ''}"
