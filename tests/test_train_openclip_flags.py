@@ -110,6 +110,32 @@ def test_first_line_lists_the_settings_that_differ_from_openclips_defaults() -> 
     assert "--warmup 20 (OpenCLIP: 10000)" in demo
 
 
+def test_batch_size_without_a_loss_scale_is_said_to_have_no_effect() -> None:
+    """--batch-size sets rows per batch in OpenCLIP; here it only sets B_ref of --naflex-loss-scale: given without
+    one, the run's first lines say in one line that it has no effect and what sets the rows, not a difference."""
+    lines = first_lines(_config("--batch-size", "4096").to_dict())
+    assert not any("--batch-size 4096 (OpenCLIP" in line or "--batch-size unset" in line for line in lines), lines
+    note = [line for line in lines if line.startswith("--batch-size 4096: ")]
+    assert note == ["--batch-size 4096: OpenCLIP's flag is accepted; with --naflex-loss-scale none (the default) it "
+                    "has no effect: the rows of each microbatch come from the token budget "
+                    "(--naflex-max-tokens-per-batch, --naflex-seq-lens)"]
+    assert not any(line.startswith("--batch-size") for line in first_lines(_config("--train-data", "x.csv").to_dict()))
+    scaled = first_lines(_config("--batch-size", "8", "--naflex-loss-scale", "linear").to_dict())
+    assert "--batch-size 8 (OpenCLIP: 64)" in scaled[0] and not any(line.startswith("--batch-size") for line in scaled)
+
+
+def test_openclips_precision_alias_is_accepted_its_other_values_refused_in_one_line(
+        capsys: pytest.CaptureFixture) -> None:
+    assert _config("--precision", "amp_bfloat16").precision == "amp_bf16"
+    assert TrainConfig(precision="amp_bfloat16").precision == "amp_bf16"
+    for value, advice in (("bf16", "--precision amp_bf16"), ("pure_bf16", "--precision amp_bf16"),
+                          ("fp16", "--precision amp"), ("pure_fp16", "--precision amp"), ("fp8", "fp32")):
+        assert main(["train", "--precision", value]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith(f"naflexclip train: error: --precision {value}"), err
+        assert advice in err, err
+
+
 def test_help_groups_the_flags_as_openclips_and_naflexclips() -> None:
     parser = _train_parser()
     groups = {g.title: g._group_actions for g in parser._action_groups if g.title and g._group_actions}
