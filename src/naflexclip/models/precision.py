@@ -16,6 +16,27 @@ from typing import Any
 import torch
 
 PRECISIONS = ("fp32", "amp_bf16", "amp")
+# OpenCLIP's other --precision values: its second name of amp_bf16, and those that cast the weights, refused (the
+# window accumulates fp32 gradients into fp32 weights and optimizer state)
+PRECISION_ALIASES = {"amp_bfloat16": "amp_bf16"}
+_BF16 = "use --precision amp_bf16 (bfloat16 autocast, fp32 weights)"
+_FP16 = "use --precision amp (float16 autocast with a gradient scaler, CUDA)"
+REFUSED_PRECISIONS = {
+    "bf16": f"OpenCLIP's bfloat16 weights; naflexclip trains fp32 weights: {_BF16}",
+    "pure_bf16": f"OpenCLIP's bfloat16 weights and inputs; naflexclip trains fp32 weights: {_BF16}",
+    "fp16": f"OpenCLIP's float16 weights; naflexclip trains fp32 weights: {_FP16}",
+    "pure_fp16": f"OpenCLIP's float16 weights and inputs; naflexclip trains fp32 weights: {_FP16}",
+}
+
+
+def check_precision(name: str) -> str:
+    """The precision `--precision name` means (OpenCLIP's `amp_bfloat16` is `amp_bf16`); a ValueError of one line
+    naming the flag, why and what to use for any other."""
+    name = PRECISION_ALIASES.get(name, name)
+    if name in PRECISIONS:
+        return name
+    why = REFUSED_PRECISIONS.get(name, f"not a precision; choose {', '.join(PRECISIONS)} (or OpenCLIP's amp_bfloat16)")
+    raise ValueError(f"--precision {name}: {why}")
 
 
 @dataclass

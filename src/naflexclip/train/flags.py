@@ -33,6 +33,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     refused = refused_message(args)
     if refused is not None:
         raise ValueError(refused)
+    batch_size_given = "batch_size" in args  # no parser default (OpenCLIP's with --train-data)
     args = with_defaults(args)
     check_device(args.device)
     # OpenCLIP's --imagenet-val / --imagenet-v2 feed zero-shot too
@@ -42,4 +43,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if "zeroshot_frequency" in args and args.zeroshot_frequency != 0 and not zero_shot_given:
         args.openclip_built_in = [*getattr(args, "openclip_built_in", ()),
                                   f"--zeroshot-frequency {args.zeroshot_frequency}"]
+    # OpenCLIP's --batch-size is rows per batch; here it is B_ref of --naflex-loss-scale only (the token budget sets
+    # the rows): given without a scale it changes nothing, said in one line at the start
+    if batch_size_given and args.naflex_loss_scale == "none":
+        args.openclip_built_in = [*getattr(args, "openclip_built_in", ()), f"--batch-size {args.batch_size}"]
     return TrainConfig(**values_from_args(TrainConfig, args))

@@ -35,5 +35,7 @@ def openclip_differences(config: dict[str, Any]) -> list[str]:
     defaults = dict(OPENCLIP_DEFAULTS)
     if str(flat.get("opt", "")).startswith("timm/"):  # OpenCLIP leaves a timm optimizer its own betas and eps
         defaults.update(beta1=None, beta2=None, eps=None)
+    if flat.get("naflex_loss_scale") == "none":  # --batch-size then changes nothing (a note says so when given)
+        defaults.pop("batch_size", None)
     return [f"{shown_setting(key, flat[key])} (OpenCLIP: {shown_setting_value(key, default)})"
             for key, default in defaults.items() if key in plain and plain[key] != default]

@@ -167,6 +167,8 @@ def refused_message(args: argparse.Namespace) -> str | None:
 WITHOUT_EFFECT: dict[str, str] = {
     "--zeroshot-frequency": "nothing to classify (no --zeroshot-data / --imagenet-val / --imagenet-v2), so zero-shot "
                             "does not run",
+    "--batch-size": "with --naflex-loss-scale none (the default) it has no effect: the rows of each microbatch come "
+                    "from the token budget (--naflex-max-tokens-per-batch, --naflex-seq-lens)",
 }
 
 

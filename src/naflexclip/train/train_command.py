@@ -16,6 +16,7 @@ import torch
 
 from naflexclip.data import DataConfig, DataError
 from naflexclip.evaluation.evaluated_model import evaluated_model
+from naflexclip.models.precision import check_precision
 from naflexclip.parallel.process_group import DistributedFault, check_device, launched_world_size
 
 from .flags import (  # re-exported: the flags' public names stay importable from here
@@ -130,6 +131,8 @@ def run_eval(args: argparse.Namespace) -> int:
 
     try:
         check_device(args.device)
+        if args.precision is not None:
+            args.precision = check_precision(args.precision)
         output = args.output or (DEFAULT_ZERO_SHOT_OUTPUT if args.zero_shot_data is not None else None)
         output = check_output(output) if output is not None else None
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -180,7 +183,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--dataset-type", default="auto")
     evaluate.add_argument("--zero-shot", action="store_true",
                           help="also run the built-in zero-shot tasks and the dense probe")
-    evaluate.add_argument("--precision", default=None, choices=PRECISIONS)
+    evaluate.add_argument("--precision", default=None, metavar="{" + ",".join(PRECISIONS) + "}",
+                          help="default: the run's (OpenCLIP's amp_bfloat16 is amp_bf16)")
     evaluate.add_argument("--device", default=None)
     z = evaluate.add_argument_group("zero-shot classification of your own ImageFolder")
     z.add_argument("--zero-shot-data", default=None, help="an ImageFolder: one sub-folder of images per class")

@@ -29,7 +29,7 @@ from naflexclip.families import family_of, named_family
 from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES, MULTI_POSITIVE_WEIGHTINGS
 from naflexclip.models.lock import Locks
 from naflexclip.models.naflex_clip import PRESETS
-from naflexclip.models.precision import PRECISIONS
+from naflexclip.models.precision import PRECISIONS, check_precision
 from naflexclip.models.run_weights import is_run_checkpoint, model_name_conflict, read_run_weights
 from naflexclip.objectives.distillation import Distill
 from naflexclip.objectives.siglip2_recipe import RECIPE_LOSS, Recipe
@@ -110,8 +110,8 @@ class TrainConfig:
                                     "logit_bias); default: the model's own (clip for tiny, small and base; siglip for "
                                     "siglip2-*, SigLIP names and --pretrained SigLIP 2)")
     batch_size: int | None = setting(None, rule=APPLY, section=_MODEL, openclip=64, help=(
-        "reference batch size B_ref of --naflex-loss-scale (rows per microbatch come from the token budget "
-        "--naflex-max-tokens-per-batch)"))
+        "reference batch size B_ref of --naflex-loss-scale, without which it has no effect (not OpenCLIP's rows "
+        "per batch: the rows of each microbatch come from the token budget --naflex-max-tokens-per-batch)"))
     accum_freq: int = setting(2, rule=RESCHEDULE, section=_MODEL, openclip=1, help=(
         "microbatches per optimizer step (one window; every example is a negative for every other)"))
     accum_method: str = setting("cache", rule=APPLY, section=_MODEL, argparse={"choices": METHODS})
@@ -128,8 +128,11 @@ class TrainConfig:
     warmup: int = setting(20, rule=RESCHEDULE, section=_OPTIMIZATION, openclip=10000,
                           help="linear warmup, in optimizer steps")
     epochs: int = setting(3, rule=RESCHEDULE, section=_OPTIMIZATION, openclip=32)
+    # no argparse choices: OpenCLIP's other values get one line each (`check_precision`), not a usage block
     precision: str = setting("fp32", rule=APPLY, section=_OPTIMIZATION, openclip="amp_bf16",
-                             argparse={"choices": PRECISIONS})
+                             argparse={"metavar": "{" + ",".join(PRECISIONS) + "}"}, help=(
+        "fp32; amp_bf16 (bfloat16 autocast; OpenCLIP's amp_bfloat16 too); amp (float16 autocast with a gradient "
+        "scaler, CUDA)"))
     grad_clip_norm: float | None = setting(1.0, rule=APPLY, section=_OPTIMIZATION, openclip=None,
                                            convert=lambda clip: clip if clip is not None and clip > 0 else None,
                                            help="clip the window's gradient norm (0 or less: no clipping)")
@@ -370,10 +373,10 @@ class TrainConfig:
         for flag, value, choices in (
             ("--accum-method", self.accum_method, METHODS),
             ("--naflex-loss-scale", self.naflex_loss_scale, SCALE_MODES),
-            ("--precision", self.precision, PRECISIONS),
         ):
             if value not in choices:
                 raise ValueError(f"{flag}: {value!r} is not one of {list(choices)}")
+        self.precision = check_precision(self.precision)
         report_to_names(self.report_to)
 
     def _check_counts(self) -> None:
