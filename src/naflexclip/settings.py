@@ -46,8 +46,8 @@ _NESTED_KEY = "naflexclip.nested"
 @dataclass(frozen=True)
 class Setting:
     """A setting's declaration (a field's metadata). `flag`: "" for `--` + the field's name; `NO_FLAG` when another
-    flag sets it (`shown_as` then names that flag, `from_args` reads it). `argparse`: add_argument's type, nargs,
-    choices, metavar or action where the field's annotation does not say them. `convert`: the flag's value to the
+    flag sets it (`shown_as` then names that flag, `from_args` reads it). `type`, `nargs`, `choices`, `metavar`,
+    `action`: add_argument's, where the field's annotation does not say them. `convert`: the flag's value to the
     field's. `reads`: the parser destinations `from_args` reads."""
 
     rule: str
@@ -59,7 +59,12 @@ class Setting:
     dest: str = ""
     shown_as: str = ""
     openclip: Any = NOT_OPENCLIP
-    argparse: Mapping[str, Any] = field(default_factory=dict)
+    # add_argument's, where the field's annotation does not say them
+    type: Any = None
+    nargs: str | None = None
+    choices: Any = None
+    metavar: str | None = None
+    action: str | None = None
     flag_default: Any = FIELD_DEFAULT
     convert: Callable[[Any], Any] | None = None
     from_args: Callable[[argparse.Namespace], Any] | None = None
@@ -91,7 +96,7 @@ def nested(config: type) -> Any:
 def same_as(config: type, name: str) -> Any:
     """A field declared as `config`'s field `name` is (a group of settings another command shares, such as the
     lock flags, kept flat in a larger config): the same default and declaration."""
-    original = config.__dataclass_fields__[name]
+    original = {f.name: f for f in dataclasses.fields(config)}[name]
     if original.default_factory is not dataclasses.MISSING:
         return field(default_factory=original.default_factory, metadata=original.metadata)
     return field(default=original.default, metadata=original.metadata)
@@ -166,7 +171,9 @@ _TYPES: dict[str, type] = {"int": int, "float": float, "str": str}
 
 
 def _argparse_kwargs(d: Declared) -> dict[str, Any]:
-    kwargs = dict(d.setting.argparse)
+    s = d.setting
+    kwargs = {key: value for key, value in (("type", s.type), ("nargs", s.nargs), ("choices", s.choices),
+                                            ("metavar", s.metavar), ("action", s.action)) if value is not None}
     base = d.annotation.replace(" | None", "").replace("None | ", "").strip()
     if "action" not in kwargs:
         if base == "bool":

@@ -63,7 +63,7 @@ class DataConfig:
     val_data: str | None = setting(None, rule=APPLY, section=_DATA,
                                    help="validation data, same forms as --train-data")
     dataset_type: str = setting("auto", rule=REFUSE, why=_ORDER, section=_DATA, openclip="auto",
-                                argparse={"choices": DATASET_TYPES})
+                                choices=DATASET_TYPES)
     csv_img_key: str = setting("filepath", rule=REFUSE, why=_ORDER, section=_DATA, openclip="filepath")
     csv_caption_key: str = setting("title", rule=REFUSE, why=_ORDER, section=_DATA, openclip="title")
     csv_separator: str = setting("\t", rule=REFUSE, why=_ORDER, section=_DATA, openclip="\t")
@@ -78,11 +78,11 @@ class DataConfig:
     # OpenCLIP's variable patch size: each training microbatch's patch size is drawn from these (weights: the probs);
     # None: the model's own. Evaluation runs at the model's own patch size.
     naflex_patch_sizes: tuple[int, ...] | None = setting(
-        None, rule=REFUSE, why=_PATCH, section=_DATA, openclip=None, argparse={"metavar": "P"},
+        None, rule=REFUSE, why=_PATCH, section=_DATA, openclip=None, metavar="P",
         help="patch sizes each training microbatch draws one of (timm's patch interpolator resamples the embedding "
              "to it); evaluation uses the model's own (default: the model's own only)")
     naflex_patch_size_probs: tuple[float, ...] | None = setting(
-        None, rule=REFUSE, why=_PATCH, section=_DATA, openclip=None, argparse={"metavar": "W"},
+        None, rule=REFUSE, why=_PATCH, section=_DATA, openclip=None, metavar="W",
         help="weights of --naflex-patch-sizes (normalised; default: uniform)")
     workers: int = setting(2, rule=APPLY, section=_DATA, openclip=4, help="DataLoader worker processes per rank")
     seed: int = setting(0, rule=REFUSE, why=_ORDER, flag=NO_FLAG, shown_as="--seed", reads=("seed",),
@@ -110,7 +110,7 @@ class DataConfig:
         "is the whole file)"))
     # OpenCLIP's --naflex-num-train-image-tokens: the epoch sized by image tokens (`samples_for_image_tokens`)
     naflex_num_train_image_tokens: int | None = setting(
-        None, rule=REFUSE, why=_ORDER, section=_DATA, openclip=None, argparse={"metavar": "TOKENS"},
+        None, rule=REFUSE, why=_ORDER, section=_DATA, openclip=None, metavar="TOKENS",
         help="an epoch of training is the samples whose planned microbatches hold this many image tokens, as "
              "OpenCLIP plans them (instead of --train-num-samples)")
     val_num_samples: int | None = setting(None, rule=APPLY, section=_DATA)
@@ -148,20 +148,20 @@ class DataConfig:
         "skip images with more pixels than this, read from the header before decoding (0: PIL's own limit only)"))
     # ---- OpenCLIP's image processing overrides (`train` only; applied by `families.data_processing`)
     image_mean: tuple[float, ...] | None = setting(
-        None, rule=APPLY, section=_IMAGE, openclip=None, argparse={"metavar": "MEAN"},
+        None, rule=APPLY, section=_IMAGE, openclip=None, metavar="MEAN",
         help="per-channel mean the patches are normalised with (1 or 3 values; default: the model's own, OpenAI "
              "CLIP's for the presets); train, validation and zero-shot alike")
     image_std: tuple[float, ...] | None = setting(None, rule=APPLY, section=_IMAGE, openclip=None,
-                                                  argparse={"metavar": "STD"}, help="the same for the std")
+                                                  metavar="STD", help="the same for the std")
     # no argparse choices: a bad value is the one line of the checks (OpenCLIP's `random` among them), not a usage
     # block
     image_interpolation: str | None = setting(
-        None, rule=APPLY, section=_IMAGE, openclip=None, argparse={"metavar": "{bicubic,bilinear}"},
+        None, rule=APPLY, section=_IMAGE, openclip=None, metavar="{bicubic,bilinear}",
         help="the resize to the patch budget (default: the model's own, bicubic for the presets)")
     # --aug-cfg scale= / ratio=: the train crop's area and aspect ranges (with --augment)
     aug_scale: tuple[float, float] | None = setting(
         None, rule=APPLY, section=_IMAGE, openclip=None, flag="--aug-cfg", dest="aug_cfg", shown_as="--aug-cfg scale=",
-        argparse={"nargs": "*", "metavar": "KEY=VALUE", "type": str}, flag_default=[],
+        nargs="*", metavar="KEY=VALUE", type=str, flag_default=[],
         from_args=lambda args: aug_cfg(args).get("scale"),
         help="the train crop (timm's RandomResizedCropToSequence; turns --augment on): scale=(lo, hi) of the image's "
              "area, ratio=(lo, hi) of its aspect; use_timm and naflex are accepted (always so here)")

@@ -69,7 +69,7 @@ class Recipe:
     # the recipe decides the objectives and the model's decoder; --locca-loss-weight is a weight (applied: the
     # decoder, in the checkpoint, continues; 0 <-> > 0 adds or drops the decoder, refused as an architecture change)
     recipe: str | None = setting(None, rule=REFUSE, why="the objectives and the model (the recipe's decoder)",
-                                 section=_RECIPE, argparse={"choices": sorted(RECIPES)}, help=(
+                                 section=_RECIPE, choices=sorted(RECIPES), help=(
         "set the recipe's objectives and weights (siglip2: the LocCa decoder beside the sigmoid loss, SigLIP 2 sec. "
         "2.2, and self-distillation and masked prediction for the last 20%%, sec. 2.3; docs/siglip2_recipe.md)"))
     # None: the recipe's value, or 0 (no decoder) without one

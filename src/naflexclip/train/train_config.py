@@ -102,7 +102,7 @@ class TrainConfig:
         f"naflex_ViT-B-16, ...: open_clip.list_models(); docs/openclip.md); default: {DEFAULT_MODEL}, or with "
         "--pretrained a naflexclip checkpoint that checkpoint's model"))
     # a name of LOSSES; None: the model's own (clip for tiny/small/base, siglip for SigLIP 2)
-    loss: str | None = setting(None, rule=REFUSE, why="the loss", section=_MODEL, argparse={"choices": sorted(LOSSES)},
+    loss: str | None = setting(None, rule=REFUSE, why="the loss", section=_MODEL, choices=sorted(LOSSES),
                                also=(("--siglip",), {"action": "store_const", "const": "siglip",
                                                      "default": argparse.SUPPRESS,
                                                      "help": "OpenCLIP's name for --loss siglip"}),
@@ -114,11 +114,11 @@ class TrainConfig:
         "per batch: the rows of each microbatch come from the token budget --naflex-max-tokens-per-batch)"))
     accum_freq: int = setting(2, rule=RESCHEDULE, section=_MODEL, openclip=1, help=(
         "microbatches per optimizer step (one window; every example is a negative for every other)"))
-    accum_method: str = setting("cache", rule=APPLY, section=_MODEL, argparse={"choices": METHODS})
+    accum_method: str = setting("cache", rule=APPLY, section=_MODEL, choices=METHODS)
     loss_tile_size: int = setting(DEFAULT_TILE_SIZE, rule=APPLY, section=_MODEL, help=(
         "rows/columns of one block of the tiled loss (speed only; memory O(N·D + tile²))"))
     naflex_loss_scale: str = setting("none", rule=APPLY, section=_MODEL, openclip="none",
-                                     argparse={"choices": SCALE_MODES})
+                                     choices=SCALE_MODES)
     lr: float = setting(1e-3, rule=RESCHEDULE, section=_OPTIMIZATION, openclip=5e-4, help="peak learning rate")
     wd: float = setting(0.1, rule=APPLY, section=_OPTIMIZATION, openclip=0.2,
                         help="AdamW weight decay (matrices only)")
@@ -130,7 +130,7 @@ class TrainConfig:
     epochs: int = setting(3, rule=RESCHEDULE, section=_OPTIMIZATION, openclip=32)
     # no argparse choices: OpenCLIP's other values get one line each (`check_precision`), not a usage block
     precision: str = setting("fp32", rule=APPLY, section=_OPTIMIZATION, openclip="amp_bf16",
-                             argparse={"metavar": "{" + ",".join(PRECISIONS) + "}"}, help=(
+                             metavar="{" + ",".join(PRECISIONS) + "}", help=(
         "fp32; amp_bf16 (bfloat16 autocast; OpenCLIP's amp_bfloat16 too); amp (float16 autocast with a gradient "
         "scaler, CUDA)"))
     grad_clip_norm: float | None = setting(1.0, rule=APPLY, section=_OPTIMIZATION, openclip=None,
@@ -144,8 +144,8 @@ class TrainConfig:
     name: str | None = setting(None, rule=IGNORE, section=_RUN, help="run name (default: date, model, lr, precision)")
     save_frequency: int = setting(1, rule=APPLY, section=_RUN, openclip=1,
                                   help="save a checkpoint every N epochs (0: never)")
-    save_every_n_steps: int | None = setting(None, rule=APPLY, section=_RUN, argparse={"type": _optional_int})
-    stop_after_steps: int | None = setting(None, rule=IGNORE, section=_RUN, argparse={"type": _optional_int}, help=(
+    save_every_n_steps: int | None = setting(None, rule=APPLY, section=_RUN, type=_optional_int)
+    stop_after_steps: int | None = setting(None, rule=IGNORE, section=_RUN, type=_optional_int, help=(
         "save and stop after this many optimizer steps; the lr schedule still spans --epochs"))
     resume: str | None = setting(None, rule=IGNORE, section=_RUN, help=(
         "a checkpoint directory, or 'latest' (of --name: its newest usable checkpoint; a run folder without one "
@@ -209,7 +209,7 @@ class TrainConfig:
     dist_timeout: float = setting(1800.0, rule=IGNORE, section=_DEVICES, help=(
         "seconds before a collective that another rank never joins fails"))
     plot: bool = setting(True, rule=IGNORE, section=_RUN, flag="--no-plot", dest="no_plot",
-                         argparse={"action": "store_true"}, flag_default=False, convert=lambda no_plot: not no_plot,
+                         action="store_true", flag_default=False, convert=lambda no_plot: not no_plot,
                          help="do not write curves.png")
     # a transformers SigLIP 2 directory (architecture, weights, tokenizer, patching), or with an OpenCLIP --model
     # name that model's weights: a checkpoint file, a pretrained tag or hf-hub:org/name in a local cache; or a
@@ -254,7 +254,7 @@ class TrainConfig:
         "every caption of an image is a text row and a positive of it (group ids over the window): clip: "
         "multi-positive InfoNCE; siglip: SigLIP+ (without it: one caption per image per epoch)"))
     multi_positive_weighting: str = setting("symmetric", rule=APPLY, section=_CAPTIONS,
-                                            argparse={"choices": tuple(MULTI_POSITIVE_WEIGHTINGS)}, help=(
+                                            choices=tuple(MULTI_POSITIVE_WEIGHTINGS), help=(
         "SigLIP+'s positive weights α/k_i + β/k'_j: symmetric ½, ½; asymmetric 1, 0; soft: as labels"))
     # ---- optimizer and schedule (OpenCLIP's flags; `train.optim`) ----
     opt: str = setting("adamw", rule=REFUSE, why=_GROUPS, section=_OPTIMIZER, openclip="adamw", help=(
@@ -263,16 +263,16 @@ class TrainConfig:
     # passed to the optimizer last (applied, as --wd and --beta1 are)
     opt_kwargs: dict[str, Any] = setting(
         default_factory=dict, rule=APPLY, section=_OPTIMIZER, openclip={},
-        argparse={"nargs": "*", "metavar": "KEY=VALUE"}, flag_default=[],
+        nargs="*", metavar="KEY=VALUE", flag_default=[],
         convert=lambda items: parse_kwargs(items, "--opt-kwargs"),
         help="more optimizer arguments, each a Python literal (else a string), passed last")
     momentum: float | None = setting(None, rule=APPLY, section=_OPTIMIZER, openclip=None,
                                      help="momentum of a timm optimizer")
     wd_exclude: tuple[str, ...] = setting((), rule=REFUSE, why=_GROUPS, section=_OPTIMIZER, openclip=(),
-                                          argparse={"nargs": "*", "metavar": "PATTERN"}, help=(
+                                          nargs="*", metavar="PATTERN", help=(
         "parameter-name globs (fnmatch) that get no weight decay, besides norms, biases, embeddings"))
     opt_fallback_list: tuple[str, ...] = setting((), rule=REFUSE, why=_GROUPS, section=_OPTIMIZER, openclip=(),
-                                                 argparse={"nargs": "*", "metavar": "PATTERN"}, help=(
+                                                 nargs="*", metavar="PATTERN", help=(
         "parameter-name globs a Muon-family timm optimizer (timm/muon, ...) updates with its AdamW fallback"))
     image_layer_decay: float | None = setting(None, rule=REFUSE, why=_GROUPS, section=_OPTIMIZER, openclip=None,
                                               aliases=("--visual-layer-decay",), help=(
@@ -281,7 +281,7 @@ class TrainConfig:
     text_layer_decay: float | None = setting(None, rule=REFUSE, why=_GROUPS, section=_OPTIMIZER, openclip=None,
                                              help="the same for the text tower")
     lr_scheduler: str = setting("cosine", rule=RESCHEDULE, section=_OPTIMIZER, openclip="cosine",
-                                argparse={"choices": ("cosine", "const", "const-cooldown")},
+                                choices=("cosine", "const", "const-cooldown"),
                                 help="after --warmup: cosine decay to 0, constant, or constant then a cooldown")
     epochs_cooldown: int | None = setting(None, rule=RESCHEDULE, section=_OPTIMIZER, openclip=None,
                                           help="const-cooldown: cool down over the windows of the last N epochs")
