@@ -82,6 +82,9 @@ def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = datacl
             **declaration: Any) -> Any:
     """A config field declared as a setting: its default (the built-in dataset's), its resume `rule` and the rest
     of `Setting`."""
+    if "argparse" in declaration:  # the first form of these declarations
+        raise TypeError(f"setting(argparse={declaration['argparse']}): give add_argument's keywords themselves "
+                        f"(choices=, nargs=, metavar=, type=, action=)")
     metadata = {_METADATA_KEY: Setting(rule=rule, **declaration)}
     if default_factory is not dataclasses.MISSING:
         return field(default_factory=default_factory, metadata=metadata)

@@ -193,7 +193,7 @@ class TrainConfig:
         "shard the model with FSDP2 instead of DDP (needs several processes: torchrun, srun, mpirun)"))
     # how a checkpoint is written: either form resumes at any world size, under FSDP2, DDP or one process
     fsdp_checkpoint: str = setting("full", rule=IGNORE, section=_DEVICES, openclip="full",
-                                   argparse={"choices": ("full", "sharded")}, help=(
+                                   choices=("full", "sharded"), help=(
         "full: rank 0 gathers the model and optimizer and writes model.safetensors; sharded: every rank writes its "
         "own shards through torch.distributed.checkpoint (no gather; resumes at any world size, under FSDP2, DDP or "
         "one process)"))
