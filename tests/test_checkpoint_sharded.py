@@ -275,3 +275,13 @@ def test_a_sharded_save_that_fails_leaves_latest_on_the_previous_checkpoint(tmp_
         saver.save("step_2")
     assert storage.find_latest(tmp_path).name == "step_1"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_1"]  # no half-written folder left
+
+
+def test_delete_previous_checkpoint_removes_the_previous_async_save_once_the_next_is_latest(tmp_path: Path) -> None:
+    saver, _, progress = _saver(tmp_path, async_save=True)
+    for epoch in (1, 2, 3):
+        progress.epoch = epoch
+        saver.save_epoch(epoch, last=epoch == 3, frequency=1, delete_previous=True)
+    saver.wait()  # the run's end
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch_3", "latest"]
+    assert storage.load_checkpoint(tmp_path).epoch == 3
