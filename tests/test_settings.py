@@ -14,6 +14,9 @@ import pytest
 
 from naflexclip.cli import build_parser
 from naflexclip.data.data_config import DataConfig
+from naflexclip.models.lock import Locks
+from naflexclip.objectives.distillation import Distill
+from naflexclip.objectives.siglip2_recipe import Recipe
 from naflexclip.settings import RULES, setting, settings_of, undeclared_destinations
 from naflexclip.train.resume import POLICY, changed_flags, refusal
 from naflexclip.train.train_command import config_from_args
@@ -60,6 +63,15 @@ def test_a_field_without_a_declaration_or_a_rule_is_refused() -> None:
         settings_of(Grown)
     with pytest.raises(TypeError, match="rule"):
         setting(False)  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize("group", [Locks, Distill, Recipe])
+def test_the_shared_groups_are_kept_flat_in_the_train_config_as_declared(group: type) -> None:
+    """Verify takes the lock, distillation and recipe flags too: TrainConfig keeps each of their fields with the
+    group's own annotation, default and declaration."""
+    train = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    for f in dataclasses.fields(group):
+        assert (train[f.name].type, train[f.name].default, train[f.name].metadata) == (f.type, f.default, f.metadata)
 
 
 def test_the_python_api_and_the_command_line_share_their_defaults() -> None:
