@@ -134,6 +134,9 @@ def test_openclips_precision_alias_is_accepted_its_other_values_refused_in_one_l
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and err.startswith(f"naflexclip train: error: --precision {value}"), err
         assert advice in err, err
+    assert main(["eval", "--checkpoint", "missing", "--precision", "pure_fp16"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("naflexclip eval: error: --precision pure_fp16: "), err
 
 
 def test_help_groups_the_flags_as_openclips_and_naflexclips() -> None:
