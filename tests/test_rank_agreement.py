@@ -381,3 +381,80 @@ def test_fsdp_through_the_library_recipe_refuses_unequal_microbatch_counts_in_on
             "RanksDisagree: ranks disagree at the window's size exchange: rank 0: 2 microbatches; "
             "rank 1: 1 microbatch; rank 2: 4 microbatches (FSDP needs the same number of microbatches on every rank)")
         assert result["seconds"] < TIMEOUT_S / 4
+
+
+# ---------------------------------------------------------------- the settings every rank starts with
+
+
+def _started_with(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rank_0: dict[str, Any],
+                  rank_1: dict[str, Any]) -> str | None:
+    """The line every rank of a 2-rank job stops with when rank 0 and rank 1 were started with these settings
+    (`tiny_config` overrides; `data=` a dict of DataConfig fields), None when they may run together."""
+    from test_train_loop import tiny_config
+
+    from naflexclip.data import DataConfig
+    from naflexclip.train.train_config import check_ranks_agree, settings_every_rank_shares
+
+    def config(overrides: dict[str, Any]) -> Any:
+        data = {"synthetic_train_size": 96, "synthetic_val_size": 24, "naflex_seq_lens": (16, 32),
+                "naflex_max_tokens_per_batch": 256, "workers": 0, **overrides.pop("data", {})}
+        return tiny_config(tmp_path, data=DataConfig(**data), **overrides)
+
+    every = [settings_every_rank_shares(config(dict(rank_0))), settings_every_rank_shares(config(dict(rank_1)))]
+    gathered = every if every[0] != every[1] else None
+    monkeypatch.setattr(distributed, "gather_if_different", lambda env, values: gathered)
+    env = DistributedEnv(0, 2, 0, torch.device("cpu"), "gloo", 5.0)
+    try:
+        check_ranks_agree(config(dict(rank_0)), env)
+    except ValueError as error:
+        assert "\n" not in str(error)
+        return str(error)
+    return None
+
+
+def test_ranks_started_with_other_settings_stop_naming_the_first_flag_and_both_values(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The issue's cases: another --train-data, --lr, --wd, --accum-freq, --seed or token budget on rank 1 is one
+    line naming the flag and the two values (before, rank 1 trained other data or another optimizer silently)."""
+    tail = "; every rank of a job must be started with the same settings"
+    cases = [
+        ({"data": {"train_data": "a.tsv"}}, {"data": {"train_data": "b.tsv"}},
+         "--train-data: rank 1 has b.tsv, rank 0 a.tsv"),
+        ({}, {"lr": 2e-3}, "--lr: rank 1 has 0.002, rank 0 0.001"),
+        ({}, {"wd": 0.0}, "--wd: rank 1 has 0.0, rank 0 0.1"),
+        ({}, {"accum_freq": 4}, "--accum-freq: rank 1 has 4, rank 0 2"),
+        ({}, {"data": {"naflex_max_tokens_per_batch": 512}},
+         "--naflex-max-tokens-per-batch: rank 1 has 512, rank 0 256"),
+    ]
+    for rank_0, rank_1, expected in cases:
+        assert _started_with(monkeypatch, tmp_path, rank_0, rank_1) == expected + tail
+    # --seed is the model's and the data order's: one flag, named once with the count of every setting that differs
+    assert _started_with(monkeypatch, tmp_path, {}, {"seed": 7, "lr": 2e-3}) == (
+        "--lr: rank 1 has 0.002, rank 0 0.001" + tail + " (2 settings differ: --lr, --seed)")
+
+
+def test_settings_of_a_rank_of_its_own_may_differ(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A node's own loader workers, device and collective timeout do not change what is trained."""
+    assert _started_with(monkeypatch, tmp_path, {}, {"data": {"workers": 3}, "dist_timeout": 60.0,
+                                                     "device": "cpu", "debug": True}) is None
+    assert _started_with(monkeypatch, tmp_path, {}, {}) is None
+
+
+@pytest.mark.slow
+def test_a_rank_started_with_another_lr_stops_every_rank_before_the_first_step(tmp_path: Path) -> None:
+    """torchrun, 2 processes; rank 1's command line says --lr 0.002: both stop at once with the one line, before
+    anything is trained or written (without the check both trained to the end with two different optimizers)."""
+    from test_train_torchrun import LAUNCHER, RUN_FLAGS
+
+    launcher = tmp_path / "launch.py"
+    launcher.write_text(LAUNCHER.replace("import dataclasses, sys", "import dataclasses, os, sys\n"
+                                         "if os.environ['RANK'] == '1': sys.argv += ['--lr', '0.002']"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(launcher),
+           "train", *RUN_FLAGS, "--lr", "0.001", "--logs-dir", str(tmp_path / "logs"), "--name", "run"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    line = ("naflexclip train: error: --lr: rank 1 has 0.002, rank 0 0.001; every rank of a job must be started with "
+            "the same settings")
+    assert result.returncode != 0 and result.stderr.count(line) == 2, result.stderr[-3000:]
+    assert not (tmp_path / "logs" / "run" / "checkpoints").exists()
+    assert not (tmp_path / "logs" / "run" / "metrics.jsonl").exists()
