@@ -47,8 +47,9 @@ _NESTED_KEY = "naflexclip.nested"
 class Setting:
     """A setting's declaration (a field's metadata). `flag`: "" for `--` + the field's name; `NO_FLAG` when another
     flag sets it (`shown_as` then names that flag, `from_args` reads it). `type`, `nargs`, `choices`, `metavar`,
-    `action`: add_argument's, where the field's annotation does not say them. `convert`: the flag's value to the
-    field's. `reads`: the parser destinations `from_args` reads."""
+    `action`: add_argument's, where the field's annotation does not say them. `per_rank`: why the ranks of a job may
+    differ in it (most settings must agree). `convert`: the flag's value to the field's. `reads`: the parser
+    destinations `from_args` reads."""
 
     rule: str
     why: str = ""
@@ -70,6 +71,9 @@ class Setting:
     from_args: Callable[[argparse.Namespace], Any] | None = None
     reads: tuple[str, ...] = ()
     also: tuple[Any, ...] = ()  # another flag for the same destination: (option strings, add_argument's kwargs)
+    # why each rank of a job may have its own value (its device, its loader processes); "": every rank must agree,
+    # checked before the first step (`train.train_config.check_ranks_agree`)
+    per_rank: str = ""
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:

@@ -84,7 +84,8 @@ class DataConfig:
     naflex_patch_size_probs: tuple[float, ...] | None = setting(
         None, rule=REFUSE, why=_PATCH, section=_DATA, openclip=None, metavar="W",
         help="weights of --naflex-patch-sizes (normalised; default: uniform)")
-    workers: int = setting(2, rule=APPLY, section=_DATA, openclip=4, help="DataLoader worker processes per rank")
+    workers: int = setting(2, rule=APPLY, section=_DATA, openclip=4, help="DataLoader worker processes per rank",
+                           per_rank="a node's CPUs; the samples and their order are the same for any number")
     seed: int = setting(0, rule=REFUSE, why=_ORDER, flag=NO_FLAG, shown_as="--seed", reads=("seed",),
                         from_args=lambda args: args.seed)  # the command's --seed
     synthetic_seed: int = setting(0, rule=REFUSE, why=_ORDER, section=_DATA,
@@ -123,7 +124,8 @@ class DataConfig:
     # a pretrained model's directory (transformers SigLIP 2) whose family's tokenizer and patching feed the data
     # (set by `train --pretrained`; the caller hands that processing to the loaders); None: ours
     hf_processor: str | None = setting(None, rule=APPLY, flag=NO_FLAG, shown_as="--pretrained")
-    shard_index_dir: str | None = setting(None, rule=APPLY, section=_DATA, help=(
+    shard_index_dir: str | None = setting(None, rule=APPLY, section=_DATA,
+                                          per_rank="a cache of offsets: a node's own disk", help=(
         "where shard indexes are cached (default: beside each shard, else ~/.cache/naflexclip)"))
     # OpenCLIP's WebDataset recipe flags (docs/data.md, "Data recipes")
     dataset_resampled: bool = setting(False, rule=REFUSE, why=_ORDER, section=_RECIPES, help=(

@@ -3,9 +3,10 @@
 What the window's exchange (`feature_exchange`) and the model wrapping (`wrapping`) stand on. `init_distributed`
 starts one process group, its collectives under a timeout, where the launcher's variables say (`launchers`); a
 single process has none, and everything here is a no-op. `run_on_main` runs rank 0's work (evaluation, checkpoint
-writing) while the others wait on the rendezvous store without a timeout; `check_consistency` / `gather_to_main`
-compare and collect small per-rank values; `fault_guard` / `translate_faults` record a rank's error in the store
-and name the rank that raised, died or stopped answering, in one line. docs/training.md#several-processes.
+writing) while the others wait on the rendezvous store without a timeout; `check_consistency`,
+`gather_if_different` and `gather_to_main` compare and collect small per-rank values; `fault_guard` /
+`translate_faults` record a rank's error in the store and name the rank that raised, died or stopped answering, in
+one line. docs/training.md#several-processes.
 """
 
 from __future__ import annotations
@@ -214,21 +215,29 @@ def _digest(values: dict[str, Any]) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
-def check_consistency(env: DistributedEnv, **values: int | float | str) -> None:
-    """All ranks must agree on `values` (step, epoch, window, schedule hash, ...), else RuntimeError.
+def gather_if_different(env: DistributedEnv, values: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Every rank's `values` (by rank) when some rank's differ, None when all agree (every rank must call it).
 
-    Cheap: one all-gather of an int64 digest; the values themselves are exchanged only on a mismatch,
-    to say which rank differs and how. Every rank raises the same error (no rank is left in a collective).
-    """
+    Cheap: one all-gather of an int64 digest; the values themselves are exchanged only on a mismatch, so that every
+    rank can say which rank differs and how, and raise the same error (no rank is left in a collective)."""
     if not env.distributed:
-        return
+        return None
     with translate_faults(env, "checking cross-rank consistency"):
         digest = torch.tensor([_digest(values)], dtype=torch.int64, device=env.device)
         digests = all_gather_tensor(env, digest).tolist()
         if len(set(digests)) == 1:
-            return
+            return None
         every: list[dict[str, Any] | None] = [None] * env.world_size
         dist.all_gather_object(every, dict(values))
+    return [rank_values or {} for rank_values in every]
+
+
+def check_consistency(env: DistributedEnv, **values: int | float | str) -> None:
+    """All ranks must agree on `values` (step, epoch, window, schedule hash, ...), else RuntimeError naming every
+    difference; every rank raises the same error (`gather_if_different`)."""
+    every = gather_if_different(env, values)
+    if every is None:
+        return
     reference = every[0] or {}
     problems = []
     for rank, rank_values in enumerate(every[1:], start=1):

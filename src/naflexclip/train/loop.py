@@ -57,7 +57,7 @@ from naflexclip.train.resume import nothing_left, resume
 from naflexclip.train.self_distill_schedule import SelfDistillation
 from naflexclip.train.step import StepResult, WindowStep, step_metrics, token_counts, windows
 from naflexclip.train.stop import StopSignals, TrainingStopped
-from naflexclip.train.train_config import TrainConfig
+from naflexclip.train.train_config import TrainConfig, check_ranks_agree
 
 
 class Trainer:
@@ -399,6 +399,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
                            no_set_device_rank=cfg.no_set_device_rank)
     trainer = None
     try:
+        check_ranks_agree(cfg, env)  # before anything is shared, read or written: one line on every rank
         if cfg.name is None:
             cfg.name = share_from_main(env, cfg.default_name())
         try:

@@ -33,6 +33,7 @@ from naflexclip.models.precision import PRECISIONS, check_precision
 from naflexclip.models.run_weights import is_run_checkpoint, model_name_conflict, read_run_weights
 from naflexclip.objectives.distillation import Distill
 from naflexclip.objectives.siglip2_recipe import RECIPE_LOSS, Recipe
+from naflexclip.parallel import process_group
 from naflexclip.parallel.process_group import DEVICE_CHOICES, check_backend, check_dist_url
 from naflexclip.settings import (
     APPLY,
@@ -54,7 +55,8 @@ from naflexclip.train.report import report_to_names
 from naflexclip.window import METHODS, SCALE_MODES
 
 __all__ = ["DEFAULT_MODEL", "DEMO_DEFAULTS", "FLAG_NAMES", "OPENCLIP_DEFAULTS", "PRECISIONS", "SETTINGS", "TrainConfig",
-           "flag_name", "flat_config", "parse_kwargs", "shown_value"]
+           "check_ranks_agree", "flag_name", "flat_config", "parse_kwargs", "settings_every_rank_shares",
+           "shown_value"]
 
 DEFAULT_MODEL = "small"
 
@@ -185,7 +187,8 @@ class TrainConfig:
     imagenet_v2: str | None = setting(None, rule=APPLY, section=_ZERO_SHOT, help=(
         "ImageNetV2 (imagenetv2_pytorch's folder: ImageNetV2-matched-frequency/0..999), likewise "
         "zeroshot/imagenet-v2/..."))
-    device: str | None = setting(None, rule=IGNORE, section=_DEVICES, help=(
+    device: str | None = setting(None, rule=IGNORE, section=_DEVICES,
+                                 per_rank="each process its own GPU (cuda:<local rank>)", help=(
         f"{', '.join(DEVICE_CHOICES)} (default: cuda if available; cuda:<local rank> in a job)"))
     max_skipped_steps: int = setting(10, rule=APPLY, section=_OPTIMIZATION, help=(
         "stop after this many consecutive steps with a non-finite loss or gradient"))
@@ -206,7 +209,8 @@ class TrainConfig:
     # torch.compile the towers' blocks (dynamic shapes)
     torchcompile: bool = setting(False, rule=APPLY, section=_DEVICES, openclip=False, help=(
         "torch.compile the towers (dynamic shapes: one graph per grad mode, not one per batch shape)"))
-    dist_timeout: float = setting(1800.0, rule=IGNORE, section=_DEVICES, help=(
+    dist_timeout: float = setting(1800.0, rule=IGNORE, section=_DEVICES,
+                                  per_rank="how long this process waits for the others", help=(
         "seconds before a collective that another rank never joins fails"))
     plot: bool = setting(True, rule=IGNORE, section=_RUN, flag="--no-plot", dest="no_plot",
                          action="store_true", flag_default=False, convert=lambda no_plot: not no_plot,
@@ -303,9 +307,11 @@ class TrainConfig:
                                            help="seconds between syncs")
     remote_sync_protocol: str = setting("s3", rule=IGNORE, section=_BACKUP, openclip="s3", help=(
         "s3 (runs `aws s3 sync`, as OpenCLIP) or fsspec (any fsspec URL or a local folder)"))
-    log_local: bool = setting(False, rule=IGNORE, section=_BACKUP, openclip=False, help=(
+    log_local: bool = setting(False, rule=IGNORE, section=_BACKUP, openclip=False,
+                              per_rank="a node's own log file", help=(
         "each node's local rank 0 also writes its messages to {logs}/{name}/out-{rank}.log"))
-    debug: bool = setting(False, rule=IGNORE, section=_BACKUP, openclip=False, help=(
+    debug: bool = setting(False, rule=IGNORE, section=_BACKUP, openclip=False,
+                          per_rank="this process's log level", help=(
         "log more: the optimizer's parameter groups, naflexclip's loggers at DEBUG"))
     # launcher (OpenCLIP's flags; the job itself comes from torchrun's, srun's or mpirun's variables): how the job
     # forms
@@ -314,7 +320,8 @@ class TrainConfig:
         "12802), tcp://HOST:PORT or file:///shared/path (default: env://)"))
     dist_backend: str | None = setting(None, rule=IGNORE, section=_LAUNCHER, help=(
         "process group backend (default: nccl on CUDA, gloo on CPU)"))
-    no_set_device_rank: bool = setting(False, rule=IGNORE, section=_LAUNCHER, help=(
+    no_set_device_rank: bool = setting(False, rule=IGNORE, section=_LAUNCHER,
+                                       per_rank="which GPU this process takes", help=(
         "--device cuda is the first visible GPU, not cuda:<local rank> (when CUDA_VISIBLE_DEVICES gives each "
         "process its own GPU)"))
     # ---- model overrides (OpenCLIP's --force-* flags; `model_overrides`) ----
@@ -642,6 +649,34 @@ DEMO_DEFAULTS: dict[str, Any] = {key: d.default for key, d in SETTINGS.items() i
 # config keys whose flag is not `--` + the field's name (an `--aug-cfg` item ends in `=`: its value follows it)
 FLAG_NAMES: dict[str, str] = {key: d.flag for key, d in SETTINGS.items()
                               if d.flag != "--" + d.name.replace("_", "-")}
+
+
+def settings_every_rank_shares(cfg: TrainConfig) -> dict[str, Any]:
+    """The run's settings (data fields as `data.<name>`) that every rank of a job must be started with: all but
+    those declared `per_rank` (a process's device, loader workers, timeout, logging). The data sources, the
+    optimizer, the seed and the token budget among them: ranks that differ would train other data in place of
+    the job's, apply other updates, or run out of data at different points."""
+    return {key: value for key, value in flat_config(cfg.to_dict()).items() if not SETTINGS[key].setting.per_rank}
+
+
+def check_ranks_agree(cfg: TrainConfig, env: process_group.DistributedEnv) -> None:
+    """Before the first step: every rank was started with the same settings (`settings_every_rank_shares`), else
+    ValueError on every rank at once: the first flag that differs, with rank 0's value and the other rank's."""
+    every = process_group.gather_if_different(env, settings_every_rank_shares(cfg))
+    if every is None:
+        return
+    reference = every[0]
+    differing = [key for key in SETTINGS if key in reference
+                 and any(repr(other.get(key)) != repr(reference[key]) for other in every[1:])]
+    if not differing:
+        return
+    key = differing[0]
+    rank = next(rank for rank, other in enumerate(every) if repr(other.get(key)) != repr(reference[key]))
+    flags = list(dict.fromkeys(flag_name(k) for k in differing))
+    more = f" ({len(flags)} settings differ: {', '.join(flags)})" if len(flags) > 1 else ""
+    raise ValueError(f"{flag_name(key)}: rank {rank} has {shown_value(every[rank].get(key))}, rank 0 "
+                     f"{shown_value(reference[key])}; every rank of a job must be started with the same settings"
+                     f"{more}")
 
 
 def flag_name(key: str) -> str:
