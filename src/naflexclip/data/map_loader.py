@@ -8,6 +8,8 @@ by rank 0. docs/data.md#epochs.
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,6 +34,19 @@ class MapTasks(Dataset):
 
     def __init__(self, source: Source, builder: MicrobatchBuilder) -> None:
         self.source, self.builder = source, builder
+        self._pool: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
+
+    def _loads(self, indices: list[int]) -> list[RawSample | SkipSample]:
+        """The samples, read `source.parallel_reads` at a time (object storage: a request each)."""
+        parallel = getattr(self.source, "parallel_reads", 1)
+        if parallel <= 1 or len(indices) < 2:
+            return [self._load(i) for i in indices]
+        if self._pool is None or self._pool[0] != os.getpid():  # threads do not survive a fork
+            self._pool = os.getpid(), concurrent.futures.ThreadPoolExecutor(parallel)
+        return list(self._pool[1].map(self._load, indices))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_pool": None}
 
     def _load(self, index: int) -> RawSample | SkipSample:
         try:
@@ -44,7 +59,8 @@ class MapTasks(Dataset):
     def __getitem__(self, task: Task) -> dict[str, Any]:
         planned, indices, seed_key = task
         try:
-            samples = [(self._load(i), self.source.describe(i)) for i in indices]
+            where = [self.source.describe(i) for i in indices]  # (a shard's index is read here, once, first)
+            samples = list(zip(self._loads(indices), where, strict=True))
             notes = [note for raw, _ in samples for note in raw.notes]
             return self.builder.build(planned, samples, notes, seed_key)
         except Exception as exc:  # noqa: BLE001 - reported by the main process as one DataError

@@ -21,6 +21,7 @@ from naflexclip.data.source import DataError, skip_record
 RETRIES = 5  # retries of a transient error, after the first attempt
 BACKOFF_S = 0.25  # the first retry's wait; doubled each retry (with jitter), at most MAX_BACKOFF_S
 MAX_BACKOFF_S = 8.0
+PARALLEL_READS = 16  # a microbatch's samples read at once, each a ranged request (latency, not bandwidth, bounds them)
 SCAN_BLOCK = 1 << 18  # bytes fetched per request while reading tar headers (several small members per request)
 _T = TypeVar("_T")
 

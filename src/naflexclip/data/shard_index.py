@@ -262,6 +262,7 @@ class IndexedShardSource:
         self.offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 6)
         self._fds: dict[int, int] = {}
         self._pid = -1
+        self.parallel_reads = remote.PARALLEL_READS if any(remote.is_remote(u) for u in urls) else 1
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -312,6 +313,8 @@ class SizedShardSource:
         self.index_skips: list[dict[str, Any]] = []
         self.bounds = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
         self._indexes: collections.OrderedDict[int, ShardIndex] = collections.OrderedDict()
+        # a microbatch's samples are read at once: their shards' indexes are loaded first, by `describe`
+        self.parallel_reads = remote.PARALLEL_READS if any(remote.is_remote(u) for u in urls) else 1
 
     def __len__(self) -> int:
         return int(self.bounds[-1])
