@@ -22,7 +22,7 @@ from naflexclip.data.synthetic import synthetic_captions, synthetic_sample
 from naflexclip.train.loop import train
 
 DATA = dict(synthetic_train_size=24, synthetic_val_size=8, naflex_seq_lens=(16,), naflex_max_tokens_per_batch=128,
-            workers=0, synthetic_multi_caption=True)
+            workers=0, synthetic_multi_caption=True, synthetic_shape_group_size=1)
 
 
 def test_built_in_scenes_have_two_to_five_captions_and_keep_their_image():
