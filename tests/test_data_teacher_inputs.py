@@ -20,7 +20,7 @@ from naflexclip.data.synthetic import synthetic_sample
 from naflexclip.objectives.distillation import teacher_inputs
 
 DATA = dict(synthetic_train_size=24, synthetic_val_size=8, naflex_seq_lens=(16, 36), naflex_max_tokens_per_batch=144,
-            workers=0)
+            workers=0, synthetic_shape_group_size=1)  # single scenes: the test reads them with synthetic_sample
 
 
 def _pixels(image: dict[str, torch.Tensor], patch: int) -> torch.Tensor:
