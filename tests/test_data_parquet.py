@@ -127,3 +127,9 @@ def test_data_export_parquet_writes_the_hub_layout_that_trains(tmp_path: Path, c
     assert b'"_type": "Image"' in table.schema.metadata[b"huggingface"]  # what the `datasets` library reads
     keys, skips = epoch(config(spec))
     assert len(set(keys)) == len(keys) == 30 and not skips
+
+
+def test_a_parquet_file_that_cannot_be_read_is_one_line_naming_it(tables: str, tmp_path: Path) -> None:
+    (tmp_path / "part-1.parquet").write_bytes(b"not parquet")
+    with pytest.raises(DataError, match=r"cannot read .*part-1\.parquet"):
+        build_loader(config(tables), split="train", patch_size=PATCH, context_length=CONTEXT)

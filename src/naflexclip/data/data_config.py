@@ -107,8 +107,8 @@ class DataConfig:
         "several captions of its image (one per epoch; all with --multi-positive)"))
     train_num_samples: int | None = setting(None, rule=REFUSE, why=_ORDER, section=_DATA, openclip=None, help=(
         "samples per epoch: a fresh random subset of the usable samples each epoch (at most their number); "
-        "required for streamed shards (pipe:, URLs) without a sizes.json; ignored for a CSV (OpenCLIP's: an epoch "
-        "is the whole file)"))
+        "required for streamed shards (pipe:, compressed tars) without a sizes.json; ignored for a CSV (OpenCLIP's: "
+        "an epoch is the whole file)"))
     # OpenCLIP's --naflex-num-train-image-tokens: the epoch sized by image tokens (`samples_for_image_tokens`)
     naflex_num_train_image_tokens: int | None = setting(
         None, rule=REFUSE, why=_ORDER, section=_DATA, openclip=None, metavar="TOKENS",

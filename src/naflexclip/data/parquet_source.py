@@ -12,6 +12,7 @@ BLOCK_ROW_GROUPS` of them.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import os
 from typing import Any
 
@@ -48,6 +49,20 @@ def _column(names: list[str], wanted: tuple[str, ...] | None, defaults: tuple[st
     raise DataError(f"{url} has no column named by {asked}; its columns: {', '.join(names)}")
 
 
+def _footers(spec: str, urls: list[str]) -> list[Any]:
+    """Each file's metadata (its footer), remote files 16 at a time; one line naming the file that cannot be read."""
+    def footer(url: str) -> Any:
+        try:
+            return _open(url).metadata
+        except (OSError, ValueError, remote.Unreachable) as error:
+            raise DataError(f"--train-data/--val-data {spec!r}: cannot read {url}: {error}") from None
+
+    if not any(remote.is_remote(u) for u in urls):
+        return [footer(url) for url in urls]
+    with concurrent.futures.ThreadPoolExecutor(remote.PARALLEL_READS) as pool:
+        return list(pool.map(footer, urls))
+
+
 class ParquetSource:
     """Parquet files as one map-style source: row r of the files in order is sample r. `group_sizes`: rows per row
     group, in order (the "shards" of its epoch order). `image_keys`/`text_keys`: column names, the first present
@@ -66,11 +81,7 @@ class ParquetSource:
         self.index_skips: list[dict[str, Any]] = []
         self.columns: list[tuple[str, str]] = []
         groups, sizes, first_rows = [], [], []
-        for f, url in enumerate(urls):
-            try:
-                meta = _open(url).metadata
-            except (OSError, remote.Unreachable) as error:
-                raise DataError(f"--train-data/--val-data {spec!r}: cannot read {url}: {error}") from None
+        for f, (url, meta) in enumerate(zip(urls, _footers(spec, urls), strict=True)):
             names = meta.schema.to_arrow_schema().names
             self.columns.append((_column(names, image_keys, IMAGE_COLUMNS, "--image-key", url),
                                  _column(names, text_keys, TEXT_COLUMNS, "--text-key", url)))

@@ -1,4 +1,4 @@
-"""The streamed loader: WebDataset shards that cannot be indexed (`pipe:`, URLs, compressed tars).
+"""The streamed loader: WebDataset shards that cannot be indexed (`pipe:`, compressed tars, URLs not ending in `.tar`).
 
 An epoch is `samples_per_epoch` samples split by (rank, worker) slot: by shard when there are at least as many
 shards as slots, else by sample. Each slot cycles its shards, with a per-pass shuffle buffer, so a sample can
