@@ -59,9 +59,9 @@ def _rule(key: str) -> str:
 def refusal(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
     """Why a run with config `current` cannot continue one saved with `saved` (one line naming the flag and
     both values; the first such flag in `POLICY`), or None."""
-    for key in _changed(saved, current):
-        rule, what = POLICY.get(key, (APPLY, ""))
-        if rule == REFUSE:
+    changed = set(_changed(saved, current))
+    for key, (rule, what) in POLICY.items():
+        if rule == REFUSE and key in changed:
             old, new = flat_config(saved)[key], flat_config(current)[key]
             return (f"{flag_name(key)}: the checkpoint has {old!r}, this run {new!r}; a resume cannot change {what} "
                     f"(keep {flag_name(key)} as it was, or start a new --name)")

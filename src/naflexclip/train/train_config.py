@@ -103,6 +103,18 @@ class TrainConfig:
         f"model preset ({', '.join(sorted(PRESETS))}) or an OpenCLIP model name (ViT-B-16, ViT-B-16-SigLIP2, "
         f"naflex_ViT-B-16, ...: open_clip.list_models(); docs/openclip.md); default: {DEFAULT_MODEL}, or with "
         "--pretrained a naflexclip checkpoint that checkpoint's model"))
+    # declared right after --model: a resume names a different model or pretrained source before what follows
+    # from it (the loss)
+    # a transformers SigLIP 2 directory (architecture, weights, tokenizer, patching), or with an OpenCLIP --model
+    # name that model's weights: a checkpoint file, a pretrained tag or hf-hub:org/name in a local cache; or a
+    # naflexclip checkpoint (a run's checkpoints/ or one step_N/epoch_N in it: its architecture and weights only,
+    # `naflexclip.models.run_weights`)
+    pretrained: str | None = setting(None, rule=REFUSE, why=_THE_MODEL, section=_MODEL, help=(
+        "with an OpenCLIP --model name: its weights, an open_clip checkpoint (.pt, .bin, .safetensors, an "
+        "open_clip_train epoch_N.pt), a pretrained tag (laion2b_s34b_b79k) or hf-hub:org/name found in a local cache; "
+        "otherwise a transformers SigLIP 2 directory, whose architecture replaces --model and whose tokenizer and "
+        "patching the data's; or a naflexclip run's checkpoint (logs/RUN/checkpoints, or one step_N/epoch_N in it): "
+        "its model's architecture and weights only, a new run from step 0 with its own schedule"))
     # a name of LOSSES; None: the model's own (clip for tiny/small/base, siglip for SigLIP 2)
     loss: str | None = setting(None, rule=REFUSE, why="the loss", section=_MODEL, choices=sorted(LOSSES),
                                also=(("--siglip",), {"action": "store_const", "const": "siglip",
@@ -215,16 +227,6 @@ class TrainConfig:
     plot: bool = setting(True, rule=IGNORE, section=_RUN, flag="--no-plot", dest="no_plot",
                          action="store_true", flag_default=False, convert=lambda no_plot: not no_plot,
                          help="do not write curves.png")
-    # a transformers SigLIP 2 directory (architecture, weights, tokenizer, patching), or with an OpenCLIP --model
-    # name that model's weights: a checkpoint file, a pretrained tag or hf-hub:org/name in a local cache; or a
-    # naflexclip checkpoint (a run's checkpoints/ or one step_N/epoch_N in it: its architecture and weights only,
-    # `naflexclip.models.run_weights`)
-    pretrained: str | None = setting(None, rule=REFUSE, why=_THE_MODEL, section=_MODEL, help=(
-        "with an OpenCLIP --model name: its weights, an open_clip checkpoint (.pt, .bin, .safetensors, an "
-        "open_clip_train epoch_N.pt), a pretrained tag (laion2b_s34b_b79k) or hf-hub:org/name found in a local cache; "
-        "otherwise a transformers SigLIP 2 directory, whose architecture replaces --model and whose tokenizer and "
-        "patching the data's; or a naflexclip run's checkpoint (logs/RUN/checkpoints, or one step_N/epoch_N in it): "
-        "its model's architecture and weights only, a new run from step 0 with its own schedule"))
     # OpenCLIP's --cache-dir: where pretrained tags are looked up (besides HF's cache)
     cache_dir: str | None = setting(None, rule=IGNORE, section=_MODEL, help=(
         "where --pretrained tags and hf-hub: names are looked up (a Hugging Face hub cache or open_clip's download "
