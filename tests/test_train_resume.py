@@ -546,3 +546,32 @@ def test_a_resume_with_other_recipe_views_names_the_recipe_flags_not_the_preset(
     other_preset = dict(saved, text={**saved["text"], "pool_type": "mean"})
     assert "--model tiny: the preset's architecture" in architecture_error("tiny", saved, other_preset)
     assert architecture_error("tiny", saved, saved) is None
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_resume_latest_starts_from_the_runs_saved_settings(stopped_run: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    """The README's `naflexclip train --name my_run --resume latest` on a run whose flags were not the defaults
+    continues it (it was refused: `--model: the checkpoint has 'tiny', this run 'small'`); a resume that re-gives
+    one flag keeps the rest, the teacher included (re-giving --lr without the --distill-* flags dropped it), and
+    names the flag it changes in one line."""
+    logs = _copy_run(stopped_run, tmp_path)
+    assert main(["train", "--logs", str(logs), "--name", "base", "--resume", "latest", "--stop-after-steps", "3",
+                 "--no-plot"]) == 0
+    assert _train_steps(logs / "base") == [1, 2, 3]
+    assert "changed flags" not in capsys.readouterr().err  # nothing given differs from the run's settings
+
+    teacher = str(logs / "base" / "checkpoints")
+    train(tiny_config(logs, "student", stop_after_steps=1, val_frequency=0, distill_model="tiny",
+                      distill_pretrained=teacher))
+    capsys.readouterr()
+    assert main(["train", "--logs", str(logs), "--name", "student", "--resume", "latest", "--lr", "0.002",
+                 "--stop-after-steps", "2", "--no-plot"]) == 0
+    notices = [line for line in capsys.readouterr().err.splitlines() if "changed flags" in line]
+    assert len(notices) == 1 and "--lr 0.001 -> 0.002" in notices[0] and "--distill" not in notices[0], notices
+    after = [r for r in _records(logs / "student") if r["kind"] == "train" and r["step"] == 2]
+    assert len(after) == 1 and after[0]["loss/distill"] > 0  # the teacher is still there
