@@ -33,8 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from naflexclip.settings import given_destinations
+
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.given = given_destinations(parser, argv)  # a resume keeps the run's saved value of every other setting
     return int(args.func(args) or 0)
 
 

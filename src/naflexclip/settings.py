@@ -261,6 +261,30 @@ def values_from_args(config: type, args: argparse.Namespace) -> dict[str, Any]:
     return values
 
 
+def given_destinations(parser: argparse.ArgumentParser, arg_strings: list[str]) -> set[str]:
+    """The destinations `arg_strings` set themselves, not by a default (a resume keeps the run's saved value of
+    every other setting): the command line parsed again with every default of `parser` and its sub-parsers
+    suppressed, then restored."""
+    saved: list[tuple[argparse.ArgumentParser, dict[str, Any], list[Any]]] = []
+    todo = [parser]
+    while todo:
+        current = todo.pop()
+        saved.append((current, dict(current._defaults), [action.default for action in current._actions]))
+        current._defaults.clear()
+        for action in current._actions:
+            action.default = argparse.SUPPRESS
+            if isinstance(action, argparse._SubParsersAction):
+                todo.extend(action.choices.values())
+    try:
+        namespace, _ = parser.parse_known_args(arg_strings)
+    finally:
+        for current, defaults, action_defaults in saved:
+            current._defaults.update(defaults)
+            for action, default in zip(current._actions, action_defaults, strict=True):
+                action.default = default
+    return set(vars(namespace))
+
+
 def undeclared_destinations(parser: argparse.ArgumentParser, config: type,
                             besides: tuple[str, ...] = ()) -> list[str]:
     """The flags of `parser` whose value no setting of `config` reads (`besides`: destinations the command reads

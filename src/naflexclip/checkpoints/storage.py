@@ -338,17 +338,38 @@ def load_latest(checkpoint_dir: Path, device: str | torch.device = "cpu", notify
     return None
 
 
+def _openclip_name(path: Path, notify: Notify | None) -> Path:
+    """OpenCLIP's README resumes from `checkpoints/epoch_K.pt`: its checkpoint of epoch K is the folder here."""
+    folder = path.with_suffix("")
+    if path.suffix == ".pt" and not path.exists() and is_complete(folder):
+        (notify or _log.warning)(f"{path}: OpenCLIP's checkpoint file is the folder {folder} here; using it")
+        return folder
+    return path
+
+
+def read_run_state(path: str | Path) -> dict[str, Any] | None:
+    """The `run` state (the run config, architecture, world size) of the checkpoint `load_checkpoint(path)` would
+    read, its tensors only memory-mapped, not read; None where there is none it can read (the resume then says
+    why)."""
+    path = _openclip_name(Path(path), notify=lambda line: None)
+    if path.is_file():
+        path = path.parent
+    for directory in [path] if is_complete(path) else candidates(path):
+        try:
+            state = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:  # damaged: the resume reads the checkpoints in order and names it
+            continue
+        if isinstance(state, dict) and isinstance(state.get("run"), dict):
+            return state["run"]
+    return None
+
+
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", notify: Notify | None = None
                     ) -> Checkpoint:
     """A checkpoint directory (a damaged one is a CheckpointError; OpenCLIP's name `epoch_K.pt` for `epoch_K`), a
     file inside one, or a run's `checkpoints/` folder (its newest usable checkpoint, falling back past damaged ones,
     said through `notify`)."""
-    path = Path(path)
-    folder = path.with_suffix("")
-    if path.suffix == ".pt" and not path.exists() and is_complete(folder):
-        # OpenCLIP's README resumes from `checkpoints/epoch_K.pt`: its checkpoint of epoch K is the folder here
-        (notify or _log.warning)(f"{path}: OpenCLIP's checkpoint file is the folder {folder} here; using it")
-        path = folder
+    path = _openclip_name(Path(path), notify)
     given = path
     if path.is_file():
         path = path.parent

@@ -11,6 +11,7 @@ from naflexclip.parallel.process_group import check_device
 from naflexclip.settings import add_arguments, resolve_defaults, values_from_args
 
 from .openclip_flags import refused_message
+from .resume import resumed_settings
 from .train_config import DEMO_DEFAULTS, OPENCLIP_DEFAULTS, TrainConfig
 
 __all__ = ["AUG_CFG_IMPLIED", "AUG_CFG_KEYS", "DEMO_DEFAULTS", "OPENCLIP_DEFAULTS", "add_train_args",
@@ -47,4 +48,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     # the rows): given without a scale it changes nothing, said in one line at the start
     if batch_size_given and args.naflex_loss_scale == "none":
         args.openclip_built_in = [*getattr(args, "openclip_built_in", ()), f"--batch-size {args.batch_size}"]
-    return TrainConfig(**values_from_args(TrainConfig, args))
+    values = values_from_args(TrainConfig, args)
+    if getattr(args, "given", None) is not None and values.get("resume") is not None:  # the run's saved settings
+        values = resumed_settings(values, args.given)
+    return TrainConfig(**values)

@@ -1,7 +1,8 @@
 """The resume policy, in one place: what a resumed run may change, what it refuses, what is re-mapped; and the
 resume itself (find the checkpoint, check it, restore every component, continue the logs).
 
-A resume continues the checkpoint exactly or refuses in one line naming the flag and both values. `POLICY`, made
+A resume from the command line starts from the run's saved settings (`resumed_settings`): the flags given change
+them, and continues the checkpoint exactly or refuses in one line naming the flag and both values. `POLICY`, made
 from each setting's declared rule (`naflexclip.settings`), says what each flag means to it; an applied one is named
 in one notice ("resume applies changed flags: --wd 0.1 -> 0.05, ..."). Besides the flags:
 
@@ -18,14 +19,16 @@ in one notice ("resume applies changed flags: --wd 0.1 -> 0.05, ..."). Besides t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from naflexclip.checkpoints import sharded, storage
 from naflexclip.models.naflex_clip import weights_mismatch
 from naflexclip.models.run_weights import architecture_changes
 from naflexclip.parallel.process_group import barrier, check_consistency, run_on_main
-from naflexclip.settings import APPLY, REFUSE, RESCHEDULE
+from naflexclip.settings import APPLY, IGNORE, REFUSE, RESCHEDULE
 from naflexclip.train.components import Checkpointer, Progress
 from naflexclip.train.openclip_defaults import flag_name, flat_config, shown_setting, shown_setting_value
 from naflexclip.train.optim import scheduled_lr
@@ -36,6 +39,26 @@ from naflexclip.train.train_config import SETTINGS, TrainConfig
 # every setting of TrainConfig (data fields as `data.<name>`) -> (rule, what a refused change would change), as
 # declared with it (`naflexclip.settings`: APPLY, REFUSE, RESCHEDULE, IGNORE)
 POLICY: dict[str, tuple[str, str]] = {key: (d.setting.rule, d.setting.why) for key, d in SETTINGS.items()}
+
+
+def resumed_settings(values: dict[str, Any], given: set[str]) -> dict[str, Any]:
+    """A command-line resume's TrainConfig keyword arguments (`values`, from the flags and their defaults): the
+    run's saved settings, but for the flags given on the command line (`given`: parser destinations; the resume
+    then compares them with the saved ones, `refusal` and `changed_flags`) and those a resume does not compare
+    (IGNORE: where the run writes, when it stops, its devices, how it logs), which are this command line's.
+    `values` as they are when the checkpoint has no run state to read (a new run, a --remote-sync restore)."""
+    resume, name = values.get("resume"), values.get("name")
+    if resume is None or (resume == "latest" and name is None):
+        return values
+    run = storage.read_run_state(Path(values["logs"]) / str(name) / "checkpoints" if resume == "latest" else resume)
+    if run is None:
+        return values
+    saved = flat_config(run["config"])
+    keep = {key for key, d in SETTINGS.items() if d.setting.rule == IGNORE or any(dest in given for dest in d.reads)}
+    top = {key: saved[key] for key in saved if key in SETTINGS and key not in keep and "." not in key}
+    data = {key.split(".", 1)[1]: saved[key] for key in saved
+            if key in SETTINGS and key not in keep and key.startswith("data.")}
+    return {**values, **top, "data": dataclasses.replace(values["data"], **data)}
 
 
 def _plain(value: Any) -> Any:
