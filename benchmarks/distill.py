@@ -37,6 +37,7 @@ from window_loss import GIB, _run_fresh
 
 from naflexclip import accumulate_gradients, create_loss, create_model
 from naflexclip.objectives.distillation import Distill, load_teacher
+from naflexclip.window import TeacherFeatures
 
 VARIANTS = ("plain", "distill")
 
@@ -53,8 +54,8 @@ def _setup(args: argparse.Namespace, variant: str) -> tuple[Callable[[], tuple[i
     if variant == "distill":
         teacher, _ = load_teacher(args.teacher or args.model, None)
         teacher.register_forward_hook(lambda *_: calls.append(1))
-        loss_fn, keywords = Distill(args.teacher or args.model).loss(model.config.loss, 1024), {"teacher":
-                                                                                                teacher.to(device)}
+        loss_fn, keywords = Distill(args.teacher or args.model).loss(model.config.loss, 1024), {
+            "terms": [TeacherFeatures(teacher.to(device))]}
 
     def step() -> tuple[int, int]:
         calls.clear()

@@ -27,6 +27,7 @@ from measure import GeneratedWindow, Results, add_window_arguments, mib, time_an
 from naflexclip import accumulate_gradients, create_loss, create_model
 from naflexclip.cli import build_parser
 from naflexclip.models.naflex_clip import NaFlexClip
+from naflexclip.window import TeacherFeatures
 
 # an objective's window: (model, loss, the rest of accumulate_gradients' keywords), on the device
 Built = tuple[NaFlexClip, Callable, dict[str, Any]]
@@ -50,7 +51,8 @@ def _distilled(args: argparse.Namespace, device: torch.device) -> Built:
 
     model = create_model(args.model).to(device)
     teacher, _ = load_teacher(args.teacher or args.model, None)
-    return model, Distill(args.teacher or args.model).loss(model.config.loss, 1024), {"teacher": teacher.to(device)}
+    loss_fn = Distill(args.teacher or args.model).loss(model.config.loss, 1024)
+    return model, loss_fn, {"terms": [TeacherFeatures(teacher.to(device))]}
 
 
 def _multi_positive(args: argparse.Namespace, device: torch.device) -> Built:

@@ -36,16 +36,18 @@ import torch
 import torch.nn.functional as F
 from measure import alternating_medians, in_subprocess
 
-import naflexclip.models.naflex_clip
 from naflexclip import accumulate_gradients, create_loss
 from naflexclip.audit.verify_command import random_naflex_batch
 from naflexclip.batch import EXAMPLE_INPUTS, split_batch, to_device
 from naflexclip.models.naflex_clip import NaFlexClip, model_config
 from naflexclip.models.precision import create_precision
-from naflexclip.objectives.locca_decoder import random_decoder_inputs
+from naflexclip.objectives import self_distillation
+from naflexclip.objectives.locca_decoder import LOCCA, LoccaTerm, random_decoder_inputs
 from naflexclip.objectives.self_distillation import (
+    MASKED_PREDICTION,
     SELF_DISTILL,
     STUDENT_TEMPERATURE,
+    SelfDistillTerm,
     _tower,
     _upcast,
     local_crops,
@@ -95,21 +97,25 @@ def _setup(config: dict, row: str) -> tuple[Callable[[], int], torch.device]:
         batch[EXAMPLE_INPUTS][VIEW_SEED] = torch.randint(0, 2**31 - 1, (num,), generator=gen)
     sizes = [len(part) for part in torch.arange(num).tensor_split(config["splits"])]
     microbatches = [to_device(mb, device) for mb in split_batch(batch, sizes)]
-    terms = recipe.example_terms(progress=1.0)[: {0: 0, 1: 1, 2: 1, 3: 2, 4: 3}[level]]
+    weights = recipe.term_weights(progress=1.0)
     teacher = recipe.ema_teacher(model) if level >= 2 else None
+    terms: list = [LoccaTerm(weights[LOCCA])] if level >= 1 else []
+    if teacher is not None:  # "+ EMA teacher": its forwards alone (a term without parts); then each part
+        parts = {2: (), 3: (SELF_DISTILL,), 4: (SELF_DISTILL, MASKED_PREDICTION)}[level]
+        terms.append(SelfDistillTerm(teacher, {name: weights[name] for name in parts}))
     calls: list[int] = []
     if teacher is not None:
         teacher.register_forward_hook(lambda *_: calls.append(1))
     autocast = create_precision(config["precision"], device).autocast
     loss_fn = create_loss("siglip")
-    cut = mock.patch.object(naflexclip.models.naflex_clip, "student_terms", crops_only) if level == 3 else nullcontext()
+    cut = mock.patch.object(self_distillation, "student_terms", crops_only) if level == 3 else nullcontext()
 
     def step() -> int:
         calls.clear()
         model.zero_grad(set_to_none=False)
         with cut:
             accumulate_gradients(model, loss_fn, microbatches, method=config["method"], autocast=autocast,
-                                 example_terms=terms or None, example_teacher=teacher)
+                                 terms=terms)
         if teacher is not None:
             teacher.update(model)
         if device.type == "cuda":

@@ -913,7 +913,7 @@ def scenario_distill(env: Any) -> dict[str, Any]:
     from naflexclip.models.factory import create_model
     from naflexclip.parallel.feature_exchange import window_exchange
     from naflexclip.parallel.wrapping import no_sync_context, wrap_model
-    from naflexclip.window import accumulate_gradients, window_loss_scale
+    from naflexclip.window import TeacherFeatures, accumulate_gradients, window_loss_scale
 
     world = env.world_size
     batch = random_naflex_batch(NUM_EXAMPLES, patch_size=4, context_length=16,
@@ -944,7 +944,7 @@ def scenario_distill(env: Any) -> dict[str, Any]:
             key = (mode, len(sizes))
             if key not in references:
                 references[key] = full_batch_gradients(build(loss, 0), DistillLoss(loss, weight=0.6), full, scale,
-                                                       teacher)
+                                                       [TeacherFeatures(teacher)])
                 if not results["plain"].get(loss):  # teeth: without the teacher the gradient is another one
                     plain = full_batch_gradients(build(loss, 0), create_loss(loss), full, scale)
                     results["plain"][loss] = _errors(plain, references[key])
@@ -955,7 +955,7 @@ def scenario_distill(env: Any) -> dict[str, Any]:
             accumulate_gradients(model, DistillLoss(loss, weight=0.6, tile_size=SHARD_TILE_SIZE), microbatches,
                                  loss_scale=mode, reference_batch_size=REFERENCE_BATCH_SIZE, method=method,
                                  exchange=window_exchange(env, model), no_sync=no_sync_context(model),
-                                 teacher=teacher)
+                                 terms=[TeacherFeatures(teacher)])
             name = f"{'fsdp' if fsdp else 'ddp'}/{loss}/{method}/{mode}/{sizes}"
             results["exact"][name] = _errors(_gradients(model), references[key])
             results["forwards"][name] = [len(calls), len(microbatches)]
@@ -965,29 +965,35 @@ def scenario_distill(env: Any) -> dict[str, Any]:
 def scenario_self_distill(env: Any) -> dict[str, Any]:
     """SigLIP 2's self-distillation and masked prediction under DDP: the EMA teacher runs once per local microbatch,
     the terms are normalised by the window's examples on every rank (Z counted over ranks)."""
-    import dataclasses
-
     from naflexclip.audit.verify_command import full_batch_gradients, random_naflex_batch
-    from naflexclip.batch import EXAMPLE_INPUTS, batch_size, concat_microbatches, split_batch
+    from naflexclip.batch import EXAMPLE_INPUTS, concat_microbatches, split_batch
     from naflexclip.loss import create_loss
     from naflexclip.models.naflex_clip import NaFlexClip, model_config
-    from naflexclip.objectives.self_distillation import MASKED_PREDICTION, SELF_DISTILL, EmaTeacher, head_config
+    from naflexclip.objectives.self_distillation import (
+        MASKED_PREDICTION,
+        SELF_DISTILL,
+        EmaTeacher,
+        SelfDistillTerm,
+        attach_heads,
+        head_config,
+    )
     from naflexclip.parallel.feature_exchange import window_exchange
     from naflexclip.parallel.wrapping import no_sync_context, wrap_model
-    from naflexclip.window import ExampleTerm, accumulate_gradients, window_loss_scale
+    from naflexclip.window import accumulate_gradients, window_loss_scale
 
     world = env.world_size
     batch = random_naflex_batch(NUM_EXAMPLES, patch_size=4, context_length=16,
                                 generator=torch.Generator().manual_seed(13))
     batch[EXAMPLE_INPUTS] = {"view_seed": torch.arange(NUM_EXAMPLES) * 7919 + 1}
-    terms = [ExampleTerm(SELF_DISTILL, 0.7, batch_size), ExampleTerm(MASKED_PREDICTION, 0.3, batch_size)]
+    weights = {SELF_DISTILL: 0.7, MASKED_PREDICTION: 0.3}
     results: dict[str, Any] = {"exact": {}, "forwards": {}}
     calls: list[int] = []
 
     def build() -> torch.nn.Module:
         torch.manual_seed(0)  # the same initialisation on every rank
-        config = dataclasses.replace(model_config("tiny", loss="siglip"), self_distill=head_config(32, 2, 0.5))
-        return NaFlexClip(config).double().eval()
+        model = NaFlexClip(model_config("tiny", loss="siglip"))
+        attach_heads(model, head_config(32, 2, 0.5))
+        return model.double().eval()
 
     teacher = EmaTeacher(build(), momentum=0.9)
     with torch.no_grad():  # a teacher that differs from the student
@@ -998,7 +1004,7 @@ def scenario_self_distill(env: Any) -> dict[str, Any]:
         sizes = [size for rank_sizes in split for size in rank_sizes]
         scale = window_loss_scale(sizes, REFERENCE_BATCH_SIZE, mode)
         reference = full_batch_gradients(build(), create_loss("siglip"), concat_microbatches(split_batch(batch, sizes)),
-                                         scale, example_terms=terms, example_teacher=teacher)
+                                         scale, [SelfDistillTerm(teacher, weights)])
         _log(env, f"self_distill {method} {mode} {split}")
         model = wrap_model(build(), env, fsdp=False)
         microbatches = _local_microbatches(batch, split, env.rank)
@@ -1006,7 +1012,7 @@ def scenario_self_distill(env: Any) -> dict[str, Any]:
         accumulate_gradients(model, create_loss("siglip"), microbatches, loss_scale=mode,
                              reference_batch_size=REFERENCE_BATCH_SIZE, method=method,
                              exchange=window_exchange(env, model), no_sync=no_sync_context(model),
-                             example_terms=terms, example_teacher=teacher)
+                             terms=[SelfDistillTerm(teacher, weights)])
         name = f"ddp/{method}/{mode}/{sizes}"
         results["exact"][name] = _errors(_gradients(model), reference)
         results["forwards"][name] = [len(calls), len(microbatches)]
@@ -1081,7 +1087,7 @@ def scenario_multi_positive(env: Any) -> dict[str, Any]:
     from naflexclip.models.factory import create_model
     from naflexclip.parallel.feature_exchange import window_exchange
     from naflexclip.parallel.wrapping import no_sync_context, wrap_model
-    from naflexclip.window import accumulate_gradients, window_loss_scale
+    from naflexclip.window import TeacherFeatures, accumulate_gradients, window_loss_scale
 
     world = env.world_size
     batch = random_grouped_batch(NUM_EXAMPLES, generator=torch.Generator().manual_seed(5), patch_size=4,
@@ -1111,13 +1117,14 @@ def scenario_multi_positive(env: Any) -> dict[str, Any]:
             key = (mode, len(sizes))
             if key not in references:
                 full = concat_microbatches(split_batch(batch, sizes))
-                references[key] = full_batch_gradients(build(loss), loss_fn(), full, scale, teacher)
+                references[key] = full_batch_gradients(build(loss), loss_fn(), full, scale, [TeacherFeatures(teacher)])
             _log(env, f"multi_positive {loss} {weighting} distilled={distilled} fsdp={fsdp} {method} {mode} {split}")
             model = wrap_model(build(loss), env, fsdp=fsdp)
             microbatches = _local_microbatches(batch, split, env.rank)
             accumulate_gradients(model, loss_fn(SHARD_TILE_SIZE), microbatches, loss_scale=mode,
                                  reference_batch_size=REFERENCE_BATCH_SIZE, method=method,
-                                 exchange=window_exchange(env, model), no_sync=no_sync_context(model), teacher=teacher)
+                                 exchange=window_exchange(env, model), no_sync=no_sync_context(model),
+                                 terms=[TeacherFeatures(teacher)])
             objective = f"{loss}/{weighting}{'/distilled' if distilled else ''}"
             name = f"{'fsdp' if fsdp else 'ddp'}/{objective}/{method}/{mode}/{sizes}"
             results["exact"][name] = _errors(_gradients(model), references[key])

@@ -3,7 +3,6 @@ of the student terms computes the same self-distillation term, and the script ru
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import torch
 
 from naflexclip.audit.verify_command import random_naflex_batch
 from naflexclip.models.naflex_clip import NaFlexClip, model_config
-from naflexclip.objectives.self_distillation import SELF_DISTILL, EmaTeacher, head_config, student_terms
+from naflexclip.objectives.self_distillation import SELF_DISTILL, EmaTeacher, attach_heads, head_config, student_terms
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -21,8 +20,9 @@ from recipe import ROWS, crops_only, main  # noqa: E402
 
 def test_the_crops_only_cut_gives_the_student_terms_self_distillation_term() -> None:
     torch.manual_seed(0)
-    config = dataclasses.replace(model_config("tiny", loss="siglip"), self_distill=head_config(32, 3, 0.5))
-    model = NaFlexClip(config).double().eval()
+    model = NaFlexClip(model_config("tiny", loss="siglip"))
+    attach_heads(model, head_config(32, 3, 0.5))
+    model = model.double().eval()
     teacher = EmaTeacher(model, momentum=0.9)
     gen = torch.Generator().manual_seed(0)
     batch = random_naflex_batch(5, patch_size=4, context_length=16, generator=gen)

@@ -11,10 +11,12 @@ import torch
 from siglip2_cases import make_checkpoint
 from test_train_loop import TINY_DATA_FLAGS, tiny_config
 
-from naflexclip.checkpoints.storage import find_latest, load_checkpoint
+from naflexclip.checkpoints.storage import find_latest, load_checkpoint, save_checkpoint
 from naflexclip.cli import main
 from naflexclip.families import export_family
 from naflexclip.models.factory import create_model
+from naflexclip.models.naflex_clip import config_to_dict
+from naflexclip.models.run_weights import load_checkpoint_model, load_run_model
 from naflexclip.objectives.siglip2_recipe import Recipe
 
 
@@ -103,6 +105,31 @@ def test_export_writes_the_towers_without_the_decoder_and_self_distillation_head
     assert "the LocCa decoder is not exported" in out and "the self-distillation heads are not exported" in out
 
 
+def test_a_checkpoints_decoder_and_heads_go_to_the_objectives_that_attach_them(tmp_path: Path) -> None:
+    """A run checkpoint holds the objectives' heads under `decoder.` and `self_distill.` (the names checkpoints written
+    before the model was plain used): loading it keeps their weights aside for the objective, which attaches them
+    with those weights (a new run from it continues the trained decoder); the towers load alone too."""
+    torch.manual_seed(0)
+    recipe = Recipe(recipe="siglip2")
+    trained = recipe.prepare(create_model("tiny", loss="siglip"), self_distill=True)
+    with torch.no_grad():  # weights no fresh initialisation has
+        for param in trained.parameters():
+            param.add_(0.25)
+    state = trained.state_dict()
+    assert {"decoder.token_embedding.weight", "decoder.transformer.resblocks.0.attn.in_proj_weight",
+            "self_distill.mask_token", "self_distill.global_head.prototypes"} <= set(state)
+    run = {"config": {"model": "tiny", "loss": "siglip"}, "model_config": config_to_dict(trained.config)}
+    assert run["model_config"]["decoder"]["width"] == 32 and run["model_config"]["self_distill"]["local_crops"] == 8
+    save_checkpoint(tmp_path / "checkpoints", "step_00000001", {"model": state, "run": run}, step=1, epoch=0)
+    for towers in (load_run_model(tmp_path / "checkpoints"), load_checkpoint_model(tmp_path / "checkpoints")[0]):
+        assert towers.decoder is None and towers.self_distill is None
+        assert sorted(towers.pending_heads) == ["decoder", "self_distill"]
+        prepared = recipe.prepare(towers, self_distill=True)
+        assert prepared.state_dict().keys() == state.keys()
+        assert all(torch.equal(prepared.state_dict()[key], value) for key, value in state.items())
+        assert config_to_dict(prepared.config) == run["model_config"] and not prepared.pending_heads
+
+
 def test_decoder_eval_scores_a_perfect_decoder_1_and_a_shifted_box_0(monkeypatch: pytest.MonkeyPatch) -> None:
     from contextlib import nullcontext
 
@@ -150,3 +177,4 @@ def test_the_siglip2_recipe_trains_the_sigmoid_loss_unless_told_otherwise(tmp_pa
     assert tiny_config(tmp_path, recipe="siglip2").loss == "siglip"
     assert tiny_config(tmp_path, recipe="siglip2", loss="clip").loss == "clip"
     assert tiny_config(tmp_path, locca_loss_weight=1.0).loss == "clip"  # the decoder alone keeps the model's own
+

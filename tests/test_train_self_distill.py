@@ -110,14 +110,15 @@ def test_a_resume_before_and_after_the_switch_continues_bit_exactly(tmp_path: Pa
 def test_the_centre_is_the_whole_windows_over_ranks() -> None:
     """A rank's teacher whose update adds the other rank's logit sums gets the centre of one teacher that saw both
     ranks' microbatches; without the sum it would follow its own rows."""
-    import dataclasses
 
     from naflexclip.audit.verify_command import random_naflex_batch
     from naflexclip.models.naflex_clip import NaFlexClip, model_config
-    from naflexclip.objectives.self_distillation import head_config
+    from naflexclip.objectives.self_distillation import attach_heads, head_config
 
     torch.manual_seed(0)
-    student = NaFlexClip(dataclasses.replace(model_config("tiny"), self_distill=head_config(32, 2, 0.5))).double()
+    student = NaFlexClip(model_config("tiny"))
+    attach_heads(student, head_config(32, 2, 0.5))
+    student = student.double()
     images = [random_naflex_batch(n, patch_size=4, context_length=16, generator=torch.Generator().manual_seed(n))
               ["image"] for n in (3, 2)]
     both, own, other = (EmaTeacher(student, momentum=0.9) for _ in range(3))
@@ -213,11 +214,11 @@ def test_the_teacher_is_built_at_the_switch_and_a_skipped_step_leaves_it_as_it_w
     component = SelfDistillation(recipe, student, init_distributed("cpu"), None)
     batch = random_naflex_batch(2, patch_size=4, context_length=16, generator=torch.Generator().manual_seed(1))
     batch["example_inputs"] = {VIEW_SEED: torch.tensor([3, 4])}
-    terms, teacher, seen = component.window(2, 4, [batch])  # (2 - 1)/4 < 0.5: off, no views for the model
-    assert teacher is None and not terms and "example_inputs" not in seen[0] and component.state_dict() == {
-        "built": False}
-    terms, teacher, seen = component.window(3, 4, [batch])  # (3 - 1)/4 >= 0.5: on, built from the student
-    assert [term.name for term in terms] == [SELF_DISTILL] and seen[0] is batch
+    terms = component.terms(2, 4)  # (2 - 1)/4 < 0.5: off
+    assert component.teacher is None and not terms and component.state_dict() == {"built": False}
+    terms = component.terms(3, 4)  # (3 - 1)/4 >= 0.5: on, built from the student
+    teacher = component.teacher
+    assert [part for term in terms for part in term.parts] == [SELF_DISTILL] and terms[0].teacher is teacher
     assert all(torch.equal(t, s) for t, s in teacher.student_parameters(student))
     with torch.no_grad():
         for p in student.parameters():
@@ -240,7 +241,7 @@ def test_the_recipe_reweights_self_distillation_by_the_papers_factor_for_each_mo
     scaled, note = Recipe(recipe="siglip2").for_model_size(width, depth)
     assert scaled.value("self_distill_loss_weight") == 1.0 * factor
     assert scaled.value("masked_prediction_loss_weight") == 0.25 * factor
-    assert {t.name: t.weight for t in scaled.example_terms(progress=1.0)} == {
+    assert scaled.term_weights(progress=1.0) == {
         "locca": 1.0, SELF_DISTILL: factor, MASKED_PREDICTION: 0.25 * factor}  # the decoder's weight is not re-weighted
     assert note == (f"--recipe siglip2's weights × {factor:g}, SigLIP 2's factor for size {size} (image tower width "
                     f"{width}, depth {depth})")
@@ -282,8 +283,8 @@ def test_a_recipe_run_trains_the_reweighted_weights_and_says_so_in_its_start_lin
     monkeypatch.setitem(recipe.SIZE_FACTORS, (32, 2), ("B", 0.25))
     trainer = Trainer(_small_config(tmp_path, recipe="siglip2", self_distill_loss_weight=None,
                                     masked_prediction_loss_weight=None), init_distributed("cpu"))
-    terms = trainer.window_step.self_distill.recipe.example_terms(progress=1.0)
-    assert {t.name: t.weight for t in terms} == {"locca": 1.0, SELF_DISTILL: 0.25, MASKED_PREDICTION: 0.0625}
+    terms = trainer.window_step.self_distill.recipe.term_weights(progress=1.0)
+    assert terms == {"locca": 1.0, SELF_DISTILL: 0.25, MASKED_PREDICTION: 0.0625}
     [line] = [line for line in trainer.opening if "self-distillation" in line]
     assert ("+ 0.25 · self_distill + 0.0625 · masked_prediction (per example of the window; --recipe siglip2's "
             "weights × 0.25, SigLIP 2's factor for size B (image tower width 32, depth 2);") in line
@@ -309,13 +310,13 @@ def test_the_masked_pass_refuses_a_tower_that_drops_patch_tokens() -> None:
 
     from naflexclip.audit.verify_command import random_naflex_batch
     from naflexclip.models.naflex_clip import NaFlexClip, model_config
-    from naflexclip.objectives.self_distillation import head_config, student_terms
+    from naflexclip.objectives.self_distillation import attach_heads, head_config, student_terms
 
     torch.manual_seed(0)
     tiny = model_config("tiny")
-    config = dataclasses.replace(tiny, image=dataclasses.replace(tiny.image, patch_drop_rate=0.5),
-                                 self_distill=head_config(32, 2, 0.5))
-    model = NaFlexClip(config).double().train()
+    model = NaFlexClip(dataclasses.replace(tiny, image=dataclasses.replace(tiny.image, patch_drop_rate=0.5)))
+    attach_heads(model, head_config(32, 2, 0.5))
+    model = model.double().train()
     batch = random_naflex_batch(2, patch_size=4, context_length=16, generator=torch.Generator().manual_seed(1))
     targets = EmaTeacher(model, momentum=0.9)(image=batch["image"])
     with pytest.raises(ValueError, match="patch dropout"):
@@ -388,7 +389,8 @@ def test_a_resume_that_moves_the_switch_later_drops_the_teacher_and_builds_it_ag
     batch = random_naflex_batch(2, patch_size=4, context_length=16, generator=torch.Generator().manual_seed(1))
     batch["example_inputs"] = {VIEW_SEED: torch.tensor([3, 4])}
     saved = SelfDistillation(first, student, init_distributed("cpu"), None)
-    assert saved.window(6, 10, [batch])[1] is not None  # (6 - 1)/10 >= 0.5: built
+    saved.terms(6, 10)
+    assert saved.teacher is not None  # (6 - 1)/10 >= 0.5: built
     checkpoint = saved.state_dict()
     assert checkpoint["built"]
 
@@ -399,19 +401,21 @@ def test_a_resume_that_moves_the_switch_later_drops_the_teacher_and_builds_it_ag
     with torch.no_grad():  # the student trains on
         for p in student.parameters():
             p.add_(0.5)
-    terms, teacher, _ = resumed.window(7, 10, [batch])  # (7 - 1)/10 < 0.8: off again
-    assert not terms and teacher is None and resumed.teacher is None
+    terms = resumed.terms(7, 10)  # (7 - 1)/10 < 0.8: off again
+    assert not terms and resumed.teacher is None
     assert lines == ["step 7: --self-distill-start 0.8 of 10 steps puts the switch at step 9, after this one: the EMA "
                      "teacher the checkpoint holds is dropped and built again from the student there"]
     resumed.after_step(skipped=False)
     assert resumed.state_dict() == {"built": False}
-    assert resumed.window(8, 10, [batch])[1] is None and len(lines) == 1
-    _, teacher, _ = resumed.window(9, 10, [batch])  # (9 - 1)/10 >= 0.8: built from the student as it is now
+    resumed.terms(8, 10)
+    assert resumed.teacher is None and len(lines) == 1
+    resumed.terms(9, 10)  # (9 - 1)/10 >= 0.8: built from the student as it is now
+    teacher = resumed.teacher
     assert teacher is not None and all(torch.equal(t, s) for t, s in teacher.student_parameters(student))
     never = SelfDistillation(dataclasses.replace(first, self_distill_start=1.0), student, init_distributed("cpu"),
                              None, notify=lines.append)
     never.load_state_dict(checkpoint)
-    never.window(7, 10, [batch])
+    never.terms(7, 10)
     assert lines[-1] == ("step 7: --self-distill-start 1 of 10 steps puts the switch after the run's last step: the "
                          "EMA teacher the checkpoint holds is dropped and the rest of the run trains no "
                          "self-distillation")

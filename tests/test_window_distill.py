@@ -17,6 +17,7 @@ from naflexclip.audit.openclip_rule import per_microbatch_scale_gradients
 from naflexclip.audit.verify_command import random_grouped_batch, random_naflex_batch, random_split_sizes
 from naflexclip.batch import TEACHER_INPUTS, split_batch
 from naflexclip.loss import MultiPositiveDistillLoss
+from naflexclip.window import TeacherFeatures
 
 # (student loss, teacher loss): a softmax student learns from either teacher, a sigmoid one from a sigmoid one
 PAIRS = [("clip", "clip"), ("clip", "siglip"), ("siglip", "siglip")]
@@ -40,11 +41,11 @@ def test_distilled_window_equals_the_full_batch_for_every_split(student, teacher
         sizes = random_split_sizes(8, count, rng)
         scale = window_loss_scale(sizes, 4, mode)
         if scale != reference_scale:  # s(W) depends on the count only: one reference per count
-            reference = full_batch_gradients(model, loss_fn, batch, scale, teacher_model)
+            reference = full_batch_gradients(model, loss_fn, batch, scale, [TeacherFeatures(teacher_model)])
             reference_scale = scale
         model.zero_grad(set_to_none=True)
         stats = accumulate_gradients(model, loss_fn, split_batch(batch, sizes), loss_scale=mode,
-                                     reference_batch_size=4, method=method, teacher=teacher_model)
+                                     reference_batch_size=4, method=method, terms=[TeacherFeatures(teacher_model)])
         assert failures(model, reference) == {}, sizes
         assert set(stats.terms) == {"contrastive", "distill"}
         assert stats.terms["contrastive"] + stats.terms["distill"] == pytest.approx(stats.loss, rel=1e-12)
@@ -57,7 +58,7 @@ def test_teeth_the_distill_term_matters_and_the_per_microbatch_rule_fails(studen
     loss_fn = DistillLoss(student, weight=1.0)
     sizes = [2, 5, 1]
     scale = window_loss_scale(sizes, 4, "linear")
-    reference = full_batch_gradients(model, loss_fn, batch, scale, teacher_model)
+    reference = full_batch_gradients(model, loss_fn, batch, scale, [TeacherFeatures(teacher_model)])
     # the plain loss's gradient is not the distilled one: the teacher changes the update
     plain = full_batch_gradients(model, create_loss(student), batch, scale)
     model.zero_grad(set_to_none=True)
@@ -66,7 +67,7 @@ def test_teeth_the_distill_term_matters_and_the_per_microbatch_rule_fails(studen
     assert "text.transformer.resblocks.0.attn.in_proj_weight" in failures(model, reference)
     model.zero_grad(set_to_none=True)
     per_microbatch_scale_gradients(model, loss_fn, split_batch(batch, sizes), loss_scale="linear",
-                                   reference_batch_size=4, teacher=teacher_model)
+                                   reference_batch_size=4, terms=[TeacherFeatures(teacher_model)])
     wrong = failures(model, reference)
     assert "logit_scale" in wrong and any(name.startswith("visual.blocks") for name in wrong)
 
@@ -79,7 +80,7 @@ def test_the_teacher_runs_once_per_microbatch_in_eval_mode(method):
     teacher_model.train()
     try:
         accumulate_gradients(model, DistillLoss("clip"), split_batch(batch, [4, 1, 3]), method=method,
-                             teacher=teacher_model)
+                             terms=[TeacherFeatures(teacher_model)])
     finally:
         handle.remove()
         model.zero_grad(set_to_none=True)
@@ -91,7 +92,7 @@ def test_a_teacher_needs_a_distillation_loss_and_back():
     model, teacher_model, batch = _setup("clip", "clip")
     microbatches = split_batch(batch, [5, 3])
     with pytest.raises(ValueError, match="needs a teacher"):
-        accumulate_gradients(model, create_loss("clip"), microbatches, teacher=teacher_model)
+        accumulate_gradients(model, create_loss("clip"), microbatches, terms=[TeacherFeatures(teacher_model)])
     with pytest.raises(ValueError, match="needs a teacher"):
         accumulate_gradients(model, DistillLoss("clip"), microbatches)
     model.zero_grad(set_to_none=True)
@@ -116,14 +117,14 @@ def test_a_teacher_with_its_own_inputs_equals_the_full_batch_and_the_per_microba
     loss_fn = DistillLoss("clip", weight=1.0, tile_size=3)
     sizes = [3, 1, 4]
     scale = window_loss_scale(sizes, 4, "linear")
-    reference = full_batch_gradients(model, loss_fn, batch, scale, teacher_model)
+    reference = full_batch_gradients(model, loss_fn, batch, scale, [TeacherFeatures(teacher_model)])
     model.zero_grad(set_to_none=True)
     accumulate_gradients(model, loss_fn, split_batch(batch, sizes), loss_scale="linear", reference_batch_size=4,
-                         method=method, teacher=teacher_model)
+                         method=method, terms=[TeacherFeatures(teacher_model)])
     assert failures(model, reference) == {}
     model.zero_grad(set_to_none=True)
     per_microbatch_scale_gradients(model, loss_fn, split_batch(batch, sizes), loss_scale="linear",
-                                   reference_batch_size=4, teacher=teacher_model)
+                                   reference_batch_size=4, terms=[TeacherFeatures(teacher_model)])
     wrong = failures(model, reference)
     model.zero_grad(set_to_none=True)
     assert "logit_scale" in wrong and any(name.startswith("visual.blocks") for name in wrong)
@@ -139,7 +140,7 @@ def test_a_teacher_with_its_own_inputs_reads_them_once_per_microbatch(method):
         with_kwargs=True)
     try:
         accumulate_gradients(model, DistillLoss("clip"), split_batch(batch, [4, 1, 3]), method=method,
-                             teacher=teacher_model)
+                             terms=[TeacherFeatures(teacher_model)])
     finally:
         handle.remove()
         model.zero_grad(set_to_none=True)
@@ -151,7 +152,7 @@ def test_teacher_inputs_of_other_rows_are_one_line():
     microbatches = split_batch(batch, [5, 3])
     microbatches[1][TEACHER_INPUTS] = microbatches[0][TEACHER_INPUTS]
     with pytest.raises(ValueError, match="microbatch 1 has 3 images / 3 texts but its teacher_inputs 5 / 5"):
-        accumulate_gradients(model, DistillLoss("clip"), microbatches, teacher=teacher_model)
+        accumulate_gradients(model, DistillLoss("clip"), microbatches, terms=[TeacherFeatures(teacher_model)])
     model.zero_grad(set_to_none=True)
 
 
@@ -168,14 +169,14 @@ def test_a_grouped_window_with_a_teacher_reading_its_own_inputs_equals_the_full_
     loss_fn = MultiPositiveDistillLoss("clip", "symmetric", weight=0.7, tile_size=3)
     sizes = [2, 1, 4]
     scale = window_loss_scale(sizes, 3, "linear")
-    reference = full_batch_gradients(model, loss_fn, batch, scale, teacher_model)
+    reference = full_batch_gradients(model, loss_fn, batch, scale, [TeacherFeatures(teacher_model)])
     model.zero_grad(set_to_none=True)
     accumulate_gradients(model, loss_fn, split_batch(batch, sizes), loss_scale="linear", reference_batch_size=3,
-                         method=method, teacher=teacher_model)
+                         method=method, terms=[TeacherFeatures(teacher_model)])
     assert failures(model, reference) == {}
     model.zero_grad(set_to_none=True)
     per_microbatch_scale_gradients(model, loss_fn, split_batch(batch, sizes), loss_scale="linear",
-                                   reference_batch_size=3, teacher=teacher_model)
+                                   reference_batch_size=3, terms=[TeacherFeatures(teacher_model)])
     wrong = failures(model, reference)
     model.zero_grad(set_to_none=True)
     assert "logit_scale" in wrong

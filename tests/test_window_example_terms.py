@@ -2,7 +2,6 @@
 s(W)·∇[L(W) + λ/Z(W)·Σ_i ℓ(i)] of the whole window, Z(W) the window's target tokens, for every split and method;
 normalising by a microbatch's own tokens (the per-microbatch rule) fails the same comparison."""
 
-import dataclasses
 import random
 
 import pytest
@@ -12,17 +11,30 @@ from naflexclip.audit.verify_command import collect_gradients, random_naflex_bat
 from naflexclip.batch import EXAMPLE_INPUTS, concat_microbatches, split_batch
 from naflexclip.loss import create_loss
 from naflexclip.models.naflex_clip import NaFlexClip, model_config
-from naflexclip.objectives.locca_decoder import DECODER_SIZES, random_decoder_inputs, target_tokens
-from naflexclip.window import ExampleTerm, accumulate_gradients, window_loss_scale
+from naflexclip.objectives.locca_decoder import (
+    DECODER_SIZES,
+    LoccaTerm,
+    attach_decoder,
+    random_decoder_inputs,
+    target_tokens,
+)
+from naflexclip.window import accumulate_gradients, window_loss_scale
 
 WEIGHT = 0.7
-TERM = ExampleTerm("locca", WEIGHT, target_tokens)
+TERM = LoccaTerm(WEIGHT)
 
 
 def _model(loss: str) -> NaFlexClip:
     torch.manual_seed(0)
-    config = dataclasses.replace(model_config("tiny", loss=loss), decoder=DECODER_SIZES["tiny"])
-    return NaFlexClip(config).double()
+    model = NaFlexClip(model_config("tiny", loss=loss))
+    attach_decoder(model, DECODER_SIZES["tiny"])
+    return model.double()
+
+
+def _locca(model, mb):
+    """Each example's decoder loss sum, from the grad forward's image tokens."""
+    out = model(image=mb["image"], text=mb["text"], output_tokens=True)
+    return out, TERM.example_losses(model, mb, out, {})["locca"]
 
 
 def _batch(model: NaFlexClip, n: int, seed: int = 0) -> dict:
@@ -34,10 +46,10 @@ def _batch(model: NaFlexClip, n: int, seed: int = 0) -> dict:
 
 def _reference(model, loss_fn, batch, scale, normaliser=None):
     model.zero_grad(set_to_none=True)
-    out = model(image=batch["image"], text=batch["text"], **batch[EXAMPLE_INPUTS])
+    out, locca = _locca(model, batch)
     pair = loss_fn(out["image_features"], out["text_features"], out["logit_scale"], out.get("logit_bias"))
     tokens = normaliser if normaliser is not None else target_tokens(batch)
-    (scale * (pair + WEIGHT * out["example_terms"]["locca"].sum() / tokens)).backward()
+    (scale * (pair + WEIGHT * locca.sum() / tokens)).backward()
     return collect_gradients(model)
 
 
@@ -60,7 +72,7 @@ def test_the_window_with_a_decoder_term_equals_the_full_batch_objective(loss, me
         reference = _reference(model, loss_fn, concat_microbatches(microbatches), scale)
         model.zero_grad(set_to_none=True)
         stats = accumulate_gradients(model, loss_fn, microbatches, loss_scale="linear", reference_batch_size=4,
-                                     method=method, example_terms=[TERM])
+                                     method=method, terms=[TERM])
         assert _worst(collect_gradients(model), reference) < 1e-10
         assert set(stats.example_terms) == {"locca"} and stats.example_terms["locca"] > 0
 
@@ -77,8 +89,8 @@ def test_normalising_by_each_microbatchs_own_tokens_fails_the_same_comparison():
     model.zero_grad(set_to_none=True)
     accumulate_gradients(model, loss_fn, microbatches, loss_scale="linear", reference_batch_size=4)
     for mb in microbatches:
-        out = model(image=mb["image"], text=mb["text"], **mb[EXAMPLE_INPUTS])
-        (scale * WEIGHT * out["example_terms"]["locca"].sum() / target_tokens(mb)).backward()
+        _, locca = _locca(model, mb)
+        (scale * WEIGHT * locca.sum() / target_tokens(mb)).backward()
     assert _worst(collect_gradients(model), reference) > 1e-3
 
 
@@ -87,7 +99,7 @@ def test_a_locked_image_tower_cannot_feed_a_decoder_term():
     model.lock_image_tower()
     batch = _batch(model, 4)
     with pytest.raises(ValueError, match="image tower is locked"):
-        accumulate_gradients(model, create_loss("clip"), split_batch(batch, [2, 2]), example_terms=[TERM])
+        accumulate_gradients(model, create_loss("clip"), split_batch(batch, [2, 2]), terms=[TERM])
 
 
 def test_verify_recipe_siglip2_passes_and_its_per_microbatch_column_fails(capsys):

@@ -15,6 +15,7 @@ from naflexclip.audit.openclip_rule import per_microbatch_scale_gradients
 from naflexclip.audit.verify_command import random_grouped_batch
 from naflexclip.batch import batch_size, split_batch, text_rows
 from naflexclip.loss import MultiPositiveDistillLoss
+from naflexclip.window import TeacherFeatures
 
 KINDS = [("clip", "symmetric"), ("siglip", "symmetric"), ("siglip", "asymmetric"), ("siglip", "soft")]
 
@@ -48,16 +49,16 @@ def test_grouped_distilled_window_equals_the_full_batch_and_the_per_microbatch_r
     loss_fn = MultiPositiveDistillLoss(kind, weighting, weight=0.7, tile_size=3)
     for sizes in ([7], [2, 1, 4]):
         scale = window_loss_scale(sizes, 3, "linear")
-        reference = full_batch_gradients(model, loss_fn, batch, scale, teacher)
+        reference = full_batch_gradients(model, loss_fn, batch, scale, [TeacherFeatures(teacher)])
         model.zero_grad(set_to_none=True)
         stats = accumulate_gradients(model, loss_fn, split_batch(batch, sizes), loss_scale="linear",
-                                     reference_batch_size=3, method=method, teacher=teacher)
+                                     reference_batch_size=3, method=method, terms=[TeacherFeatures(teacher)])
         assert failures(model, reference) == {}, sizes
         assert set(stats.terms) == {"contrastive", "distill"} and stats.terms["distill"] > 0
         assert all(p.grad is None for p in teacher.parameters())
     model.zero_grad(set_to_none=True)
     per_microbatch_scale_gradients(model, loss_fn, split_batch(batch, sizes), loss_scale="linear",
-                                   reference_batch_size=3, teacher=teacher)
+                                   reference_batch_size=3, terms=[TeacherFeatures(teacher)])
     wrong = failures(model, reference)
     assert "logit_scale" in wrong and any(name.startswith("visual.blocks") for name in wrong)
     # teeth: the teacher changes the update (the multi-positive loss alone is not this window's objective)

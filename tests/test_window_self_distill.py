@@ -23,19 +23,26 @@ from naflexclip.objectives.self_distillation import (
     MASKED_PREDICTION,
     SELF_DISTILL,
     EmaTeacher,
+    SelfDistillTerm,
+    attach_heads,
     head_config,
     local_crops,
     patch_mask,
 )
-from naflexclip.window import ExampleTerm, accumulate_gradients, window_loss_scale
+from naflexclip.window import accumulate_gradients, window_loss_scale
 
-TERMS = [ExampleTerm(SELF_DISTILL, 0.7, batch_size), ExampleTerm(MASKED_PREDICTION, 0.3, batch_size)]
+WEIGHTS = {SELF_DISTILL: 0.7, MASKED_PREDICTION: 0.3}
 
 
-def _model(loss: str) -> NaFlexClip:
+def _terms(teacher: EmaTeacher) -> list[SelfDistillTerm]:
+    return [SelfDistillTerm(teacher, WEIGHTS)]
+
+
+def _model(loss: str, heads=None) -> NaFlexClip:
     torch.manual_seed(0)
-    config = dataclasses.replace(model_config("tiny", loss=loss), self_distill=head_config(32, 3, 0.5))
-    return NaFlexClip(config).double().eval()
+    model = NaFlexClip(model_config("tiny", loss=loss))
+    attach_heads(model, heads or head_config(32, 3, 0.5))
+    return model.double().eval()
 
 
 def _batch(n: int, seed: int = 0) -> dict:
@@ -70,11 +77,11 @@ def test_the_window_with_self_distillation_equals_the_full_batch_objective(loss,
     microbatches = split_batch(batch, sizes)
     scale = window_loss_scale(sizes, 4, "linear")
     reference = full_batch_gradients(model, loss_fn, concat_microbatches(microbatches), scale,
-                                     example_terms=TERMS, example_teacher=teacher)
+                                     terms=_terms(teacher))
     assert any(name.startswith("self_distill.") for name in reference)
     model.zero_grad(set_to_none=True)
     stats = accumulate_gradients(model, loss_fn, microbatches, loss_scale="linear", reference_batch_size=4,
-                                 method=method, example_terms=TERMS, example_teacher=teacher)
+                                 method=method, terms=_terms(teacher))
     assert _worst(collect_gradients(model), reference) < 1e-10
     assert set(stats.example_terms) == {SELF_DISTILL, MASKED_PREDICTION}
     assert all(value > 0 for value in stats.example_terms.values())
@@ -87,10 +94,10 @@ def test_normalising_by_each_microbatchs_own_examples_fails_the_same_comparison(
     microbatches = split_batch(_batch(7), [1, 2, 4])
     scale = window_loss_scale([1, 2, 4], 4, "linear")
     reference = full_batch_gradients(model, loss_fn, concat_microbatches(microbatches), scale,
-                                     example_terms=TERMS, example_teacher=teacher)
+                                     terms=_terms(teacher))
     model.zero_grad(set_to_none=True)
     per_microbatch_scale_gradients(model, loss_fn, microbatches, loss_scale="linear", reference_batch_size=4,
-                                   example_terms=TERMS, example_teacher=teacher)
+                                   terms=_terms(teacher))
     grads = collect_gradients(model)
     heads = {k: v for k, v in reference.items() if k.startswith("self_distill.")}
     assert _worst(grads, heads) > 1e-3
@@ -104,7 +111,7 @@ def test_the_teacher_runs_once_per_microbatch_and_never_in_a_replay():
     for method in ("cache", "replay"):
         calls.clear()
         accumulate_gradients(model, create_loss("clip"), split_batch(_batch(6), [1, 2, 3]), method=method,
-                             example_terms=TERMS, example_teacher=teacher)
+                             terms=_terms(teacher))
         assert calls == [False, False, False]
     assert not any(p.grad is not None for p in teacher.parameters())
 
@@ -182,10 +189,11 @@ def test_the_recipe_switches_the_terms_on_at_self_distill_start():
     from naflexclip.objectives.siglip2_recipe import Recipe
 
     recipe = Recipe(recipe="siglip2")
-    assert [term.name for term in recipe.example_terms(progress=0.79)] == ["locca"]
-    on = {term.name: term.weight for term in recipe.example_terms(progress=0.8)}
-    assert on == {"locca": 1.0, SELF_DISTILL: 1.0, MASKED_PREDICTION: 0.25}
-    assert [term.name for term in recipe.example_terms()] == ["locca"]  # a caller that does not schedule them
+    assert list(recipe.term_weights(progress=0.79)) == ["locca"]
+    assert recipe.term_weights(progress=0.8) == {"locca": 1.0, SELF_DISTILL: 1.0, MASKED_PREDICTION: 0.25}
+    assert list(recipe.term_weights()) == ["locca"]  # a caller that does not schedule them
+    parts = [part for term in recipe.terms(0.8, EmaTeacher(_model("siglip"), 0.9)) for part in term.parts]
+    assert parts == ["locca", SELF_DISTILL, MASKED_PREDICTION]
     assert not Recipe().self_distill_enabled
     assert Recipe(self_distill_start=0.5, masked_prediction_loss_weight=0.1).self_distill_active(0.5)
 
@@ -209,15 +217,13 @@ def test_the_window_holds_per_microbatch_teacher_features_not_prototype_distribu
     """Per microbatch the window keeps the teacher's bottleneck features (`D` floats a patch), the prototypes and
     centres once per window: at P = 1024 prototypes ≫ D = 8 the bytes kept per patch stay far below P × 4 (before:
     P floats of every patch, 17 GB at 256 pairs × 256 patches × 65,536 prototypes)."""
-    torch.manual_seed(0)
-    config = dataclasses.replace(model_config("tiny", loss="siglip"),
-                                 self_distill=dataclasses.replace(head_config(32, 2, 0.5), prototypes=1024))
-    model = NaFlexClip(config).double().eval()
+    model = _model("siglip", dataclasses.replace(head_config(32, 2, 0.5), prototypes=1024))
+    config = model.config
     teacher = _teacher(model)
     kept: list[dict[str, torch.Tensor]] = []
     teacher.register_forward_hook(lambda module, args, kwargs, out: kept.append(out), with_kwargs=True)
     microbatches = split_batch(_batch(6), [1, 2, 3])
-    accumulate_gradients(model, create_loss("siglip"), microbatches, example_terms=TERMS, example_teacher=teacher)
+    accumulate_gradients(model, create_loss("siglip"), microbatches, terms=_terms(teacher))
     assert len(kept) == 3
     storages = [{t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in out.values()} for out in kept]
     shared = set.intersection(*(set(s) for s in storages))  # held once per window, by every microbatch

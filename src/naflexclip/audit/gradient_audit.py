@@ -6,6 +6,7 @@ runs it and prints the table).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 from collections.abc import Sequence
@@ -17,16 +18,9 @@ from torch import nn
 
 from naflexclip.audit.openclip_rule import per_microbatch_scale_gradients
 from naflexclip.audit.random_windows import random_split_sizes
-from naflexclip.batch import (
-    EXAMPLE_INPUTS,
-    GROUP_KEYS,
-    batch_size,
-    concat_microbatches,
-    is_grouped,
-    split_batch,
-    teacher_inputs,
-)
-from naflexclip.window import EXAMPLE_TERMS, ExampleTerm, accumulate_gradients, output_dict, window_loss_scale
+from naflexclip.batch import GROUP_KEYS, batch_size, concat_microbatches, is_grouped, split_batch
+from naflexclip.window import Term, accumulate_gradients, output_dict, window_loss_scale
+from naflexclip.window.terms import example_losses, loss_input_keys, output_tokens, pair_loss_inputs
 
 FLOAT64_TOLERANCE = 1e-10
 FLOAT32_TOLERANCE = 1e-4
@@ -62,31 +56,25 @@ def parameter_group(name: str) -> str:
 
 
 def full_batch_gradients(
-    model: nn.Module, loss_fn: nn.Module, batch: dict[str, Any], scale: float, teacher: nn.Module | None = None,
-    example_terms: Sequence[ExampleTerm] = (),
-    example_teacher: Any = None,
+    model: nn.Module, loss_fn: nn.Module, batch: dict[str, Any], scale: float, terms: Sequence[Term] = (),
 ) -> dict[str, torch.Tensor]:
-    """The reference: `scale · ∇θ L` of all rows as one batch, by one explicit backward (with a teacher: L the
-    sum of `loss_fn`'s terms, the teacher's features of the whole batch as constants; with per-example terms,
-    `+ Σ_k λ_k/Z_k Σ_i ℓ_k(i)`, Z_k the batch's count)."""
+    """The reference: `scale · ∇θ J` of all rows as one batch, by one explicit backward: the pair loss (the sum of
+    `loss_fn`'s terms, a teacher's features of the whole batch as constants) plus every term's per-example parts
+    `Σ_k λ_k/Z_k Σ_i ℓ_k(i)`, `Z_k` the batch's count."""
     model.zero_grad(set_to_none=True)
-    targets = {}
-    if example_teacher is not None:  # the EMA teacher's targets of the whole batch, constants
-        with torch.no_grad():
-            targets = {"teacher_targets": example_teacher(image=batch["image"])}
-    out = output_dict(model(image=batch["image"], text=batch["text"],
-                            **(batch.get(EXAMPLE_INPUTS, {}) if example_terms else {}), **targets))
-    taught: tuple[Any, ...] = ()
-    if teacher is not None:
-        with torch.no_grad():
-            teacher_out = output_dict(teacher.eval()(**teacher_inputs(batch)))
-        taught = tuple(teacher_out.get(key) for key in ("image_features", "text_features", "logit_scale",
-                                                          "logit_bias"))
+    for term in terms:
+        term.check([batch])
+    with torch.no_grad():  # the terms' constants of the whole batch
+        constants = [term.constants(batch, contextlib.nullcontext) for term in terms]
+    out = output_dict(model(image=batch["image"], text=batch["text"], **output_tokens(terms)))
+    losses = example_losses(terms, model, batch, out, constants)
+    pair = pair_loss_inputs(terms, [[held] for held in constants])
+    extra: tuple[Any, ...] = tuple(pair.get(key) for key, _ in loss_input_keys(terms))
     if is_grouped(batch):  # several captions per image: the group ids of the whole batch
-        taught += tuple(batch[key] for key in GROUP_KEYS)
-    loss = loss_fn(out["image_features"], out["text_features"], out["logit_scale"], out.get("logit_bias"), *taught)
-    loss = loss.sum() + sum(term.weight * out[EXAMPLE_TERMS][term.name].sum() / term.count(batch)
-                            for term in example_terms)
+        extra += tuple(batch[key] for key in GROUP_KEYS)
+    loss = loss_fn(out["image_features"], out["text_features"], out["logit_scale"], out.get("logit_bias"), *extra)
+    loss = loss.sum() + sum(term.weights[name] * losses[name].sum() / term.count(batch)[name]
+                            for term in terms for name in term.parts)
     (scale * loss).backward()
     return collect_gradients(model)
 
@@ -145,9 +133,7 @@ def verify_window(
     seed: int,
     first_split: list[int] | None = None,
     grad_checkpointing: bool = False,
-    teacher: nn.Module | None = None,
-    example_terms: Sequence[ExampleTerm] = (),
-    example_teacher: Any = None,
+    terms: Sequence[Term] = (),
 ) -> VerifyResult:
     """Compare accumulated gradients of splits of `batch` (`first_split`, e.g. the loader's own, then
     random ones) with its full-batch reference. `grad_checkpointing`: the windows recompute the towers'
@@ -159,8 +145,7 @@ def verify_window(
     if first_split is not None:
         splits = [list(first_split), *splits[:-1]]
     scale = window_loss_scale(splits[0], reference_batch_size, loss_scale)
-    reference = full_batch_gradients(model, loss_fn, concat_microbatches(split_batch(batch, splits[0])), scale,
-                                     teacher, example_terms, example_teacher)
+    reference = full_batch_gradients(model, loss_fn, concat_microbatches(split_batch(batch, splits[0])), scale, terms)
     worst: dict[str, float] = {}
     legacy_worst: dict[str, float] = {}
     loss = math.nan
@@ -172,8 +157,7 @@ def verify_window(
             model.zero_grad(set_to_none=True)
             stats = accumulate_gradients(
                 model, loss_fn, microbatches, loss_scale=loss_scale,
-                reference_batch_size=reference_batch_size, method=method, teacher=teacher,
-                example_terms=example_terms, example_teacher=example_teacher,
+                reference_batch_size=reference_batch_size, method=method, terms=terms,
             )
             loss = stats.loss
             for name, err in gradient_errors(model, collect_gradients(model), reference).items():
@@ -181,7 +165,7 @@ def verify_window(
         model.zero_grad(set_to_none=True)
         per_microbatch_scale_gradients(
             model, loss_fn, microbatches, loss_scale=loss_scale, reference_batch_size=reference_batch_size,
-            teacher=teacher, example_terms=example_terms, example_teacher=example_teacher,
+            terms=terms,
         )
         for name, err in gradient_errors(model, collect_gradients(model), reference).items():
             legacy_worst[name] = max(legacy_worst.get(name, 0.0), err)

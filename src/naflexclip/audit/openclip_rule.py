@@ -8,14 +8,16 @@ tests run this rule beside the window to show the comparison has teeth; training
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from naflexclip.batch import EXAMPLE_INPUTS, GROUP_KEYS, batch_size, is_grouped, teacher_inputs
-from naflexclip.window import EXAMPLE_TERMS, ExampleTerm, output_dict, window_loss_scale
+from naflexclip.batch import GROUP_KEYS, batch_size, is_grouped
+from naflexclip.window import Term, output_dict, window_loss_scale
+from naflexclip.window.terms import example_losses, loss_input_keys, output_tokens, pair_loss_inputs
 
 
 def per_microbatch_scale_gradients(
@@ -25,36 +27,31 @@ def per_microbatch_scale_gradients(
     *,
     loss_scale: str,
     reference_batch_size: int | None,
-    teacher: nn.Module | None = None,
-    example_terms: Sequence[ExampleTerm] = (),
-    example_teacher: Callable[..., dict[str, Any]] | None = None,
+    terms: Sequence[Term] = (),
 ) -> None:
-    """Accumulate gradients with OpenCLIP's rule: replay j backpropagates `s([b_j]) · L(W)` (with a teacher,
-    `loss_fn` is a `DistillLoss` and L(W) the sum of its terms)."""
+    """Accumulate gradients with OpenCLIP's rule: replay j backpropagates `s([b_j]) · L(W)` (with a teacher's term,
+    `loss_fn` is a `DistillLoss` and L(W) the sum of its terms), each per-example part divided by the microbatch's
+    own count."""
+    for term in terms:
+        term.check(microbatches)
     with torch.no_grad():
         outputs = [output_dict(model(image=mb["image"], text=mb["text"])) for mb in microbatches]
-        extra_inputs: tuple[Any, ...] = ()
-        if teacher is not None:
-            taught = [output_dict(teacher.eval()(**teacher_inputs(mb))) for mb in microbatches]
-            extra_inputs = (torch.cat([out["image_features"] for out in taught]),
-                              torch.cat([out["text_features"] for out in taught]),
-                              taught[0]["logit_scale"], taught[0].get("logit_bias"))
+        constants = [[term.constants(mb, contextlib.nullcontext) for mb in microbatches] for term in terms]
+        pair = pair_loss_inputs(terms, constants)
+        extra_inputs: tuple[Any, ...] = tuple(pair.get(key) for key, _ in loss_input_keys(terms))
     if is_grouped(microbatches[0]):  # the whole window's group ids follow the loss's scalars
         extra_inputs += tuple(torch.cat([mb[key] for mb in microbatches]) for key in GROUP_KEYS)
     cached_image = [out["image_features"] for out in outputs]
     cached_text = [out["text_features"] for out in outputs]
     for index, mb in enumerate(microbatches):
-        targets = {}
-        if example_teacher is not None:
-            with torch.no_grad():
-                targets = {"teacher_targets": example_teacher(image=mb["image"])}
-        out = output_dict(model(image=mb["image"], text=mb["text"],
-                                **(mb.get(EXAMPLE_INPUTS, {}) if example_terms else {}), **targets))
+        out = output_dict(model(image=mb["image"], text=mb["text"], **output_tokens(terms)))
+        losses = example_losses(terms, model, mb, out, [held[index] for held in constants])
         image = torch.cat(cached_image[:index] + [out["image_features"]] + cached_image[index + 1 :])
         text = torch.cat(cached_text[:index] + [out["text_features"]] + cached_text[index + 1 :])
         loss = loss_fn(image, text, out["logit_scale"], out.get("logit_bias"), *extra_inputs).sum()
         # the bug: a coefficient per replay, from this microbatch's size alone
         own_scale = window_loss_scale([batch_size(mb)], reference_batch_size, loss_scale)
         # and per-example terms normalised by the microbatch's own count (OpenCLIP's CoCa before #1209)
-        loss = loss + sum(term.weight * out[EXAMPLE_TERMS][term.name].sum() / term.count(mb) for term in example_terms)
+        loss = loss + sum(term.weights[name] * losses[name].sum() / term.count(mb)[name]
+                          for term in terms for name in term.parts)
         (own_scale * loss).backward()

@@ -44,10 +44,9 @@ from naflexclip.models.lock import Locks, add_lock_args, lock_summary
 from naflexclip.models.naflex_clip import PRESETS
 from naflexclip.models.run_weights import load_checkpoint_model
 from naflexclip.objectives.distillation import Distill, add_distill_args
-from naflexclip.objectives.locca_decoder import random_decoder_inputs
 from naflexclip.objectives.siglip2_recipe import RECIPE_LOSS, Recipe, add_recipe_args
 from naflexclip.parallel.process_group import DEVICE_CHOICES, check_device
-from naflexclip.window import METHODS, SCALE_MODES
+from naflexclip.window import METHODS, SCALE_MODES, TeacherFeatures
 
 # re-exported: the random windows and the audit were this module's, and tests and benchmarks import them from here
 __all__ = ["FLOAT32_TOLERANCE", "FLOAT64_TOLERANCE", "POS_EMBED_TOLERANCE", "GroupResult", "VerifyResult",
@@ -209,9 +208,8 @@ def run(args: argparse.Namespace) -> int:
         recipe, size_note = Recipe.pick(args).for_model_size(setup.model.config.image.width,
                                                              setup.model.config.image.depth)
         # the window after --self-distill-start: every term of the recipe on
-        example_terms = recipe.example_terms(progress=1.0)
         self_distill = recipe.self_distill_active(1.0)
-        if example_terms and (distill.enabled or args.multi_positive or _uses_loader(args)):
+        if recipe.term_weights(1.0) and (distill.enabled or args.multi_positive or _uses_loader(args)):
             raise ValueError("--recipe / --locca-loss-weight / --self-distill-loss-weight / "
                              "--masked-prediction-loss-weight check a random window with decoder examples and view "
                              "seeds: without --distill-model, --multi-positive, --train-data or --checkpoint's data")
@@ -230,8 +228,10 @@ def run(args: argparse.Namespace) -> int:
         torch.manual_seed(args.seed)
         # eval: dropout would make the full batch and the splits draw different masks
         model = setup.model.to(device, dtype).eval()
-        # the EMA teacher as at the switch: a copy of the student (its centres at zero)
-        example_teacher = recipe.ema_teacher(model) if self_distill else None
+        # the objectives' terms: the teacher's features; the recipe's, with the EMA teacher as at the switch (a copy of
+        # the student, its centres at zero)
+        terms = [*([TeacherFeatures(teacher)] if teacher is not None else []),
+                 *recipe.terms(1.0, recipe.ema_teacher(model) if self_distill else None)]
         first_split = None
         if _uses_loader(args):
             batch, first_split = loader_window(args, setup)
@@ -250,13 +250,10 @@ def run(args: argparse.Namespace) -> int:
                     dtype=dtype, vocab_size=teacher.vocab_size)
                 batch[TEACHER_INPUTS] = {"image": {key: value[:num_examples] for key, value in own["image"].items()},
                                          "text": own["text"][: batch["text"].shape[0]]}
-            if recipe.locca_weight > 0:  # every task, causal and parallel, at the decoder's full width
-                decoder = model.decoder
-                batch[EXAMPLE_INPUTS] = random_decoder_inputs(num_examples, decoder.vocab, decoder.config.max_length,
-                                                              torch.Generator().manual_seed(args.seed + 1))
-            if self_distill:  # each example's seed of its local crops and patch mask
-                seeds = torch.randint(0, 2**31 - 1, (num_examples,), generator=torch.Generator().manual_seed(args.seed))
-                batch.setdefault(EXAMPLE_INPUTS, {})["view_seed"] = seeds
+            for term in terms:  # what each term reads of every example (a decoder's tokens, view seeds)
+                inputs = term.random_inputs(model, num_examples, args.seed)
+                if inputs:
+                    batch.setdefault(EXAMPLE_INPUTS, {}).update(inputs)
             batch = to_device(batch, device)
     except (ValueError, FileNotFoundError, DataError) as err:
         print(f"naflexclip verify: error: {err}")
@@ -266,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
         model, loss_fn, batch, accum_freq=setup.accum_freq,
         reference_batch_size=setup.reference_batch_size, loss_scale=setup.loss_scale, methods=methods,
         num_splits=args.splits, seed=args.seed, first_split=first_split, grad_checkpointing=args.grad_checkpointing,
-        teacher=teacher, example_terms=example_terms, example_teacher=example_teacher,
+        terms=terms,
     )
     source = "loader" if first_split else "random"
     print(

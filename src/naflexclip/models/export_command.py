@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from naflexclip.families import EXPORT_FORMATS, export_family
-from naflexclip.models.naflex_clip import PRESETS
+from naflexclip.models.naflex_clip import HEAD_SLOTS, PRESETS
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,9 +35,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {out}")
     for note in family.export_notes(out):
         print(note)
-    if getattr(model, "decoder", None) is not None:  # SigLIP 2's recipe drops the decoder after training
+    # the heads objectives attached (the model's config records them, attached or waiting for their objective)
+    heads = {slot for slot in HEAD_SLOTS if getattr(getattr(model, "config", None), slot, None) is not None}
+    if "decoder" in heads:  # SigLIP 2's recipe drops the decoder after training
         print("note: the LocCa decoder is not exported (the towers only); it stays in the run's checkpoint")
-    if getattr(model, "self_distill", None) is not None:  # and the self-distillation heads and EMA teacher
+    if "self_distill" in heads:  # and the self-distillation heads and EMA teacher
         print("note: the self-distillation heads are not exported (the towers only); they and the EMA teacher "
               "stay in the run's checkpoint")
     return 0

@@ -24,14 +24,15 @@ from torch import nn
 
 from naflexclip.loss import loss_choice
 from naflexclip.models import lock
-from naflexclip.objectives.locca_decoder import DecoderBatch, DecoderConfig, LoccaDecoder
-from naflexclip.objectives.self_distillation import SelfDistillConfig, SelfDistillHeads, student_terms
 
 VOCAB_SIZE = 49408  # open_clip's SimpleTokenizer vocabulary (shipped in its wheel)
 MAX_LOGIT_SCALE = math.log(100.0)
 TEXT_POOL_TYPES = ("argmax", "first", "last", "mean")
 # "gelu_tanh": GELU with the tanh approximation (SigLIP 2's); "quick_gelu": x * sigmoid(1.702 x) (OpenAI CLIP's)
 ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")
+# where an objective attaches the module it trains beside the towers (`NaFlexClip.attach_head`): the attribute, the
+# state-dict prefix and the `ModelConfig` field of its config (the LocCa decoder, the self-distillation heads)
+HEAD_SLOTS = ("decoder", "self_distill")
 
 
 @dataclass(frozen=True)
@@ -102,14 +103,12 @@ class ModelConfig:
     init_logit_bias: float | None = None
     # the OpenCLIP model name this architecture is (`naflexclip.families.openclip`; export --format openclip)
     openclip_name: str | None = None
-    # SigLIP 2's LocCa decoder over the image tower's tokens (`naflexclip.objectives.locca_decoder`), trained beside
-    # the pair loss and
-    # dropped at export; None: no decoder
-    decoder: DecoderConfig | None = None
-    # SigLIP 2's self-distillation and masked-prediction heads and mask token
-    # (`naflexclip.objectives.self_distillation`), trained beside
-    # the pair loss and dropped at export; None: none
-    self_distill: SelfDistillConfig | None = None
+    # the configs of the heads objectives attach (`HEAD_SLOTS`; a frozen dataclass of the objective, or its dict as a
+    # checkpoint saved it): SigLIP 2's LocCa decoder (`naflexclip.objectives.locca_decoder`), its self-distillation
+    # heads and mask token (`naflexclip.objectives.self_distillation`); trained beside the pair loss, dropped at
+    # export; None: none
+    decoder: Any = None
+    self_distill: Any = None
 
 
 def _text_activation(act: str) -> Any:
@@ -263,9 +262,10 @@ class NaFlexClip(nn.Module):
         if init_bias is not None and config.init_logit_bias is not None:
             init_bias = config.init_logit_bias
         self.logit_bias = None if init_bias is None else nn.Parameter(torch.tensor(float(init_bias)))
-        self.decoder = (None if config.decoder is None else
-                        LoccaDecoder(config.decoder, image_width=img.width, text_vocab=txt.vocab_size))
-        self.self_distill = (None if config.self_distill is None else SelfDistillHeads(img.width, config.self_distill))
+        # an objective attaches its module here (`attach_head`); a saved head's weights wait for it (`load_weights`)
+        self.decoder: nn.Module | None = None
+        self.self_distill: nn.Module | None = None
+        self.pending_heads: dict[str, dict[str, torch.Tensor]] = {}
 
     def encode_image(self, image: torch.Tensor | dict[str, torch.Tensor], normalize: bool = True) -> torch.Tensor:
         """image: dense `[B, C, H, W]` or a NaFlex dict (`patches [B, L, P*P*C]`,
@@ -274,18 +274,20 @@ class NaFlexClip(nn.Module):
         features = self.image_projection(pooled)
         return F.normalize(features, dim=-1) if normalize else features
 
-    def add_decoder(self, config: DecoderConfig) -> None:
-        """Attach a fresh LocCa decoder (SigLIP 2's recipe) on the model's device and dtype; the config records it."""
+    def attach_head(self, slot: str, module: nn.Module, config: Any) -> nn.Module:
+        """Attach the module an objective trains beside the towers as the child `slot` (`HEAD_SLOTS`: DDP, FSDP2, the
+        optimizer and checkpoints see it as part of the model), on the model's device and dtype, with the weights a
+        loaded checkpoint held for it if any; the config records `config` (the objective's)."""
+        if slot not in HEAD_SLOTS:
+            raise ValueError(f"unknown head slot {slot!r}; choose one of {HEAD_SLOTS}")
         reference = self.logit_scale
-        self.decoder = LoccaDecoder(config, image_width=self.config.image.width,
-                                    text_vocab=self.config.text.vocab_size).to(reference.device, reference.dtype)
-        self.config = dataclasses.replace(self.config, decoder=config)
-
-    def add_self_distill(self, config: SelfDistillConfig) -> None:
-        """Attach fresh self-distillation heads and mask token (SigLIP 2's recipe) on the model's device and dtype."""
-        reference = self.logit_scale
-        self.self_distill = SelfDistillHeads(self.config.image.width, config).to(reference.device, reference.dtype)
-        self.config = dataclasses.replace(self.config, self_distill=config)
+        module = module.to(reference.device, reference.dtype)
+        saved = self.pending_heads.pop(slot, None)
+        if saved is not None:
+            module.load_state_dict(saved)
+        setattr(self, slot, module)
+        self.config = dataclasses.replace(self.config, **{slot: config})
+        return module
 
     def encode_image_tokens(self, image: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One forward of the image tower (a NaFlex dict) giving both its normalised features `[B, embed_dim]` and its
@@ -313,32 +315,18 @@ class NaFlexClip(nn.Module):
         self,
         image: torch.Tensor | dict[str, torch.Tensor] | None = None,
         text: torch.Tensor | None = None,
-        decoder_input_ids: torch.Tensor | None = None,
-        decoder_labels: torch.Tensor | None = None,
-        decoder_parallel: torch.Tensor | None = None,
-        view_seed: torch.Tensor | None = None,
-        teacher_targets: dict[str, torch.Tensor] | None = None,
+        output_tokens: bool = False,
     ) -> dict[str, Any]:
-        """OpenCLIP's output dict; given a NaFlex image and decoder inputs (a microbatch's `example_inputs`), also
-        each example's decoder loss summed over its target tokens, `example_terms["locca"]` (the window weighs it);
-        given `view_seed` and the EMA teacher's `teacher_targets` of the microbatch, each example's `self_distill` and
-        `masked_prediction` terms (`naflexclip.objectives.self_distillation`)."""
+        """OpenCLIP's output dict for the inputs given; with `output_tokens` (a NaFlex image) also the image tower's
+        un-pooled tokens `image_tokens` `[B, prefix + L, width]` and their validity `image_tokens_valid` (what an
+        objective's head reads, e.g. a decoder), from the same forward."""
         out: dict[str, Any] = {"logit_scale": self.logit_scale.exp()}
-        if image is not None and decoder_input_ids is not None:
-            if self.decoder is None:
-                raise ValueError("decoder inputs given to a model without a decoder (build it with a decoder config)")
-            out["image_features"], tokens, valid = self.encode_image_tokens(image)
-            assert decoder_labels is not None and decoder_parallel is not None
-            decoded = self.decoder(tokens, valid, DecoderBatch(decoder_input_ids, decoder_labels, decoder_parallel))
-            out["example_terms"] = {"locca": decoded.token_loss_sum}
+        if image is not None and output_tokens:
+            if not isinstance(image, dict):
+                raise ValueError("output_tokens needs a NaFlex image (a dict of patches, patch_coord, patch_valid)")
+            out["image_features"], out["image_tokens"], out["image_tokens_valid"] = self.encode_image_tokens(image)
         elif image is not None:
             out["image_features"] = self.encode_image(image)
-        if image is not None and view_seed is not None:
-            if self.self_distill is None or teacher_targets is None:
-                raise ValueError("view seeds need the self-distillation heads (Recipe.prepare) and the EMA teacher's "
-                                 "targets (accumulate_gradients(example_teacher=...))")
-            terms = student_terms(self.visual, self.self_distill, image, view_seed, teacher_targets)
-            out["example_terms"] = {**out.get("example_terms", {}), **terms}
         if text is not None:
             out["text_features"] = self.encode_text(text)
         if self.logit_bias is not None:
@@ -346,10 +334,12 @@ class NaFlexClip(nn.Module):
         return out
 
     def sharding_units(self) -> list[nn.Module]:
-        """The modules a sharded wrapper (FSDP2) gathers one at a time: every transformer block of both towers."""
-        decoder = self.decoder.transformer if self.decoder is not None else None
-        decoder_blocks = [] if decoder is None else [*decoder.resblocks, *decoder.cross_attn]
-        return [*self.visual.blocks, *self.text.transformer.resblocks, *decoder_blocks]
+        """The modules a sharded wrapper (FSDP2) gathers one at a time: every transformer block of both towers, then
+        those of the attached heads that name theirs (`sharding_units()`)."""
+        heads = [getattr(self, slot) for slot in HEAD_SLOTS]
+        head_units = [unit for head in heads if callable(getattr(head, "sharding_units", None))
+                      for unit in head.sharding_units()]
+        return [*self.visual.blocks, *self.text.transformer.resblocks, *head_units]
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute each transformer block's activations in backward instead of keeping them (both towers).
@@ -447,15 +437,36 @@ def config_from_dict(values: dict[str, Any]) -> ModelConfig:
     values = dict(values)
     image = dict(values.pop("image"))
     image["pos_embed_grid_size"] = tuple(image["pos_embed_grid_size"])
-    decoder = values.pop("decoder", None)
-    self_distill = values.pop("self_distill", None)
-    return ModelConfig(image=ImageTowerConfig(**image), text=TextTowerConfig(**values.pop("text")),
-                       decoder=None if decoder is None else DecoderConfig(**decoder),
-                       self_distill=None if self_distill is None else SelfDistillConfig(**self_distill), **values)
+    # a head's config stays the dict it was saved as: the objective that attaches the head reads it
+    return ModelConfig(image=ImageTowerConfig(**image), text=TextTowerConfig(**values.pop("text")), **values)
+
+
+def _waiting_heads(model: nn.Module) -> tuple[str, ...]:
+    """The head slots whose config the model records but whose module no objective has attached yet."""
+    config = getattr(model, "config", None)
+    return tuple(slot for slot in HEAD_SLOTS if isinstance(config, ModelConfig) and getattr(config, slot) is not None
+                 and getattr(model, slot, None) is None)
+
+
+def _split_heads(model: nn.Module, state: dict[str, torch.Tensor]
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """`state` without the weights of heads waiting for their objective, and those weights by slot."""
+    waiting = _waiting_heads(model)
+    heads: dict[str, dict[str, torch.Tensor]] = {}
+    rest = {}
+    for key, value in state.items():
+        slot, _, name = key.partition(".")
+        if slot in waiting:
+            heads.setdefault(slot, {})[name] = value
+        else:
+            rest[key] = value
+    return rest, heads
 
 
 def weights_mismatch(model: nn.Module, state: dict[str, torch.Tensor]) -> str | None:
-    """Why `state` cannot be loaded into `model` (names or shapes differ), or None when it fits."""
+    """Why `state` cannot be loaded into `model` (names or shapes differ), or None when it fits (the weights of a
+    head the model's config records but no objective has attached yet wait for it)."""
+    state, _ = _split_heads(model, state)
     expected = {key: tuple(value.shape) for key, value in model.state_dict().items()}
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -471,8 +482,12 @@ def weights_mismatch(model: nn.Module, state: dict[str, torch.Tensor]) -> str | 
 
 
 def load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
-    """`model.load_state_dict(state)`, or one line naming `source` when the tensors do not fit."""
+    """`model.load_state_dict(state)`, or one line naming `source` when the tensors do not fit; a head's weights
+    wait in `model.pending_heads` for the objective that attaches it."""
     mismatch = weights_mismatch(model, state)
     if mismatch is not None:
         raise ValueError(f"{source}: {mismatch}")
+    state, heads = _split_heads(model, state)
     model.load_state_dict(state)
+    if heads and isinstance(model, NaFlexClip):  # the objective that attaches the head loads them (`attach_head`)
+        model.pending_heads.update(heads)

@@ -20,13 +20,16 @@ layer), run with per-example masks (causal or parallel; padded image tokens hidd
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from open_clip.transformer import MultimodalTransformer
 from torch import nn
 
+from naflexclip.batch import EXAMPLE_INPUTS
 from naflexclip.processing.decoder_tokens import (  # the token language the data pipeline writes
     IGNORE,
     TASKS,
@@ -35,6 +38,10 @@ from naflexclip.processing.decoder_tokens import (  # the token language the dat
     collate_decoder,
     decoder_example,
 )
+from naflexclip.window import Term
+
+LOCCA = "locca"  # the term's name (logged as loss/locca)
+HEAD_SLOT = "decoder"  # where the model holds the decoder (`NaFlexClip.attach_head`)
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,10 @@ class LoccaDecoder(nn.Module):
         self.transformer = MultimodalTransformer(width=config.width, layers=config.layers, heads=config.heads,
                                                  context_length=config.max_length, output_dim=self.vocab.output_size)
         nn.init.normal_(self.transformer.text_projection, std=config.width ** -0.5)
+
+    def sharding_units(self) -> list[nn.Module]:
+        """The blocks FSDP2 gathers one at a time (`NaFlexClip.sharding_units` lists them after the towers')."""
+        return [*self.transformer.resblocks, *self.transformer.cross_attn]
 
     def _self_mask(self, batch: DecoderBatch) -> torch.Tensor:
         length = batch.input_ids.shape[1]
@@ -186,4 +197,42 @@ def random_decoder_inputs(num_examples: int, vocab: Vocabulary, max_length: int,
 
 def target_tokens(microbatch: dict) -> int:
     """A microbatch's decoder target tokens: its share of the decoder term's normaliser Z(W)."""
-    return int((microbatch["example_inputs"]["decoder_labels"] != IGNORE).sum())
+    return int((microbatch[EXAMPLE_INPUTS]["decoder_labels"] != IGNORE).sum())
+
+
+def attach_decoder(model: nn.Module, config: DecoderConfig | Mapping[str, Any]) -> LoccaDecoder:
+    """The model's LocCa decoder, attached as its child `decoder` (`NaFlexClip.attach_head`) with the weights a
+    loaded checkpoint held for it, if any; `config` as the model's config records it (or its saved dict)."""
+    config = DecoderConfig(**config) if isinstance(config, Mapping) else config
+    decoder = LoccaDecoder(config, image_width=model.config.image.width, text_vocab=model.config.text.vocab_size)
+    return model.attach_head(HEAD_SLOT, decoder, config)
+
+
+class LoccaTerm(Term):
+    """The decoder's term `λ · (1/T(W)) · Σ_{i∈W} Σ_{t∈targets(i)} CE_i,t`: each example's cross-entropy summed over
+    its target tokens, from the image tower's un-pooled tokens of the grad forward; `T(W)` the window's target
+    tokens. The decoder is the model's child `decoder` (`attach_decoder`)."""
+
+    parts = (LOCCA,)
+    output_tokens = True
+
+    def __init__(self, weight: float) -> None:
+        self.weights = {LOCCA: weight}
+
+    def count(self, microbatch: dict[str, Any]) -> dict[str, float]:
+        return {LOCCA: target_tokens(microbatch)}
+
+    def example_losses(self, model: nn.Module, microbatch: dict[str, Any], out: dict[str, Any],
+                       constants: dict[str, Any]) -> dict[str, torch.Tensor]:
+        decoder = getattr(model, "module", model).decoder
+        if decoder is None:
+            raise ValueError("the LocCa term needs the model's decoder (attach_decoder, or Recipe.prepare)")
+        inputs = microbatch[EXAMPLE_INPUTS]
+        batch = DecoderBatch(inputs["decoder_input_ids"], inputs["decoder_labels"], inputs["decoder_parallel"])
+        return {LOCCA: decoder(out["image_tokens"], out["image_tokens_valid"], batch).token_loss_sum}
+
+    def random_inputs(self, model: nn.Module, num_examples: int, seed: int) -> dict[str, torch.Tensor]:
+        """Every task, causal and parallel, at the decoder's full width."""
+        decoder = getattr(model, "module", model).decoder
+        return random_decoder_inputs(num_examples, decoder.vocab, decoder.config.max_length,
+                                     torch.Generator().manual_seed(seed + 1))

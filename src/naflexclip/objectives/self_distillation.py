@@ -35,7 +35,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,11 +44,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from naflexclip.batch import EXAMPLE_INPUTS, batch_size
 from naflexclip.parallel.wrapping import is_fsdp
+from naflexclip.processing.view_seeds import VIEW_SEED
+from naflexclip.window import Term
 
 SELF_DISTILL = "self_distill"
 MASKED_PREDICTION = "masked_prediction"
-TEACHER_TARGETS = "teacher_targets"  # the model's keyword for the EMA teacher's outputs of its microbatch
+HEAD_SLOT = "self_distill"  # where the model holds the heads and mask token (`NaFlexClip.attach_head`)
 
 # SILC's local views cover 5–40% of the image area (its global views 40–100%; DINO's multi-crop)
 LOCAL_CROP_SCALE = (0.05, 0.4)
@@ -248,6 +252,45 @@ def student_terms(visual: nn.Module, heads: SelfDistillHeads, image: dict[str, t
     per_example = patch_ce.new_zeros(batch).index_add(0, owner, patch_ce)
     return {SELF_DISTILL: crop_ce.reshape(batch, count).sum(1),
             MASKED_PREDICTION: per_example / mask.sum(1).clamp(min=1).to(patch_ce.dtype)}
+
+
+def attach_heads(model: nn.Module, config: SelfDistillConfig | Mapping[str, Any]) -> SelfDistillHeads:
+    """The model's self-distillation heads and mask token, attached as its child `self_distill`
+    (`NaFlexClip.attach_head`) with the weights a loaded checkpoint held for them, if any."""
+    config = SelfDistillConfig(**config) if isinstance(config, Mapping) else config
+    return model.attach_head(HEAD_SLOT, SelfDistillHeads(model.config.image.width, config), config)
+
+
+class SelfDistillTerm(Term):
+    """Self-distillation and masked prediction, each example's loss (`student_terms`) against the EMA teacher's
+    targets of its microbatch (the term's constants: one teacher forward per microbatch, never replayed), each part
+    normalised by the window's examples. The heads are the model's child `self_distill` (`attach_heads`); each
+    example's crops and mask come from its `view_seed` (`example_inputs`)."""
+
+    def __init__(self, teacher: EmaTeacher, weights: Mapping[str, float]) -> None:
+        self.teacher = teacher
+        self.weights = {name: float(weight) for name, weight in weights.items() if weight > 0}
+        self.parts = tuple(name for name in (SELF_DISTILL, MASKED_PREDICTION) if name in self.weights)
+
+    def count(self, microbatch: dict[str, Any]) -> dict[str, float]:
+        return dict.fromkeys(self.parts, batch_size(microbatch))
+
+    def constants(self, microbatch: dict[str, Any], autocast: Callable[[], ContextManager[Any]]) -> dict[str, Any]:
+        with autocast():
+            targets = self.teacher(image=microbatch["image"])
+        return {key: value.detach() for key, value in targets.items()}
+
+    def example_losses(self, model: nn.Module, microbatch: dict[str, Any], out: dict[str, Any],
+                       constants: dict[str, Any]) -> dict[str, torch.Tensor]:
+        student = getattr(model, "module", model)
+        if student.self_distill is None:
+            raise ValueError("the self-distillation term needs the model's heads (attach_heads, or Recipe.prepare)")
+        view_seed = microbatch[EXAMPLE_INPUTS][VIEW_SEED]
+        return student_terms(student.visual, student.self_distill, microbatch["image"], view_seed, constants)
+
+    def random_inputs(self, model: nn.Module, num_examples: int, seed: int) -> dict[str, torch.Tensor]:
+        """Each example's seed of its local crops and patch mask."""
+        return {VIEW_SEED: torch.randint(0, 2**31 - 1, (num_examples,), generator=torch.Generator().manual_seed(seed))}
 
 
 class EmaTeacher(nn.Module):

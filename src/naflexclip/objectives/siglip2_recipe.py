@@ -2,7 +2,7 @@
 
 SigLIP 2 (Tschannen et al. 2025, https://arxiv.org/abs/2502.14786, sec. 2.2) trains the image tower with a LocCa
 decoder (`naflexclip.objectives.locca_decoder`) beside the sigmoid loss. The decoder's term is a
-per-example term of the window objective (`naflexclip.window.ExampleTerm`), normalised by the window's target tokens:
+per-example term of the window objective (`naflexclip.window.Term`), normalised by the window's target tokens:
 
     J(W) = s(W) · [ L_sigmoid(W) + λ_locca · (1 / T(W)) · Σ_{i ∈ W} Σ_{t ∈ targets(i)} CE_i,t ]
 
@@ -23,12 +23,18 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from naflexclip.batch import batch_size
 from naflexclip.models.naflex_clip import PRESETS, ModelConfig, NaFlexClip
-from naflexclip.objectives.locca_decoder import DECODER_SIZES, DecoderConfig, target_tokens
-from naflexclip.objectives.self_distillation import MASKED_PREDICTION, SELF_DISTILL, EmaTeacher, head_config
+from naflexclip.objectives.locca_decoder import DECODER_SIZES, LOCCA, DecoderConfig, LoccaTerm, attach_decoder
+from naflexclip.objectives.self_distillation import (
+    MASKED_PREDICTION,
+    SELF_DISTILL,
+    EmaTeacher,
+    SelfDistillTerm,
+    attach_heads,
+    head_config,
+)
 from naflexclip.settings import APPLY, REFUSE, add_arguments, setting
-from naflexclip.window import ExampleTerm
+from naflexclip.window import Term
 
 # the values `--recipe` sets, each with its source
 RECIPES: dict[str, dict[str, Any]] = {
@@ -179,26 +185,40 @@ class Recipe:
             return self.locca_loss_weight
         return float(RECIPES[self.recipe]["locca_loss_weight"]) if self.recipe else 0.0
 
-    def example_terms(self, progress: float | None = None) -> list[ExampleTerm]:
-        """The per-example terms of the window objective at `progress` (the fraction of training done): the decoder's
-        throughout, the self-distillation terms (normalised by the window's examples) from `--self-distill-start`;
-        `progress=None` (a caller that does not schedule them): the decoder's only."""
-        terms = [ExampleTerm("locca", self.locca_weight, target_tokens)] if self.locca_weight > 0 else []
+    def term_weights(self, progress: float | None = None) -> dict[str, float]:
+        """The weights λ of the per-example terms at `progress` (the fraction of training done): the decoder's
+        throughout, the self-distillation terms from `--self-distill-start`; `progress=None` (a caller that does not
+        schedule them): the decoder's only."""
+        weights = {LOCCA: self.locca_weight} if self.locca_weight > 0 else {}
         if progress is not None and self.self_distill_active(progress):
             for name, flag in ((SELF_DISTILL, "self_distill_loss_weight"),
                                (MASKED_PREDICTION, "masked_prediction_loss_weight")):
                 if self.value(flag) > 0:
-                    terms.append(ExampleTerm(name, float(self.value(flag)), batch_size))
+                    weights[name] = float(self.value(flag))
+        return weights
+
+    def terms(self, progress: float | None = None, teacher: EmaTeacher | None = None) -> list[Term]:
+        """The recipe's terms of the window objective at `progress` (`term_weights`): the decoder's
+        (`LoccaTerm`), and with the self-distillation terms on, theirs against the EMA `teacher`
+        (`SelfDistillTerm`)."""
+        weights = self.term_weights(progress)
+        terms: list[Term] = [LoccaTerm(weights[LOCCA])] if LOCCA in weights else []
+        self_distill = {name: weight for name, weight in weights.items() if name != LOCCA}
+        if self_distill:
+            if teacher is None:
+                raise ValueError("the self-distillation terms need the EMA teacher (Recipe.ema_teacher)")
+            terms.append(SelfDistillTerm(teacher, self_distill))
         return terms
 
     def prepare(self, model: NaFlexClip, self_distill: bool = False) -> NaFlexClip:
         """`model` with what the recipe trains beside it (a decoder for the LocCa term; with `self_distill`, for a
-        caller that schedules those terms, the self-distillation heads and mask token; they start fresh)."""
+        caller that schedules those terms, the self-distillation heads and mask token): the checkpoint's, where the
+        model was loaded with them, else fresh."""
         if self.locca_weight > 0 and model.decoder is None:
-            model.add_decoder(decoder_config(model.config))
+            attach_decoder(model, model.config.decoder or decoder_config(model.config))
         if self_distill and self.self_distill_enabled and model.self_distill is None:
-            model.add_self_distill(head_config(model.config.image.width, int(self.value("local_crops")),
-                                               float(self.value("mask_ratio"))))
+            attach_heads(model, model.config.self_distill or head_config(
+                model.config.image.width, int(self.value("local_crops")), float(self.value("mask_ratio"))))
         return model
 
 

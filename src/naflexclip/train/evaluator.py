@@ -312,7 +312,7 @@ class Evaluator:
                  reporter: Reporter) -> None:
         self.env, self.reporter, self.sharded = env, reporter, cfg.fsdp
         builtin = has_builtin_tasks(cfg.data)
-        decoder = bool(Recipe.pick(cfg).example_terms()) and cfg.data.source("val") is not None
+        decoder = Recipe.pick(cfg).locca_weight > 0 and cfg.data.source("val") is not None
         unsharded = [name for name, on in (("the LocCa decoder", decoder), ("the dense probe", builtin)) if on]
         if cfg.fsdp and unsharded:
             # greedy decoding and the probe's token features run modules outside the root forward FSDP gathers around

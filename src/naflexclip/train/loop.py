@@ -58,6 +58,7 @@ from naflexclip.train.self_distill_schedule import SelfDistillation
 from naflexclip.train.step import StepResult, WindowStep, step_metrics, token_counts, windows
 from naflexclip.train.stop import StopSignals, TrainingStopped
 from naflexclip.train.train_config import TrainConfig, check_ranks_agree
+from naflexclip.window import TeacherFeatures
 
 
 class Trainer:
@@ -114,7 +115,7 @@ class Trainer:
             fallback=cfg.opt_fallback_list)
         processing = data_processing(cfg.data.hf_processor, self.module.image_patch_size, augment=cfg.data.augment,
                                      **cfg.data.image_overrides())
-        example_terms = recipe.example_terms()
+        decoder_term = recipe.locca_weight > 0
         one_pair = cfg.data.token_budget().one_pair_windows(cfg.accum_freq * env.world_size)
         if one_pair is not None and one_pair[1]:  # every step would learn nothing
             raise ValueError(one_pair[0])
@@ -122,7 +123,7 @@ class Trainer:
                                    context_length=self.module.context_length, rank=env.rank,
                                    world_size=env.world_size, device_pin=env.device.type == "cuda",
                                    processing=processing, teacher=teacher_inputs,
-                                   decoder=decoder_examples(self.module, processing) if example_terms else None,
+                                   decoder=decoder_examples(self.module, processing) if decoder_term else None,
                                    view_seeds=recipe.self_distill_enabled)
         self.batches_per_epoch = self._plan_batches()
         self.schedule = LrSchedule(self.optimizer, cfg.lr, cfg.warmup, 1, kind=cfg.lr_scheduler)
@@ -135,8 +136,12 @@ class Trainer:
         # SigLIP 2's EMA teacher, built at --self-distill-start; the window step asks it for each step's terms
         self_distill = (SelfDistillation(recipe, self.model, env, self.exchange.sum_over_ranks, self.reporter.message)
                         if recipe.self_distill_enabled else None)
+        # the objectives' terms: the teacher's features for the distillation loss; the recipe's (the decoder's, and
+        # from --self-distill-start self-distillation's, which `self_distill` hands each step)
+        terms = [*([TeacherFeatures(teacher)] if teacher is not None else []),
+                 *(recipe.terms() if self_distill is None else [])]
         self.window_step = WindowStep(cfg, env, self.model, loss_fn, self.optimizer, self.schedule, self.precision,
-                                      self.exchange, teacher, example_terms, self_distill)
+                                      self.exchange, terms, self_distill)
         self.evaluator = Evaluator(cfg, env, self.precision.autocast, self.reporter)
         optimizer_state = OptimizerState(self.model, self.optimizer, env)
         components = {"model": ModelState(self.model, env), "optimizer": optimizer_state,
@@ -167,7 +172,7 @@ class Trainer:
                                 + ("" if teacher_inputs is None else
                                    f"; it reads its own inputs of the same samples (patch size "
                                    f"{teacher_inputs.patch_size}, context length {teacher_inputs.context_length})"))
-        if example_terms:
+        if decoder_term:
             self.opening.append(f"SigLIP 2's LocCa decoder ({self.module.config.decoder}) trains beside the pair "
                                 f"loss: loss = {cfg.loss} + {recipe.locca_weight:g} · locca (per target token of "
                                 f"the window), logged as loss/locca")

@@ -1,9 +1,10 @@
 """SigLIP 2's self-distillation and masked prediction in a run: the EMA teacher's life, one component.
 
 `SelfDistillation` decides for every optimizer step whether the two terms are on (from `--self-distill-start` of
-the lr schedule's steps), builds the EMA teacher from the student at the switch, hands the window the terms and
-the teacher, updates the teacher after each step (or forgets a skipped step's logits), and saves and restores it
-as the run state `ema_teacher`, sharded like the student under FSDP2.
+the lr schedule's steps), builds the EMA teacher from the student at the switch, hands the window the recipe's
+terms with the teacher's (`objectives.self_distillation.SelfDistillTerm`), updates the teacher after each step
+(or forgets a skipped step's logits), and saves and restores it as the run state `ema_teacher`, sharded like the
+student under FSDP2.
 docs/siglip2_recipe.md#self-distillation-and-masked-prediction.
 """
 
@@ -15,13 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from naflexclip.batch import EXAMPLE_INPUTS
-from naflexclip.objectives.self_distillation import EmaTeacher
+from naflexclip.objectives.self_distillation import EmaTeacher, attach_heads
 from naflexclip.objectives.siglip2_recipe import Recipe
 from naflexclip.parallel.process_group import DistributedEnv
 from naflexclip.parallel.wrapping import full_state_dict, is_fsdp, load_full_state_dict, unwrap_model
-from naflexclip.processing.view_seeds import VIEW_SEED
-from naflexclip.window import ExampleTerm
+from naflexclip.window import Term
 
 
 class SelfDistillation:
@@ -41,12 +40,10 @@ class SelfDistillation:
         """The fraction of training done before optimizer step `step` (1-based) of `total_steps`."""
         return (step - 1) / max(1, total_steps)
 
-    def window(self, step: int, total_steps: int, microbatches: list[dict[str, Any]]
-               ) -> tuple[list[ExampleTerm], EmaTeacher | None, list[dict[str, Any]]]:
-        """The per-example terms of step `step`'s window, the example teacher (None before the switch; built at it)
-        and the microbatches as the model reads them (before the switch without their view seeds)."""
+    def terms(self, step: int, total_steps: int) -> list[Term]:
+        """The recipe's terms of step `step`'s window: the self-distillation terms against the EMA teacher from the
+        switch on (the teacher built at it), the decoder's throughout."""
         progress = self.progress(step, total_steps)
-        terms = self.recipe.example_terms(progress)
         if not self.recipe.self_distill_active(progress):
             if self.teacher is not None:  # resumed with the switch moved past this step (the flag, or a re-plan)
                 self.teacher = None
@@ -57,13 +54,13 @@ class SelfDistillation:
                                ("after the run's last step", "the rest of the run trains no self-distillation"))
                 self.notify(f"step {step}: --self-distill-start {start:g} of {total_steps} steps puts the switch "
                             f"{where}: the EMA teacher the checkpoint holds is dropped and {then}")
-            return terms, None, [without_view_seeds(mb) for mb in microbatches]
+            return self.recipe.terms(progress)
         if self.teacher is None:
             self.teacher = self.build()
             self.notify(f"step {step}: self-distillation and masked prediction on (--self-distill-start "
                         f"{self.recipe.value('self_distill_start'):g} of {total_steps} steps), the EMA teacher "
                         f"built from the student; logged as loss/self_distill and loss/masked_prediction")
-        return terms, self.teacher, microbatches
+        return self.recipe.terms(progress, self.teacher)
 
     def switch_step(self, step: int, total_steps: int) -> int | None:
         """The first optimizer step from `step` on that trains the terms (None: none of the run's)."""
@@ -96,6 +93,7 @@ class SelfDistillation:
         # `parallel.wrap_model` shards the student, then given the student's values shard by shard
         with torch.random.fork_rng(devices=[]):
             skeleton = NaFlexClip(student.config)
+            attach_heads(skeleton, student.config.self_distill)
         teacher = EmaTeacher(skeleton, momentum=float(self.recipe.value("ema_momentum")))
         teacher = teacher.to(self.env.device, reference.dtype)
         for block in teacher.visual.blocks:
@@ -122,14 +120,3 @@ class SelfDistillation:
         load_full_state_dict(self.teacher, state["teacher"], self.env)
         self.teacher.discard_pending()
 
-
-def without_view_seeds(microbatch: dict[str, Any]) -> dict[str, Any]:
-    """`microbatch` without its view seeds (steps before the switch: the model computes no self-distillation)."""
-    inputs = microbatch.get(EXAMPLE_INPUTS)
-    if inputs is None or VIEW_SEED not in inputs:
-        return microbatch
-    rest = {key: value for key, value in inputs.items() if key != VIEW_SEED}
-    out = {key: value for key, value in microbatch.items() if key != EXAMPLE_INPUTS}
-    if rest:
-        out[EXAMPLE_INPUTS] = rest
-    return out

@@ -24,7 +24,7 @@ from naflexclip.train.grouping import window_sizes
 from naflexclip.train.optim import LrSchedule
 from naflexclip.train.self_distill_schedule import SelfDistillation
 from naflexclip.train.train_config import TrainConfig
-from naflexclip.window import ExampleTerm, WindowStats, accumulate_gradients
+from naflexclip.window import Term, WindowStats, accumulate_gradients
 
 
 @dataclass(frozen=True)
@@ -88,11 +88,10 @@ class WindowStep:
 
     def __init__(self, cfg: TrainConfig, env: DistributedEnv, model: nn.Module, loss_fn: nn.Module,
                  optimizer: torch.optim.Optimizer, schedule: LrSchedule, precision: Precision, exchange: Any,
-                 teacher: nn.Module | None = None, example_terms: Sequence[ExampleTerm] = (),
-                 self_distill: SelfDistillation | None = None) -> None:
-        self.cfg, self.env, self.model, self.loss_fn, self.teacher = cfg, env, model, loss_fn, teacher
-        self.example_terms = tuple(example_terms)  # per-example terms of the objective (the LocCa decoder's)
-        # SigLIP 2's EMA teacher: the per-example terms of each step (on from --self-distill-start) and their teacher
+                 terms: Sequence[Term] = (), self_distill: SelfDistillation | None = None) -> None:
+        self.cfg, self.env, self.model, self.loss_fn = cfg, env, model, loss_fn
+        self.terms = tuple(terms)  # the objectives' terms of every step (a distillation teacher's, the decoder's)
+        # SigLIP 2's EMA teacher: the recipe's terms of each step (self-distillation on from --self-distill-start)
         self.self_distill = self_distill
         self.optimizer, self.schedule, self.precision, self.exchange = optimizer, schedule, precision, exchange
 
@@ -103,17 +102,16 @@ class WindowStep:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         batches = [to_device(mb, self.env.device) for mb in microbatches]
-        terms, example_teacher = self.example_terms, None
+        terms = list(self.terms)
         if self.self_distill is not None:
-            terms, example_teacher, batches = self.self_distill.window(step, self.schedule.total_steps, batches)
+            terms += self.self_distill.terms(step, self.schedule.total_steps)
         lr = self.schedule.lr
         with fault_guard(self.env, f"step {step - 1}"):
             stats = accumulate_gradients(
                 self.model, self.loss_fn, batches, loss_scale=cfg.naflex_loss_scale,
                 reference_batch_size=cfg.batch_size, method=cfg.accum_method, exchange=self.exchange,
                 no_sync=no_sync_context(self.model), autocast=self.precision.autocast,
-                grad_scaler=self.precision.scaler, teacher=self.teacher, example_terms=terms,
-                example_teacher=example_teacher,
+                grad_scaler=self.precision.scaler, terms=terms,
             )
             grad_norm = self._unscale_and_clip()
         # the same on every rank, so every rank skips alike: the loss is L(W) of the whole window, the norm that of

@@ -523,7 +523,7 @@ class TrainConfig:
                 raise ValueError(f"--force-patch-dropout {self.force_patch_dropout:g} with masked prediction "
                                  f"(--recipe siglip2 / --masked-prediction-loss-weight > 0): patch dropout drops "
                                  f"tokens of the masked pass, whose targets are per patch; drop one of them")
-        if not recipe.example_terms():
+        if not recipe.term_weights():
             return
         what = "a LocCa term (--recipe siglip2 / --locca-loss-weight > 0)"
         if self.lock_image and self.lock_image_unlocked_groups == 0:
