@@ -178,3 +178,41 @@ def test_the_siglip2_recipe_trains_the_sigmoid_loss_unless_told_otherwise(tmp_pa
     assert tiny_config(tmp_path, recipe="siglip2", loss="clip").loss == "clip"
     assert tiny_config(tmp_path, locca_loss_weight=1.0).loss == "clip"  # the decoder alone keeps the model's own
 
+
+def test_train_loss_is_the_whole_objective_with_each_term_beside_it_for_every_objective() -> None:
+    """`train/loss` is the objective the step optimises, L(W) + Σ_k λ_k/Z_k Σ ℓ_k (before s(W)), and every term is
+    logged beside it as its share (`loss/<term>`, weighted), so that the terms sum to it — for the recipe's decoder
+    term as for the pair loss alone."""
+    from naflexclip.audit.random_windows import random_naflex_batch
+    from naflexclip.batch import EXAMPLE_INPUTS, split_batch
+    from naflexclip.loss import create_loss
+    from naflexclip.objectives.locca_decoder import LoccaTerm, random_decoder_inputs
+    from naflexclip.train.step import StepResult, step_metrics
+    from naflexclip.window import accumulate_gradients
+
+    torch.manual_seed(0)
+    model = Recipe(locca_loss_weight=0.5).prepare(create_model("tiny", loss="siglip")).double()
+    batch = random_naflex_batch(4, patch_size=4, context_length=16, generator=torch.Generator().manual_seed(0))
+    batch[EXAMPLE_INPUTS] = random_decoder_inputs(4, model.decoder.vocab, model.decoder.config.max_length)
+    for terms, names in (([], {"loss/contrastive"}), ([LoccaTerm(0.5)], {"loss/contrastive", "loss/locca"})):
+        stats = accumulate_gradients(model, create_loss("siglip"), split_batch(batch, [1, 3]), terms=terms)
+        metrics = step_metrics(StepResult(stats, grad_norm=1.0, skipped=False, lr=0.1), (10, 10), 1.0)
+        shares = {key: value for key, value in metrics.items() if key.startswith("loss/")}
+        assert set(shares) == names
+        assert metrics["train/loss"] == pytest.approx(sum(shares.values()), rel=1e-12)
+        if terms:
+            assert shares["loss/locca"] == pytest.approx(0.5 * stats.example_terms["locca"], rel=1e-12)
+            assert metrics["train/loss"] > stats.loss + 1  # the decoder's term (~ln of its vocabulary) is in it
+
+
+def test_the_loss_plot_draws_the_objective_and_each_term_beside_it(tmp_path: Path) -> None:
+    from naflexclip.train.report import loss_curves
+
+    records = [{"kind": "train", "step": step, "train/loss": 3.0 - step, "loss/contrastive": 1.0 - step / 4,
+                "loss/locca": 2.0 - 3 * step / 4} for step in (1, 2)]
+    records.append({"kind": "train", "step": 3, "train/loss": 2.5, "loss/contrastive": 0.5, "loss/locca": 1.5,
+                    "loss/self_distill": 0.5})
+    curves = loss_curves(records)
+    assert list(curves) == ["objective (train/loss)", "contrastive", "locca", "self_distill"]
+    assert curves["objective (train/loss)"] == ([1, 2, 3], [2.0, 1.0, 2.5])
+    assert curves["self_distill"] == ([3], [0.5])  # a term from its switch on

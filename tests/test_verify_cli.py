@@ -95,3 +95,26 @@ def test_verify_audits_a_checkpoint_with_its_training_settings(tmp_path, capsys)
 def test_verify_names_a_missing_checkpoint(tmp_path, capsys):
     assert main(["verify", "--checkpoint", str(tmp_path / "nowhere")]) == 2
     assert "nowhere" in capsys.readouterr().out
+
+
+def test_verify_checks_a_checkpoints_model_on_a_random_multi_caption_window(tmp_path, capsys):
+    """`--checkpoint RUN --multi-positive`: the trained model with its run's settings on a random window of several
+    captions per image, said so; a data flag with --multi-positive is one line saying that the window is random."""
+    import torch
+
+    from naflexclip import create_model
+    from naflexclip.checkpoints.storage import save_checkpoint
+    from naflexclip.models.naflex_clip import config_to_dict
+
+    torch.manual_seed(0)
+    model = create_model("tiny", loss="siglip")
+    config = {"model": "tiny", "loss": "siglip", "accum_freq": 2, "batch_size": 3, "naflex_loss_scale": "linear"}
+    run = {"config": config, "model_config": config_to_dict(model.config), "world_size": 1}
+    path = save_checkpoint(tmp_path, "epoch_1", {"model": model.state_dict(), "run": run}, step=1, epoch=1)
+    assert main(["verify", "--checkpoint", str(path), "--multi-positive", "--splits", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "window (random)" in out and "accum-freq 2" in out and "B_ref 3" in out and "SigLIP+" in out
+    assert f"the model of --checkpoint {path}" in out and "PASS" in out
+    assert main(["verify", "--multi-positive", "--dataset-type", "synthetic"]) == 2
+    line = capsys.readouterr().out.strip()
+    assert line.count("\n") == 0 and "--dataset-type synthetic" in line and "random window" in line, line

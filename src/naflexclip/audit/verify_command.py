@@ -174,8 +174,27 @@ def _setup(args: argparse.Namespace) -> VerifySetup:
     return setup
 
 
+def _data_flag(args: argparse.Namespace) -> str | None:
+    """The flag that names data to draw the window from, as given, or None."""
+    if args.train_data:
+        return f"--train-data {args.train_data}"
+    return "--dataset-type synthetic" if args.dataset_type == "synthetic" else None
+
+
+def _random_window_only(args: argparse.Namespace) -> str | None:
+    """The flags of an objective verify checks on a random window it draws itself (several captions per image, the
+    recipe's decoder examples and view seeds), or None."""
+    if args.multi_positive:
+        return "--multi-positive"
+    if Recipe.pick(args).term_weights(1.0):
+        return "--recipe / --locca-loss-weight / --self-distill-loss-weight / --masked-prediction-loss-weight"
+    return None
+
+
 def _uses_loader(args: argparse.Namespace) -> bool:
-    return bool(args.train_data or args.checkpoint or args.dataset_type == "synthetic")
+    """The window comes from data: a data flag, or --checkpoint's data unless the objective's window is random (then
+    the checkpoint's model is checked on a random window)."""
+    return bool(_data_flag(args) or (args.checkpoint and not _random_window_only(args)))
 
 
 def loader_window(args: argparse.Namespace, setup: VerifySetup) -> tuple[dict[str, Any], list[int]]:
@@ -209,15 +228,16 @@ def run(args: argparse.Namespace) -> int:
                                                              setup.model.config.image.depth)
         # the window after --self-distill-start: every term of the recipe on
         self_distill = recipe.self_distill_active(1.0)
-        if recipe.term_weights(1.0) and (distill.enabled or args.multi_positive or _uses_loader(args)):
+        random_only, data_flag = _random_window_only(args), _data_flag(args)
+        if random_only and data_flag:
+            raise ValueError(f"{random_only} is checked on a random window verify draws itself, not on data: drop "
+                             f"{data_flag} (with --checkpoint, the checkpoint's model is checked on a random window)")
+        if recipe.term_weights(1.0) and (distill.enabled or args.multi_positive):
             raise ValueError("--recipe / --locca-loss-weight / --self-distill-loss-weight / "
                              "--masked-prediction-loss-weight check a random window with decoder examples and view "
-                             "seeds: without --distill-model, --multi-positive, --train-data or --checkpoint's data")
+                             "seeds, checked alone: not with --distill-model or --multi-positive")
         recipe.prepare(setup.model, self_distill=self_distill)
         if args.multi_positive:
-            if _uses_loader(args):
-                raise ValueError("--multi-positive checks a random window of several captions per image: without "
-                                 "--train-data or --checkpoint's data")
             loss_fn = MultiPositiveLoss(setup.loss, args.multi_positive_weighting, tile_size=args.loss_tile_size)
         if distill.enabled:  # the window objective: contrastive + λ·distill, the teacher's features constants
             loss_fn = distill.loss(setup.loss, args.loss_tile_size,
@@ -271,6 +291,9 @@ def run(args: argparse.Namespace) -> int:
         f"B_ref {setup.reference_batch_size}, loss {setup.loss}, scale {setup.loss_scale} → s(W) = {result.scale:.6g}, "
         f"L(W) = {result.loss:.6g}"
     )
+    if args.checkpoint and not first_split:  # the trained model, its run's settings, a window verify draws
+        print(f"the model of --checkpoint {args.checkpoint} with its run's settings, on a random window (its "
+              f"objective's window is drawn here: {_random_window_only(args)})")
     checkpointing = "; grad checkpointing" if args.grad_checkpointing else ""
     print(f"splits: {result.splits}; methods: {', '.join(methods)}; {args.dtype} on {device}{checkpointing}")
     if args.multi_positive:

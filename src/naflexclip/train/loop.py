@@ -174,8 +174,8 @@ class Trainer:
                                    f"{teacher_inputs.patch_size}, context length {teacher_inputs.context_length})"))
         if decoder_term:
             self.opening.append(f"SigLIP 2's LocCa decoder ({self.module.config.decoder}) trains beside the pair "
-                                f"loss: loss = {cfg.loss} + {recipe.locca_weight:g} · locca (per target token of "
-                                f"the window), logged as loss/locca")
+                                f"loss: loss = contrastive + {recipe.locca_weight:g} · locca (per target token of "
+                                f"the window), logged as train/loss with each term, loss/contrastive and loss/locca")
         if self_distill is not None:
             self.opening.append(recipe.self_distill_line(size_note))
         if image_side_off:
@@ -345,7 +345,8 @@ class Trainer:
         if not result.skipped:
             return
         self.reporter.message(
-            f"step {self.progress.step}: skipped (loss {result.stats.loss:.4g}, grad norm {result.grad_norm:.4g}); "
+            f"step {self.progress.step}: skipped (loss {result.stats.objective:.4g}, grad norm "
+            f"{result.grad_norm:.4g}); "
             f"{self.progress.consecutive_skips} in a row, {self.progress.num_skipped_steps} in total"
         )
         if self.progress.consecutive_skips >= self.cfg.max_skipped_steps:
@@ -365,7 +366,7 @@ class Trainer:
                         "data/skipped_samples": sum(self.loader.skip_counts.values())})
         step = self.progress.step
         if step % self.cfg.log_every_n_steps == 0 or result.skipped:
-            bar.set_postfix(loss=f"{result.stats.loss:.3f}", lr=f"{result.lr:.2e}", N=result.stats.num_examples,
+            bar.set_postfix(loss=f"{result.stats.objective:.3f}", lr=f"{result.lr:.2e}", N=result.stats.num_examples,
                             s=f"{result.stats.scale:.2f}", sps=f"{metrics['train/samples_per_s']:.0f}",
                             tps=f"{metrics['train/image_tokens_per_s']:.0f}",
                             pad=f"{metrics['train/padding_fraction']:.2f}", refresh=False)

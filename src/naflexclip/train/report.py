@@ -185,6 +185,24 @@ def folder_zeroshot_keys(record: Mapping[str, Any]) -> list[str]:
                   and key.rsplit("/", 1)[1] in FOLDER_ZEROSHOT_METRICS)
 
 
+OBJECTIVE_CURVE = "objective (train/loss)"
+
+
+def loss_curves(records: list[dict[str, Any]]) -> dict[str, tuple[list[int], list[float]]]:
+    """The training curves of the loss plot, by label: the objective the steps optimise (`train/loss`), then each
+    term's share of it (`loss/<term>`, from the step it is on), as (steps, values)."""
+    train = [r for r in records if r["kind"] == "train"]
+    keys = {"train/loss": OBJECTIVE_CURVE}
+    for record in train:
+        keys.update({key: key.split("/", 1)[1] for key in record if key.startswith("loss/") and key not in keys})
+    curves = {}
+    for key, label in keys.items():
+        points = [(r["step"], r[key]) for r in train if key in r]
+        if points:
+            curves[label] = ([step for step, _ in points], [value for _, value in points])
+    return curves
+
+
 def plot_curves(records: list[dict[str, Any]], out_path: Path) -> None:
     """Loss per step and retrieval / zero-shot per evaluation, in one PNG (matplotlib, Agg backend)."""
     import matplotlib
@@ -197,9 +215,14 @@ def plot_curves(records: list[dict[str, Any]], out_path: Path) -> None:
     if not train and not evals:
         return  # nothing to plot: no empty figure, no matplotlib warnings
     fig, (ax_loss, ax_eval) = plt.subplots(1, 2, figsize=(12, 4.5))
-    ax_loss.plot([r["step"] for r in train], [r["train/loss"] for r in train], lw=0.8)
-    ax_loss.set(xlabel="optimizer step", ylabel="window loss L(W)", title="training loss")
+    curves = loss_curves(records)
+    for label, (steps, values) in curves.items():
+        ax_loss.plot(steps, values, lw=1.2 if label == OBJECTIVE_CURVE else 0.8, label=label,
+                     **({} if label == OBJECTIVE_CURVE else {"alpha": 0.8}))
+    ax_loss.set(xlabel="optimizer step", ylabel="window objective (before s(W))", title="training loss")
     ax_loss.grid(alpha=0.3)
+    if len(curves) > 1:  # the objective and the terms it sums
+        ax_loss.legend(loc="upper right", fontsize=8)
     for key, label in (("val/image_to_text_R@1", "image→text R@1"), ("val/text_to_image_R@1", "text→image R@1"),
                        ("val/image_to_text_R@10", "image→text R@10"), ("zeroshot/shape_top1", "zero-shot shape"),
                        ("zeroshot/colour_top1", "zero-shot colour")):

@@ -72,10 +72,11 @@ def step_metrics(result: StepResult, tokens: tuple[int, int], seconds: float) ->
     """What a step shows on every step (no device read); `tokens`: (valid image patches, padded patch slots) of
     the window on all ranks, `seconds`: since the previous step."""
     stats, (valid, slots) = result.stats, tokens
-    # e.g. contrastive, distill; and each per-example term's value before its weight (locca)
-    terms = {f"loss/{name}": value for name, value in {**(stats.terms or {}), **(stats.example_terms or {})}.items()}
+    # the objective the step optimises (before s(W)) and beside it each term's share of it, the same way for every
+    # objective: contrastive, distill, locca, self_distill, masked_prediction (weighted: they sum to train/loss)
+    terms = {f"loss/{name}": value for name, value in stats.objective_terms.items()}
     return {**terms,
-        "train/loss": stats.loss, "train/lr": result.lr, "train/scale": stats.scale,
+        "train/loss": stats.objective, "train/lr": result.lr, "train/scale": stats.scale,
         "train/window_examples": stats.num_examples, "train/num_microbatches": stats.num_microbatches,
         "train/grad_norm": result.grad_norm,
         "train/samples_per_s": stats.num_examples / seconds, "train/image_tokens_per_s": valid / seconds,
@@ -114,9 +115,9 @@ class WindowStep:
                 grad_scaler=self.precision.scaler, terms=terms,
             )
             grad_norm = self._unscale_and_clip()
-        # the same on every rank, so every rank skips alike: the loss is L(W) of the whole window, the norm that of
+        # the same on every rank, so every rank skips alike: the objective is the whole window's, the norm that of
         # the synchronised gradients
-        bad = not (math.isfinite(stats.loss) and math.isfinite(grad_norm))
+        bad = not (math.isfinite(stats.objective) and math.isfinite(grad_norm))
         if bad:
             self._skip()
         else:

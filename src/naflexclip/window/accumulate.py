@@ -23,6 +23,7 @@ from naflexclip.window.state import LocalExchange, Window, WindowExchange, total
 from naflexclip.window.terms import TeacherFeatures, Term, TermCoefficients
 
 METHODS = ("cache", "replay")
+PAIR_TERM = "contrastive"  # the name of a pair loss of one term among the objective's terms (OpenCLIP's)
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,21 @@ class WindowStats:
     batch_sizes: tuple[int, ...]  # every microbatch in the window, rank-major
     terms: dict[str, float] | None = None  # a loss of several terms: each one's value (they sum to `loss`)
     example_terms: dict[str, float] | None = None  # each per-example part's value (1/Z(W)) Σ ℓ(i), before its weight
+    example_weights: dict[str, float] | None = None  # each per-example part's λ_k
+
+    @property
+    def objective_terms(self) -> dict[str, float]:
+        """Every term's share of the window objective before `s(W)`: the pair loss's (its terms, or `contrastive`),
+        each per-example part's `λ_k/Z_k Σ ℓ_k` — they sum to `objective`."""
+        pair = self.terms or {PAIR_TERM: self.loss}
+        weights = self.example_weights or {}
+        return {**pair, **{name: weights[name] * value for name, value in (self.example_terms or {}).items()}}
+
+    @property
+    def objective(self) -> float:
+        """The window objective the step optimises, before `s(W)`: `L(W) + Σ_k λ_k/Z_k(W) Σ ℓ_k`."""
+        return self.loss + sum(value for name, value in self.objective_terms.items()
+                               if name in (self.example_terms or {}))
 
 
 def _check_window(microbatches: Sequence[dict[str, Any]]) -> bool:
@@ -167,4 +183,5 @@ def accumulate_gradients(
         batch_sizes=tuple(all_sizes),
         terms=pair_terms,
         example_terms=example_values,
+        example_weights=dict(window.coefficients.weights) if window.coefficients else None,
     )

@@ -146,6 +146,7 @@ class TermCoefficients:
             if count <= 0:
                 raise ValueError(f"per-example term {name!r} counts {count:g} in the window (nothing to normalise)")
         self.names = [name for _, name in parts]
+        self.weights = {name: term.weights[name] for term, name in parts}
         self.counts = {name: count for name, count in zip(self.names, counts, strict=True)}
         self.coefficients = {name: scale * term.weights[name] / count
                              for (term, name), count in zip(parts, counts, strict=True)}
