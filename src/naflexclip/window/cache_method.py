@@ -17,6 +17,12 @@ from naflexclip.window.outputs import FEATURE_KEYS, SCALAR_KEYS, loss_precision
 from naflexclip.window.state import Window, backward, total
 
 
+def _grad(leaf: torch.Tensor) -> torch.Tensor:
+    """A leaf's gradient after the loss's backward (every live leaf the loss reads has one)."""
+    assert leaf.grad is not None
+    return leaf.grad
+
+
 def _scalar_leaves(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {key: local[key].detach().requires_grad_() for key in SCALAR_KEYS if key in local}
 
@@ -38,7 +44,7 @@ def whole_loss(window: Window, local: dict[str, torch.Tensor]) -> tuple[torch.Te
     # so multiply by R here and the average becomes the sum over ranks.
     rank, world = window.exchange.rank, window.exchange.world_size
     row_grads = {
-        key: leaves[key].grad[window.offset(key) : window.offset(key) + window.counts(key)[rank]] * world
+        key: _grad(leaves[key])[window.offset(key) : window.offset(key) + window.counts(key)[rank]] * world
         for key in window.live_keys
     }
     # every rank computed the same scalar gradients: the average over ranks is that value, once
