@@ -16,6 +16,13 @@ from test_train_loop import tiny_config
 from naflexclip.cli import main
 from naflexclip.parallel.process_group import init_distributed
 from naflexclip.train.loop import Trainer, train
+from naflexclip.window import TeacherFeatures
+
+
+def _teacher(trainer: Trainer) -> torch.nn.Module:
+    """The frozen teacher of a distilling run: the model of its `TeacherFeatures` term."""
+    [teacher] = [term.model for term in trainer.window_step.terms if isinstance(term, TeacherFeatures)]
+    return teacher
 
 
 @pytest.mark.slow
@@ -26,7 +33,7 @@ def test_a_distilled_run_logs_both_terms_and_leaves_the_teacher_frozen(tmp_path:
     cfg = tiny_config(tmp_path, "student", stop_after_steps=2, val_frequency=0, distill_model="tiny",
                       distill_pretrained=teacher_dir, distill_loss_weight=0.5)
     trainer = Trainer(cfg, init_distributed("cpu"))
-    teacher = trainer.window_step.teacher
+    teacher = _teacher(trainer)
     before = {n: p.detach().clone() for n, p in teacher.named_parameters()}
     trainer.fit()
     assert "distilling from --distill-model tiny" in capsys.readouterr().err
@@ -90,7 +97,7 @@ def test_a_tiny_student_learns_from_a_teacher_with_other_patches_reading_its_own
                       distill_pretrained=teacher_dir)
     trainer = Trainer(cfg, init_distributed("cpu"))
     read: list[tuple[int, int]] = []  # (patch dim, text length) of each teacher forward
-    trainer.window_step.teacher.register_forward_hook(
+    _teacher(trainer).register_forward_hook(
         lambda module, args, kwargs, out: read.append((kwargs["image"]["patches"].shape[2], kwargs["text"].shape[1])),
         with_kwargs=True)
     trainer.fit()
@@ -116,7 +123,7 @@ def test_a_student_with_patch_sizes_drawn_per_microbatch_learns_from_a_teacher_o
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, naflex_patch_sizes=(4, 8)))
     trainer = Trainer(cfg, init_distributed("cpu"))
     read: list[int] = []
-    trainer.window_step.teacher.register_forward_hook(
+    _teacher(trainer).register_forward_hook(
         lambda module, args, kwargs, out: read.append(kwargs["image"]["patches"].shape[-1]), with_kwargs=True)
     trainer.fit()
     assert read == [4 * 4 * 3] * cfg.accum_freq
