@@ -208,10 +208,13 @@ def test_resume_needs_the_same_pretrained_directory(tmp_path: Path, capsys: pyte
     flags = ["--logs", str(tmp_path / "logs"), "--name", "run", *TRAIN_FLAGS, "--val-frequency", "0"]
     assert main(["train", "--pretrained", str(source), "--stop-after-steps", "1", *flags]) == 0
     capsys.readouterr()
-    assert main(["train", "--resume", "latest", *flags]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--pretrained: the checkpoint has" in err[0], err
-    # with it, it continues (one more step shows it: the rest of the 3 epochs adds nothing to what is tested)
-    assert main(["train", "--pretrained", str(source), "--resume", "latest", "--stop-after-steps", "2", *flags]) == 0
+    # a resume starts from the run's saved settings: without --pretrained it continues from the run's own (one
+    # more step shows it: the rest of the 3 epochs adds nothing to what is tested)
+    assert main(["train", "--resume", "latest", "--stop-after-steps", "2", *flags]) == 0
     records = [json.loads(line) for line in (tmp_path / "logs" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
+    other = make_checkpoint(tmp_path / "other")
+    capsys.readouterr()
+    assert main(["train", "--pretrained", str(other), "--resume", "latest", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--pretrained: the checkpoint has" in err[0], err

@@ -74,6 +74,9 @@ class Setting:
     # why each rank of a job may have its own value (its device, its loader processes); "": every rank must agree,
     # checked before the first step (`train.train_config.check_ranks_agree`)
     per_rank: str = ""
+    # how this job runs on its hardware, not what it trains (--fsdp: exact either way): a resume takes the command
+    # line's value, not the run's saved one (a flag that is only switched on could not be switched off)
+    runtime: bool = False
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:

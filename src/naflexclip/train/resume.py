@@ -44,8 +44,9 @@ POLICY: dict[str, tuple[str, str]] = {key: (d.setting.rule, d.setting.why) for k
 def resumed_settings(values: dict[str, Any], given: set[str]) -> dict[str, Any]:
     """A command-line resume's TrainConfig keyword arguments (`values`, from the flags and their defaults): the
     run's saved settings, but for the flags given on the command line (`given`: parser destinations; the resume
-    then compares them with the saved ones, `refusal` and `changed_flags`) and those a resume does not compare
-    (IGNORE: where the run writes, when it stops, its devices, how it logs), which are this command line's.
+    then compares them with the saved ones, `refusal` and `changed_flags`), those a resume does not compare
+    (IGNORE: where the run writes, when it stops, its devices, how it logs) and how the job runs on its hardware
+    (`runtime`: --fsdp, --grad-checkpointing, --torchcompile), which are this command line's.
     `values` as they are when the checkpoint has no run state to read (a new run, a --remote-sync restore)."""
     resume, name = values.get("resume"), values.get("name")
     if resume is None or (resume == "latest" and name is None):
@@ -54,7 +55,8 @@ def resumed_settings(values: dict[str, Any], given: set[str]) -> dict[str, Any]:
     if run is None:
         return values
     saved = flat_config(run["config"])
-    keep = {key for key, d in SETTINGS.items() if d.setting.rule == IGNORE or any(dest in given for dest in d.reads)}
+    keep = {key for key, d in SETTINGS.items()
+            if d.setting.rule == IGNORE or d.setting.runtime or any(dest in given for dest in d.reads)}
     top = {key: saved[key] for key in saved if key in SETTINGS and key not in keep and "." not in key}
     data = {key.split(".", 1)[1]: saved[key] for key in saved
             if key in SETTINGS and key not in keep and key.startswith("data.")}

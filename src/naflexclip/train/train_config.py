@@ -204,7 +204,7 @@ class TrainConfig:
         f"{', '.join(DEVICE_CHOICES)} (default: cuda if available; cuda:<local rank> in a job)"))
     max_skipped_steps: int = setting(10, rule=APPLY, section=_OPTIMIZATION, help=(
         "stop after this many consecutive steps with a non-finite loss or gradient"))
-    fsdp: bool = setting(False, rule=APPLY, section=_DEVICES, openclip=False, help=(
+    fsdp: bool = setting(False, rule=APPLY, section=_DEVICES, openclip=False, runtime=True, help=(
         "shard the model with FSDP2 instead of DDP (needs several processes: torchrun, srun, mpirun)"))
     # how a checkpoint is written: either form resumes at any world size, under FSDP2, DDP or one process
     fsdp_checkpoint: str = setting("full", rule=IGNORE, section=_DEVICES, openclip="full",
@@ -216,10 +216,10 @@ class TrainConfig:
         "with --fsdp-checkpoint sharded: training continues while the shards are written (DCP's async_save); the "
         "next save waits for the previous one"))
     # recompute block activations in backward (both towers)
-    grad_checkpointing: bool = setting(False, rule=APPLY, section=_DEVICES, openclip=False, help=(
+    grad_checkpointing: bool = setting(False, rule=APPLY, section=_DEVICES, openclip=False, runtime=True, help=(
         "recompute each tower block's activations in backward: less memory, ~1.3x time; stays exact"))
     # torch.compile the towers' blocks (dynamic shapes)
-    torchcompile: bool = setting(False, rule=APPLY, section=_DEVICES, openclip=False, help=(
+    torchcompile: bool = setting(False, rule=APPLY, section=_DEVICES, openclip=False, runtime=True, help=(
         "torch.compile the towers (dynamic shapes: one graph per grad mode, not one per batch shape)"))
     dist_timeout: float = setting(1800.0, rule=IGNORE, section=_DEVICES,
                                   per_rank="how long this process waits for the others", help=(
