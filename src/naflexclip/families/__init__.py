@@ -18,8 +18,6 @@ from naflexclip.families import openclip, siglip2
 from naflexclip.processing.naflex_transform import NaFlexTransform, Processing, collate, default_processing
 
 if TYPE_CHECKING:
-    import torch
-
     from naflexclip.models.naflex_clip import NaFlexClip
 
 
@@ -39,7 +37,7 @@ class PretrainedFamily(Protocol):
     def load(self, path: str | Path, **overrides: Any) -> NaFlexClip:
         """Our model with the directory's architecture and every weight; `overrides` that keep the weights."""
 
-    def export(self, model: torch.nn.Module, path: str | Path, processor_dir: str | Path | None = None) -> Path:
+    def export(self, model: NaFlexClip, path: str | Path, processor_dir: str | Path | None = None) -> Path:
         """Write `model` as a directory of this family (with `processor_dir`'s tokenizer/processor files)."""
 
     def export_notes(self, path: Path) -> list[str]:
@@ -64,12 +62,13 @@ class NamedFamily(PretrainedFamily, Protocol):
 
 
 FAMILIES: tuple[PretrainedFamily, ...] = (siglip2, openclip)
+NAMED_FAMILIES: tuple[NamedFamily, ...] = (openclip,)  # those of FAMILIES that claim model names
 EXPORT_FORMATS = tuple(family.EXPORT_FORMAT for family in FAMILIES)
 
 
 def named_family(name: str) -> NamedFamily | None:
     """The family whose model name `name` is, or None (a preset, a directory, a typo)."""
-    return next((family for family in FAMILIES if hasattr(family, "claims_name") and family.claims_name(name)), None)
+    return next((family for family in NAMED_FAMILIES if family.claims_name(name)), None)
 
 
 def find_family(path: str | Path) -> PretrainedFamily | None:

@@ -136,20 +136,20 @@ def _timm_image(name: str, cfg: dict[str, Any]) -> tuple[ImageTowerConfig, dict[
     from timm.models.vision_transformer import Attention, Block, Mlp, VisionTransformer
 
     timm_name = cfg["timm_model_name"]
-    trunk = _timm_trunk(name, cfg)
+    trunk: Any = _timm_trunk(name, cfg)  # timm's modules: their attributes are read as the architecture
     if not isinstance(trunk, (VisionTransformer, NaFlexVit)):
         kind = type(trunk).__name__
         raise _refuse(name, f"its image tower is timm {timm_name!r} ({kind}), not a ViT NaFlexVit can carry")
     naflex = isinstance(trunk, NaFlexVit)
-    embeds = trunk.embeds if naflex else trunk
-    block = trunk.blocks[0]
+    embeds: Any = trunk.embeds if naflex else trunk
+    block: Any = trunk.blocks[0]
     problems = []
     if type(block) is not Block or type(block.attn) is not Attention or type(block.mlp) is not Mlp:
         problems.append(f"its blocks are {type(block).__name__}/{type(block.attn).__name__}/"
                         f"{type(block.mlp).__name__} (plain ViT blocks map)")
     elif not isinstance(block.attn.q_norm, torch.nn.Identity):
         problems.append("its attention normalises q and k")
-    pos = getattr(embeds, "pos_embed", None)
+    pos: Any = getattr(embeds, "pos_embed", None)
     if pos is None or (naflex and getattr(embeds, "pos_embed_type", "learned") != "learned"):
         problems.append("it has no learned position table (rotary or factorized position embeddings)")
     pool = cfg.get("timm_pool", "avg") if not naflex or cfg.get("timm_pool") else trunk.global_pool
@@ -169,7 +169,8 @@ def _timm_image(name: str, cfg: dict[str, Any]) -> tuple[ImageTowerConfig, dict[
     else:
         prefix = 0 if trunk.no_embed_class else trunk.num_prefix_tokens
         side = math.isqrt(pos.shape[1] - prefix)
-        grid = tuple(trunk.patch_embed.grid_size) if side * side != pos.shape[1] - prefix else (side, side)
+        patch_embed: Any = trunk.patch_embed
+        grid = tuple(patch_embed.grid_size) if side * side != pos.shape[1] - prefix else (side, side)
     act = type(block.mlp.act).__name__
     acts = {"GELU": "gelu", "GELUTanh": "gelu_tanh", "QuickGELU": "quick_gelu"}
     if act == "GELU" and getattr(block.mlp.act, "approximate", "none") == "tanh":

@@ -112,8 +112,9 @@ def resolve_pretrained(name: str, pretrained: str, cache_dir: str | None = None)
         raise OpenClipError(f"--pretrained {pretrained!r}: not a file, nor a pretrained tag of {name} "
                             f"(its tags: {', '.join(tags) or 'none'})")
     warn_activation_mismatch(name, pretrained, cfg)
-    looked: list[str] = []
+    looked = []
     if cfg.get("hf_hub"):
+        filenames: tuple[str, ...]
         repo_id, filename = os.path.split(cfg["hf_hub"].rstrip("/") if cfg["hf_hub"].endswith("/") else cfg["hf_hub"])
         if cfg["hf_hub"].endswith("/"):
             repo_id, filenames = cfg["hf_hub"].rstrip("/"), WEIGHT_FILES
@@ -186,6 +187,7 @@ def read_state_dict(file: str | Path) -> dict[str, torch.Tensor]:
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
+        state: Any
         try:
             state = load_file(str(path))
         except SafetensorError as error:

@@ -44,6 +44,8 @@ def _import_text(theirs: dict[str, torch.Tensor], custom_text: bool) -> dict[str
 def import_state_dict(model: NaFlexClip, theirs: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
     """Our state dict from an open_clip state dict of the model's name (every tensor of both sides accounted for)."""
     name = model.config.openclip_name
+    if name is None:
+        raise OpenClipError(f"{source}: the model is not an OpenCLIP name's, so open_clip's weights do not map to it")
     layout, img = weight_layout(name), model.config.image
     ours: dict[str, torch.Tensor] = {}
     used: set[str] = set()

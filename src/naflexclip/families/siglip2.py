@@ -279,8 +279,9 @@ def _read_file(file: Path, tensors: dict[str, torch.Tensor] | None) -> None:
     a truncated or damaged file is a Siglip2Error naming it."""
     try:
         with safe_open(str(file), framework="pt") as f:
-            for key in f.keys() if tensors is not None else ():
-                tensors[key] = f.get_tensor(key)
+            if tensors is not None:  # opening the file has read and checked its header
+                for key in f.keys():
+                    tensors[key] = f.get_tensor(key)
     except SafetensorError as error:
         raise Siglip2Error(f"{str(file)!r} is truncated or damaged ({str(error).strip()})") from None
 

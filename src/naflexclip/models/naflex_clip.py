@@ -185,6 +185,8 @@ class NaFlexClip(nn.Module):
     Attributes used by data code: `image_patch_size`, `context_length`, `vocab_size`.
     """
 
+    source_dir: str | None = None  # a pretrained directory's model: where its tokenizer and processor files are
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -293,8 +295,9 @@ class NaFlexClip(nn.Module):
         """One forward of the image tower (a NaFlex dict) giving both its normalised features `[B, embed_dim]` and its
         un-pooled tokens `[B, prefix + L, width]` with their validity `[B, prefix + L]` (what a decoder reads): the
         same computation as `encode_image`, which timm's `NaFlexVit.forward` splits the same way."""
-        tokens = self.visual.forward_features(image["patches"], patch_coord=image["patch_coord"],
-                                              patch_valid=image["patch_valid"], attn_mask=image.get("attn_mask"))
+        visual: Any = self.visual  # timm's NaFlexVit: a dict of tokens and validity for NaFlex inputs
+        tokens = visual.forward_features(image["patches"], patch_coord=image["patch_coord"],
+                                         patch_valid=image["patch_valid"], attn_mask=image.get("attn_mask"))
         valid = tokens["patch_valid"]
         pooled = self.visual.forward_head(tokens["patches"], patch_valid=valid)
         features = F.normalize(self.image_projection(pooled), dim=-1)

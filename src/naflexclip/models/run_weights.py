@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from naflexclip.checkpoints import storage as storage
 from naflexclip.models.naflex_clip import (
@@ -132,7 +131,7 @@ def load_run_model(path: str | Path, name: str | None = None, **overrides: Any) 
     return model
 
 
-def load_checkpoint_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Module, dict[str, Any]]:
+def load_checkpoint_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[NaFlexClip, dict[str, Any]]:
     """The trained model of a checkpoint (eval mode, on `device`) and its run's config as a plain dict; the
     architecture is the checkpoint's own (a later change to a preset does not break it)."""
     found = storage.load_checkpoint(path, device)
