@@ -1105,6 +1105,7 @@ def scenario_multi_positive(env: Any) -> dict[str, Any]:
                                        ("siglip", "soft", False), ("clip", "symmetric", True)):
         references: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
         teacher = build(loss, seed=1).eval() if distilled else None
+        terms = [TeacherFeatures(teacher)] if teacher is not None else []
 
         def loss_fn(tile: int = 1024, loss: str = loss, weighting: str = weighting, distilled: bool = distilled
                     ) -> torch.nn.Module:
@@ -1117,14 +1118,14 @@ def scenario_multi_positive(env: Any) -> dict[str, Any]:
             key = (mode, len(sizes))
             if key not in references:
                 full = concat_microbatches(split_batch(batch, sizes))
-                references[key] = full_batch_gradients(build(loss), loss_fn(), full, scale, [TeacherFeatures(teacher)])
+                references[key] = full_batch_gradients(build(loss), loss_fn(), full, scale, terms)
             _log(env, f"multi_positive {loss} {weighting} distilled={distilled} fsdp={fsdp} {method} {mode} {split}")
             model = wrap_model(build(loss), env, fsdp=fsdp)
             microbatches = _local_microbatches(batch, split, env.rank)
             accumulate_gradients(model, loss_fn(SHARD_TILE_SIZE), microbatches, loss_scale=mode,
                                  reference_batch_size=REFERENCE_BATCH_SIZE, method=method,
                                  exchange=window_exchange(env, model), no_sync=no_sync_context(model),
-                                 terms=[TeacherFeatures(teacher)])
+                                 terms=terms)
             objective = f"{loss}/{weighting}{'/distilled' if distilled else ''}"
             name = f"{'fsdp' if fsdp else 'ddp'}/{objective}/{method}/{mode}/{sizes}"
             results["exact"][name] = _errors(_gradients(model), references[key])

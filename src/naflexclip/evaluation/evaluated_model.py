@@ -1,5 +1,6 @@
 """The model an evaluation runs: a naflexclip checkpoint's, or a pretrained family's directory with the config an
-evaluation needs (its processor, its own patch budget, fp32)."""
+evaluation needs (its processor, its own patch budget, fp32). A checkpoint's LocCa decoder is attached, so that
+its metrics are evaluated with the towers'."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from naflexclip.data.data_config import DataConfig
 from naflexclip.families import find_family
 from naflexclip.models.run_weights import load_checkpoint_model
+from naflexclip.objectives import locca_decoder
 
 
 def evaluated_model(checkpoint: str, device: torch.device) -> tuple[torch.nn.Module, dict]:
@@ -23,4 +25,7 @@ def evaluated_model(checkpoint: str, device: torch.device) -> tuple[torch.nn.Mod
         data = DataConfig(hf_processor=checkpoint, naflex_seq_lens=(budget,), naflex_max_tokens_per_batch=32 * budget,
                           synthetic_val_size=512)
         return model, {"data": dataclasses.asdict(data), "precision": "fp32", "zero_shot_samples": 0}
-    return load_checkpoint_model(checkpoint, device)
+    model, config = load_checkpoint_model(checkpoint, device)
+    if locca_decoder.HEAD_SLOT in model.pending_heads and model.config.decoder is not None:
+        locca_decoder.attach_decoder(model, model.config.decoder).eval()
+    return model, config
