@@ -1,20 +1,9 @@
 """Sharded checkpoints (`--fsdp-checkpoint sharded`): every rank writes its own shards of the large named states
 (the model, the optimizer) through torch.distributed.checkpoint (DCP); no rank gathers them whole.
 
-    {checkpoint_dir}/{name}/
-        .metadata           DCP's index: each sharded state's tensors, their shapes and the file holding each piece
-        __{rank}_0.distcp   rank `rank`'s pieces (a DTensor's local shard; a tensor every rank holds, once)
-        train_state.pt      every other named state, written by rank 0 as in the full form (kilobytes)
-        checkpoint.json     step, epoch, `"format": "sharded"`, the sharded states' names, every file's size; last
-
-The folder is published as a full checkpoint is (`storage.publish`: a hidden `.tmp-*` folder, renamed into place
-once complete, then `latest`). The small states stay in `train_state.pt`: they are gathered to rank 0 anyway, and
-DCP would read their non-tensor values back with an unrestricted unpickler and drop their empty containers.
-
-Reading: `load_into` fills live state dicts (DTensors at any world size, or plain tensors under DDP or in one
-process) from the pieces each rank needs, so a checkpoint resumes at any world size; `read_whole` gathers one
-state whole in this process (eval, export, `--pretrained`, `consolidate`). Non-tensor values (the optimizer's
-param groups) are read back weights-only.
+The small states stay in rank 0's `train_state.pt`, and the folder is published as a full one (`storage.publish`).
+`load_into` fills live state dicts (DTensors at any world size, or plain tensors) from the pieces each rank needs;
+`read_whole` gathers one state whole in this process. docs/checkpoints.md#sharded-checkpoints---fsdp-checkpoint-sharded.
 """
 
 from __future__ import annotations

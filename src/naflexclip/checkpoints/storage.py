@@ -1,25 +1,8 @@
 """Checkpoint storage: one directory per save holding a mapping of named states; this module never looks
-inside a state. The layout, the states a training run saves and how a resume uses them: docs/checkpoints.md.
-
-    {checkpoint_dir}/{name}/
-        model.safetensors   the state named "model" (a flat mapping of tensors)
-        train_state.pt      every other named state, `{name: state}`, read back weights-only
-        checkpoint.json     step, epoch and every file's size; written last, so it marks a complete save
-    {checkpoint_dir}/latest the name of the newest complete checkpoint directory
-
-A sharded checkpoint (`checkpoints.sharded`) holds DCP's `.metadata` and each rank's shards in place of
-`model.safetensors`; this module publishes, finds and checks it alike.
-
-A save never removes the last complete checkpoint before the new one is complete and pointed to: it
-writes a hidden `.tmp-*` directory, fsyncs it, renames it to a name that is not in use, and only then
-moves `latest` (temp file + `os.replace`). Re-saving a name that exists (a resumed run reaching the same
-step) goes through `{name}.new`: pointer to it, old copy renamed aside, new copy renamed to `{name}`,
-pointer back. A crash at any moment leaves `latest` naming a complete checkpoint or, at worst, naming one
-that is gone while a complete copy of the same step is in place; `latest` then falls back to the
-complete checkpoint with the highest step (not the newest file time) and says so. Damaged files
-(truncated state, broken safetensors header, wrong size) are reported in one line and the next
-checkpoint by step is used. Leftover `.tmp-*` / `.old-*` directories of a crashed save are removed by
-the next save. Non-tensor state is read back with `torch.load(weights_only=True)`: no arbitrary pickle.
+inside a state. The state "model" goes to `model.safetensors`, every other to `train_state.pt` (read back
+weights-only), then `checkpoint.json` (step, epoch, file sizes) marks the save complete and `latest` names it.
+It publishes, finds and checks full and sharded (`checkpoints.sharded`) saves alike, never losing the last complete
+one, and falls back by step past a damaged or missing one. docs/checkpoints.md#layout and #crash-safety.
 """
 
 from __future__ import annotations

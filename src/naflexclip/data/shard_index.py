@@ -1,17 +1,9 @@
 """WebDataset shard index: each local `.tar` shard's samples as tar member offsets, read as a map-style source.
 
-Indexing reads tar headers only (no member data, no decoding). The index of a shard is cached as
-JSON beside it (`<shard>.naflexclip-index.json`), or under a cache directory when the shard's folder
-is not writable or `--shard-index-dir` is set; a cached index is used only while the shard's size and
-modification time are the ones it was built from. Shards in object storage (`s3://`, `gs://`, `hf://`,
-`https://`: `remote`) are indexed the same way from headers read by ranged requests (their index cached
-locally, stamped with size and ETag) and read by ranged requests of their members. Streams that cannot be
-indexed (`pipe:`, compressed tars) are read by `shards.shard_samples` instead.
-
-Grouping follows WebDataset (consecutive members with the same key are one sample), with one change:
-when a member's last suffix is an image or caption extension, its key is everything before that suffix,
-so `img.v2.3.jpg` + `img.v2.3.txt` is sample `img.v2.3` (WebDataset would make it `img` with extension
-`v2.3.jpg` and find no image); `k.seg.png` still joins sample `k`.
+Indexing reads tar headers only; an index is cached as JSON (beside the shard or under `--shard-index-dir`) and used
+while the shard's size and modification time (a remote object's size and ETag) are unchanged. Shards in object
+storage (`remote`) are indexed and read by ranged requests; streams that cannot be indexed go to
+`shards.shard_samples`. Grouping and caching: docs/data.md#your-own-data and #data-in-object-storage.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Distillation from a teacher (OpenCLIP's `--distill-model`, `--distill-pretrained`; `--distill-loss-weight`).
 
-The teacher is anything `create_model` builds (a preset, a pretrained directory such as SigLIP 2's, an OpenCLIP
-name), with the weights of a naflexclip checkpoint when `--distill-pretrained` names one, or for an OpenCLIP name
-whatever `--pretrained` takes with it (an open_clip_train checkpoint, a state dict, a tag in a local cache). It is
-frozen (no parameter requires a gradient) and in eval mode; the window (`accumulate_gradients(teacher=...)`) runs
-it once per microbatch without gradient and feeds its features, exchanged like the student's, to
-`naflexclip.loss.DistillLoss`. A teacher with the student's patch size, text context length and tokenizer/patching
-(`hf_processor`) reads the student's inputs, as in OpenCLIP; any other gets its own (`TeacherInputs`): the data
-pipeline processes the same samples for it too, into each microbatch's `teacher_inputs`.
+Owns the teacher: built by `create_model`, given its weights, frozen and in eval mode; the window runs it once per
+microbatch without gradient and feeds its features to `naflexclip.loss.DistillLoss`. A teacher whose inputs differ
+from the student's reads its own (`TeacherInputs`). docs/distillation.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """The LocCa decoder of SigLIP 2's recipe: captioning, referring expressions and grounded captioning from the image
 tower's un-pooled tokens.
 
-LocCa (Wan et al. 2024, https://arxiv.org/abs/2403.19596) attaches a transformer decoder that cross-attends to every
-token of the image tower and trains it on three tasks, boxes written as text tokens:
-  caption — the image's caption;
-  aref    — automatic referring expression: a region's caption in, the region's box out;
-  gcap    — grounded captioning: a region's box in, the region's caption out.
-SigLIP 2 (Tschannen et al. 2025, https://arxiv.org/abs/2502.14786, sec. 2.2) trains it beside the sigmoid loss, with
-half of the examples predicted in parallel (CapPa, Tschannen et al. 2023, https://arxiv.org/abs/2306.07915): the
-target positions all read a mask token and attend to each other without a causal mask. The decoder is dropped after
-training.
-
-Every example's loss is a sum over its target tokens (`DecoderOutput.token_loss_sum`), so the window normalises it
-by the target tokens of the whole window (docs/accumulation.md): a microbatch never divides by its own count.
-
-The decoder's blocks are open_clip's (`MultimodalTransformer`, CoCa's decoder: self-attention then cross-attention per
-layer), run with per-example masks (causal or parallel; padded image tokens hidden from cross-attention).
+Owns the decoder (open_clip's `MultimodalTransformer` blocks, with per-example causal or parallel masks) and its
+per-example loss: a sum over each example's target tokens (`DecoderOutput.token_loss_sum`), which the window
+normalises by the whole window's target tokens. docs/siglip2_recipe.md; the objective: docs/accumulation.md.
 """
 
 from __future__ import annotations

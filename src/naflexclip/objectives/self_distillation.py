@@ -1,33 +1,9 @@
 """Self-distillation (SILC) and masked prediction (TIPS) of SigLIP 2's recipe, with an EMA teacher.
 
-SigLIP 2 (Tschannen et al. 2025, https://arxiv.org/abs/2502.14786, sec. 2.3) adds two terms for the last 20% of
-training:
-  self_distill       — SILC (Naeem et al. 2023, https://arxiv.org/abs/2310.13355): the student sees local views of
-                       the image (8 of them; "a single global (teacher) view and 8 local (student) views") and matches
-                       the EMA teacher's representation of the full image, in a high-dimensional space computed by a
-                       separate MLP head;
-  masked_prediction  — TIPS (Maninis et al. 2024, https://arxiv.org/abs/2410.16512): 50% of the student's embedded
-                       patches are replaced by a mask token and the student matches the teacher's per-patch features at
-                       the masked positions, with the same loss applied per patch; teacher and student see the same
-                       view (up to the mask).
-
-On a NaFlex tower a local view is a sub-rectangle of an image's patch grid re-indexed as a shorter sequence: timm
-resamples the learned position table to the crop's grid as it does for every image's grid (a local crop is a
-smaller image of the same content, as DINO's 96-pixel local crops are). A mask is a boolean over the sequence; the
-mask token replaces the masked patches' embeddings (a hook on `visual.embeds.proj`, before the position table is
-added). Crops and masks are drawn from each example's `view_seed` (an `example_inputs` column), so every split of a
-window, every replay and the full-batch reference see the same views.
-
-The loss is DINO's (Caron et al. 2021, https://arxiv.org/abs/2104.14294), which SILC follows: a projection head
-(MLP → L2-normalised bottleneck → cosine logits against learned prototypes), the teacher's logits centred (the
-centre is run state, an EMA of the teacher's mean logits, updated after the optimizer step) and sharpened by a low
-temperature, the student's a softmax at a higher one, cross-entropy between the two. Every example's term is a sum
-(over its crops) or a mean (over its masked patches), and the window normalises both by its examples
-(docs/accumulation.md); a microbatch never divides by its own size.
-
-Simplifications (ours): one global view — the full image the pair loss sees — for the teacher, where SILC uses two
-augmented global crops; local crops are patch-grid rectangles of SILC's area range, without colour or blur
-augmentation; the masked-prediction head is a second head of the same shape (iBOT's separate patch head).
+Owns the local crops (patch-grid rectangles re-indexed as shorter NaFlex sequences) and patch masks drawn from each
+example's `view_seed`, the mask token, DINO's projection heads, the EMA teacher and `SelfDistillTerm`: per example a
+sum over its crops and a mean over its masked patches, which the window normalises by its examples.
+The loss, the paper's settings and our simplifications: docs/siglip2_recipe.md#self-distillation-and-masked-prediction.
 """
 
 from __future__ import annotations

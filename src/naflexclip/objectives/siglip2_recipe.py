@@ -1,18 +1,9 @@
 """SigLIP 2's training recipe: the objectives beside the sigmoid loss (`--recipe siglip2`, `--locca-loss-weight`).
 
-SigLIP 2 (Tschannen et al. 2025, https://arxiv.org/abs/2502.14786, sec. 2.2) trains the image tower with a LocCa
-decoder (`naflexclip.objectives.locca_decoder`) beside the sigmoid loss. The decoder's term is a
-per-example term of the window objective (`naflexclip.window.Term`), normalised by the window's target tokens:
-
-    J(W) = s(W) · [ L_sigmoid(W) + λ_locca · (1 / T(W)) · Σ_{i ∈ W} Σ_{t ∈ targets(i)} CE_i,t ]
-
-and, from `--self-distill-start` (SigLIP 2 sec. 2.3: the last 20% of training), the self-distillation (SILC) and
-masked-prediction (TIPS) terms against an EMA teacher (`naflexclip.objectives.self_distillation`), each normalised by
-the window's
-examples `N(W)`:
-
-    + λ_sd · (1 / N(W)) · Σ_i Σ_{crops c of i} CE(teacher(i), student(c))
-    + λ_mp · (1 / N(W)) · Σ_i mean_{masked patches p of i} CE(teacher(i, p), student_masked(i, p))
+Owns what the recipe adds to a run: the LocCa decoder's term (`objectives.locca_decoder`), normalised by the
+window's target tokens, and from `--self-distill-start` the self-distillation and masked-prediction terms
+(`objectives.self_distillation`), normalised by the window's examples. The recipe: docs/siglip2_recipe.md; the
+objective: docs/accumulation.md#the-window-objective-per-example-terms-siglip-2s-decoder.
 """
 
 from __future__ import annotations

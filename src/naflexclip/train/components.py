@@ -1,20 +1,9 @@
 """The run's state, one owner per piece: each component saves and restores itself through `state_dict()` /
 `load_state_dict()` (torchtitan's `Stateful`), and a `Checkpointer` stores them by name.
 
-    model        the full model weights (gathered from every rank's shards; model.safetensors)
-    optimizer    AdamW's full state (this run's hyperparameters are kept on load)
-    lr_schedule  the lr schedule (`LrSchedule`)
-    scaler       the fp16 grad scaler (`Precision`; empty without one)
-    data         every rank's loader position
-    rng          every rank's random streams
-    progress     step, epoch, microbatch position, skipped steps, samples and image tokens seen
-    reporter     each logging sink's position (`Reporter`)
-    evaluation   the evaluations so far (`Evaluator`; the summary's "before" column)
-
-`run` is saved beside them and loaded into nothing: the config, the architecture and the world size, which the
-resume policy (`train.resume`) compares with the resuming run. Per-rank states are gathered to the main rank;
-every rank must call `state_dict()` (some gather with collectives), and every rank loads the whole checkpoint
-and takes its own part.
+`run` (config, architecture, world size) is saved beside them and loaded into nothing: `train.resume` compares it.
+Every rank must call `state_dict()` (some states gather with collectives; the main rank writes), and every rank
+loads the whole checkpoint and takes its own part. The named states: docs/checkpoints.md#the-named-states.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """The resume policy, in one place: what a resumed run may change, what it refuses, what is re-mapped; and the
 resume itself (find the checkpoint, check it, restore every component, continue the logs).
 
-A resume from the command line starts from the run's saved settings (`resumed_settings`): the flags given change
-them, and continues the checkpoint exactly or refuses in one line naming the flag and both values. `POLICY`, made
-from each setting's declared rule (`naflexclip.settings`), says what each flag means to it; an applied one is named
-in one notice ("resume applies changed flags: --wd 0.1 -> 0.05, ..."). Besides the flags:
-
-- the architecture (the checkpoint's own, `run.model_config`) and the weights must fit the model this run builds;
-- the world size may change only where the saved data position is a place in the epoch's global sample order
-  (`DataPosition.remaps`): the epoch is then re-planned from it; rank r continues rank r's random stream;
-- the lr schedule continues as saved unless a flag that defines it (`RESCHEDULE`) or the world size changed:
-  then this run's schedule, spanning the steps actually left from the resumed (re-planned) position, replaces it;
-- the optimizer keeps this run's hyperparameters (`OptimizerState`);
-- the logs continue after the resumed step (each sink cut back or told) only for this run's own checkpoints;
-- `--resume latest` with `--remote-sync` first restores the run folder from its backup when the backup is ahead
-  (`remote_sync.restore_from_backup`), so a run moved to a new node continues the backup's latest checkpoint.
+A resume starts from the run's saved settings (`resumed_settings`); `POLICY`, from each setting's declared rule
+(`naflexclip.settings`), refuses a changed flag in one line or applies it and names it in one notice. The rules on
+the architecture, the world size, the lr schedule, the optimizer, the logs and `--remote-sync`:
+docs/checkpoints.md#what-a-resume-may-change.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """The accumulation window: one scale per optimizer step, and two exact ways to accumulate.
 
-A window is every microbatch behind one optimizer step (all ranks). After `accumulate_gradients`, the parameters'
-`.grad` holds (after DDP/FSDP averaging) `s(W) · ∇θ J(W)`, `J(W)` the pair loss of all `N` pairs as one batch plus
-the objectives' terms, and `s(W)` `window_loss_scale` over every microbatch size in the window — however the same
-ordered examples are split into microbatches and ranks. docs/accumulation.md has the math.
-
-What each part owns: `scale` the scale policy `s(W)`; `terms` what an objective adds to `J(W)` (`Term`) and the
-only place their coefficients are computed; `state` the window's shared state and forwards; `cache_method` and
-`replay_method` the two methods; `accumulate` the entry point. The window knows nothing of loaders, optimizers,
-logging, process groups or which objectives exist: distributed feature exchange comes in as a `WindowExchange`,
-gradient-sync suppression as a `no_sync` context factory, objectives as terms.
+After `accumulate_gradients`, `.grad` holds (after DDP/FSDP averaging) `s(W) · ∇θ J(W)` for the window's examples
+as one batch, however they are split into microbatches and ranks. The window knows nothing of loaders, optimizers,
+logging, process groups or which objectives exist: exchange comes in as a `WindowExchange`, gradient-sync
+suppression as a `no_sync` factory, objectives as terms. docs/accumulation.md#the-contract; parts: docs/code_map.md.
 """
 
 from naflexclip.rng import RngState

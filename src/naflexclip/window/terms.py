@@ -1,16 +1,9 @@
 """The terms of the window objective beyond the pair loss, and their coefficients.
 
-    J(W) = s(W) · [ L_window + Σ_k λ_k / Z_k(W) · Σ_{i∈W} ℓ_k(i) ]        (docs/accumulation.md)
-
-A `Term` is what one objective adds to `J(W)`; the window runs every term the same way and knows none by name:
-  constants       — computed once per microbatch without gradient in the cache phase, never replayed (a frozen
-                    teacher's features or targets);
-  loss inputs     — constants handed to the pair loss after the student's rows (a distillation teacher's features,
-                    exchanged across ranks like the student's): their term is part of `L_window`;
-  parts           — per-example losses `ℓ_k(i)`, each example's sum over its tokens, crops or patches, computed from
-                    the microbatch's grad forward (`example_losses`), with their weights `λ_k` and each microbatch's
-                    share of `Z_k(W)` (`count`), read from its data.
-`TermCoefficients` is the only place a coefficient `s(W)·λ_k/Z_k(W)` is computed.
+A `Term` is what one objective adds to `J(W)`: constants computed once per microbatch without gradient (never
+replayed), loss inputs handed to the pair loss after the student's rows, and per-example parts `ℓ_k(i)` with their
+weights `λ_k` and each microbatch's share of `Z_k(W)`. `TermCoefficients` is the only place a coefficient
+`s(W)·λ_k/Z_k(W)` is computed. docs/accumulation.md#the-window-objective-per-example-terms-siglip-2s-decoder.
 """
 
 from __future__ import annotations
