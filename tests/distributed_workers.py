@@ -75,6 +75,11 @@ EVAL_TIMEOUT_S = 5.0  # trainer_faults: a collective timeout that rank 0's slow 
 # ----------------------------------------------------------------------------------------- parent side
 
 
+def ema_schedule(trainer):
+    """The run's SigLIP 2 self-distillation schedule (its EMA teacher), or None."""
+    return next(iter(trainer.window_step.term_schedules), None)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -1026,9 +1031,9 @@ def scenario_self_distill_train(env: Any, out_dir: Path) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     from naflexclip.data import DataConfig
+    from naflexclip.objectives.self_distill_schedule import SelfDistillation
     from naflexclip.objectives.self_distillation import EmaTeacher
     from naflexclip.train import loop
-    from naflexclip.train.self_distill_schedule import SelfDistillation
     from naflexclip.train.train_config import TrainConfig
 
     results: dict[str, Any] = {}
@@ -1062,7 +1067,7 @@ def scenario_self_distill_train(env: Any, out_dir: Path) -> dict[str, Any]:
 
         trainer.train_step = train_step  # type: ignore[method-assign]
         trainer.train_epoch()
-        component = trainer.window_step.self_distill
+        component = ema_schedule(trainer)
         teacher = component.teacher
         placements = [[repr(p.placements) if isinstance(p, DTensor) else "whole" for p in pair]
                       for pair in teacher.student_parameters(trainer.model)]

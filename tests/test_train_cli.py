@@ -13,6 +13,7 @@ from naflexclip.cli import build_parser, main
 from naflexclip.models.factory import create_model
 from naflexclip.models.lock import Locks
 from naflexclip.objectives.distillation import Distill
+from naflexclip.objectives.registry import ObjectiveFlags
 from naflexclip.objectives.siglip2_recipe import Recipe
 from naflexclip.train.optim import LrSchedule, create_optimizer, param_groups
 from naflexclip.train.train_command import config_from_args
@@ -66,18 +67,17 @@ def test_config_roundtrips_through_a_dict() -> None:
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
 
 
-def test_run_config_keeps_the_flag_groups_fields_flat_where_they_were_saved() -> None:
-    """TrainConfig declares the lock, distill and recipe fields from their groups (`Locks`, `Distill`, `Recipe`):
-    a saved run config still lists them flat, in their old place, and one saved before loads into the groups."""
+def test_run_config_keeps_the_flag_groups_fields_flat() -> None:
+    """TrainConfig takes the lock fields from `Locks` and every registered objective's flags (`Distill`, `Recipe`,
+    several captions per image): a saved run config lists them flat, the objectives' last, and one saved before
+    loads into the groups."""
     keys = list(TrainConfig(model="tiny").to_dict())
-    recipe = [f.name for f in dataclasses.fields(Recipe)]
-    start = keys.index("distill_loss_weight") + 1
-    assert keys[start:start + len(recipe)] == recipe and keys[start + len(recipe)] == "multi_positive"
     locks = [f.name for f in dataclasses.fields(Locks)]
     start = keys.index("cache_dir") + 1
     assert keys[start:start + len(locks) + 1] == [*locks, "openclip_built_in"]
-    distill = [f.name for f in dataclasses.fields(Distill)]
-    assert keys[keys.index("openclip_built_in") + 1:keys.index("recipe")] == distill
+    objectives = [f.name for f in dataclasses.fields(ObjectiveFlags)]
+    assert keys[-len(objectives):] == objectives
+    assert {"distill_model", "recipe", "multi_positive"} <= set(objectives)
     saved = json.loads(json.dumps(TrainConfig(model="tiny").to_dict()))  # as a checkpoint's run config holds it
     saved.update(recipe="siglip2", locca_loss_weight=0.5, mask_ratio=0.25, lock_text=True, lock_text_unlocked_layers=1,
                  distill_loss_weight=0.5)

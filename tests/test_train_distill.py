@@ -78,7 +78,7 @@ def test_verify_proves_a_distilled_window_with_the_students_or_its_own_inputs_an
     assert main(["verify", "--splits", "1", "--accum-freq", "3", "--batch-size", "2", "--accum-method", "cache",
                  "--distill-model", "small"]) == 0
     out = capsys.readouterr().out
-    assert "PASS" in out and "its own inputs of the same rows (patch size 16, context length 32)" in out
+    assert "PASS" in out and "its own inputs of the same samples (patch size 16, context length 32)" in out
     # and with several captions per image: the teacher's own tokens of every caption
     assert main(["verify", "--splits", "1", "--accum-freq", "3", "--batch-size", "2", "--accum-method", "cache",
                  "--distill-model", "small", "--multi-positive"]) == 0
@@ -110,7 +110,7 @@ def test_a_tiny_student_learns_from_a_teacher_with_other_patches_reading_its_own
                  "--accum-freq", "3", "--accum-method", "cache", "--distill-model", "small",
                  "--distill-pretrained", teacher_dir]) == 0
     out = capsys.readouterr().out
-    assert "window (loader)" in out and "its own inputs of the same rows (patch size 16" in out and "PASS" in out
+    assert "window (loader)" in out and "its own inputs of the same samples (patch size 16" in out and "PASS" in out
 
 
 @pytest.mark.slow

@@ -130,6 +130,23 @@ def test_a_checkpoints_decoder_and_heads_go_to_the_objectives_that_attach_them(t
         assert config_to_dict(prepared.config) == run["model_config"] and not prepared.pending_heads
 
 
+def test_a_pretrained_runs_heads_no_objective_attaches_are_named_not_dropped_silently(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--pretrained a recipe run without --recipe: the towers train on, and the start says in one line that the
+    run's LocCa decoder and self-distillation heads are not part of this run (with the flag that would keep them)."""
+    torch.manual_seed(0)
+    trained = Recipe(recipe="siglip2").prepare(create_model("tiny", loss="siglip"), self_distill=True)
+    run = {"config": {"model": "tiny", "loss": "siglip"}, "model_config": config_to_dict(trained.config)}
+    save_checkpoint(tmp_path / "recipe_run" / "checkpoints", "step_00000001", {"model": trained.state_dict(),
+                                                                              "run": run}, step=1, epoch=0)
+    assert main(["train", "--model", "tiny", "--pretrained", str(tmp_path / "recipe_run" / "checkpoints"),
+                 "--epochs", "1", "--stop-after-steps", "1", "--device", "cpu", "--logs", str(tmp_path), "--name",
+                 "towers", "--val-frequency", "0", "--zero-shot-samples", "16", *TINY_DATA_FLAGS]) == 0
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "not trained by this run" in line]
+    assert len(lines) == 1 and "decoder" in lines[0] and "self_distill" in lines[0] and "--recipe" in lines[0]
+
+
 def test_decoder_eval_scores_a_perfect_decoder_1_and_a_shifted_box_0(monkeypatch: pytest.MonkeyPatch) -> None:
     from contextlib import nullcontext
 

@@ -52,7 +52,7 @@ def test_the_terms_switch_on_at_self_distill_start_and_the_teacher_runs_once_per
         result = real_step(microbatches)
         per_step.append((trainer.progress.step + 1, result.stats.num_microbatches, len(forwards),
                          sorted(result.stats.example_terms or {}),
-                         trainer.window_step.self_distill.teacher is not None))
+                         ema_schedule(trainer).teacher is not None))
         return result
 
     trainer.train_step = train_step
@@ -65,7 +65,7 @@ def test_the_terms_switch_on_at_self_distill_start_and_the_teacher_runs_once_per
     assert ["loss/self_distill" in r for r in logged] == [False, False, True]
     assert logged[-1]["loss/self_distill"] > 0 and logged[-1]["loss/masked_prediction"] > 0
     # the teacher moved towards the student after step 3's update (momentum 0.996), and is not the student
-    teacher = trainer.window_step.self_distill.teacher
+    teacher = ema_schedule(trainer).teacher
     pairs = teacher.student_parameters(trainer.model)
     assert any(not torch.equal(t, s) for t, s in pairs)
     assert bool(teacher.global_center.abs().sum() > 0)
@@ -163,7 +163,7 @@ def test_view_seeds_are_a_function_of_seed_epoch_and_sample(tmp_path: Path) -> N
 
 def test_a_locked_image_tower_turns_the_image_side_self_distillation_off_in_one_line(tmp_path: Path) -> None:
     trainer = Trainer(_small_config(tmp_path, lock_image=True), init_distributed("cpu"))
-    assert trainer.module.self_distill is None and trainer.window_step.self_distill is None
+    assert trainer.module.self_distill is None and ema_schedule(trainer) is None
     assert "ema_teacher" not in trainer.checkpointer.components
     lines = [line for line in trainer.opening if "self-distillation" in line]
     assert lines == ["--lock-image: the image tower is locked, so self-distillation and masked prediction (both "
@@ -205,8 +205,8 @@ def test_under_fsdp2_the_teacher_is_sharded_like_the_student_and_trains_as_under
 def test_the_teacher_is_built_at_the_switch_and_a_skipped_step_leaves_it_as_it_was() -> None:
     from naflexclip.audit.verify_command import random_naflex_batch
     from naflexclip.models.naflex_clip import NaFlexClip, model_config
+    from naflexclip.objectives.self_distill_schedule import SelfDistillation
     from naflexclip.objectives.siglip2_recipe import Recipe
-    from naflexclip.train.self_distill_schedule import SelfDistillation
 
     torch.manual_seed(0)
     recipe = Recipe(self_distill_loss_weight=1.0, local_crops=2, self_distill_start=0.5)
@@ -283,7 +283,7 @@ def test_a_recipe_run_trains_the_reweighted_weights_and_says_so_in_its_start_lin
     monkeypatch.setitem(recipe.SIZE_FACTORS, (32, 2), ("B", 0.25))
     trainer = Trainer(_small_config(tmp_path, recipe="siglip2", self_distill_loss_weight=None,
                                     masked_prediction_loss_weight=None), init_distributed("cpu"))
-    terms = trainer.window_step.self_distill.recipe.term_weights(progress=1.0)
+    terms = ema_schedule(trainer).recipe.term_weights(progress=1.0)
     assert terms == {"locca": 1.0, SELF_DISTILL: 0.25, MASKED_PREDICTION: 0.0625}
     [line] = [line for line in trainer.opening if "self-distillation" in line]
     assert ("+ 0.25 · self_distill + 0.0625 · masked_prediction (per example of the window; --recipe siglip2's "
@@ -380,8 +380,8 @@ def test_a_resume_that_moves_the_switch_later_drops_the_teacher_and_builds_it_ag
     it kept following the student by EMA through them) and built again from the student at the new switch."""
     from naflexclip.audit.verify_command import random_naflex_batch
     from naflexclip.models.naflex_clip import NaFlexClip, model_config
+    from naflexclip.objectives.self_distill_schedule import SelfDistillation
     from naflexclip.objectives.siglip2_recipe import Recipe
-    from naflexclip.train.self_distill_schedule import SelfDistillation
 
     torch.manual_seed(0)
     first = Recipe(self_distill_loss_weight=1.0, local_crops=2, self_distill_start=0.5)
@@ -436,3 +436,8 @@ def test_every_openclip_siglip2_name_gets_the_factor_of_its_size() -> None:
         image = model_config(name).image
         scaled, note = Recipe(recipe="siglip2").for_model_size(image.width, image.depth)
         assert scaled.value("self_distill_loss_weight") == factor and f"size {size} " in note, name
+
+
+def ema_schedule(trainer):
+    """The run's SigLIP 2 self-distillation schedule (its EMA teacher), or None."""
+    return next(iter(trainer.window_step.term_schedules), None)

@@ -108,7 +108,7 @@ def test_verify_recipe_siglip2_passes_and_its_per_microbatch_column_fails(capsys
     argv = ["verify", "--recipe", "siglip2", "--splits", "1", "--accum-freq", "3", "--batch-size", "2"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "PASS" in out and "LocCa decoder loss / the window's target tokens" in out
+    assert "PASS" in out and "locca (per target token of the window)" in out
     decoder_rows = [line.split() for line in out.splitlines() if line.startswith("decoder.")]
     assert decoder_rows and all(row[-2] == "ok" and float(row[-1]) > 1e-3 for row in decoder_rows)
 

@@ -111,4 +111,4 @@ def test_verify_proves_a_multi_positive_window(capsys: pytest.CaptureFixture) ->
     assert main(["verify", "--multi-positive", "--distill-model", "tiny", "--splits", "1", "--accum-freq", "2",
                  "--batch-size", "2"]) == 0
     out = capsys.readouterr().out
-    assert "PASS" in out and "multi-positive InfoNCE" in out and "distill from --distill-model tiny" in out
+    assert "PASS" in out and "multi-positive InfoNCE" in out and "distilling from --distill-model tiny" in out

@@ -5,11 +5,14 @@ their windows from these.
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from naflexclip.objectives.multi_positive import grouped_window
 
 
 def random_naflex_batch(
@@ -54,13 +57,8 @@ def random_grouped_batch(num_images: int, *, max_captions: int = 3, generator: t
                          **kwargs: Any) -> dict[str, Any]:
     """A grouped NaFlex batch: `num_images` random images, each with 1 to `max_captions` random captions (its
     group), the captions in image order; group ids `image_group [N]`, `text_group [M]` (arbitrary integers)."""
-    gen = generator or torch.Generator().manual_seed(0)
-    captions = torch.randint(1, max_captions + 1, (num_images,), generator=gen)
-    images = random_naflex_batch(num_images, generator=gen, **kwargs)
-    texts = random_naflex_batch(int(captions.sum()), generator=gen, **kwargs)["text"]
-    ids = torch.randperm(10 * num_images, generator=gen)[:num_images]
-    return {"image": images["image"], "text": texts, "image_group": ids,
-            "text_group": torch.repeat_interleave(ids, captions)}
+    draw = functools.partial(random_naflex_batch, **kwargs)
+    return grouped_window(num_images, draw, generator or torch.Generator().manual_seed(0), max_captions)
 
 
 def random_split_sizes(num_examples: int, num_microbatches: int, rng: random.Random) -> list[int]:

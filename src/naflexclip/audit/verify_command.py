@@ -12,8 +12,9 @@ windows `naflexclip.audit.random_windows`.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,19 +35,20 @@ from naflexclip.audit.gradient_audit import (
     verify_window,
 )
 from naflexclip.audit.random_windows import random_grouped_batch, random_naflex_batch, random_split_sizes
-from naflexclip.batch import EXAMPLE_INPUTS, TEACHER_INPUTS, batch_size, concat_microbatches, to_device
-from naflexclip.data import DataError, TeacherInputs, add_data_args, build_loader, data_config_from_args
+from naflexclip.batch import EXAMPLE_INPUTS, batch_size, concat_microbatches, to_device
+from naflexclip.data import DataError, add_data_args, build_loader, data_config_from_args
 from naflexclip.data.data_config import VERIFY_DATA_DEFAULTS
 from naflexclip.families import data_processing
-from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES, MULTI_POSITIVE_WEIGHTINGS, MultiPositiveLoss, create_loss
+from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES, create_loss
 from naflexclip.models.factory import create_model
 from naflexclip.models.lock import Locks, add_lock_args, lock_summary
 from naflexclip.models.naflex_clip import PRESETS
 from naflexclip.models.run_weights import load_checkpoint_model
-from naflexclip.objectives.distillation import Distill, add_distill_args
-from naflexclip.objectives.siglip2_recipe import RECIPE_LOSS, Recipe, add_recipe_args
+from naflexclip.objectives import registry
+from naflexclip.objectives.objective import BuildContext, Objective
 from naflexclip.parallel.process_group import DEVICE_CHOICES, check_device
-from naflexclip.window import METHODS, SCALE_MODES, TeacherFeatures
+from naflexclip.settings import add_arguments
+from naflexclip.window import METHODS, SCALE_MODES
 
 # re-exported: the random windows and the audit were this module's, and tests and benchmarks import them from here
 __all__ = ["FLOAT32_TOLERANCE", "FLOAT64_TOLERANCE", "POS_EMBED_TOLERANCE", "GroupResult", "VerifyResult",
@@ -104,14 +106,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--grad-checkpointing", action="store_true",
                         help="accumulate with activation checkpointing in both towers (the reference without)")
     add_lock_args(parser)
-    add_distill_args(parser)
-    add_recipe_args(parser)
-    g = parser.add_argument_group("several captions per image")
-    g.add_argument("--multi-positive", action="store_true",
-                   help="a random window of images with 1-3 captions each (group ids), under the multi-positive loss "
-                        "(clip: multi-positive InfoNCE; siglip: SigLIP+)")
-    g.add_argument("--multi-positive-weighting", default="symmetric", choices=tuple(MULTI_POSITIVE_WEIGHTINGS),
-                   help="SigLIP+'s positive weights: symmetric (α = β = ½), asymmetric (α = 1, β = 0), soft (labels)")
+    for objective in registry.OBJECTIVES:  # every registered objective's flags
+        add_arguments(parser, objective.flags)
     # unset lock flags take a --checkpoint's own (see _setup)
     parser.set_defaults(**dict.fromkeys(Locks().as_dict()))
     # a real window: the first --accum-freq batches the loader yields (with --train-data, --checkpoint,
@@ -128,14 +124,17 @@ class VerifySetup:
     reference_batch_size: int | None
     loss_scale: str
     hf_processor: str | None = None  # a pretrained family's tokenizer and patching (SigLIP 2, an OpenCLIP name)
-    teacher_inputs: TeacherInputs | None = None  # a teacher's own processing, when it reads other inputs
+    objectives: list[Objective] = field(default_factory=list)  # the objectives the flags turn on, checked
+    notes: list[str] = field(default_factory=list)  # what they changed for this model (`Objective.prepare`)
 
 
 def _setup(args: argparse.Namespace) -> VerifySetup:
     """Model and window settings: flags first, then the checkpoint's training config, then defaults."""
     trained: dict[str, Any] = {}
-    if args.loss is None and args.recipe in RECIPE_LOSS and not (args.checkpoint or args.pretrained):
-        args.loss = RECIPE_LOSS[args.recipe]  # --recipe siglip2: a model from scratch trains the sigmoid loss
+    objectives = registry.enabled_objectives(args, training=False)
+    kinds = [kind for objective in objectives if (kind := objective.pair_loss_kind())]
+    if args.loss is None and kinds and not (args.checkpoint or args.pretrained):
+        args.loss = kinds[0]  # --recipe siglip2: a model from scratch trains the sigmoid loss
     if args.checkpoint:
         try:
             model, trained = load_checkpoint_model(args.checkpoint)
@@ -153,16 +152,21 @@ def _setup(args: argparse.Namespace) -> VerifySetup:
             return flag_value
         return trained.get(key) if trained.get(key) is not None else default
 
-    Locks(**{key: pick(getattr(args, key), key, default) for key, default in Locks().as_dict().items()}).apply(model)
+    locks = Locks(**{key: pick(getattr(args, key), key, default) for key, default in Locks().as_dict().items()})
+    locks.apply(model)
     processor = trained.get("data", {}).get("hf_processor")
     name = model.config.openclip_name
     # an OpenCLIP name's tokenizer and mean/std: for its data, and for a teacher's to be compared with
-    if processor is None and name is not None and (_uses_loader(args) or args.distill_model is not None):
+    compared = any(objective.compares_processing for objective in objectives)
+    if processor is None and name is not None and (_uses_loader(args, objectives) or compared):
         from naflexclip.families import openclip
 
         processor = openclip.processor_spec(name, openclip.tokenizer_dir(name, args.pretrained, args.cache_dir))
     setup = VerifySetup(model, loss, pick(args.accum_freq, "accum_freq", 4), pick(args.batch_size, "batch_size", 4),
-                        pick(args.naflex_loss_scale, "naflex_loss_scale", "linear"), processor)
+                        pick(args.naflex_loss_scale, "naflex_loss_scale", "linear"), processor, objectives)
+    # what the objectives train beside the towers (a decoder, heads), after the locks: as the checkpoint's run had it
+    setup.notes = [note for objective in objectives
+                   for note in objective.prepare(model, image_locked=locks.image_fully_locked)]
     if setup.accum_freq < 1:
         raise ValueError(f"--accum-freq must be ≥ 1, got {setup.accum_freq}")
     if setup.reference_batch_size is not None and setup.reference_batch_size < 1:
@@ -181,20 +185,17 @@ def _data_flag(args: argparse.Namespace) -> str | None:
     return "--dataset-type synthetic" if args.dataset_type == "synthetic" else None
 
 
-def _random_window_only(args: argparse.Namespace) -> str | None:
-    """The flags of an objective verify checks on a random window it draws itself (several captions per image, the
-    recipe's decoder examples and view seeds), or None."""
-    if args.multi_positive:
-        return "--multi-positive"
-    if Recipe.pick(args).term_weights(1.0):
-        return "--recipe / --locca-loss-weight / --self-distill-loss-weight / --masked-prediction-loss-weight"
-    return None
+def _random_window_only(objectives: list[Objective]) -> str | None:
+    """The flags of the objectives verify checks on a random window it draws itself (several captions per image,
+    the recipe's decoder examples and view seeds), or None."""
+    flags = [flag for objective in objectives if (flag := objective.random_window_flags())]
+    return " and ".join(flags) or None
 
 
-def _uses_loader(args: argparse.Namespace) -> bool:
-    """The window comes from data: a data flag, or --checkpoint's data unless the objective's window is random (then
+def _uses_loader(args: argparse.Namespace, objectives: list[Objective]) -> bool:
+    """The window comes from data: a data flag, or --checkpoint's data unless an objective's window is random (then
     the checkpoint's model is checked on a random window)."""
-    return bool(_data_flag(args) or (args.checkpoint and not _random_window_only(args)))
+    return bool(_data_flag(args) or (args.checkpoint and not _random_window_only(objectives)))
 
 
 def loader_window(args: argparse.Namespace, setup: VerifySetup) -> tuple[dict[str, Any], list[int]]:
@@ -205,10 +206,12 @@ def loader_window(args: argparse.Namespace, setup: VerifySetup) -> tuple[dict[st
         raise ValueError(f"--naflex-patch-sizes {' '.join(map(str, cfg.naflex_patch_sizes or ()))}: verify's "
                          "full-batch reference is one batch of the window's microbatches, so one patch size (mixed "
                          "sizes are exact in the window: tests/test_window_patch_sizes.py)")
+    processing = data_processing(cfg.hf_processor, setup.model.image_patch_size, cfg.augment)
     loader = build_loader(cfg, split="train", patch_size=setup.model.image_patch_size,
                           context_length=setup.model.context_length,
-                          processing=data_processing(cfg.hf_processor, setup.model.image_patch_size, cfg.augment),
-                          teacher=setup.teacher_inputs)
+                          processing=processing,
+                          **{key: value for objective in setup.objectives
+                             for key, value in objective.loader_inputs(setup.model, processing).items()})
     microbatches = list(itertools.islice(iter(loader), setup.accum_freq))
     if len(microbatches) < setup.accum_freq:
         raise ValueError(f"--accum-freq {setup.accum_freq}: the data yields only {len(microbatches)} batches")
@@ -222,54 +225,37 @@ def run(args: argparse.Namespace) -> int:
         setup = _setup(args)
         loss_fn = create_loss(setup.loss, tile_size=args.loss_tile_size)
         dtype = torch.float64 if args.dtype == "float64" else torch.float32
-        distill, teacher = Distill.pick(args), None
-        # the self-distillation weights the run would train with: the recipe's re-weighted for the model's size
-        recipe, size_note = Recipe.pick(args).for_model_size(setup.model.config.image.width,
-                                                             setup.model.config.image.depth)
-        # the window after --self-distill-start: every term of the recipe on
-        self_distill = recipe.self_distill_active(1.0)
-        random_only, data_flag = _random_window_only(args), _data_flag(args)
+        random_only, data_flag = _random_window_only(setup.objectives), _data_flag(args)
         if random_only and data_flag:
             raise ValueError(f"{random_only} is checked on a random window verify draws itself, not on data: drop "
                              f"{data_flag} (with --checkpoint, the checkpoint's model is checked on a random window)")
-        if recipe.term_weights(1.0) and (distill.enabled or args.multi_positive):
-            raise ValueError("--recipe / --locca-loss-weight / --self-distill-loss-weight / "
-                             "--masked-prediction-loss-weight check a random window with decoder examples and view "
-                             "seeds, checked alone: not with --distill-model or --multi-positive")
-        recipe.prepare(setup.model, self_distill=self_distill)
-        if args.multi_positive:
-            loss_fn = MultiPositiveLoss(setup.loss, args.multi_positive_weighting, tile_size=args.loss_tile_size)
-        if distill.enabled:  # the window objective: contrastive + λ·distill, the teacher's features constants
-            loss_fn = distill.loss(setup.loss, args.loss_tile_size,
-                                   args.multi_positive_weighting if args.multi_positive else None)
-            teacher, setup.teacher_inputs = distill.teacher(setup.model, setup.hf_processor, setup.loss, args.cache_dir,
-                                                            augment=args.augment)
-            teacher = teacher.to(device, dtype)
+        # the window objective: the pair loss as the objectives change it, what they read without training (a
+        # teacher's features, constants of the window)
+        for objective in setup.objectives:
+            loss_fn = objective.loss(loss_fn, setup.loss, args.loss_tile_size)
+        context = BuildContext(setup.model, setup.loss, setup.hf_processor, args.cache_dir, args.augment,
+                               device=device, dtype=dtype)
+        for objective in setup.objectives:
+            objective.build(context)
         torch.manual_seed(args.seed)
         # eval: dropout would make the full batch and the splits draw different masks
         model = setup.model.to(device, dtype).eval()
-        # the objectives' terms: the teacher's features; the recipe's, with the EMA teacher as at the switch (a copy of
-        # the student, its centres at zero)
-        terms = [*([TeacherFeatures(teacher)] if teacher is not None else []),
-                 *recipe.terms(1.0, recipe.ema_teacher(model) if self_distill else None)]
+        # every objective's terms of a window after all of its switches (the recipe's EMA teacher as at the switch)
+        terms = [term for objective in setup.objectives for term in objective.verify_terms(model)]
         first_split = None
-        if _uses_loader(args):
+        if _uses_loader(args, setup.objectives):
             batch, first_split = loader_window(args, setup)
             batch = to_device(batch, device, dtype)
         else:
             num_examples = args.num_examples or setup.accum_freq * (setup.reference_batch_size or 4)
-            make = random_grouped_batch if args.multi_positive else random_naflex_batch
-            batch = make(
-                num_examples, patch_size=model.image_patch_size, context_length=model.context_length,
-                generator=torch.Generator().manual_seed(args.seed), dtype=dtype, vocab_size=model.vocab_size,
-            )
-            if setup.teacher_inputs is not None:  # the teacher's own random inputs of the same images and texts
-                own = random_naflex_batch(
-                    max(num_examples, batch["text"].shape[0]), patch_size=teacher.image_patch_size,
-                    context_length=teacher.context_length, generator=torch.Generator().manual_seed(args.seed + 2),
-                    dtype=dtype, vocab_size=teacher.vocab_size)
-                batch[TEACHER_INPUTS] = {"image": {key: value[:num_examples] for key, value in own["image"].items()},
-                                         "text": own["text"][: batch["text"].shape[0]]}
+            draw = functools.partial(random_naflex_batch, patch_size=model.image_patch_size,
+                                     context_length=model.context_length, dtype=dtype, vocab_size=model.vocab_size)
+            generator = torch.Generator().manual_seed(args.seed)
+            shaped = [window for objective in setup.objectives
+                      if (window := objective.random_window(num_examples, draw, generator)) is not None]
+            batch = shaped[0] if shaped else draw(num_examples, generator=generator)
+            for objective in setup.objectives:  # what the objectives read besides their terms (a teacher's inputs)
+                objective.add_random_inputs(batch, num_examples, draw, args.seed)
             for term in terms:  # what each term reads of every example (a decoder's tokens, view seeds)
                 inputs = term.random_inputs(model, num_examples, args.seed)
                 if inputs:
@@ -293,28 +279,11 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.checkpoint and not first_split:  # the trained model, its run's settings, a window verify draws
         print(f"the model of --checkpoint {args.checkpoint} with its run's settings, on a random window (its "
-              f"objective's window is drawn here: {_random_window_only(args)})")
+              f"objective's window is drawn here: {_random_window_only(setup.objectives)})")
     checkpointing = "; grad checkpointing" if args.grad_checkpointing else ""
     print(f"splits: {result.splits}; methods: {', '.join(methods)}; {args.dtype} on {device}{checkpointing}")
-    if args.multi_positive:
-        print(f"objective: {'SigLIP+' if setup.loss == 'siglip' else 'multi-positive InfoNCE'} "
-              f"({args.multi_positive_weighting}) over {batch_size(batch)} images and {batch['text'].shape[0]} "
-              f"captions, group ids global over the window")
-    if teacher is not None:
-        own = ("" if setup.teacher_inputs is None else
-               f"; it reads its own inputs of the same rows (patch size {setup.teacher_inputs.patch_size}, context "
-               f"length {setup.teacher_inputs.context_length})")
-        print(f"objective: contrastive + {distill.distill_loss_weight:g} · distill from --distill-model "
-              f"{distill.distill_model} (the teacher's features constants of the window){own}")
-    if recipe.locca_weight > 0:
-        print(f"objective: {setup.loss} + {recipe.locca_weight:g} · LocCa decoder loss / the window's target tokens "
-              f"(captioning, referring expressions, grounded captions; causal and parallel)")
-    if self_distill:
-        print(f"objective: + {recipe.value('self_distill_loss_weight'):g} · self-distillation "
-              f"({recipe.value('local_crops')} local crops vs the EMA teacher's full image) / the window's examples "
-              f"+ {recipe.value('masked_prediction_loss_weight'):g} · masked prediction "
-              f"({recipe.value('mask_ratio'):g} of the patches masked) / the window's examples; the EMA teacher run "
-              f"once per microbatch" + (f" ({size_note})" if size_note else ""))
+    for line in [line for objective in setup.objectives for line in objective.describe()] + setup.notes:
+        print(f"objective: {line}")
     locked = lock_summary(model)
     if locked:
         print(f"{locked}; the table lists the trainable parameters")

@@ -1,5 +1,4 @@
-"""Objectives beyond the pair loss, one module each, each owning the modules it trains or reads and its term of the
-window objective (`naflexclip.window.Term`): distillation from a frozen teacher (`distillation`), the LocCa decoder of
-SigLIP 2's recipe (`locca_decoder`), self-distillation and masked prediction with an EMA teacher
-(`self_distillation`) and the recipe that decides which of them a run trains, with which weights
-(`siglip2_recipe.Recipe.terms`)."""
+"""Objectives beyond the pair loss, one module each, each an `objective.Objective` registered in `registry`: several
+captions per image (`multi_positive`), distillation from a frozen teacher (`distillation`), SigLIP 2's recipe
+(`siglip2_recipe`: the LocCa decoder, `locca_decoder`, and self-distillation with masked prediction against an EMA
+teacher, `self_distillation`, `self_distill_schedule`). Adding one: docs/code_map.md, "Adding an objective"."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -16,18 +17,22 @@ from typing import Any
 import torch
 from torch import nn
 
+from naflexclip.batch import TEACHER_INPUTS
 from naflexclip.data.microbatch import TeacherInputs
 from naflexclip.families import data_processing, find_family, named_family
-from naflexclip.loss import DistillLoss, MultiPositiveDistillLoss
+from naflexclip.loss import DistillLoss, MultiPositiveDistillLoss, MultiPositiveLoss
 from naflexclip.models.factory import create_model
+from naflexclip.models.naflex_clip import PRESETS
 from naflexclip.models.run_weights import is_run_checkpoint
+from naflexclip.objectives.objective import BuildContext, Objective
 from naflexclip.settings import APPLY, add_arguments, setting
+from naflexclip.window import TeacherFeatures, Term
 
 _DISTILL = "distillation"
 
 
-@dataclass(frozen=True)
-class Distill:
+@dataclass
+class DistillFlags:
     """The distillation flags, as `naflexclip train` and `naflexclip verify` take them (each field a setting,
     `naflexclip.settings`)."""
 
@@ -40,6 +45,11 @@ class Distill:
         "(--cache-dir)"))
     distill_loss_weight: float = setting(1.0, rule=APPLY, section=_DISTILL, help=(
         "λ of the window objective contrastive + λ·distill (default 1, OpenCLIP's)"))
+
+
+@dataclass
+class Distill(DistillFlags):
+    """The distillation flags' values, checked, and what they build: the window's loss and the frozen teacher."""
 
     def __post_init__(self) -> None:
         if self.distill_pretrained is not None and self.distill_model is None:
@@ -199,4 +209,73 @@ def teacher_inputs(teacher: nn.Module, teacher_processor: str | None, student: n
 
 def add_distill_args(parser: argparse.ArgumentParser) -> None:
     """OpenCLIP's distillation flags (`Distill`'s declarations)."""
-    add_arguments(parser, Distill)
+    add_arguments(parser, DistillFlags)
+
+
+class Distillation(Objective):
+    """Distillation from a frozen teacher: the pair loss takes the teacher's features (`DistillLoss`), which the
+    window computes once per microbatch as constants (`TeacherFeatures`)."""
+
+    name = "distillation"
+    flags = DistillFlags
+    compares_processing = True
+
+    def __init__(self, values: Any) -> None:
+        self.distill = Distill.pick(values)
+        self.teacher: nn.Module | None = None
+        self.teacher_inputs: TeacherInputs | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.distill.enabled
+
+    def check(self, values: Any, training: bool = True) -> None:
+        name = self.distill.distill_model
+        if not training:  # verify audits the window with a random teacher as well
+            return
+        if self.enabled and self.distill.distill_pretrained is None and name in PRESETS:
+            raise ValueError(f"--distill-model {name} is a preset: give the teacher's weights with "
+                             f"--distill-pretrained (a naflexclip checkpoint)")
+        if self.enabled and self.distill.distill_pretrained is None and named_family(str(name)):
+            raise ValueError(f"--distill-model {name} is an OpenCLIP name: give the teacher's weights "
+                             f"with --distill-pretrained (a checkpoint file, a tag, hf-hub:org/name)")
+
+    def loss(self, loss: nn.Module, kind: str, tile_size: int) -> nn.Module:
+        # several captions per image keep their weighting: the multi-positive loss beside the distill term
+        weighting = loss.weighting if isinstance(loss, MultiPositiveLoss) else None
+        return self.distill.loss(kind, tile_size, weighting)
+
+    def build(self, context: BuildContext) -> None:
+        teacher, self.teacher_inputs = self.distill.teacher(
+            context.student, context.processor, context.loss, context.cache_dir, augment=context.augment,
+            image_overrides=context.image_overrides, own_inputs=context.own_inputs)
+        self.teacher = (teacher.to(context.device) if context.dtype is None
+                        else teacher.to(context.device, context.dtype))
+
+    def loader_inputs(self, student: nn.Module, processing: Any) -> dict[str, Any]:
+        # a teacher that reads other inputs than the student's gets its own of the same samples from the loader
+        return {"teacher": self.teacher_inputs}
+
+    def terms(self) -> list[Term]:
+        assert self.teacher is not None, "build the teacher first"
+        return [TeacherFeatures(self.teacher)]
+
+    def add_random_inputs(self, batch: dict[str, Any], num_examples: int, draw: Callable[..., dict[str, Any]],
+                          seed: int) -> None:
+        if self.teacher_inputs is None or self.teacher is None:
+            return
+        # the teacher's own random inputs of the same images and texts
+        teacher = self.teacher
+        own = draw(max(num_examples, batch["text"].shape[0]), patch_size=teacher.image_patch_size,
+                   context_length=teacher.context_length, generator=torch.Generator().manual_seed(seed + 2),
+                   vocab_size=teacher.vocab_size)
+        batch[TEACHER_INPUTS] = {"image": {key: value[:num_examples] for key, value in own["image"].items()},
+                                 "text": own["text"][: batch["text"].shape[0]]}
+
+    def describe(self) -> list[str]:
+        own = ("" if self.teacher_inputs is None else
+               f"; it reads its own inputs of the same samples (patch size {self.teacher_inputs.patch_size}, "
+               f"context length {self.teacher_inputs.context_length})")
+        return [f"distilling from --distill-model {self.distill.distill_model} (frozen, one forward per microbatch "
+                f"without gradient): loss = contrastive + {self.distill.distill_loss_weight:g} · distill, logged as "
+                f"loss/contrastive and loss/distill{own}"]

@@ -11,11 +11,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+from torch import nn
+
+from naflexclip.data.regions import CaptionTokens, DecoderExamples
 from naflexclip.models.naflex_clip import PRESETS, ModelConfig, NaFlexClip
 from naflexclip.objectives.locca_decoder import DECODER_SIZES, LOCCA, DecoderConfig, LoccaTerm, attach_decoder
+from naflexclip.objectives.objective import Objective, TermSchedule
 from naflexclip.objectives.self_distillation import (
     MASKED_PREDICTION,
     SELF_DISTILL,
@@ -24,6 +30,7 @@ from naflexclip.objectives.self_distillation import (
     attach_heads,
     head_config,
 )
+from naflexclip.processing.naflex_transform import Processing
 from naflexclip.settings import APPLY, REFUSE, add_arguments, setting
 from naflexclip.window import Term
 
@@ -58,8 +65,8 @@ DEFAULTS: dict[str, Any] = {"locca_loss_weight": 0.0, "self_distill_loss_weight"
 _RECIPE = "SigLIP 2's recipe"
 
 
-@dataclass(frozen=True)
-class Recipe:
+@dataclass
+class RecipeFlags:
     """The recipe flags, as `naflexclip train` and `naflexclip verify` take them (each field a setting,
     `naflexclip.settings`)."""
 
@@ -88,6 +95,11 @@ class Recipe:
         "the EMA teacher's momentum, fixed (default 0.996; SigLIP 2 does not state it)"))
     self_distill_start: float | None = setting(None, rule=APPLY, section=_RECIPE, help=(
         "fraction of training after which the self-distillation terms are on (default 0.8)"))
+
+
+@dataclass
+class Recipe(RecipeFlags):
+    """The recipe flags' values, checked, and what they decide: each term's weight, the model's modules."""
 
     def __post_init__(self) -> None:
         if self.recipe is not None and self.recipe not in RECIPES:
@@ -227,4 +239,116 @@ def decoder_config(config: ModelConfig) -> DecoderConfig:
 
 def add_recipe_args(parser: argparse.ArgumentParser) -> None:
     """SigLIP 2's recipe flags (`Recipe`'s declarations)."""
-    add_arguments(parser, Recipe)
+    add_arguments(parser, RecipeFlags)
+
+
+def decoder_examples(model: NaFlexClip, processing: Processing) -> DecoderExamples:
+    """What the data pipeline builds each sample's LocCa example with: the model's decoder vocabulary and width, and
+    the text tower's tokenizer (the processing's)."""
+    assert model.decoder is not None
+    return DecoderExamples(model.decoder.vocab, model.decoder.config.max_length,
+                           CaptionTokens(processing.tokenize, model.context_length))
+
+
+class Siglip2Recipe(Objective):
+    """SigLIP 2's recipe: the LocCa decoder's term throughout, self-distillation and masked prediction against an
+    EMA teacher from `--self-distill-start` (`SelfDistillation`, saved as the run state `ema_teacher`)."""
+
+    name = "siglip2_recipe"
+    flags = RecipeFlags
+    state_name = "ema_teacher"
+    head_slots = ("decoder", "self_distill")
+    switch_flags = ("--recipe siglip2 / --locca-loss-weight / --self-distill-loss-weight / "
+                    "--masked-prediction-loss-weight")
+
+    def __init__(self, values: Any) -> None:
+        # a config without the self-distillation fields (a training config before they are wired) leaves them None
+        self.recipe = Recipe.pick(values)
+        self.size_note: str | None = None
+        self.decoder: DecoderConfig | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.recipe.locca_weight > 0 or self.recipe.self_distill_enabled
+
+    def random_window_flags(self) -> str | None:
+        return self.switch_flags
+
+    def pair_loss_kind(self) -> str | None:
+        return RECIPE_LOSS.get(self.recipe.recipe or "")
+
+    def check(self, values: Any, training: bool = True) -> None:
+        data = getattr(values, "data", values)
+        image_locked = bool(getattr(values, "lock_image", False)) and not getattr(values, "lock_image_unlocked_groups",
+                                                                                  0)
+        recipe, _ = self.recipe.for_locked_image(image_locked)
+        distilling, multi_positive = (getattr(values, "distill_model", None) is not None,
+                                      bool(getattr(values, "multi_positive", False)))
+        patch_sizes = getattr(data, "naflex_patch_sizes", None)
+        if patch_sizes is not None:  # the masked tokens need flattened patches of the model's own size
+            sizes = " ".join(map(str, patch_sizes))
+            for flag in ("self_distill_loss_weight", "masked_prediction_loss_weight"):
+                if (getattr(self.recipe, flag) or 0) > 0:
+                    raise ValueError(f"--naflex-patch-sizes {sizes} with --{flag.replace('_', '-')}: the masked "
+                                     f"tokens need flattened patches of the model's own size; drop one of them")
+        if recipe.self_distill_enabled:
+            what = "self-distillation or masked prediction (--recipe siglip2 / their weights > 0)"
+            for flag, given in (("--distill-model", distilling), ("--multi-positive", multi_positive)):
+                if given:
+                    raise ValueError(f"{flag} with {what} is not supported yet")
+            patch_dropout = getattr(values, "force_patch_dropout", None) or 0
+            if recipe.value("masked_prediction_loss_weight") > 0 and patch_dropout > 0:
+                raise ValueError(f"--force-patch-dropout {patch_dropout:g} with masked prediction "
+                                 f"(--recipe siglip2 / --masked-prediction-loss-weight > 0): patch dropout drops "
+                                 f"tokens of the masked pass, whose targets are per patch; drop one of them")
+        if not recipe.term_weights():
+            return
+        what = "a LocCa term (--recipe siglip2 / --locca-loss-weight > 0)"
+        if image_locked:
+            raise ValueError(f"--lock-image with {what}: the decoder's loss trains the image tower; unlock some "
+                             f"groups (--lock-image-unlocked-groups) or drop --lock-image")
+        for flag, given in (("--distill-model", distilling), ("--multi-positive", multi_positive),
+                            ("--augment", bool(getattr(data, "augment", False)))):
+            if given:
+                raise ValueError(f"{flag} with {what} is not supported yet")
+
+    def prepare(self, model: nn.Module, image_locked: bool = False) -> list[str]:
+        # the self-distillation weights re-weighted for the model's size (the recipe's, not given ones); a locked
+        # image tower has no image-side self-distillation (it cannot learn from it): both terms off
+        recipe, self.size_note = self.recipe.for_model_size(model.config.image.width, model.config.image.depth)
+        self.recipe, image_side_off = recipe.for_locked_image(image_locked)
+        self.recipe.prepare(model, self_distill=True)  # the decoder, the self-distillation heads: fresh or loaded
+        self.decoder = model.config.decoder
+        return [image_side_off] if image_side_off else []
+
+    def loader_inputs(self, student: nn.Module, processing: Any) -> dict[str, Any]:
+        return {"decoder": decoder_examples(student, processing) if self.recipe.locca_weight > 0 else None,
+                "view_seeds": self.recipe.self_distill_enabled}
+
+    def terms(self) -> list[Term]:
+        # with self-distillation the schedule hands each window all of the recipe's terms
+        return [] if self.recipe.self_distill_enabled else self.recipe.terms()
+
+    def schedule(self, model: nn.Module, env: Any, sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None,
+                 notify: Callable[[str], None]) -> TermSchedule | None:
+        if not self.recipe.self_distill_enabled:
+            return None
+        from naflexclip.objectives.self_distill_schedule import SelfDistillation
+
+        return SelfDistillation(self.recipe, model, env, sum_over_ranks, notify)
+
+    def verify_terms(self, model: nn.Module) -> list[Term]:
+        # the window after --self-distill-start: every term on, the EMA teacher as at the switch (a copy of the
+        # student, its centres at zero)
+        teacher = self.recipe.ema_teacher(model) if self.recipe.self_distill_enabled else None
+        return self.recipe.terms(1.0, teacher)
+
+    def describe(self) -> list[str]:
+        lines = []
+        if self.recipe.locca_weight > 0:
+            lines.append(f"SigLIP 2's LocCa decoder ({self.decoder}) trains beside the pair loss: loss = contrastive "
+                         f"+ {self.recipe.locca_weight:g} · locca (per target token of the window), logged as "
+                         f"train/loss with each term, loss/contrastive and loss/locca")
+        if self.recipe.self_distill_enabled:
+            lines.append(self.recipe.self_distill_line(self.size_note))
+        return lines

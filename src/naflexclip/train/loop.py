@@ -18,14 +18,13 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from naflexclip.checkpoints import storage as ckpt
 from naflexclip.data import build_loader
-from naflexclip.data.regions import CaptionTokens, DecoderExamples
 from naflexclip.families import data_processing
-from naflexclip.loss import MultiPositiveLoss, create_loss
+from naflexclip.loss import create_loss
 from naflexclip.models.lock import Locks, lock_summary
-from naflexclip.models.naflex_clip import NaFlexClip, config_to_dict
+from naflexclip.models.naflex_clip import config_to_dict
 from naflexclip.models.precision import create_precision
-from naflexclip.objectives.distillation import Distill
-from naflexclip.objectives.siglip2_recipe import Recipe
+from naflexclip.objectives.objective import BuildContext
+from naflexclip.objectives.registry import enabled_objectives, unattached_heads
 from naflexclip.parallel.feature_exchange import window_exchange
 from naflexclip.parallel.process_group import (
     DistributedEnv,
@@ -36,7 +35,6 @@ from naflexclip.parallel.process_group import (
     share_from_main,
 )
 from naflexclip.parallel.wrapping import unwrap_model, wrap_model
-from naflexclip.processing.naflex_transform import Processing
 from naflexclip.train.components import (
     Checkpointer,
     DataPosition,
@@ -54,11 +52,9 @@ from naflexclip.train.optim import LrSchedule, create_optimizer, describe_param_
 from naflexclip.train.remote_sync import RemoteSync
 from naflexclip.train.report import Reporter, refuse_existing_run
 from naflexclip.train.resume import nothing_left, resume
-from naflexclip.train.self_distill_schedule import SelfDistillation
 from naflexclip.train.step import StepResult, WindowStep, step_metrics, token_counts, windows
 from naflexclip.train.stop import StopSignals, TrainingStopped
 from naflexclip.train.train_config import TrainConfig, check_ranks_agree
-from naflexclip.window import TeacherFeatures
 
 
 class Trainer:
@@ -72,14 +68,15 @@ class Trainer:
         # --model NAME with --pretrained weights (a preset with --pretrained DIR: the directory's architecture), the
         # --force-* overrides; seeded: the same initial weights on every rank (FSDP2 does not broadcast them)
         model = create_run_model(cfg)
-        # SigLIP 2's recipe: a fresh LocCa decoder beside the towers (also with --pretrained towers), drawn after them
-        recipe = Recipe.pick(cfg)
-        # SigLIP 2's self-distillation weights re-weighted for the model's size (the recipe's, not given ones)
-        recipe, size_note = recipe.for_model_size(model.config.image.width, model.config.image.depth)
         locks = Locks.pick(cfg)
-        # a locked image tower has no image-side self-distillation (it cannot learn from it): both terms off
-        recipe, image_side_off = recipe.for_locked_image(locks.image_fully_locked)
-        model = recipe.prepare(model, self_distill=True)  # the recipe's decoder, self-distillation heads
+        # the objectives beyond the pair loss, each checked by the config; they attach what they train (SigLIP 2's
+        # decoder and self-distillation heads, fresh also with --pretrained towers, drawn after them)
+        self.objectives = enabled_objectives(cfg)
+        notes = [note for objective in self.objectives
+                 for note in objective.prepare(model, image_locked=locks.image_fully_locked)]
+        unattached = unattached_heads(model)  # loaded with the model, attached by none of this run's objectives
+        if unattached is not None:
+            notes.append(f"--pretrained {cfg.pretrained}: {unattached}")
         locks.apply(model)  # before wrapping (DDP registers the trainable parameters) and the optimizer
         model = model.to(env.device)
         if cfg.grad_checkpointing:
@@ -91,21 +88,16 @@ class Trainer:
         # the data order does not depend on it (the loader seeds itself from --seed, epoch and position)
         seed_everything(cfg.seed + env.rank)
         self.module = unwrap_model(self.model)
-        distill = Distill.pick(cfg)
-        # a teacher: the window's objective is contrastive + λ·distill (DistillLoss), the teacher a feature source
-        loss_fn, teacher, teacher_inputs = create_loss(cfg.loss, tile_size=cfg.loss_tile_size), None, None
-        if cfg.multi_positive:  # the loader's microbatches are grouped (cfg.data.multi_caption)
-            loss_fn = MultiPositiveLoss(cfg.loss, cfg.multi_positive_weighting, tile_size=cfg.loss_tile_size)
-        if distill.enabled:
-            loss_fn = distill.loss(cfg.loss, cfg.loss_tile_size,
-                                   cfg.multi_positive_weighting if cfg.multi_positive else None)
-            # a teacher that reads other inputs than the student's gets its own of the same samples from the loader
-            teacher, teacher_inputs = distill.teacher(self.module, cfg.data.hf_processor, cfg.loss, cfg.cache_dir,
-                                                      augment=cfg.data.augment,
-                                                      image_overrides=cfg.data.image_overrides(),
-                                                      own_inputs=cfg.data.patch_sizes(self.module.image_patch_size)
-                                                      is not None)
-            teacher = teacher.to(env.device)
+        # the pair loss as the objectives change it (several captions per image, a teacher's logits), then what they
+        # read without training (a frozen teacher; one that reads other inputs gets its own from the loader)
+        loss_fn = create_loss(cfg.loss, tile_size=cfg.loss_tile_size)
+        for objective in self.objectives:
+            loss_fn = objective.loss(loss_fn, cfg.loss, cfg.loss_tile_size)
+        context = BuildContext(self.module, cfg.loss, cfg.data.hf_processor, cfg.cache_dir, cfg.data.augment,
+                               cfg.data.image_overrides(),
+                               cfg.data.patch_sizes(self.module.image_patch_size) is not None, env.device)
+        for objective in self.objectives:
+            objective.build(context)
         # every window's size exchange also checks that the ranks agree on step, epoch and having data
         self.exchange = window_exchange(env, self.model)
         self.optimizer = create_optimizer(
@@ -115,16 +107,15 @@ class Trainer:
             fallback=cfg.opt_fallback_list)
         processing = data_processing(cfg.data.hf_processor, self.module.image_patch_size, augment=cfg.data.augment,
                                      **cfg.data.image_overrides())
-        decoder_term = recipe.locca_weight > 0
         one_pair = cfg.data.token_budget().one_pair_windows(cfg.accum_freq * env.world_size)
         if one_pair is not None and one_pair[1]:  # every step would learn nothing
             raise ValueError(one_pair[0])
         self.loader = build_loader(cfg.data, split="train", patch_size=self.module.image_patch_size,
                                    context_length=self.module.context_length, rank=env.rank,
                                    world_size=env.world_size, device_pin=env.device.type == "cuda",
-                                   processing=processing, teacher=teacher_inputs,
-                                   decoder=decoder_examples(self.module, processing) if decoder_term else None,
-                                   view_seeds=recipe.self_distill_enabled)
+                                   processing=processing,
+                                   **{key: value for objective in self.objectives
+                                      for key, value in objective.loader_inputs(self.module, processing).items()})
         self.batches_per_epoch = self._plan_batches()
         self.schedule = LrSchedule(self.optimizer, cfg.lr, cfg.warmup, 1, kind=cfg.lr_scheduler)
         self.schedule.load_state_dict(self.schedule_plan(0, 0, 0))
@@ -133,21 +124,20 @@ class Trainer:
         local_log = self.run_dir / f"out-{env.rank}.log" if cfg.log_local and env.local_rank == 0 else None
         self.reporter = Reporter(self.run_dir, rank=env.rank, report_to=cfg.report_to, config=cfg.to_dict(),
                                  name=str(cfg.name), log_file=local_log)
-        # SigLIP 2's EMA teacher, built at --self-distill-start; the window step asks it for each step's terms
-        self_distill = (SelfDistillation(recipe, self.model, env, self.exchange.sum_over_ranks, self.reporter.message)
-                        if recipe.self_distill_enabled else None)
-        # the objectives' terms: the teacher's features for the distillation loss; the recipe's (the decoder's, and
-        # from --self-distill-start self-distillation's, which `self_distill` hands each step)
-        terms = [*([TeacherFeatures(teacher)] if teacher is not None else []),
-                 *(recipe.terms() if self_distill is None else [])]
+        # the objectives' terms: fixed (a teacher's features, the decoder's) or scheduled over the run (SigLIP 2's
+        # self-distillation from --self-distill-start, against an EMA teacher saved as run state)
+        terms = [term for objective in self.objectives for term in objective.terms()]
+        schedules = {objective.state_name or objective.name: schedule for objective in self.objectives
+                     if (schedule := objective.schedule(self.model, env, self.exchange.sum_over_ranks,
+                                                        self.reporter.message)) is not None}
         self.window_step = WindowStep(cfg, env, self.model, loss_fn, self.optimizer, self.schedule, self.precision,
-                                      self.exchange, terms, self_distill)
+                                      self.exchange, terms, list(schedules.values()))
         self.evaluator = Evaluator(cfg, env, self.precision.autocast, self.reporter)
         optimizer_state = OptimizerState(self.model, self.optimizer, env)
         components = {"model": ModelState(self.model, env), "optimizer": optimizer_state,
                       "lr_schedule": self.schedule, "scaler": self.precision, "progress": self.progress,
                       "data": DataPosition(self.loader, env), "evaluation": self.evaluator, "reporter": self.reporter,
-                      **({"ema_teacher": self_distill} if self_distill is not None else {}),  # after "model"
+                      **schedules,  # after "model": an EMA teacher is built from the loaded student
                       "rng": RngStreams(env)}  # restored last: nothing above draws from it once it is restored
         run = {"config": cfg.to_dict(), "model_config": config_to_dict(self.module.config),
                "world_size": env.world_size}
@@ -165,21 +155,7 @@ class Trainer:
         if cfg.debug:  # --debug: more information is logged (OpenCLIP's)
             logging.getLogger("naflexclip").setLevel(logging.DEBUG)
             self.opening.append(describe_param_groups(self.optimizer))
-        if teacher is not None:
-            self.opening.append(f"distilling from --distill-model {cfg.distill_model} (frozen, one forward per "
-                                f"microbatch without gradient): loss = contrastive + {cfg.distill_loss_weight:g}"
-                                f" · distill, logged as loss/contrastive and loss/distill"
-                                + ("" if teacher_inputs is None else
-                                   f"; it reads its own inputs of the same samples (patch size "
-                                   f"{teacher_inputs.patch_size}, context length {teacher_inputs.context_length})"))
-        if decoder_term:
-            self.opening.append(f"SigLIP 2's LocCa decoder ({self.module.config.decoder}) trains beside the pair "
-                                f"loss: loss = contrastive + {recipe.locca_weight:g} · locca (per target token of "
-                                f"the window), logged as train/loss with each term, loss/contrastive and loss/locca")
-        if self_distill is not None:
-            self.opening.append(recipe.self_distill_line(size_note))
-        if image_side_off:
-            self.opening.append(image_side_off)
+        self.opening += [line for objective in self.objectives for line in objective.describe()] + notes
         locked = lock_summary(self.module)
         if locked:
             self.opening.append(locked)
@@ -386,14 +362,6 @@ class Trainer:
             saved = self.checkpointer.save_step()
             self.checkpointer.wait()  # an asynchronous save completes before the run ends
             raise self.stop.stopped(self.progress.step, saved, show=self.env.is_main, name=str(self.cfg.name))
-
-
-def decoder_examples(model: NaFlexClip, processing: Processing) -> DecoderExamples:
-    """What the data pipeline builds each sample's LocCa example with: the model's decoder vocabulary and width, and
-    the text tower's tokenizer (the processing's)."""
-    assert model.decoder is not None
-    return DecoderExamples(model.decoder.vocab, model.decoder.config.max_length,
-                           CaptionTokens(processing.tokenize, model.context_length))
 
 
 def train(cfg: TrainConfig) -> dict[str, float]:

@@ -18,11 +18,11 @@ from torch import nn
 
 from naflexclip.batch import is_naflex, to_device
 from naflexclip.models.precision import Precision
+from naflexclip.objectives.objective import TermSchedule
 from naflexclip.parallel.process_group import DistributedEnv, fault_guard
 from naflexclip.parallel.wrapping import no_sync_context, unwrap_model
 from naflexclip.train.grouping import window_sizes
 from naflexclip.train.optim import LrSchedule
-from naflexclip.train.self_distill_schedule import SelfDistillation
 from naflexclip.train.train_config import TrainConfig
 from naflexclip.window import Term, WindowStats, accumulate_gradients
 
@@ -89,11 +89,11 @@ class WindowStep:
 
     def __init__(self, cfg: TrainConfig, env: DistributedEnv, model: nn.Module, loss_fn: nn.Module,
                  optimizer: torch.optim.Optimizer, schedule: LrSchedule, precision: Precision, exchange: Any,
-                 terms: Sequence[Term] = (), self_distill: SelfDistillation | None = None) -> None:
+                 terms: Sequence[Term] = (), term_schedules: Sequence[TermSchedule] = ()) -> None:
         self.cfg, self.env, self.model, self.loss_fn = cfg, env, model, loss_fn
         self.terms = tuple(terms)  # the objectives' terms of every step (a distillation teacher's, the decoder's)
-        # SigLIP 2's EMA teacher: the recipe's terms of each step (self-distillation on from --self-distill-start)
-        self.self_distill = self_distill
+        # the objectives' terms that change over the run (SigLIP 2's EMA teacher: from --self-distill-start)
+        self.term_schedules = tuple(term_schedules)
         self.optimizer, self.schedule, self.precision, self.exchange = optimizer, schedule, precision, exchange
 
     def __call__(self, microbatches: list[dict[str, Any]], step: int) -> StepResult:
@@ -104,8 +104,8 @@ class WindowStep:
         self.optimizer.zero_grad(set_to_none=True)
         batches = [to_device(mb, self.env.device) for mb in microbatches]
         terms = list(self.terms)
-        if self.self_distill is not None:
-            terms += self.self_distill.terms(step, self.schedule.total_steps)
+        for term_schedule in self.term_schedules:
+            terms += term_schedule.terms(step, self.schedule.total_steps)
         lr = self.schedule.lr
         with fault_guard(self.env, f"step {step - 1}"):
             stats = accumulate_gradients(
@@ -122,8 +122,8 @@ class WindowStep:
             self._skip()
         else:
             self._update()
-        if self.self_distill is not None:
-            self.self_distill.after_step(skipped=bad)
+        for term_schedule in self.term_schedules:
+            term_schedule.after_step(skipped=bad)
         self.schedule.step()
         return StepResult(stats=stats, grad_norm=grad_norm, skipped=bad, lr=lr)
 

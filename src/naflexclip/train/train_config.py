@@ -26,13 +26,12 @@ from naflexclip.evaluation.zero_shot import (
     read_templates,
 )
 from naflexclip.families import family_of, named_family
-from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES, MULTI_POSITIVE_WEIGHTINGS
+from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES
 from naflexclip.models.lock import Locks
 from naflexclip.models.naflex_clip import PRESETS
 from naflexclip.models.precision import PRECISIONS, check_precision
 from naflexclip.models.run_weights import is_run_checkpoint, model_name_conflict, read_run_weights
-from naflexclip.objectives.distillation import Distill
-from naflexclip.objectives.siglip2_recipe import RECIPE_LOSS, Recipe
+from naflexclip.objectives.registry import ObjectiveFlags, objectives_of
 from naflexclip.parallel import process_group
 from naflexclip.parallel.process_group import DEVICE_CHOICES, check_backend, check_dist_url
 from naflexclip.settings import (
@@ -63,7 +62,6 @@ DEFAULT_MODEL = "small"
 # --help's sections
 _MODEL = "model and window"
 _OPTIMIZATION = "optimization"
-_CAPTIONS = "several captions per image"
 _OPTIMIZER = "optimizer and lr schedule"
 _BACKUP = "checkpoints, backup and logs"
 _OVERRIDES = "model overrides"
@@ -91,11 +89,8 @@ def _own_unless_timm(name: str, default: float, shown: str) -> Any:
 
 
 @dataclass
-class TrainConfig:
-    """One run; each field a setting (`naflexclip.settings`): its flag, help, OpenCLIP's default and resume rule
-    declared with it, its default the built-in dataset's. `batch_size` is the reference batch size B_ref of the
-    window scale (`--batch-size`); the rows of each microbatch come from the token budget
-    (`--naflex-max-tokens-per-batch`)."""
+class RunSettings:
+    """The settings of a run besides its objectives' (`TrainConfig`'s first fields)."""
 
     data: DataConfig = nested(DataConfig)
     # None: `small`, or with --pretrained a naflexclip checkpoint that checkpoint's model
@@ -242,26 +237,6 @@ class TrainConfig:
     openclip_built_in: tuple[str, ...] = setting(
         (), rule=IGNORE, flag=NO_FLAG, reads=("openclip_built_in",),
         from_args=lambda args: tuple(getattr(args, "openclip_built_in", ())))
-    # distillation (OpenCLIP's flags), declared in `naflexclip.objectives.distillation.Distill`
-    distill_model: str | None = same_as(Distill, "distill_model")
-    distill_pretrained: str | None = same_as(Distill, "distill_pretrained")
-    distill_loss_weight: float = same_as(Distill, "distill_loss_weight")
-    # SigLIP 2's recipe, declared in `naflexclip.objectives.siglip2_recipe.Recipe`
-    recipe: str | None = same_as(Recipe, "recipe")
-    locca_loss_weight: float | None = same_as(Recipe, "locca_loss_weight")
-    self_distill_loss_weight: float | None = same_as(Recipe, "self_distill_loss_weight")
-    masked_prediction_loss_weight: float | None = same_as(Recipe, "masked_prediction_loss_weight")
-    local_crops: int | None = same_as(Recipe, "local_crops")
-    mask_ratio: float | None = same_as(Recipe, "mask_ratio")
-    ema_momentum: float | None = same_as(Recipe, "ema_momentum")
-    self_distill_start: float | None = same_as(Recipe, "self_distill_start")
-    # several captions per image as several positives (`naflexclip.loss.MultiPositiveLoss`)
-    multi_positive: bool = setting(False, rule=APPLY, section=_CAPTIONS, help=(
-        "every caption of an image is a text row and a positive of it (group ids over the window): clip: "
-        "multi-positive InfoNCE; siglip: SigLIP+ (without it: one caption per image per epoch)"))
-    multi_positive_weighting: str = setting("symmetric", rule=APPLY, section=_CAPTIONS,
-                                            choices=tuple(MULTI_POSITIVE_WEIGHTINGS), help=(
-        "SigLIP+'s positive weights α/k_i + β/k'_j: symmetric ½, ½; asymmetric 1, 0; soft: as labels"))
     # ---- optimizer and schedule (OpenCLIP's flags; `train.optim`) ----
     opt: str = setting("adamw", rule=REFUSE, why=_GROUPS, section=_OPTIMIZER, openclip="adamw", help=(
         "adamw, nadamw (torch NAdam, decoupled weight decay) or timm/<name>: any optimizer of "
@@ -337,6 +312,15 @@ class TrainConfig:
         "NaFlex: the image tower's position-embedding grid, SIZE / patch size per side (H W for a non-square table); "
         "the patches per image still come from --naflex-seq-lens"))
 
+
+@dataclass
+class TrainConfig(ObjectiveFlags, RunSettings):
+    """One run; each field a setting (`naflexclip.settings`): its flag, help, OpenCLIP's default and resume rule
+    declared with it, its default the built-in dataset's. `batch_size` is the reference batch size B_ref of the
+    window scale (`--batch-size`); the rows of each microbatch come from the token budget
+    (`--naflex-max-tokens-per-batch`). Its fields: the run's (`RunSettings`), then the registered objectives'
+    (`naflexclip.objectives.registry.ObjectiveFlags`)."""
+
     def __post_init__(self) -> None:
         self._check_run_checkpoint()
         if self.model is None:
@@ -347,15 +331,7 @@ class TrainConfig:
         self._check_pretrained()
         self._check_loss()
         Locks.pick(self)  # one-line errors for lock flags that cannot go together
-        self._check_multi_positive()
-        self._check_patch_sizes()
-        self._check_recipe()
-        if Distill.pick(self).enabled and self.distill_pretrained is None and self.distill_model in PRESETS:
-            raise ValueError(f"--distill-model {self.distill_model} is a preset: give the teacher's weights with "
-                             f"--distill-pretrained (a naflexclip checkpoint)")
-        if Distill.pick(self).enabled and self.distill_pretrained is None and named_family(self.distill_model):
-            raise ValueError(f"--distill-model {self.distill_model} is an OpenCLIP name: give the teacher's weights "
-                             f"with --distill-pretrained (a checkpoint file, a tag, hf-hub:org/name)")
+        objectives_of(self)  # each objective's checks, in the registry's order
         self._check_zeroshot()
         self._check_optimizer()
         self._check_run_flags()
@@ -486,53 +462,13 @@ class TrainConfig:
             own = family_of(self.pretrained).LOSS if self.pretrained else PRESETS[self.model].loss
         if self.loss is None:
             # --recipe siglip2 from scratch trains the sigmoid loss; pretrained weights keep their own
-            self.loss = own if self.pretrained else RECIPE_LOSS.get(self.recipe or "", own)
+            kinds = [kind for objective in objectives_of(self, check=False) if (kind := objective.pair_loss_kind())]
+            self.loss = own if self.pretrained else (kinds[0] if kinds else own)
         elif self.loss not in LOSSES:
             raise ValueError(f"--loss: {self.loss!r} is not one of {sorted(LOSSES)}")
         elif self.pretrained and self.loss != own:
             # SigLIP (2) is a sigmoid-loss model: its logit_bias only trains under that loss; CLIP weights have none
             raise ValueError(f"--loss {self.loss}: the --pretrained model is trained with --loss {own}; drop --loss")
-
-    def _check_multi_positive(self) -> None:
-        if self.multi_positive_weighting not in MULTI_POSITIVE_WEIGHTINGS:
-            raise ValueError(f"--multi-positive-weighting: {self.multi_positive_weighting!r} is not one of "
-                             f"{sorted(MULTI_POSITIVE_WEIGHTINGS)}")
-        if self.multi_positive:  # every caption of a sample becomes a text row with its group id
-            self.data.multi_caption = True
-
-    def _check_patch_sizes(self) -> None:
-        """--naflex-patch-sizes feeds the model `[B, N, P, P, 3]` patches of each microbatch's own size."""
-        if self.data.naflex_patch_sizes is None:
-            return
-        sizes = " ".join(map(str, self.data.naflex_patch_sizes))
-        for flag in ("self_distill_loss_weight", "masked_prediction_loss_weight"):
-            if (getattr(self, flag) or 0) > 0:
-                raise ValueError(f"--naflex-patch-sizes {sizes} with --{flag.replace('_', '-')}: the masked tokens "
-                                 f"need flattened patches of the model's own size; drop one of them")
-
-    def _check_recipe(self) -> None:
-        """A LocCa term trains the decoder on the image tower's tokens, one example per image (`data.regions`)."""
-        recipe, _ = Recipe.pick(self).for_locked_image(Locks.pick(self).image_fully_locked)
-        if recipe.self_distill_enabled:
-            what = "self-distillation or masked prediction (--recipe siglip2 / their weights > 0)"
-            for flag, given in (("--distill-model", self.distill_model is not None),
-                                ("--multi-positive", self.multi_positive)):
-                if given:
-                    raise ValueError(f"{flag} with {what} is not supported yet")
-            if recipe.value("masked_prediction_loss_weight") > 0 and (self.force_patch_dropout or 0) > 0:
-                raise ValueError(f"--force-patch-dropout {self.force_patch_dropout:g} with masked prediction "
-                                 f"(--recipe siglip2 / --masked-prediction-loss-weight > 0): patch dropout drops "
-                                 f"tokens of the masked pass, whose targets are per patch; drop one of them")
-        if not recipe.term_weights():
-            return
-        what = "a LocCa term (--recipe siglip2 / --locca-loss-weight > 0)"
-        if self.lock_image and self.lock_image_unlocked_groups == 0:
-            raise ValueError(f"--lock-image with {what}: the decoder's loss trains the image tower; unlock some "
-                             f"groups (--lock-image-unlocked-groups) or drop --lock-image")
-        for flag, given in (("--distill-model", self.distill_model is not None),
-                            ("--multi-positive", self.multi_positive), ("--augment", self.data.augment)):
-            if given:
-                raise ValueError(f"{flag} with {what} is not supported yet")
 
     def _check_zeroshot(self) -> None:
         """The ImageFolder, class names and templates of --zeroshot-data, read before the run starts."""
