@@ -72,7 +72,7 @@ class Setting:
     reads: tuple[str, ...] = ()
     also: tuple[Any, ...] = ()  # another flag for the same destination: (option strings, add_argument's kwargs)
     # why each rank of a job may have its own value (its device, its loader processes); "": every rank must agree,
-    # checked before the first step (`train.train_config.check_ranks_agree`)
+    # checked before the first step (`train.rank_agreement.check_ranks_agree`)
     per_rank: str = ""
     # how this job runs on its hardware, not what it trains (--fsdp: exact either way): a resume takes the command
     # line's value, not the run's saved one (a flag that is only switched on could not be switched off)

@@ -49,12 +49,13 @@ from naflexclip.train.evaluator import Evaluator
 from naflexclip.train.grouping import window_sizes
 from naflexclip.train.openclip_flags import first_lines
 from naflexclip.train.optim import LrSchedule, create_optimizer, describe_param_groups
+from naflexclip.train.rank_agreement import check_ranks_agree
 from naflexclip.train.remote_sync import RemoteSync
 from naflexclip.train.report import Reporter, refuse_existing_run
 from naflexclip.train.resume import nothing_left, resume
 from naflexclip.train.step import StepResult, WindowStep, step_metrics, token_counts, windows
 from naflexclip.train.stop import StopSignals, TrainingStopped
-from naflexclip.train.train_config import TrainConfig, check_ranks_agree
+from naflexclip.train.train_config import TrainConfig
 
 
 class Trainer:

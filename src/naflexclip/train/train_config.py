@@ -11,28 +11,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from naflexclip.data import DataConfig
-from naflexclip.evaluation.zero_shot import (
-    IMAGENET_SETS,
-    imagenet_set,
-    read_classnames,
-    read_image_folder,
-    read_templates,
-)
 from naflexclip.families import family_of, named_family
 from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES
 from naflexclip.models.lock import Locks
 from naflexclip.models.naflex_clip import PRESETS
-from naflexclip.models.precision import PRECISIONS, check_precision
-from naflexclip.models.run_weights import is_run_checkpoint, model_name_conflict, read_run_weights
+from naflexclip.models.precision import PRECISIONS
 from naflexclip.objectives.registry import ObjectiveFlags, objectives_of
-from naflexclip.parallel import process_group
 from naflexclip.parallel.process_group import DEVICE_CHOICES, check_backend, check_dist_url
 from naflexclip.settings import (
     APPLY,
@@ -50,12 +39,11 @@ from naflexclip.settings import (
     shown_value,
     switches_with_data,
 )
-from naflexclip.train.report import report_to_names
+from naflexclip.train import config_checks
 from naflexclip.window import METHODS, SCALE_MODES
 
 __all__ = ["DEFAULT_MODEL", "DEMO_DEFAULTS", "FLAG_NAMES", "OPENCLIP_DEFAULTS", "PRECISIONS", "SETTINGS", "TrainConfig",
-           "check_ranks_agree", "flag_name", "flat_config", "parse_kwargs", "settings_every_rank_shares",
-           "shown_value"]
+           "flag_name", "flat_config", "parse_kwargs", "shown_value"]
 
 DEFAULT_MODEL = "small"
 
@@ -322,22 +310,23 @@ class TrainConfig(ObjectiveFlags, RunSettings):
     (`naflexclip.objectives.registry.ObjectiveFlags`)."""
 
     def __post_init__(self) -> None:
-        self._check_run_checkpoint()
+        # the checks that are not about objectives are in `train.config_checks`; the order is the errors' order
+        self._from_run = config_checks.check_run_checkpoint(self, DEFAULT_MODEL)
         if self.model is None:
             self.model = DEFAULT_MODEL
-        self._check_choices()
-        self._check_counts()
-        self._check_scale()
-        self._check_pretrained()
-        self._check_loss()
+        config_checks.check_choices(self)
+        config_checks.check_counts(self)
+        config_checks.check_scale(self)
+        config_checks.check_pretrained(self, self._from_run)
+        config_checks.check_loss(self, self._from_run)
         Locks.pick(self)  # one-line errors for lock flags that cannot go together
         objectives_of(self)  # each objective's checks, in the registry's order
-        self._check_zeroshot()
-        self._check_optimizer()
-        self._check_run_flags()
+        config_checks.check_zeroshot(self)
+        config_checks.check_optimizer(self)
+        config_checks.check_run_flags(self)
         check_dist_url(self.dist_url)
         check_backend(self.dist_backend)
-        self._check_model_overrides()
+        config_checks.check_model_overrides(self)
 
     def default_name(self) -> str:
         """OpenCLIP-style run name, when and what; for a run without `--name`, decided on rank 0 only (the ranks
@@ -350,203 +339,6 @@ class TrainConfig(ObjectiveFlags, RunSettings):
     def named_family(self) -> Any:
         """The family of an OpenCLIP-style --model name (`naflexclip.families.openclip`), None for a preset."""
         return None if self.model in PRESETS else named_family(self.model)
-
-    def _check_choices(self) -> None:
-        if self.model not in PRESETS and self.named_family is None:
-            raise ValueError(f"--model: unknown model {self.model!r}; choose a preset ({', '.join(sorted(PRESETS))}) "
-                             "or an OpenCLIP model name (open_clip.list_models())")
-        for flag, value, choices in (
-            ("--accum-method", self.accum_method, METHODS),
-            ("--naflex-loss-scale", self.naflex_loss_scale, SCALE_MODES),
-        ):
-            if value not in choices:
-                raise ValueError(f"{flag}: {value!r} is not one of {list(choices)}")
-        self.precision = check_precision(self.precision)
-        report_to_names(self.report_to)
-
-    def _check_counts(self) -> None:
-        for flag, value, minimum in (
-            ("--accum-freq", self.accum_freq, 1),
-            ("--loss-tile-size", self.loss_tile_size, 1),
-            ("--epochs", self.epochs, 1),
-            ("--warmup", self.warmup, 0),
-            ("--save-frequency", self.save_frequency, 0),
-            ("--log-every-n-steps", self.log_every_n_steps, 1),
-            ("--log-metric-every-n-steps", self.log_metric_every_n_steps, 1),
-            ("--val-frequency", self.val_frequency, 0),
-            ("--zero-shot-samples", self.zero_shot_samples, 1),
-            ("--zeroshot-frequency", self.zeroshot_frequency, 0),
-            ("--max-skipped-steps", self.max_skipped_steps, 1),
-        ):
-            if value < minimum:
-                raise ValueError(f"{flag} must be >= {minimum}, got {value}")
-        for flag, optional in (
-            ("--save-every-n-steps", self.save_every_n_steps),
-            ("--stop-after-steps", self.stop_after_steps),
-            ("--batch-size", self.batch_size),
-        ):
-            if optional is not None and optional < 1:
-                raise ValueError(f"{flag} must be >= 1, got {optional}")
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr}")
-        if self.wd < 0:
-            raise ValueError(f"--wd must be >= 0, got {self.wd}")
-        if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
-            raise ValueError(f"--grad-clip-norm must be > 0, got {self.grad_clip_norm}")
-        if self.resume_fresh and self.resume != "latest":
-            raise ValueError(f"--resume-fresh goes with --resume latest, got --resume {self.resume}")
-        if not self.dist_timeout > 0:
-            raise ValueError(f"--dist-timeout must be > 0 seconds, got {self.dist_timeout}")
-
-    def _check_scale(self) -> None:
-        if self.naflex_loss_scale != "none" and self.batch_size is None:
-            raise ValueError(
-                f"--naflex-loss-scale {self.naflex_loss_scale} needs --batch-size (the reference batch size B_ref)"
-            )
-
-    def _check_run_checkpoint(self) -> None:
-        """--pretrained a naflexclip checkpoint: the model, loss and data processing of the run that wrote it
-        (resolved to the one checkpoint directory read, so that a resume reads the same); --model and --loss
-        that name another architecture are refused in one line."""
-        self._from_run = self.pretrained is not None and is_run_checkpoint(self.pretrained)
-        if not self._from_run:
-            return
-        try:
-            found = read_run_weights(str(self.pretrained))
-        except (ValueError, FileNotFoundError) as error:
-            raise ValueError(f"--pretrained: {str(error).splitlines()[0]}") from None
-        conflict = model_name_conflict(self.model, found)
-        if conflict is not None:
-            raise ValueError(conflict)
-        self.model = self.model or found.model_name or DEFAULT_MODEL
-        if self.loss is not None and self.loss != found.config.loss:
-            raise ValueError(f"--loss {self.loss}: the --pretrained checkpoint {str(found.path)!r} is a model trained "
-                             f"with --loss {found.config.loss}; drop --loss")
-        self.loss = found.config.loss
-        self.pretrained = str(found.path.resolve())
-        if self.data.hf_processor is None:  # the tokenizer and patching the checkpoint's model was trained with
-            self.data.hf_processor = found.run_config.get("data", {}).get("hf_processor")
-
-    def _check_pretrained(self) -> None:
-        if self._from_run:
-            return  # the checkpoint's model, weights and processing (`_check_run_checkpoint`)
-        family = self.named_family
-        if family is not None:  # an OpenCLIP name: its architecture, its weights from --pretrained, its tokenizer
-            try:
-                family.model_config(self.model)
-                if self.pretrained is not None:  # the file, found and read now (absolute: a resume finds it)
-                    self.pretrained = str(family.check_pretrained(self.model, self.pretrained, self.cache_dir))
-                tokenizer = family.tokenizer_dir(self.model, self.pretrained, self.cache_dir)
-            except ValueError as error:
-                message = str(error)
-                raise ValueError(message if message.startswith("--") else f"--pretrained: {message}") from None
-            if self.data.hf_processor is None:
-                self.data.hf_processor = family.processor_spec(self.model, tokenizer)
-            return
-        if self.pretrained is None:
-            return
-        try:
-            family_of(self.pretrained).check(self.pretrained)
-        except ValueError as error:
-            raise ValueError(f"--pretrained: {error}") from None
-        self.pretrained = str(Path(self.pretrained).resolve())
-        if self.data.hf_processor is None:  # its own tokenizer and patching feed it
-            self.data.hf_processor = self.pretrained
-
-    def _check_loss(self) -> None:
-        if self._from_run:
-            return  # the checkpoint's (`_check_run_checkpoint`)
-        if self.named_family is not None:
-            own = self.named_family.model_config(self.model).loss
-        else:
-            own = family_of(self.pretrained).LOSS if self.pretrained else PRESETS[self.model].loss
-        if self.loss is None:
-            # --recipe siglip2 from scratch trains the sigmoid loss; pretrained weights keep their own
-            kinds = [kind for objective in objectives_of(self, check=False) if (kind := objective.pair_loss_kind())]
-            self.loss = own if self.pretrained else (kinds[0] if kinds else own)
-        elif self.loss not in LOSSES:
-            raise ValueError(f"--loss: {self.loss!r} is not one of {sorted(LOSSES)}")
-        elif self.pretrained and self.loss != own:
-            # SigLIP (2) is a sigmoid-loss model: its logit_bias only trains under that loss; CLIP weights have none
-            raise ValueError(f"--loss {self.loss}: the --pretrained model is trained with --loss {own}; drop --loss")
-
-    def _check_zeroshot(self) -> None:
-        """The ImageFolder, class names and templates of --zeroshot-data, read before the run starts."""
-        for key in IMAGENET_SETS:  # --imagenet-val / --imagenet-v2: 1000 class folders in OpenCLIP's layout
-            if getattr(self, key) is not None:
-                imagenet_set(getattr(self, key), key)
-                setattr(self, key, os.path.abspath(getattr(self, key)))
-        if self.zeroshot_data is None:
-            for flag, value in (("--zeroshot-classnames", self.zeroshot_classnames),
-                                ("--zeroshot-templates", self.zeroshot_templates)):
-                if value is not None:
-                    raise ValueError(f"{flag} goes with --zeroshot-data (the ImageFolder to classify)")
-            return
-        folder = read_image_folder(self.zeroshot_data, flag="--zeroshot-data")
-        if self.zeroshot_classnames is not None:
-            read_classnames(self.zeroshot_classnames, folder.folders, flag="--zeroshot-classnames")
-        if self.zeroshot_templates is not None:
-            read_templates(self.zeroshot_templates, flag="--zeroshot-templates")
-        # absolute, so that a resume from another folder finds them; the metric names keep the folder's name
-        for key in ("zeroshot_data", "zeroshot_classnames", "zeroshot_templates"):
-            if getattr(self, key) is not None:
-                setattr(self, key, os.path.abspath(getattr(self, key)))
-
-    def _check_optimizer(self) -> None:
-        """The optimizer and schedule flags, one line naming the flag."""
-        from naflexclip.train.optim import SCHEDULERS, check_optimizer_name
-
-        check_optimizer_name(self.opt)
-        if self.lr_scheduler not in SCHEDULERS:
-            raise ValueError(f"--lr-scheduler: {self.lr_scheduler!r} is not one of {list(SCHEDULERS)}")
-        if self.lr_scheduler == "const-cooldown":
-            if self.epochs_cooldown is None or not 1 <= self.epochs_cooldown <= self.epochs:
-                raise ValueError(f"--lr-scheduler const-cooldown needs --epochs-cooldown N with 1 <= N <= --epochs "
-                                 f"{self.epochs}, got {self.epochs_cooldown}")
-        elif self.epochs_cooldown is not None:
-            raise ValueError(f"--epochs-cooldown goes with --lr-scheduler const-cooldown, not {self.lr_scheduler}")
-        if self.momentum is not None and not self.opt.startswith("timm/"):
-            raise ValueError(f"--momentum goes with a timm optimizer (--opt timm/sgd, ...), not --opt {self.opt}")
-        for flag, decay in (("--image-layer-decay", self.image_layer_decay),
-                            ("--text-layer-decay", self.text_layer_decay)):
-            if decay is not None and not 0.0 < decay <= 1.0:
-                raise ValueError(f"{flag} must be in (0, 1], got {decay}")
-        if self.lr_cooldown_power <= 0:
-            raise ValueError(f"--lr-cooldown-power must be > 0, got {self.lr_cooldown_power}")
-        self.opt_kwargs = dict(self.opt_kwargs)
-        self.wd_exclude = tuple(self.wd_exclude)
-        self.opt_fallback_list = tuple(self.opt_fallback_list)
-        if self.opt_fallback_list and not self.opt.startswith("timm/"):
-            raise ValueError(f"--opt-fallback-list goes with a Muon-family timm optimizer (timm/muon, timm/adamuon, "
-                             f"timm/nadamuon), not --opt {self.opt}")
-
-    def _check_run_flags(self) -> None:
-        """The run flags, one line naming the flag."""
-        from naflexclip.train.remote_sync import PROTOCOLS
-
-        if self.remote_sync_protocol not in PROTOCOLS:
-            raise ValueError(f"--remote-sync-protocol: {self.remote_sync_protocol!r} is not one of {list(PROTOCOLS)}")
-        if not self.remote_sync_frequency > 0:
-            raise ValueError(f"--remote-sync-frequency must be > 0 seconds, got {self.remote_sync_frequency:g}")
-        if self.async_save and self.fsdp_checkpoint != "sharded":
-            raise ValueError(f"--async-save writes sharded checkpoints in the background; it goes with "
-                             f"--fsdp-checkpoint sharded, got --fsdp-checkpoint {self.fsdp_checkpoint}")
-
-    def _check_model_overrides(self) -> None:
-        """OpenCLIP's --force-* flags, one line naming the flag."""
-        if self.force_image_size is not None:
-            self.force_image_size = tuple(int(v) for v in self.force_image_size)
-            if len(self.force_image_size) not in (1, 2) or min(self.force_image_size) < 1:
-                raise ValueError(f"--force-image-size takes one size or height and width >= 1, got "
-                                 f"{' '.join(map(str, self.force_image_size))}")
-        if self.force_context_length is not None and self.force_context_length < 2:
-            raise ValueError(f"--force-context-length must be >= 2, got {self.force_context_length}")
-        if self.force_patch_dropout is not None and not 0.0 <= self.force_patch_dropout < 1.0:
-            raise ValueError(f"--force-patch-dropout must be in [0, 1), got {self.force_patch_dropout}")
-        for flag, value in (("--force-context-length", self.force_context_length),
-                            ("--force-image-size", self.force_image_size)):
-            if value is not None and self.pretrained:  # the checkpoint's position tables are fixed
-                raise ValueError(f"{flag} changes a position table, which --pretrained brings; drop one of them")
 
     def model_overrides(self, patch_size: int) -> dict[str, Any]:
         """The model fields the flags set (`patch_size`: the image tower's): timm's patch interpolator with
@@ -589,34 +381,6 @@ FLAG_NAMES: dict[str, str] = {key: d.flag for key, d in SETTINGS.items()
                               if d.flag != "--" + d.name.replace("_", "-")}
 
 
-def settings_every_rank_shares(cfg: TrainConfig) -> dict[str, Any]:
-    """The run's settings (data fields as `data.<name>`) that every rank of a job must be started with: all but
-    those declared `per_rank` (a process's device, loader workers, timeout, logging). The data sources, the
-    optimizer, the seed and the token budget among them: ranks that differ would train other data in place of
-    the job's, apply other updates, or run out of data at different points."""
-    return {key: value for key, value in flat_config(cfg.to_dict()).items() if not SETTINGS[key].setting.per_rank}
-
-
-def check_ranks_agree(cfg: TrainConfig, env: process_group.DistributedEnv) -> None:
-    """Before the first step: every rank was started with the same settings (`settings_every_rank_shares`), else
-    ValueError on every rank at once: the first flag that differs, with rank 0's value and the other rank's."""
-    every = process_group.gather_if_different(env, settings_every_rank_shares(cfg))
-    if every is None:
-        return
-    reference = every[0]
-    differing = [key for key in SETTINGS if key in reference
-                 and any(repr(other.get(key)) != repr(reference[key]) for other in every[1:])]
-    if not differing:
-        return
-    key = differing[0]
-    rank = next(rank for rank, other in enumerate(every) if repr(other.get(key)) != repr(reference[key]))
-    flags = list(dict.fromkeys(flag_name(k) for k in differing))
-    more = f" ({len(flags)} settings differ: {', '.join(flags)})" if len(flags) > 1 else ""
-    raise ValueError(f"{flag_name(key)}: rank {rank} has {shown_value(every[rank].get(key))}, rank 0 "
-                     f"{shown_value(reference[key])}; every rank of a job must be started with the same settings"
-                     f"{more}")
-
-
 def flag_name(key: str) -> str:
     """The flag of a config key (`data.naflex_seq_lens` -> `--naflex-seq-lens`, `data.aug_scale` ->
     `--aug-cfg scale=`)."""
@@ -624,9 +388,14 @@ def flag_name(key: str) -> str:
 
 
 def __getattr__(name: str) -> Any:
-    """How a setting is shown, importable from here as before (`train.openclip_defaults`)."""
+    """Names importable from here as before: how a setting is shown (`train.openclip_defaults`) and the ranks'
+    agreement (`train.rank_agreement`), imported when asked for (both import this module)."""
     if name in ("openclip_differences", "shown_setting", "shown_setting_value"):
         from naflexclip.train import openclip_defaults
 
         return getattr(openclip_defaults, name)
+    if name in ("check_ranks_agree", "settings_every_rank_shares"):
+        from naflexclip.train import rank_agreement
+
+        return getattr(rank_agreement, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
