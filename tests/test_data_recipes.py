@@ -222,20 +222,19 @@ def test_a_mixture_resumes_exactly_at_the_same_and_at_another_world_size(tmp_pat
     assert Counter(head + rest) == Counter(whole)  # (every epoch of this mixture is the same multiset)
 
 
-def test_sized_shards_are_not_read_at_startup_and_a_short_shard_is_named(tmp_path, monkeypatch):
+def test_sized_shards_are_scanned_once_at_startup_and_read_from_their_cached_index(tmp_path, monkeypatch):
+    """sizes.json is checked against each shard's tar headers at startup; the index that scan caches is what the
+    reads use, so a shard's headers are read once in all."""
     from naflexclip.data import shard_index
 
     spec = _shards(tmp_path / "s", "s", 3, 4)
-    sizes = json.loads((tmp_path / "s" / "sizes.json").read_text())
-    sizes["s-2.tar"] = 6  # sizes.json lists 2 more samples than the shard holds
-    (tmp_path / "s" / "sizes.json").write_text(json.dumps(sizes))
     scanned = []
-    real = shard_index.load_shard_index
-    monkeypatch.setattr(shard_index, "load_shard_index", lambda url, *a: scanned.append(url) or real(url, *a))
+    real = shard_index.scan_shard
+    monkeypatch.setattr(shard_index, "scan_shard", lambda url, *a: scanned.append(url) or real(url, *a))
     loader = build_loader(cfg_for(spec), split="train", patch_size=PATCH, context_length=CONTEXT)
-    assert scanned == [] and len(loader.source) == 14  # planned from sizes.json alone
+    assert sorted(scanned) == [str(tmp_path / "s" / f"s-{s}.tar") for s in range(3)] and len(loader.source) == 12
     assert sorted(keys_in_order(loader)) == sorted(f"s{s}_{i}" for s in range(3) for i in range(4))
-    assert dict(loader.skip_counts) == {"shard_size_mismatch": 2} and len(set(scanned)) == 3
+    assert len(scanned) == 3 and not loader.skip_counts
 
 
 @pytest.mark.parametrize("factors", [None, "1::1"])
@@ -256,28 +255,54 @@ def test_a_source_of_a_mixture_with_nothing_usable_stops_in_one_line_naming_it(t
     assert "\n" not in message and f"{empty!r}" in message and "no usable samples" in message
 
 
+def _disagreeing_sizes(root) -> str:
+    """Four shards of 16 whose sizes.json lists 20 / 16 / 10 / 16."""
+    spec = _shards(root, "s", 4, 16)
+    (root / "sizes.json").write_text(json.dumps({"s-0.tar": 20, "s-1.tar": 16, "s-2.tar": 10, "s-3.tar": 16}))
+    return spec
+
+
 @pytest.mark.parametrize(("workers", "world_size"), [(0, 1), (2, 2)])
-def test_a_sizes_json_that_disagrees_with_a_shard_either_way_names_it_once_per_epoch(tmp_path, workers, world_size):
-    """Four shards of 16, sizes.json lists 20 / 16 / 10 / 16 (planned from it: nothing is read at startup). Shard 0
-    lacks 4 listed samples; shard 2 holds 6 past its listed 10, which this plan cannot read: each is named by key,
-    once per epoch on one rank, and counted apart from bad samples."""
-    spec = _shards(tmp_path / "s", "s", 4, 16)
-    (tmp_path / "s" / "sizes.json").write_text(json.dumps({"s-0.tar": 20, "s-1.tar": 16, "s-2.tar": 10, "s-3.tar": 16}))
+def test_a_sizes_json_that_disagrees_with_a_shard_either_way_trains_what_it_holds_and_names_it(tmp_path, workers,
+                                                                                               world_size):
+    """Four shards of 16, sizes.json lists 20 / 16 / 10 / 16: every sample the shards hold trains once per epoch,
+    every rank plans as many microbatches. Shard 2 (6 past its listed 10) is named once per epoch with both counts;
+    each of the 4 listed samples shard 0 lacks is counted, as a missing sample of a shard is."""
+    spec = _disagreeing_sizes(tmp_path / "s")
     for epoch in (0, 1):
-        keys, records = [], []
+        keys, records, planned = [], [], set()
         for rank in range(world_size):
             loader = build_loader(cfg_for(spec, workers=workers), split="train", patch_size=PATCH,
                                   context_length=CONTEXT, rank=rank, world_size=world_size, epoch=epoch)
+            planned.add(len(loader))
             keys += keys_in_order(loader)
             records += loader.skip_records
-        assert sorted(keys) == sorted([f"s{s}_{i}" for s in (0, 1, 3) for i in range(16)]
-                                      + [f"s2_{i}" for i in range(10)])
-        mismatch = [r for r in records if r["reason"] == "shard_size_mismatch"]
-        assert len(mismatch) == len(records) == 10 and {r["epoch"] for r in records} == {epoch + 1}
-        assert sorted(r["key"] for r in mismatch if r["source"].endswith("s-2.tar")) == [
-            f"s2_{i}" for i in range(10, 16)]
-        assert sum(r["source"].endswith("s-0.tar") for r in mismatch) == 4
-        assert all("sizes.json lists" in r["detail"] for r in mismatch)
+        assert len(planned) == 1
+        assert sorted(keys) == sorted(f"s{s}_{i}" for s in range(4) for i in range(16))
+        assert {r["reason"] for r in records} == {"shard_size_mismatch"} and {r["epoch"] for r in records} == {
+            epoch + 1}
+        under = [r for r in records if r["source"].endswith("s-2.tar")]
+        assert len(under) == 1 and under[0]["key"] is None
+        assert "sizes.json lists 10 samples, the shard holds 16" in under[0]["detail"]
+        over = [r for r in records if r["source"].endswith("s-0.tar")]
+        assert len(over) == 4 and all("sizes.json lists 20 samples, the shard holds 16" in r["detail"] for r in over)
+        assert len(records) == 5
+
+
+def test_a_shard_listed_with_0_samples_trains_what_it_holds_and_is_named(tmp_path):
+    spec = _shards(tmp_path / "s", "s", 3, 4)
+    (tmp_path / "s" / "sizes.json").write_text(json.dumps({"s-0.tar": 4, "s-1.tar": 0, "s-2.tar": 4}))
+    loader = build_loader(cfg_for(spec), split="train", patch_size=PATCH, context_length=CONTEXT)
+    assert sorted(keys_in_order(loader)) == sorted(f"s{s}_{i}" for s in range(3) for i in range(4))
+    [record] = loader.skip_records
+    assert record["source"].endswith("s-1.tar") and record["reason"] == "shard_size_mismatch"
+    assert "sizes.json lists 0 samples, the shard holds 4" in record["detail"]
+
+
+def test_an_epoch_of_miscounted_shards_resumes_mid_way_exactly(tmp_path):
+    cfg = cfg_for(_disagreeing_sizes(tmp_path / "s"), seed=5)
+    whole, resumed = _resumed(cfg, stop_after=3, workers_after=2)
+    assert resumed == whole and sorted(whole) == sorted(f"s{s}_{i}" for s in range(4) for i in range(16))
 
 
 def test_a_mixture_that_copies_a_source_says_in_one_line_that_copies_can_meet(tmp_path, caplog):

@@ -5,6 +5,7 @@ are retried and counted with nothing lost; a shard that stays unreachable is ski
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from collections import Counter
@@ -86,8 +87,9 @@ def epoch_keys(cfg: DataConfig, world_size: int = 1) -> tuple[list[str], Counter
 
 @pytest.mark.parametrize("folder", ["sized", "unsized"])
 def test_remote_shards_train_every_sample_once_in_the_local_order(bucket, tmp_path: Path, folder: str) -> None:
-    """With a sizes.json (indexed by the worker that reads a shard) and without (indexed at startup): every sample
-    once, for any workers and ranks, in the order the same shards on local disk give."""
+    """With a sizes.json (counted at startup, each shard's index then read from the cache by the worker that reads
+    it) and without (indexed at startup): every sample once, for any workers and ranks, in the order the same shards
+    on local disk give."""
     source = bucket[1] if folder == "sized" else bucket[2]
     local_keys, _ = epoch_keys(config(str(source / LOCAL_SPEC), tmp_path / "local"), world_size=2)
     assert sorted(local_keys) == [f"train-0000{i // 10}.tar:train{i:08d}" for i in range(SAMPLES)]
@@ -97,6 +99,18 @@ def test_remote_shards_train_every_sample_once_in_the_local_order(bucket, tmp_pa
         if world_size == 2:
             assert keys == local_keys
         assert Counter(keys) == Counter(local_keys) and not skips
+
+
+def test_remote_shards_that_sizes_json_under_counts_train_every_sample_and_are_named(bucket, tmp_path: Path) -> None:
+    miscounted = tmp_path / "miscounted"
+    miscounted.mkdir()
+    for name in os.listdir(bucket[2]):
+        shutil.copy(bucket[2] / name, miscounted / name)
+    (miscounted / "sizes.json").write_text(json.dumps({f"train-0000{s}.tar": 4 if s == 2 else 10 for s in range(4)}))
+    upload(str(miscounted), "s3://data/miscounted")
+    keys, skips = epoch_keys(config(f"s3://data/miscounted/{LOCAL_SPEC}", tmp_path, workers=2), world_size=2)
+    assert Counter(keys) == Counter(f"train-0000{i // 10}.tar:train{i:08d}" for i in range(SAMPLES))
+    assert skips == {"shard_size_mismatch": 1}  # train-00002.tar: listed 4, holds 10, named once
 
 
 def test_remote_parquet_and_a_mixture_with_remote_shards_read_as_local_files_do(bucket, tmp_path: Path) -> None:

@@ -35,6 +35,7 @@ from naflexclip.data.stream_loader import StreamLoader
 from naflexclip.processing.naflex_transform import Processing, default_processing
 
 logger = logging.getLogger("naflexclip.data")
+NONE_LISTED_OR_HELD = "sizes.json lists none and its shards hold none"
 
 
 def _map_source(cfg: DataConfig, split: str, kind: str, path: str | None, urls: list[str]) -> Source:
@@ -69,26 +70,27 @@ def expand_sources(spec: str) -> tuple[list[str], np.ndarray]:
 
 def _shard_loader(cfg: DataConfig, path: str, urls: list[str], ids: np.ndarray, requested: int | None, flag: str,
                   resampled: bool, factors: tuple[float, ...] | None, common: dict[str, Any]) -> MapLoader:
-    """Local .tar shards. With a sizes.json listing every shard, nothing is read at startup (`SizedShardSource`,
-    an O(shards) plan on every rank); else every shard is indexed. Mixtures, resampling and sized shards take
-    their order from a `ShardRecipe`."""
+    """Indexable .tar shards. With a sizes.json listing every shard, an O(shards) plan on every rank
+    (`SizedShardSource`: each shard counted from its cached index, the index itself read by the workers); else every
+    shard is indexed and held. Mixtures, resampling and sized shards take their order from a `ShardRecipe`."""
     sizes = read_sizes(urls)
     source: Source
     if sizes is not None:
-        source = SizedShardSource(path, urls, sizes, cfg.shard_index_dir, cfg.member_keys())
-        shard_sizes = sizes
+        source = SizedShardSource(path, urls, sizes, cfg.shard_index_dir, cfg.member_keys(),
+                                  _first_shard(len(urls), common))
+        shard_sizes = source.sizes
     else:
         source = _map_source(cfg, common["split"], "webdataset", path, urls)
         shard_sizes = np.bincount(source.shard_ids, minlength=len(urls)).astype(np.int64)
     if len(source) == 0:
-        raise DataError(f"data source {path!r} has no usable samples (sizes.json lists none)")
+        raise DataError(f"data source {path!r} has no usable samples ({NONE_LISTED_OR_HELD})")
     sources = path.split("::")
     shards = ShardSet(shard_sizes, ids, tuple(sources))
     for s in np.flatnonzero(shards.source_sizes() == 0):  # one source of a `::` mixture with nothing usable
         mine = {u for u, i in zip(urls, ids, strict=True) if i == s}
         reasons = Counter(r["reason"] for r in source.index_skips if r["source"] in mine)
         raise DataError(f"data source {sources[s]!r} of {path!r} has no usable samples "
-                        f"({reasons_line(reasons) or ('sizes.json lists none' if sizes is not None else 'empty')})")
+                        f"({reasons_line(reasons) or (NONE_LISTED_OR_HELD if sizes is not None else 'empty')})")
     if requested is not None and requested > len(source) and not (resampled or factors is not None):
         raise _more_than_the_data(cfg, flag, requested, source)
     if sizes is None and not resampled and factors is None:
@@ -102,6 +104,12 @@ def _shard_loader(cfg: DataConfig, path: str, urls: list[str], ids: np.ndarray, 
     if common["rank"] == 0:
         _announce_mixture(cfg, loader, recipe, common["split"])
     return loader
+
+
+def _first_shard(num_shards: int, common: dict[str, Any]) -> int:
+    """Where this rank starts checking sizes.json against the shards: the ranks spread over them, so that on a
+    first run each scans its own and finds the others' indexes in the cache."""
+    return common["rank"] * num_shards // common["world_size"]
 
 
 def _announce_mixture(cfg: DataConfig, loader: MapLoader, recipe: ShardRecipe, split: str) -> None:
@@ -141,8 +149,9 @@ def _table_loader(cfg: DataConfig, path: str, requested: int | None, flag: str, 
             remote.check_remote_shards(urls, part)
             listed = read_sizes(urls)
             if listed is not None:
-                source = SizedShardSource(part, urls, listed, cfg.shard_index_dir, cfg.member_keys())
-                part_sizes = listed
+                source = SizedShardSource(part, urls, listed, cfg.shard_index_dir, cfg.member_keys(),
+                                          _first_shard(len(urls), common))
+                part_sizes = source.sizes
             else:
                 source = IndexedShardSource(part, urls, cfg.shard_index_dir, cfg.member_keys())
                 part_sizes = np.bincount(source.shard_ids, minlength=len(urls)).astype(np.int64)

@@ -43,8 +43,8 @@ SKIP_REASONS = (
     "missing_shard",  # a shard URL that cannot be opened (a shard problem, not a bad sample)
     "epoch_remainder",  # an epoch with fewer samples than ranks: no rank can be given one without the others
     "duplicate_key",  # a key that names several samples of one shard: noted, each of them trains
-    # sizes.json's count for a shard is not what it holds: each listed sample it lacks, and each sample it holds past
-    # the listed count (which the plan, made from sizes.json alone, cannot read), counted
+    # sizes.json's count for a shard is not what it holds: each listed sample it lacks counted; a shard holding more
+    # than listed named once per epoch (its samples all train)
     "shard_size_mismatch",
     "unreachable_shard",  # a remote shard whose reads kept failing after retries (each of its samples counted)
     "read_retry",  # a remote read that failed transiently and was retried: a note, nothing is lost

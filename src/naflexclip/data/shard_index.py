@@ -1,9 +1,9 @@
 """WebDataset shard index: each local `.tar` shard's samples as tar member offsets, read as a map-style source.
 
-Indexing reads tar headers only; an index is cached as JSON (beside the shard or under `--shard-index-dir`) and used
-while the shard's size and modification time (a remote object's size and ETag) are unchanged. Shards in object
-storage (`remote`) are indexed and read by ranged requests; streams that cannot be indexed go to
-`shards.shard_samples`. Grouping and caching: docs/data.md#your-own-data and #data-in-object-storage.
+Indexing reads tar headers only; an index is cached as two JSON lines, its sample count first (beside the shard or
+under `--shard-index-dir`), and used while the shard's size and modification time (a remote object's size and ETag)
+are unchanged. Shards in object storage (`remote`) are indexed and read by ranged requests; streams that cannot be
+indexed go to `shards.shard_samples`. Grouping and caching: docs/data.md#your-own-data and #data-in-object-storage.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import tarfile
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,7 @@ from naflexclip.data.shards import (
 )
 from naflexclip.data.source import RawSample, skip_record
 
-INDEX_VERSION = 4  # 4: the .json member's offset and size (a sample's regions)
+INDEX_VERSION = 5  # 4: the .json member's offset and size (a sample's regions); 5: two lines, the count first
 INDEX_SUFFIX = ".naflexclip-index.json"
 
 
@@ -155,45 +156,80 @@ def _cache_path(url: str, cache_dir: str | None) -> str:
     return os.path.join(directory, f"{url.rpartition('/')[2]}-{digest}.json")
 
 
-def load_shard_index(url: str, cache_dir: str | None = None, keys: MemberKeys = DEFAULT_MEMBER_KEYS) -> ShardIndex:
-    """The shard's index: from its cache while the shard's size and mtime (and the member keys) match, else
-    scanned and cached."""
+def _cache_stamp(url: str, keys: MemberKeys) -> dict[str, Any] | None:
+    """What the shard's cached index must match: its size and mtime (a remote object's size and ETag: raises
+    `remote.Unreachable`) and the member keys. None: a local path that cannot be stat'ed."""
     if remote.is_remote(url):  # a remote shard's version is its ETag (or its backend's modification stamp)
-        try:
-            found = remote.info(url)
-        except remote.Unreachable as error:
-            return _unreadable(url, error)
+        found = remote.info(url)
         stamp = {"version": INDEX_VERSION, "size": found["size"], "etag": found["version"]}
     else:
         try:
             st = os.stat(url)
         except OSError:
-            return scan_shard(url, keys)
+            return None
         stamp = {"version": INDEX_VERSION, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    stamp.update({"image_key": list(keys.image), "caption_key": list(keys.caption)})
-    path = _cache_path(url, cache_dir)
+    return {**stamp, "image_key": list(keys.image), "caption_key": list(keys.caption)}
+
+
+def _read_cache(path: str, stamp: dict[str, Any], whole: bool) -> dict[str, Any] | None:
+    """A cached index whose first line (stamp, status, sample count) matches `stamp`; `whole`: with its second line
+    (keys and offsets), else the first alone (a count costs a short read). None: no such cache."""
     try:
         with open(path) as f:
-            cached = json.load(f)
-        if all(cached.get(k) == v for k, v in stamp.items()):
+            cached = json.loads(f.readline())
+            if not all(cached.get(k) == v for k, v in stamp.items()):
+                return None
+            if whole:
+                cached.update(json.loads(f.readline()))
+        return cached
+    except (OSError, ValueError, AttributeError):  # AttributeError: a line that is JSON but not an object
+        return None
+
+
+def load_shard_index(url: str, cache_dir: str | None = None, keys: MemberKeys = DEFAULT_MEMBER_KEYS) -> ShardIndex:
+    """The shard's index: from its cache while the shard's size and mtime (and the member keys) match, else
+    scanned and cached."""
+    try:
+        stamp = _cache_stamp(url, keys)
+    except remote.Unreachable as error:
+        return _unreadable(url, error)
+    if stamp is None:
+        return scan_shard(url, keys)
+    path = _cache_path(url, cache_dir)
+    cached = _read_cache(path, stamp, whole=True)
+    try:
+        if cached is not None:
             return ShardIndex(url, cached["status"], cached["keys"],
                               np.asarray(cached["offsets"], dtype=np.int64).reshape(-1, 6), cached["cut"],
                               cached["duplicates"])
-    except (OSError, ValueError, KeyError):
+    except (KeyError, ValueError):
         pass
     index = scan_shard(url, keys, stamp["size"])
     if index.status in ("missing", "unreachable"):
         return index  # a fault of this moment, not the shard's content: never cached
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}"
+        tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
         with open(tmp, "w") as f:
-            json.dump({**stamp, "status": index.status, "keys": index.keys, "offsets": index.offsets.tolist(),
-                       "cut": index.cut, "duplicates": index.duplicates}, f)
-        os.replace(tmp, path)  # atomic: ranks indexing the same shard at once each write a whole file
+            f.write(json.dumps({**stamp, "status": index.status, "count": len(index)}) + "\n")
+            f.write(json.dumps({"keys": index.keys, "offsets": index.offsets.tolist(), "cut": index.cut,
+                                "duplicates": index.duplicates}) + "\n")
+        os.replace(tmp, path)  # atomic: ranks (and threads) indexing the same shard at once each write a whole file
     except OSError:
         pass  # an unwritable cache only costs a re-scan next time
     return index
+
+
+def held_count(url: str, cache_dir: str | None = None, keys: MemberKeys = DEFAULT_MEMBER_KEYS) -> int:
+    """The samples the shard holds (0: it cannot be read): the first line of its cached index, else its index."""
+    try:
+        stamp = _cache_stamp(url, keys)
+    except remote.Unreachable:
+        return 0  # its reads are tried again, and its listed samples counted, when the epoch reaches it
+    cached = None if stamp is None else _read_cache(_cache_path(url, cache_dir), stamp, whole=False)
+    if cached is not None and isinstance(cached.get("count"), int):
+        return cached["count"]
+    return len(load_shard_index(url, cache_dir, keys))
 
 
 def load_shard_indexes(urls: list[str], cache_dir: str | None, keys: MemberKeys) -> list[ShardIndex]:
@@ -202,6 +238,20 @@ def load_shard_indexes(urls: list[str], cache_dir: str | None, keys: MemberKeys)
         return [load_shard_index(url, cache_dir, keys) for url in urls]
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         return list(pool.map(lambda url: load_shard_index(url, cache_dir, keys), urls))
+
+
+def held_samples(urls: list[str], cache_dir: str | None, keys: MemberKeys, first: int = 0) -> np.ndarray:
+    """The samples each shard holds (0 for one that cannot be read), by `held_count`; no index is kept. Shards are
+    taken from `first` on, wrapping round, several at once: ranks starting at different shards scan different ones
+    and find the others' in the cache."""
+    unique = list(dict.fromkeys(urls))  # a shard named twice is scanned once
+    order = unique[first % len(unique):] + unique[:first % len(unique)] if unique else []
+    found: dict[str, int] = {}
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:  # a shard's header reads wait on disk or network
+        for start in range(0, len(order), 1024):  # a chunk at a time: a future per shard of 10^5 is 100 MiB
+            chunk = order[start:start + 1024]
+            found.update(zip(chunk, pool.map(lambda url: held_count(url, cache_dir, keys), chunk), strict=True))
+    return np.asarray([found[url] for url in urls], dtype=np.int64).reshape(-1)
 
 
 def read_remote_sample(url: str, key: str, row: np.ndarray, notes: list[dict[str, Any]] | None = None) -> RawSample:
@@ -285,24 +335,32 @@ class IndexedShardSource:
 
 
 class SizedShardSource:
-    """Local tar shards whose sample counts come from a `sizes.json` (as OpenCLIP's datasets ship): nothing is read
-    at startup, and each shard is indexed (or its cached index read) by the worker that first reads from it.
+    """Tar shards (local or in object storage) beside a `sizes.json` (as OpenCLIP's datasets ship): planned from
+    O(shards) counts, each shard's samples read by offset from its index, which each process keeps for the last
+    `cached_shards` shards it read from.
 
-    Sample i is position i of the shards' samples in order, numbered by `sizes`; what indexing finds unusable
-    (no image, no caption, a missing shard, fewer samples than `sizes.json` lists) is skipped when read. A shard
-    holding more samples than listed has them named (`shard_size_mismatch`) with its last listed sample, so once
-    per read of it: the plan, made from `sizes.json` alone, has no place for them.
-    Startup and memory are O(shards), the same on every rank.
+    sizes.json is checked at startup against each shard's tar headers (`held_samples`; the index is cached, so the
+    reads find it there): a shard is planned at the samples it holds, or at its listed count when that is more. A
+    shard holding more than listed is named once per epoch (`shard_size_mismatch`, with both counts) and all its
+    samples train; each listed sample a shard lacks is skipped when read (`shard_size_mismatch`), as are a missing
+    or unreachable shard's listed samples, and what indexing finds unusable (no image, no caption).
+    Memory is O(shards), the same on every rank.
     """
 
     group_size = 1
     cached_shards = 256  # shard indexes a process keeps (a block of the epoch order reads 64 shards)
 
     def __init__(self, spec: str, urls: list[str], sizes: np.ndarray, cache_dir: str | None = None,
-                 member_keys: MemberKeys = DEFAULT_MEMBER_KEYS) -> None:
-        self.name, self.urls, self.sizes = spec, urls, np.asarray(sizes, dtype=np.int64)
+                 member_keys: MemberKeys = DEFAULT_MEMBER_KEYS, first_shard: int = 0) -> None:
+        """`sizes`: sizes.json's counts; `first_shard`: where this rank starts checking them (`held_samples`)."""
+        self.name, self.urls, self.listed = spec, urls, np.asarray(sizes, dtype=np.int64)
         self.cache_dir, self.member_keys = cache_dir, member_keys
-        self.index_skips: list[dict[str, Any]] = []
+        held = held_samples(urls, cache_dir, member_keys, first_shard)
+        self.sizes = np.maximum(self.listed, held)  # positions planned per shard
+        self.index_skips: list[dict[str, Any]] = [
+            skip_record(url, None, None, "shard_size_mismatch",
+                        f"sizes.json lists {listed} samples, the shard holds {count}: all {count} are read")
+            for url, listed, count in zip(urls, self.listed.tolist(), held.tolist(), strict=True) if count > listed]
         self.bounds = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
         self._indexes: collections.OrderedDict[int, ShardIndex] = collections.OrderedDict()
         # a microbatch's samples are read at once: their shards' indexes are loaded first, by `describe`
@@ -331,16 +389,18 @@ class SizedShardSource:
             raise SkipSample("missing_shard", url)
         if shard_index.status == "unreachable":
             raise SkipSample("unreachable_shard", shard_index.detail)
+        listed, planned = int(self.listed[shard]), int(self.sizes[shard])
         if j >= len(shard_index):
             if shard_index.status == "truncated":
                 raise SkipSample("truncated_shard", f"sample {j} of {url}: the shard ends before it")
             raise SkipSample("shard_size_mismatch",
-                             f"sizes.json lists {int(self.sizes[shard])} samples, the shard holds {len(shard_index)}")
-        listed = int(self.sizes[shard])
-        notes = [] if j != listed - 1 else [
+                             f"sizes.json lists {listed} samples, the shard holds {len(shard_index)}")
+        # a shard that could not be read at startup, or changed since, may hold more than the plan has places for
+        notes = [] if j != planned - 1 else [
             skip_record(url, key, None, "shard_size_mismatch", f"sizes.json lists {listed} samples, the shard holds "
-                        f"{len(shard_index)}: a plan made from sizes.json reads the first {listed}")
-            for key in shard_index.keys[listed:]]
+                        f"{len(shard_index)}: the epoch was planned for {planned} (it could not be read at startup, "
+                        "or changed since)")
+            for key in shard_index.keys[planned:]]
         img_off, img_size, cap_off, cap_size, json_off, json_size = (int(v) for v in shard_index.offsets[j])
         reason = ("missing_image" if img_off < 0 else "empty_image" if img_size == 0
                   else "missing_caption" if cap_off < 0 else None)
