@@ -17,7 +17,7 @@ from naflexclip.data.data_config import DataConfig
 from naflexclip.models.lock import Locks
 from naflexclip.objectives.distillation import Distill
 from naflexclip.objectives.siglip2_recipe import Recipe
-from naflexclip.settings import RULES, setting, settings_of, undeclared_destinations
+from naflexclip.settings import RULES, declared, setting, settings_of, undeclared_destinations
 from naflexclip.train.resume import POLICY, changed_flags, refusal
 from naflexclip.train.train_command import config_from_args
 from naflexclip.train.train_config import TrainConfig, flat_config
@@ -96,3 +96,39 @@ def test_a_config_saved_before_the_declarations_resumes_unchanged() -> None:
     assert refusal(saved["config"], config) is None and changed_flags(saved["config"], config) == []
     other = _config(saved["flags"].replace("--lock-image-unlocked-groups 1", "--lock-image-unlocked-groups 2"))
     assert "--lock-image-unlocked-groups: the checkpoint has 1, this run 2" in refusal(saved["config"], other.to_dict())
+
+
+def _switches(config: type) -> list:
+    """The settings a flag switches on (store_true), but for the negative flags themselves (--no-plot)."""
+    return [d for d in declared(config) if d.has_flag and d.annotation == "bool" and d.default is False
+            and d.setting.action is None and not d.flag.startswith("--no-")]
+
+
+def test_every_switch_of_train_has_a_no_form_that_turns_it_off() -> None:
+    """A run started with a switch on can be resumed with it off: `--no-<flag>` after `--<flag>` gives False, for
+    every switch declared; OpenCLIP's spelling still switches on, --no-plot stays as it was (no --no-no-plot)."""
+    switches = _switches(TrainConfig)
+    assert {"multi_positive", "grad_checkpointing", "lock_text_freeze_layer_norm", "skip_scheduler",
+            "save_most_recent", "debug", "data.dataset_resampled"} <= {d.key for d in switches}
+    for d in switches:
+        negative = "--no-" + d.flag[2:]
+        on = build_parser().parse_args(["train", d.flag])
+        off = build_parser().parse_args(["train", d.flag, negative])
+        assert (getattr(on, d.dest), getattr(off, d.dest)) == (True, False), d.flag
+    flags = {flag for action in _train_parser()._actions for flag in action.option_strings}
+    assert "--no-plot" in flags and "--no-no-plot" not in flags and "--no-no-set-device-rank" not in flags
+    assert _config("--no-plot").plot is False and _config().plot is True
+
+
+def test_help_shows_each_switch_with_its_no_form_on_one_line() -> None:
+    text = _train_parser().format_help()
+    assert "[--multi-positive | --no-multi-positive]" in " ".join(text.split())
+    (line,) = [line for line in text.splitlines() if line.strip().startswith("--multi-positive,")]
+    assert line.split() == ["--multi-positive,", "--no-multi-positive"]  # its help on the lines below
+
+
+def test_verify_takes_the_no_form_of_the_switches_it_shares_with_train() -> None:
+    """Verify's lock flags are unset unless given (a --checkpoint's own are taken): --no-lock-image says off."""
+    assert build_parser().parse_args(["verify"]).lock_image is None
+    args = build_parser().parse_args(["verify", "--no-lock-image", "--no-augment"])
+    assert (args.lock_image, args.augment) == (False, False)

@@ -575,3 +575,43 @@ def test_resume_latest_starts_from_the_runs_saved_settings(stopped_run: Path, tm
     assert len(notices) == 1 and "--lr 0.001 -> 0.002" in notices[0] and "--distill" not in notices[0], notices
     after = [r for r in _records(logs / "student") if r["kind"] == "train" and r["step"] == 2]
     assert len(after) == 1 and after[0]["loss/distill"] > 0  # the teacher is still there
+
+
+SWITCHES_ON = ["--multi-positive", "--lock-text", "--lock-text-freeze-layer-norm", "--skip-scheduler",
+               "--save-most-recent"]
+
+
+@pytest.fixture(scope="module")
+def switched_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny run started with switches on, stopped (and saved) at step 1; tests copy it before resuming."""
+    logs = tmp_path_factory.mktemp("switched")
+    assert _cli(logs, "base", "--stop-after-steps", "1", *SWITCHES_ON) == 0
+    return logs / "base"
+
+
+def test_a_resume_switches_off_a_flag_the_run_started_with(switched_run: Path, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    """`--no-<flag>` on `--resume latest` turns off what the run's saved settings had on, and the one notice names
+    each change once; the data follows --multi-positive (one caption per image again)."""
+    logs = _copy_run(switched_run, tmp_path)
+    capsys.readouterr()
+    assert main(["train", "--logs", str(logs), "--name", "base", "--resume", "latest", "--stop-after-steps", "2",
+                 "--no-multi-positive", "--no-skip-scheduler", "--no-save-most-recent", "--no-plot"]) == 0
+    (notice,) = [line for line in capsys.readouterr().err.splitlines() if "changed flags" in line]
+    assert "--multi-positive True -> False" in notice and "--skip-scheduler True -> False" in notice, notice
+    assert notice.count("--multi-positive") == 1, notice
+    config = ckpt.read_run_state(logs / "base" / "checkpoints")["config"]
+    assert (config["multi_positive"], config["data"]["multi_caption"]) == (False, False)
+    assert (config["skip_scheduler"], config["save_most_recent"]) == (False, False)
+    assert (config["lock_text"], config["lock_text_freeze_layer_norm"]) == (True, True)  # not given: as saved
+
+
+def test_a_resume_refuses_switching_off_a_refused_flag_in_one_line(switched_run: Path, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    logs = _copy_run(switched_run, tmp_path)
+    capsys.readouterr()
+    code = main(["train", "--logs", str(logs), "--name", "base", "--resume", "latest", "--no-plot",
+                 "--no-lock-text-freeze-layer-norm"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "Traceback" not in "\n".join(err)
+    assert "--lock-text-freeze-layer-norm: the checkpoint has True, this run False" in err[-1], err[-1]

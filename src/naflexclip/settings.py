@@ -202,6 +202,32 @@ def _argparse_kwargs(d: Declared) -> dict[str, Any]:
     return kwargs
 
 
+class _Switch(argparse.Action):
+    """A store_true flag with its generated `--no-` form: both set the destination, so a resume that is given
+    `--no-<flag>` switches off what the run started with (a flag that can only be switched on could not be)."""
+
+    def __init__(self, option_strings: list[str], dest: str, negative: str, default: Any = False,
+                 help: str | None = None) -> None:
+        super().__init__([*option_strings, negative], dest, nargs=0, default=default, help=help)
+        self.negative = negative
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, option_string != self.negative)
+
+    def format_usage(self) -> str:
+        return " | ".join(self.option_strings)
+
+
+def _negative_flag(flag: str, kwargs: dict[str, Any], taken: Any) -> str | None:
+    """`--no-<flag>` for a store_true flag, unless the flag already is a negative one (--no-plot) or the parser
+    (`taken`: its option strings) already has that name."""
+    negative = "--no-" + flag[2:]
+    if kwargs.get("action") != "store_true" or flag.startswith("--no-") or negative in taken:
+        return None
+    return negative
+
+
 def add_arguments(parser: argparse.ArgumentParser, config: type, *, skip_sections: tuple[str, ...] = (),
                   defaults: Mapping[str, Any] | None = None, openclip_with_data: bool = False) -> None:
     """Add `config`'s flags to `parser`, one argument group per section in declaration order. `defaults`: another
@@ -222,7 +248,12 @@ def add_arguments(parser: argparse.ArgumentParser, config: type, *, skip_section
             kwargs["default"] = argparse.SUPPRESS
             text = ((text + " ") if text else "") + (
                 f"(default: {shown_value(d.openclip)}, OpenCLIP's; on the built-in dataset: {shown_value(d.default)})")
-        groups[section].add_argument(d.setting.flag or d.flag, *d.setting.aliases, dest=d.dest, help=text, **kwargs)
+        flag = d.setting.flag or d.flag
+        also_flags = d.setting.also[0] if d.setting.also else ()
+        negative = _negative_flag(flag, kwargs, {*parser._option_string_actions, *also_flags})
+        if negative is not None:
+            kwargs.update(action=_Switch, negative=negative)
+        groups[section].add_argument(flag, *d.setting.aliases, dest=d.dest, help=text, **kwargs)
         if d.setting.also:
             flags, more = d.setting.also
             groups[section].add_argument(*flags, dest=d.dest, **more)

@@ -100,8 +100,10 @@ class DataConfig:
     synthetic_multi_caption: bool = setting(False, rule=APPLY, section=_DATA, help=(
         "built-in train scenes with 2-5 captions each (one per epoch; all with --multi-positive)"))
     # several captions per image become several text rows with group ids (train --multi-positive); without it a
-    # sample with several captions trains on one of them, drawn per (seed, epoch, sample)
-    multi_caption: bool = setting(False, rule=APPLY, flag=NO_FLAG, shown_as="--multi-positive")
+    # sample with several captions trains on one of them, drawn per (seed, epoch, sample). Set from --multi-positive:
+    # a resume given that flag (or its --no- form) takes it from there, not from the checkpoint
+    multi_caption: bool = setting(False, rule=APPLY, flag=NO_FLAG, shown_as="--multi-positive",
+                                  reads=("multi_positive",))
     caption_per_line: bool = setting(False, rule=APPLY, section=_DATA, help=(
         "a caption file (a folder's .txt, a shard's --text-key member) holds one caption per non-empty line: "
         "several captions of its image (one per epoch; all with --multi-positive)"))

@@ -84,10 +84,11 @@ def refusal(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
 
 
 def changed_flags(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """The flags a resume applies although the checkpoint was saved with other values, as `--flag old -> new`."""
+    """The flags a resume applies although the checkpoint was saved with other values, as `--flag old -> new`, each
+    once (a setting another flag sets, such as data.multi_caption by --multi-positive, is shown as that flag)."""
     old, new = flat_config(saved), flat_config(current)
-    return [f"{shown_setting(key, old[key])} -> {shown_setting_value(key, new[key])}"
-            for key in _changed(saved, current) if _rule(key) in (APPLY, RESCHEDULE)]
+    return list(dict.fromkeys(f"{shown_setting(key, old[key])} -> {shown_setting_value(key, new[key])}"
+                              for key in _changed(saved, current) if _rule(key) in (APPLY, RESCHEDULE)))
 
 
 # heads the run's flags add to the preset, and those flags: a change there is the flags', not the preset's
