@@ -171,6 +171,28 @@ def test_transient_faults_are_retried_and_counted_and_nothing_is_lost(bucket, tm
             proxy.close()
 
 
+def test_retried_reads_are_reported_apart_from_skipped_samples(bucket, tmp_path: Path, fast_retries,
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A read that succeeded on retry trained its sample: the epoch's line and the loader's summary say
+    `skipped 0` and count the retries apart."""
+    proxy = FaultProxy(bucket[0], every=3, limit=12)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    remote.forget_filesystems()
+    try:
+        loader = build_loader(config(f"s3://data/sized/{LOCAL_SPEC}", tmp_path), split="train", patch_size=PATCH,
+                              context_length=CONTEXT)
+        with caplog.at_level("INFO", logger="naflexclip.data"):
+            keys = [key for batch in loader for key in batch["keys"]]
+    finally:
+        proxy.close()
+    retried = loader.skip_counts["read_retry"]
+    assert len(set(keys)) == SAMPLES and retried >= 4 and set(loader.skip_counts) == {"read_retry"}
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data train epoch 1")]
+    assert line.endswith(f"; skipped 0; {retried} reads retried"), line
+    assert loader.summary().endswith(f": no samples skipped; {retried} reads retried"), loader.summary()
+
+
 def test_a_shard_that_stays_unreachable_is_skipped_by_name_with_its_samples(bucket, tmp_path: Path, fast_retries,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     endpoint = bucket[0]

@@ -37,6 +37,14 @@ HOLD_BACK = 2
 END_HOLD = 4
 
 
+def _retries_apart(counts: Counter) -> tuple[Counter, str]:
+    """The counts of samples not trained, and `; N reads retried` (or ""): a `read_retry` note is a remote read
+    that succeeded on retry, so its sample trained and is no skip."""
+    skipped = Counter({reason: n for reason, n in counts.items() if reason != "read_retry"})
+    retried = counts.get("read_retry", 0)
+    return skipped, f"; {retried} reads retried" if retried else ""
+
+
 @dataclasses.dataclass(frozen=True)
 class Cursor:
     """Where an epoch's iteration stands, enough to continue it exactly.
@@ -317,11 +325,11 @@ class NaFlexLoader(abc.ABC):
         self.set_epoch(resume.epoch, resume.cursor.position)
 
     def summary(self) -> str:
-        """One line: skipped samples by reason over the loader's lifetime."""
-        if not self.skip_counts:
-            return f"data {self.split} ({self.name}): no samples skipped"
-        return f"data {self.split} ({self.name}): skipped {sum(self.skip_counts.values())} " \
-               f"({reasons_line(self.skip_counts)})"
+        """One line: skipped samples by reason over the loader's lifetime, retried reads apart."""
+        skipped, retried = _retries_apart(self.skip_counts)
+        if not skipped:
+            return f"data {self.split} ({self.name}): no samples skipped{retried}"
+        return f"data {self.split} ({self.name}): skipped {sum(skipped.values())} ({reasons_line(skipped)}){retried}"
 
     # -- iteration --------------------------------------------------------------------------------
     def data_loader(self, dataset: Any, sampler: Any = None, persistent: bool = False) -> DataLoader:
@@ -401,7 +409,9 @@ class NaFlexLoader(abc.ABC):
         line = (f"data {self.split} epoch {self.epoch + 1} rank {self.rank}: {num_batches} batches, {num_samples} "
                 f"samples (planned {self.num_batches - start} batches)")
         if skips:
-            logger.warning("%s; skipped %d (%s)", line, sum(skips.values()), reasons_line(skips))
+            skipped, retried = _retries_apart(skips)
+            reasons = f" ({reasons_line(skipped)})" if skipped else ""
+            logger.warning("%s; skipped %d%s%s", line, sum(skipped.values()), reasons, retried)
         else:
             logger.info(line)
 
