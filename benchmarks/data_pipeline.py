@@ -13,7 +13,7 @@ indexed at startup, one permutation per epoch) against the same shards planned f
 order), `--dataset-resampled` and a `::` mixture with `--train-data-upsampling-factors 1::2` (samples/s and the
 ratio to today's); then the startup of a 100,000-shard `sizes.json` (10,000 samples each, LAION scale) per rank:
 seconds and peak MiB above the imports for `build_loader` and the next epoch's plan, at 1 and 8 simulated ranks
-(rank 0 of each, in a fresh process).
+(rank 0 of each, in a fresh process), with `sizes.json` checked against each shard and with `--trust-sizes-json`.
 
 `--epoch-start` measures the time from the start of an epoch (the loader's iteration) to its first microbatch, for
 epochs 2 and on, with `--workers`: one loader whose workers are kept from epoch to epoch (ours) against a new loader
@@ -75,11 +75,11 @@ def time_loader(loader, num_images: int) -> float:
 STARTUP_CHILD = """
 import json, resource, sys, time
 from naflexclip.data import DataConfig, build_loader
-spec, world_size = sys.argv[1], int(sys.argv[2])
+spec, world_size, trusted = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "trusted"
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 start = time.perf_counter()
 cfg = DataConfig(train_data=spec, naflex_seq_lens=(128, 256, 576, 784, 1024), naflex_max_tokens_per_batch=16384,
-                 naflex_batch_divisor=8, workers=2)
+                 naflex_batch_divisor=8, workers=2, trust_sizes_json=trusted)
 loader = build_loader(cfg, split="train", patch_size=16, context_length=77, rank=0, world_size=world_size)
 built = time.perf_counter()
 loader.set_epoch(1)
@@ -91,7 +91,8 @@ print(json.dumps({"samples": loader.samples_per_epoch, "steps": loader.num_batch
 
 
 def startup(tmp: str, num_shards: int, per_shard: int) -> None:
-    """Per-rank startup and memory of a `num_shards`-shard sizes.json at 1 and 8 simulated ranks."""
+    """Per-rank startup and memory of a `num_shards`-shard sizes.json at 1 and 8 simulated ranks: checked against
+    each shard (the default) and trusted (--trust-sizes-json)."""
     root = os.path.join(tmp, "laion")
     os.makedirs(root)
     export_synthetic(root, fmt="webdataset", count=2, shard_size=2)  # one real shard: the list must name a file
@@ -101,13 +102,14 @@ def startup(tmp: str, num_shards: int, per_shard: int) -> None:
     spec = os.path.join(root, f"{{00000000..{num_shards - 1:08d}}}.tar")
     print(f"startup: {num_shards} shards x {per_shard} samples in a sizes.json (seq_lens 128-1024, 16384 tokens, "
           "divisor 8), rank 0, fresh process each")
-    for world_size in (1, 8):
-        out = subprocess.run([sys.executable, "-c", STARTUP_CHILD, spec, str(world_size)], capture_output=True,
-                             text=True, check=True).stdout
-        r = json.loads(out.strip().splitlines()[-1])
-        print(f"  {world_size} rank(s): build_loader {r['build_s']:.2f} s, next epoch's plan "
-              f"{r['next_epoch_s']:.2f} s, peak +{r['peak_mib']:.0f} MiB; {r['samples']} samples, "
-              f"{r['steps']} microbatches per rank")
+    for how in ("checked", "trusted"):
+        for world_size in (1, 8):
+            out = subprocess.run([sys.executable, "-c", STARTUP_CHILD, spec, str(world_size), how],
+                                 capture_output=True, text=True, check=True).stdout
+            r = json.loads(out.strip().splitlines()[-1])
+            print(f"  sizes.json {how}, {world_size} rank(s): build_loader {r['build_s']:.2f} s, next epoch's plan "
+                  f"{r['next_epoch_s']:.2f} s, peak +{r['peak_mib']:.0f} MiB; {r['samples']} samples, "
+                  f"{r['steps']} microbatches per rank")
 
 
 def recipes(args: argparse.Namespace, tmp: str) -> None:

@@ -237,6 +237,28 @@ def test_sized_shards_are_scanned_once_at_startup_and_read_from_their_cached_ind
     assert len(scanned) == 3 and not loader.skip_counts
 
 
+def test_trusted_sizes_json_reads_no_shard_at_startup_and_names_a_surplus_when_read(tmp_path, monkeypatch):
+    """--trust-sizes-json plans from sizes.json alone: no shard is read at startup, each is scanned once by the read
+    that first needs it, and the samples a shard holds past its listed count are named, not trained."""
+    from naflexclip.data import shard_index
+
+    spec = _shards(tmp_path / "s", "s", 3, 4)
+    sizes = json.loads((tmp_path / "s" / "sizes.json").read_text())
+    sizes["s-0.tar"], sizes["s-2.tar"] = 2, 6  # 2 fewer than shard 0 holds, 2 more than shard 2 holds
+    (tmp_path / "s" / "sizes.json").write_text(json.dumps(sizes))
+    scanned = []
+    real = shard_index.scan_shard
+    monkeypatch.setattr(shard_index, "scan_shard", lambda url, *a: scanned.append(url) or real(url, *a))
+    loader = build_loader(cfg_for(spec, trust_sizes_json=True), split="train", patch_size=PATCH,
+                          context_length=CONTEXT)
+    assert scanned == [] and len(loader.source) == 12  # 2 + 4 + 6, as listed
+    assert sorted(keys_in_order(loader)) == sorted(["s0_0", "s0_1"] + [f"s{s}_{i}" for s in (1, 2) for i in range(4)])
+    assert sorted(scanned) == [str(tmp_path / "s" / f"s-{s}.tar") for s in range(3)]  # each once, when read
+    surplus = sorted(r["key"] for r in loader.skip_records if r["source"].endswith("s-0.tar"))
+    assert surplus == ["s0_2", "s0_3"] and dict(loader.skip_counts) == {"shard_size_mismatch": 4}
+    assert all("--trust-sizes-json" in r["detail"] for r in loader.skip_records if r["source"].endswith("s-0.tar"))
+
+
 @pytest.mark.parametrize("factors", [None, "1::1"])
 @pytest.mark.parametrize("sizes_json", [True, False])
 def test_a_source_of_a_mixture_with_nothing_usable_stops_in_one_line_naming_it(tmp_path, factors, sizes_json):
@@ -287,6 +309,69 @@ def test_a_sizes_json_that_disagrees_with_a_shard_either_way_trains_what_it_hold
         over = [r for r in records if r["source"].endswith("s-0.tar")]
         assert len(over) == 4 and all("sizes.json lists 20 samples, the shard holds 16" in r["detail"] for r in over)
         assert len(records) == 5
+
+
+@pytest.mark.parametrize(("workers", "world_size"), [(0, 1), (2, 2)])
+def test_with_trusted_sizes_json_the_disagreeing_shards_train_what_it_lists_and_name_the_rest(tmp_path, workers,
+                                                                                              world_size):
+    """Four shards of 16 listed 20 / 16 / 10 / 16 with --trust-sizes-json, planned from the list: 58 samples train.
+    Shard 2's 6 samples past its listed 10 are named by key, shard 0's 4 missing listed samples counted, once per
+    epoch on one rank."""
+    spec = _disagreeing_sizes(tmp_path / "s")
+    for epoch in (0, 1):
+        keys, records, planned = [], [], set()
+        for rank in range(world_size):
+            loader = build_loader(cfg_for(spec, workers=workers, trust_sizes_json=True), split="train",
+                                  patch_size=PATCH, context_length=CONTEXT, rank=rank, world_size=world_size,
+                                  epoch=epoch)
+            planned.add(len(loader))
+            keys += keys_in_order(loader)
+            records += loader.skip_records
+        assert len(planned) == 1 and len(keys) == 58
+        assert sorted(keys) == sorted([f"s{s}_{i}" for s in (0, 1, 3) for i in range(16)]
+                                      + [f"s2_{i}" for i in range(10)])
+        assert {r["reason"] for r in records} == {"shard_size_mismatch"} and {r["epoch"] for r in records} == {
+            epoch + 1}
+        surplus = [r for r in records if r["source"].endswith("s-2.tar")]
+        assert sorted(r["key"] for r in surplus) == [f"s2_{i}" for i in range(10, 16)]
+        assert all("sizes.json lists 10 samples, the shard holds 16" in r["detail"] for r in surplus)
+        over = [r for r in records if r["source"].endswith("s-0.tar")]
+        assert len(over) == 4 and all("sizes.json lists 20 samples, the shard holds 16" in r["detail"] for r in over)
+        assert len(records) == 10
+
+
+def test_trusted_sizes_json_resumes_mid_epoch_exactly(tmp_path):
+    cfg = cfg_for(_disagreeing_sizes(tmp_path / "s"), seed=5, trust_sizes_json=True)
+    whole, resumed = _resumed(cfg, stop_after=3, workers_after=2)
+    assert resumed == whole and len(whole) == 58
+
+
+def _tiny_csv(root) -> str:
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(4):
+        (root / f"{i}.png").write_bytes(image_bytes(8, 8, "PNG", seed=i))
+    (root / "data.tsv").write_text("filepath\ttitle\n" + "".join(f"{i}.png\tcaption {i}\n" for i in range(4)))
+    return str(root / "data.tsv")
+
+
+@pytest.mark.parametrize("data", ["shards without sizes.json", "csv"])
+def test_trust_sizes_json_without_a_sizes_json_to_trust_says_so_in_one_line(tmp_path, caplog, data):
+    """A harmless flag: the data trains as without it, and one line names the flag and the data."""
+    if data == "csv":
+        spec, expected = _tiny_csv(tmp_path / "c"), 4
+    else:
+        spec, expected = _shards(tmp_path / "s", "s", 2, 4, sizes_json=False), 8
+    with caplog.at_level("WARNING", logger="naflexclip.data"):
+        loader = build_loader(cfg_for(spec, trust_sizes_json=True), split="train", patch_size=PATCH,
+                              context_length=CONTEXT)
+    lines = [r.getMessage() for r in caplog.records if "--trust-sizes-json" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0] and spec in lines[0] and "changes nothing" in lines[0]
+    assert len(keys_in_order(loader)) == expected
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="naflexclip.data"):  # shards beside a sizes.json: nothing to say
+        build_loader(cfg_for(_shards(tmp_path / "z", "z", 2, 4), trust_sizes_json=True), split="train",
+                     patch_size=PATCH, context_length=CONTEXT)
+    assert not any("--trust-sizes-json" in r.getMessage() for r in caplog.records)
 
 
 def test_a_shard_listed_with_0_samples_trains_what_it_holds_and_is_named(tmp_path):

@@ -84,12 +84,18 @@ def test_a_config_saved_before_the_declarations_resumes_unchanged() -> None:
     the same flags today give the same config: nothing refused, nothing applied."""
     saved = json.loads((Path(__file__).parent / "saved_run_config.json").read_text())
     config = _config(saved["flags"]).to_dict()
-    # settings declared since the file was written (--fsdp-checkpoint, ...) are there at their defaults
+    # settings declared since the file was written (--fsdp-checkpoint, --trust-sizes-json, ...) are there at their
+    # defaults
     added = set(config) - set(saved["config"])
-    assert {key: config[key] for key in added} == {key: TrainConfig().to_dict()[key] for key in added}
+    added_data = set(config["data"]) - set(saved["config"]["data"])
+    defaults = TrainConfig().to_dict()
+    assert {key: config[key] for key in added} == {key: defaults[key] for key in added}
+    assert {key: config["data"][key] for key in added_data} == {key: defaults["data"][key] for key in added_data}
 
     def as_saved(values: dict) -> dict:
-        return json.loads(json.dumps({key: value for key, value in values.items() if key not in added}))
+        kept = {key: value for key, value in values.items() if key not in added}
+        kept["data"] = {key: value for key, value in kept["data"].items() if key not in added_data}
+        return json.loads(json.dumps(kept))
 
     assert as_saved(config) == saved["config"]
     assert as_saved(TrainConfig.from_dict(saved["config"]).to_dict()) == saved["config"]
@@ -132,3 +138,12 @@ def test_verify_takes_the_no_form_of_the_switches_it_shares_with_train() -> None
     assert build_parser().parse_args(["verify"]).lock_image is None
     args = build_parser().parse_args(["verify", "--no-lock-image", "--no-augment"])
     assert (args.lock_image, args.augment) == (False, False)
+
+
+def test_a_resume_cannot_change_trust_sizes_json() -> None:
+    """--trust-sizes-json plans another epoch where sizes.json under-counts a shard: a resume keeps it as it was."""
+    saved = _config("--train-data shards/{0..3}.tar").to_dict()
+    trusted = _config("--train-data shards/{0..3}.tar --trust-sizes-json").to_dict()
+    message = refusal(saved, trusted)
+    assert message is not None and "--trust-sizes-json: the checkpoint has False, this run True" in message
+    assert refusal(trusted, trusted) is None

@@ -71,13 +71,14 @@ def expand_sources(spec: str) -> tuple[list[str], np.ndarray]:
 def _shard_loader(cfg: DataConfig, path: str, urls: list[str], ids: np.ndarray, requested: int | None, flag: str,
                   resampled: bool, factors: tuple[float, ...] | None, common: dict[str, Any]) -> MapLoader:
     """Indexable .tar shards. With a sizes.json listing every shard, an O(shards) plan on every rank
-    (`SizedShardSource`: each shard counted from its cached index, the index itself read by the workers); else every
-    shard is indexed and held. Mixtures, resampling and sized shards take their order from a `ShardRecipe`."""
+    (`SizedShardSource`: each shard counted from its cached index, or not at all with --trust-sizes-json, the index
+    itself read by the workers); else every shard is indexed and held. Mixtures, resampling and sized shards take
+    their order from a `ShardRecipe`."""
     sizes = read_sizes(urls)
     source: Source
     if sizes is not None:
         source = SizedShardSource(path, urls, sizes, cfg.shard_index_dir, cfg.member_keys(),
-                                  _first_shard(len(urls), common))
+                                  _first_shard(len(urls), common), trusted=cfg.trust_sizes_json)
         shard_sizes = source.sizes
     else:
         source = _map_source(cfg, common["split"], "webdataset", path, urls)
@@ -150,7 +151,7 @@ def _table_loader(cfg: DataConfig, path: str, requested: int | None, flag: str, 
             listed = read_sizes(urls)
             if listed is not None:
                 source = SizedShardSource(part, urls, listed, cfg.shard_index_dir, cfg.member_keys(),
-                                          _first_shard(len(urls), common))
+                                          _first_shard(len(urls), common), trusted=cfg.trust_sizes_json)
                 part_sizes = source.sizes
             else:
                 source = IndexedShardSource(part, urls, cfg.shard_index_dir, cfg.member_keys())
@@ -290,6 +291,9 @@ def build_loader(
         loader = MapLoader(source, samples_per_epoch=requested, **common)
     if train:
         _check_trainable(loader, world_size)
+        if cfg.trust_sizes_json and rank == 0 and not _planned_from_sizes_json(loader):
+            logger.warning("--trust-sizes-json: the training data %r is not indexable .tar shards beside a sizes.json "
+                           "listing each of them; the flag changes nothing here", path or "the built-in dataset")
         sizes = cfg.naflex_patch_sizes
         if rank == 0 and sizes is not None and sizes[0] != patch_size:
             logger.warning("--naflex-patch-sizes %s: evaluation runs at the model's own patch size %d (OpenCLIP's at "
@@ -301,6 +305,12 @@ def build_loader(
         logger.warning("data %s (%s): %d remote reads retried at startup, e.g. %s", split, path, len(retried),
                        retried[0]["detail"])
     return loader
+
+
+def _planned_from_sizes_json(loader: NaFlexLoader) -> bool:
+    """Whether any of the loader's shards are planned from a sizes.json (what --trust-sizes-json applies to)."""
+    source = getattr(loader, "source", None)
+    return any(isinstance(part, SizedShardSource) for part in getattr(source, "sources", [source]))
 
 
 def _check_trainable(loader: NaFlexLoader, world_size: int) -> None:

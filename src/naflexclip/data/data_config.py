@@ -129,6 +129,11 @@ class DataConfig:
     shard_index_dir: str | None = setting(None, rule=APPLY, section=_DATA,
                                           per_rank="a cache of offsets: a node's own disk", help=(
         "where shard indexes are cached (default: beside each shard, else ~/.cache/naflexclip)"))
+    # the plan of an epoch whose sizes.json under-counts a shard: its surplus trains, or is named (docs/data.md)
+    trust_sizes_json: bool = setting(False, rule=REFUSE, why=_ORDER, section=_DATA, help=(
+        "plan from sizes.json alone, reading no shard at startup (a first run over 100,000s of shards); a shard "
+        "that holds more samples than sizes.json lists then has its surplus named (shard_size_mismatch), not "
+        "trained"))
     # OpenCLIP's WebDataset recipe flags (docs/data.md, "Data recipes")
     dataset_resampled: bool = setting(False, rule=REFUSE, why=_ORDER, section=_RECIPES, help=(
         "draw shards with replacement (weighted by --train-data-upsampling-factors); an epoch is "

@@ -44,7 +44,7 @@ SKIP_REASONS = (
     "epoch_remainder",  # an epoch with fewer samples than ranks: no rank can be given one without the others
     "duplicate_key",  # a key that names several samples of one shard: noted, each of them trains
     # sizes.json's count for a shard is not what it holds: each listed sample it lacks counted; a shard holding more
-    # than listed named once per epoch (its samples all train)
+    # than listed named once per epoch (its samples all train; with --trust-sizes-json each one past the count named)
     "shard_size_mismatch",
     "unreachable_shard",  # a remote shard whose reads kept failing after retries (each of its samples counted)
     "read_retry",  # a remote read that failed transiently and was retried: a note, nothing is lost

@@ -344,6 +344,8 @@ class SizedShardSource:
     shard holding more than listed is named once per epoch (`shard_size_mismatch`, with both counts) and all its
     samples train; each listed sample a shard lacks is skipped when read (`shard_size_mismatch`), as are a missing
     or unreachable shard's listed samples, and what indexing finds unusable (no image, no caption).
+    `trusted` (--trust-sizes-json): planned from sizes.json alone, nothing read at startup; the samples a shard holds
+    past its listed count are named by key with its last listed sample, once per read of it.
     Memory is O(shards), the same on every rank.
     """
 
@@ -351,11 +353,13 @@ class SizedShardSource:
     cached_shards = 256  # shard indexes a process keeps (a block of the epoch order reads 64 shards)
 
     def __init__(self, spec: str, urls: list[str], sizes: np.ndarray, cache_dir: str | None = None,
-                 member_keys: MemberKeys = DEFAULT_MEMBER_KEYS, first_shard: int = 0) -> None:
-        """`sizes`: sizes.json's counts; `first_shard`: where this rank starts checking them (`held_samples`)."""
+                 member_keys: MemberKeys = DEFAULT_MEMBER_KEYS, first_shard: int = 0, trusted: bool = False) -> None:
+        """`sizes`: sizes.json's counts; `first_shard`: where this rank starts checking them (`held_samples`);
+        `trusted`: not checked, the plan is sizes.json's."""
         self.name, self.urls, self.listed = spec, urls, np.asarray(sizes, dtype=np.int64)
-        self.cache_dir, self.member_keys = cache_dir, member_keys
-        held = held_samples(urls, cache_dir, member_keys, first_shard)
+        self.cache_dir, self.member_keys, self.trusted = cache_dir, member_keys, trusted
+        # a trusted list is what the shards hold, as far as the plan knows: no shard is read for it
+        held = self.listed if trusted else held_samples(urls, cache_dir, member_keys, first_shard)
         self.sizes = np.maximum(self.listed, held)  # positions planned per shard
         self.index_skips: list[dict[str, Any]] = [
             skip_record(url, None, None, "shard_size_mismatch",
@@ -395,11 +399,13 @@ class SizedShardSource:
                 raise SkipSample("truncated_shard", f"sample {j} of {url}: the shard ends before it")
             raise SkipSample("shard_size_mismatch",
                              f"sizes.json lists {listed} samples, the shard holds {len(shard_index)}")
-        # a shard that could not be read at startup, or changed since, may hold more than the plan has places for
+        # a trusted list's shard, one that could not be read at startup, or one changed since may hold more than the
+        # plan has places for
         notes = [] if j != planned - 1 else [
-            skip_record(url, key, None, "shard_size_mismatch", f"sizes.json lists {listed} samples, the shard holds "
-                        f"{len(shard_index)}: the epoch was planned for {planned} (it could not be read at startup, "
-                        "or changed since)")
+            skip_record(url, key, None, "shard_size_mismatch",
+                        f"sizes.json lists {listed} samples, the shard holds {len(shard_index)}: "
+                        + (f"--trust-sizes-json plans the first {planned}" if self.trusted else
+                           f"the epoch was planned for {planned} (it could not be read at startup, or changed since)"))
             for key in shard_index.keys[planned:]]
         img_off, img_size, cap_off, cap_size, json_off, json_size = (int(v) for v in shard_index.offsets[j])
         reason = ("missing_image" if img_off < 0 else "empty_image" if img_size == 0
