@@ -179,6 +179,8 @@ def test_a_repeated_key_trains_each_of_its_samples_and_is_named_adjacent_or_not(
     assert len(keys) == 18 and sorted(got) == sorted(keys)  # every pair trains, both copies of k5 and of k2
     named = sorted(r["key"] for r in loader.skip_records if r["reason"] == "duplicate_key")
     assert named == ["k2", "k5"] and dict(loader.skip_counts) == {"duplicate_key": 2}
+    # a note, not a skip: nothing was lost
+    assert "no samples skipped" in loader.summary() and "noted: duplicate_key=2" in loader.summary()
 
 
 def test_a_one_patch_wide_image_makes_no_numpy_warning(tmp_path):

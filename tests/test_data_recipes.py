@@ -301,14 +301,18 @@ def test_a_sizes_json_that_disagrees_with_a_shard_either_way_trains_what_it_hold
             records += loader.skip_records
         assert len(planned) == 1
         assert sorted(keys) == sorted(f"s{s}_{i}" for s in range(4) for i in range(16))
-        assert {r["reason"] for r in records} == {"shard_size_mismatch"} and {r["epoch"] for r in records} == {
-            epoch + 1}
+        assert {r["reason"] for r in records} == {"shard_size_mismatch", "shard_holds_more"}
+        assert {r["epoch"] for r in records} == {epoch + 1}
         under = [r for r in records if r["source"].endswith("s-2.tar")]
         assert len(under) == 1 and under[0]["key"] is None
         assert "sizes.json lists 10 samples, the shard holds 16" in under[0]["detail"]
         over = [r for r in records if r["source"].endswith("s-0.tar")]
         assert len(over) == 4 and all("sizes.json lists 20 samples, the shard holds 16" in r["detail"] for r in over)
         assert len(records) == 5
+        # the under-listed shard is a note (all its samples trained): only the 4 missing samples count as skipped
+        assert under[0]["reason"] == "shard_holds_more" and {r["reason"] for r in over} == {"shard_size_mismatch"}
+        if world_size == 1:
+            assert "skipped 4 (shard_size_mismatch=4); noted: shard_holds_more=1" in loader.summary()
 
 
 @pytest.mark.parametrize(("workers", "world_size"), [(0, 1), (2, 2)])
@@ -380,7 +384,7 @@ def test_a_shard_listed_with_0_samples_trains_what_it_holds_and_is_named(tmp_pat
     loader = build_loader(cfg_for(spec), split="train", patch_size=PATCH, context_length=CONTEXT)
     assert sorted(keys_in_order(loader)) == sorted(f"s{s}_{i}" for s in range(3) for i in range(4))
     [record] = loader.skip_records
-    assert record["source"].endswith("s-1.tar") and record["reason"] == "shard_size_mismatch"
+    assert record["source"].endswith("s-1.tar") and record["reason"] == "shard_holds_more"
     assert "sizes.json lists 0 samples, the shard holds 4" in record["detail"]
 
 

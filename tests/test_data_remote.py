@@ -110,7 +110,7 @@ def test_remote_shards_that_sizes_json_under_counts_train_every_sample_and_are_n
     upload(str(miscounted), "s3://data/miscounted")
     keys, skips = epoch_keys(config(f"s3://data/miscounted/{LOCAL_SPEC}", tmp_path, workers=2), world_size=2)
     assert Counter(keys) == Counter(f"train-0000{i // 10}.tar:train{i:08d}" for i in range(SAMPLES))
-    assert skips == {"shard_size_mismatch": 1}  # train-00002.tar: listed 4, holds 10, named once
+    assert skips == {"shard_holds_more": 1}  # train-00002.tar: listed 4, holds 10, named once
 
 
 def test_remote_parquet_and_a_mixture_with_remote_shards_read_as_local_files_do(bucket, tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from naflexclip.data.microbatch import MicrobatchBuilder, split_rows
 from naflexclip.data.readers import DataError
-from naflexclip.data.samples import reasons_line
+from naflexclip.data.samples import NOTE_REASONS, reasons_line
 from naflexclip.data.schedule import Schedule, TokenBudget
 
 logger = logging.getLogger("naflexclip.data")
@@ -37,12 +37,14 @@ HOLD_BACK = 2
 END_HOLD = 4
 
 
-def _retries_apart(counts: Counter) -> tuple[Counter, str]:
-    """The counts of samples not trained, and `; N reads retried` (or ""): a `read_retry` note is a remote read
-    that succeeded on retry, so its sample trained and is no skip."""
-    skipped = Counter({reason: n for reason, n in counts.items() if reason != "read_retry"})
+def _notes_apart(counts: Counter) -> tuple[Counter, str]:
+    """The counts of samples not trained, and the notes (`NOTE_REASONS`, whose samples all trained) as
+    `; noted: reason=n, ...; N reads retried` (or "")."""
+    skipped = Counter({reason: n for reason, n in counts.items() if reason not in NOTE_REASONS})
+    noted = {reason: n for reason, n in counts.items() if reason in NOTE_REASONS and reason != "read_retry"}
     retried = counts.get("read_retry", 0)
-    return skipped, f"; {retried} reads retried" if retried else ""
+    return skipped, ((f"; noted: {reasons_line(noted)}" if noted else "")
+                     + (f"; {retried} reads retried" if retried else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,11 +327,11 @@ class NaFlexLoader(abc.ABC):
         self.set_epoch(resume.epoch, resume.cursor.position)
 
     def summary(self) -> str:
-        """One line: skipped samples by reason over the loader's lifetime, retried reads apart."""
-        skipped, retried = _retries_apart(self.skip_counts)
+        """One line: skipped samples by reason over the loader's lifetime, notes (retried reads) apart."""
+        skipped, noted = _notes_apart(self.skip_counts)
         if not skipped:
-            return f"data {self.split} ({self.name}): no samples skipped{retried}"
-        return f"data {self.split} ({self.name}): skipped {sum(skipped.values())} ({reasons_line(skipped)}){retried}"
+            return f"data {self.split} ({self.name}): no samples skipped{noted}"
+        return f"data {self.split} ({self.name}): skipped {sum(skipped.values())} ({reasons_line(skipped)}){noted}"
 
     # -- iteration --------------------------------------------------------------------------------
     def data_loader(self, dataset: Any, sampler: Any = None, persistent: bool = False) -> DataLoader:
@@ -409,9 +411,9 @@ class NaFlexLoader(abc.ABC):
         line = (f"data {self.split} epoch {self.epoch + 1} rank {self.rank}: {num_batches} batches, {num_samples} "
                 f"samples (planned {self.num_batches - start} batches)")
         if skips:
-            skipped, retried = _retries_apart(skips)
+            skipped, noted = _notes_apart(skips)
             reasons = f" ({reasons_line(skipped)})" if skipped else ""
-            logger.warning("%s; skipped %d%s%s", line, sum(skipped.values()), reasons, retried)
+            logger.warning("%s; skipped %d%s%s", line, sum(skipped.values()), reasons, noted)
         else:
             logger.info(line)
 

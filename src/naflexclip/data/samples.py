@@ -52,8 +52,10 @@ SKIP_REASONS = (
 )
 # reasons about whole shards, the plan or the packing, reported apart from bad samples
 NOT_SAMPLE_REASONS = ("truncated_shard", "missing_shard", "epoch_remainder", "duplicate_key", "shard_size_mismatch",
-                      "read_retry",
+                      "shard_holds_more", "read_retry",
                       *REGION_REASONS)
+# notes, not skips: the samples they name all trained
+NOTE_REASONS = ("duplicate_key", "shard_holds_more", "read_retry")
 
 
 def reasons_line(counts: Mapping[str, int]) -> str:

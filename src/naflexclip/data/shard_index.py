@@ -341,7 +341,7 @@ class SizedShardSource:
 
     sizes.json is checked at startup against each shard's tar headers (`held_samples`; the index is cached, so the
     reads find it there): a shard is planned at the samples it holds, or at its listed count when that is more. A
-    shard holding more than listed is named once per epoch (`shard_size_mismatch`, with both counts) and all its
+    shard holding more than listed is named once per epoch (`shard_holds_more`, with both counts) and all its
     samples train; each listed sample a shard lacks is skipped when read (`shard_size_mismatch`), as are a missing
     or unreachable shard's listed samples, and what indexing finds unusable (no image, no caption).
     `trusted` (--trust-sizes-json): planned from sizes.json alone, nothing read at startup; the samples a shard holds
@@ -362,7 +362,7 @@ class SizedShardSource:
         held = self.listed if trusted else held_samples(urls, cache_dir, member_keys, first_shard)
         self.sizes = np.maximum(self.listed, held)  # positions planned per shard
         self.index_skips: list[dict[str, Any]] = [
-            skip_record(url, None, None, "shard_size_mismatch",
+            skip_record(url, None, None, "shard_holds_more",
                         f"sizes.json lists {listed} samples, the shard holds {count}: all {count} are read")
             for url, listed, count in zip(urls, self.listed.tolist(), held.tolist(), strict=True) if count > listed]
         self.bounds = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)

@@ -18,7 +18,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from naflexclip.data.samples import NOT_SAMPLE_REASONS
+from naflexclip.data.samples import NOT_SAMPLE_REASONS, NOTE_REASONS
 from naflexclip.train.sinks import (
     METRICS_FILE,
     JsonlSink,
@@ -144,7 +144,8 @@ class Reporter:
             where = ", ".join(f"{k} {record[k]}" for k in ("key", "line") if record.get(k) is not None)
             reason = record["reason"] if split == "train" else f"{record['reason']}, {split}"
             if shown <= MAX_SKIP_LINES:
-                self.message(f"skipped ({reason}): {record['source']}" + (f" [{where}]" if where else ""))
+                said = "noted" if record["reason"] in NOTE_REASONS else "skipped"  # a note's samples trained
+                self.message(f"{said} ({reason}): {record['source']}" + (f" [{where}]" if where else ""))
             elif shown == MAX_SKIP_LINES + 1:
                 self.message(f"more skipped {split} samples: see {self.run_dir / SKIP_LOG_FILE}")
 
@@ -313,7 +314,8 @@ def data_summary(records: list[dict[str, Any]], skip_log: Path) -> str:
     for epoch, record in sorted(epochs.items()):
         skips = {k.rsplit("/", 1)[1]: v for k, v in record.items() if k.startswith("data/skipped/")}
         bad = {k: v for k, v in skips.items() if k not in NOT_SAMPLE_REASONS}
-        other = {k: v for k, v in skips.items() if k in NOT_SAMPLE_REASONS}
+        other = {k: v for k, v in skips.items() if k in NOT_SAMPLE_REASONS and k not in NOTE_REASONS}
+        noted = {k: v for k, v in skips.items() if k in NOTE_REASONS}
         line = f"epoch {epoch}: trained {record['data/trained_samples']} samples"
         sources = [f"source {k.rsplit('/', 1)[1]}: {v}" for k, v in record.items() if k.startswith("data/source/")]
         if sources:
@@ -323,6 +325,8 @@ def data_summary(records: list[dict[str, Any]], skip_log: Path) -> str:
             line += " (" + ", ".join(f"{k}={v}" for k, v in sorted(bad.items())) + ")"
         if other:
             line += "; " + ", ".join(f"{k}={v}" for k, v in sorted(other.items()))
+        if noted:  # their samples trained
+            line += "; noted: " + ", ".join(f"{k}={v}" for k, v in sorted(noted.items()))
         lines.append(line)
     if any("data/skipped/" in k for r in epochs.values() for k in r):
         lines.append(f"every skipped sample, with its file, key or line: {skip_log}")
