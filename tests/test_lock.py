@@ -190,7 +190,7 @@ def test_lock_flags_reach_the_run_and_are_refused_on_resume_when_changed(tmp_pat
                                                                       capsys: pytest.CaptureFixture) -> None:
     train(tiny_config(tmp_path, "lit", lock_image=True, stop_after_steps=1, val_frequency=0))
     assert "locked: the image tower (30 tensors" in capsys.readouterr().err
-    with pytest.raises(ValueError, match=r"--lock-image: the checkpoint has True, this run False") as raised:
+    with pytest.raises(ValueError, match=r"--lock-image: the checkpoint has on, this run off") as raised:
         train(tiny_config(tmp_path, "lit", stop_after_steps=2, val_frequency=0, resume="latest"))
     assert len(str(raised.value).splitlines()) == 1
     train(tiny_config(tmp_path, "lit", lock_image=True, stop_after_steps=2, val_frequency=0, resume="latest"))

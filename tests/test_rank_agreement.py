@@ -433,6 +433,15 @@ def test_ranks_started_with_other_settings_stop_naming_the_first_flag_and_both_v
         "--lr: rank 1 has 0.002, rank 0 0.001" + tail + " (2 settings differ: --lr, --seed)")
 
 
+def test_a_switch_that_differs_is_shown_as_its_flag_reads(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """An on/off setting is shown on or off as its flag reads: rank 1 started with --no-plot has the flag on
+    (before, "--no-plot: rank 1 has False" read as if the flag were not given)."""
+    tail = "; every rank of a job must be started with the same settings"
+    assert _started_with(monkeypatch, tmp_path, {}, {"plot": False}) == "--no-plot: rank 1 has on, rank 0 off" + tail
+    assert _started_with(monkeypatch, tmp_path, {}, {"lock_image": True}) == (
+        "--lock-image: rank 1 has on, rank 0 off" + tail)
+
+
 def test_settings_of_a_rank_of_its_own_may_differ(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A node's own loader workers, device and collective timeout do not change what is trained."""
     assert _started_with(monkeypatch, tmp_path, {}, {"data": {"workers": 3}, "dist_timeout": 60.0,

@@ -108,6 +108,8 @@ def test_first_line_lists_the_settings_that_differ_from_openclips_defaults() -> 
     assert demo.startswith("built-in dataset: the demo's settings, which differ from OpenCLIP's defaults: ")
     assert "--precision fp32 (OpenCLIP: amp_bf16), --grad-clip-norm 1.0 (OpenCLIP: unset)" in demo
     assert "--warmup 20 (OpenCLIP: 10000)" in demo
+    switched = first_lines(_config("--train-data", "x.csv", "--lock-image").to_dict())  # on/off as the flag reads
+    assert switched == ["settings that differ from OpenCLIP's defaults: --lock-image on (OpenCLIP: off)"]
 
 
 def test_batch_size_without_a_loss_scale_is_said_to_have_no_effect() -> None:

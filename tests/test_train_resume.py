@@ -598,7 +598,7 @@ def test_a_resume_switches_off_a_flag_the_run_started_with(switched_run: Path, t
     assert main(["train", "--logs", str(logs), "--name", "base", "--resume", "latest", "--stop-after-steps", "2",
                  "--no-multi-positive", "--no-skip-scheduler", "--no-save-most-recent", "--no-plot"]) == 0
     (notice,) = [line for line in capsys.readouterr().err.splitlines() if "changed flags" in line]
-    assert "--multi-positive True -> False" in notice and "--skip-scheduler True -> False" in notice, notice
+    assert "--multi-positive on -> off" in notice and "--skip-scheduler on -> off" in notice, notice
     assert notice.count("--multi-positive") == 1, notice
     config = ckpt.read_run_state(logs / "base" / "checkpoints")["config"]
     assert (config["multi_positive"], config["data"]["multi_caption"]) == (False, False)
@@ -614,4 +614,4 @@ def test_a_resume_refuses_switching_off_a_refused_flag_in_one_line(switched_run:
                  "--no-lock-text-freeze-layer-norm"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and "Traceback" not in "\n".join(err)
-    assert "--lock-text-freeze-layer-norm: the checkpoint has True, this run False" in err[-1], err[-1]
+    assert "--lock-text-freeze-layer-norm: the checkpoint has on, this run off" in err[-1], err[-1]

@@ -8,14 +8,17 @@ from __future__ import annotations
 from typing import Any
 
 from naflexclip.settings import flat_config, parse_kwargs, shown_value
-from naflexclip.train.train_config import DEMO_DEFAULTS, FLAG_NAMES, OPENCLIP_DEFAULTS, flag_name
+from naflexclip.train.train_config import DEMO_DEFAULTS, FLAG_NAMES, OPENCLIP_DEFAULTS, SETTINGS, flag_name
 
 __all__ = ["DEMO_DEFAULTS", "FLAG_NAMES", "OPENCLIP_DEFAULTS", "flag_name", "flat_config", "openclip_differences",
            "parse_kwargs", "shown_setting", "shown_setting_value", "shown_value"]
 
 
 def shown_setting_value(key: str, value: Any) -> str:
-    """A config value as typed after its flag (`--aug-cfg`'s items as the Python literal OpenCLIP reads)."""
+    """A config value as typed after its flag (`--aug-cfg`'s items as the Python literal OpenCLIP reads); an on/off
+    setting as its flag reads, `on` where the flag is given (`--no-plot on` is plotting off)."""
+    if isinstance(value, bool) and key in SETTINGS:
+        return "on" if value != SETTINGS[key].default else "off"
     if flag_name(key).endswith("=") and isinstance(value, (list, tuple)):
         return repr(tuple(value))
     return shown_value(value)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from naflexclip.parallel import process_group
-from naflexclip.settings import flat_config, shown_value
+from naflexclip.settings import flat_config
+from naflexclip.train.openclip_defaults import shown_setting_value
 from naflexclip.train.train_config import SETTINGS, TrainConfig, flag_name
 
 __all__ = ["check_ranks_agree", "settings_every_rank_shares"]
@@ -35,6 +36,6 @@ def check_ranks_agree(cfg: TrainConfig, env: process_group.DistributedEnv) -> No
     rank = next(rank for rank, other in enumerate(every) if repr(other.get(key)) != repr(reference[key]))
     flags = list(dict.fromkeys(flag_name(k) for k in differing))
     more = f" ({len(flags)} settings differ: {', '.join(flags)})" if len(flags) > 1 else ""
-    raise ValueError(f"{flag_name(key)}: rank {rank} has {shown_value(every[rank].get(key))}, rank 0 "
-                     f"{shown_value(reference[key])}; every rank of a job must be started with the same settings"
-                     f"{more}")
+    shown = [shown_setting_value(key, values.get(key)) for values in (every[rank], reference)]
+    raise ValueError(f"{flag_name(key)}: rank {rank} has {shown[0]}, rank 0 {shown[1]}; every rank of a job must be "
+                     f"started with the same settings{more}")

@@ -77,10 +77,15 @@ def refusal(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
     changed = set(_changed(saved, current))
     for key, (rule, what) in POLICY.items():
         if rule == REFUSE and key in changed:
-            old, new = flat_config(saved)[key], flat_config(current)[key]
-            return (f"{flag_name(key)}: the checkpoint has {old!r}, this run {new!r}; a resume cannot change {what} "
+            old, new = (_shown_refused(key, flat_config(config)[key]) for config in (saved, current))
+            return (f"{flag_name(key)}: the checkpoint has {old}, this run {new}; a resume cannot change {what} "
                     f"(keep {flag_name(key)} as it was, or start a new --name)")
     return None
+
+
+def _shown_refused(key: str, value: Any) -> str:
+    """A value in a refusal: quoted as Python shows it, an on/off setting as its flag reads."""
+    return shown_setting_value(key, value) if isinstance(value, bool) else repr(value)
 
 
 def changed_flags(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
