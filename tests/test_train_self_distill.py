@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -323,38 +325,87 @@ def test_the_masked_pass_refuses_a_tower_that_drops_patch_tokens() -> None:
         student_terms(model.visual, model.self_distill, batch["image"], torch.tensor([3, 4]), targets)
 
 
-@pytest.mark.slow
-def test_an_fsdp2_run_resumed_before_and_after_the_switch_ends_as_a_straight_one(tmp_path: Path) -> None:
-    """torchrun, 2 gloo ranks, --fsdp, dropout and drop-path on (each rank its own stream): 4 steps straight ==
-    stopped at step 2 (before the switch), resumed and stopped at step 3 (the sharded teacher built at the switch and
-    gathered into the checkpoint), resumed to the end (the teacher loaded back into shards): weights, optimizer
-    state and teacher bit-equal, the same losses logged."""
+# the torchrun tests' stochastic tiny preset without its patch dropout (refused with masked prediction) and without
+# their guard against pickled broadcasts (FSDP2's broadcast_from_rank0 sends the state's keys pickled)
+FSDP2_SOURCE = ("import dataclasses, sys\nfrom naflexclip.cli import main\n"
+                "from naflexclip.models.naflex_clip import PRESETS\n"
+                "tiny = PRESETS['tiny']\nPRESETS['tiny'] = dataclasses.replace(tiny, image=dataclasses.replace("
+                "tiny.image, drop_path_rate=0.2, proj_drop_rate=0.2))\nsys.exit(main(sys.argv[1:]))\n")
+# 32 pairs, 4 per microbatch: 4 microbatches per rank, --accum-freq 1: 4 steps, on from step 3 ((3 - 1)/4 >= 0.5)
+FSDP2_FLAGS = ["--fsdp", "--accum-freq", "1", "--self-distill-start", "0.5", *TERMS, "--synthetic-train-size", "32",
+               "--naflex-seq-lens", "16", "--naflex-max-tokens-per-batch", "64", "--val-frequency", "0"]
+
+
+def _fsdp2_run(logs: Path, name: str, *extra: str) -> dict:
+    """Every state of the run's latest checkpoint, whole (a sharded one's shards read back whole)."""
     from test_train_torchrun import torchrun
 
     from naflexclip.checkpoints.storage import find_latest, load_checkpoint
 
-    # the torchrun tests' stochastic tiny preset without its patch dropout (refused with masked prediction) and
-    # without their guard against pickled broadcasts (FSDP2's broadcast_from_rank0 sends the state's keys pickled)
-    source = ("import dataclasses, sys\nfrom naflexclip.cli import main\n"
-              "from naflexclip.models.naflex_clip import PRESETS\n"
-              "tiny = PRESETS['tiny']\nPRESETS['tiny'] = dataclasses.replace(tiny, image=dataclasses.replace("
-              "tiny.image, drop_path_rate=0.2, proj_drop_rate=0.2))\nsys.exit(main(sys.argv[1:]))\n")
-    # 32 pairs, 4 per microbatch: 4 microbatches per rank, --accum-freq 1: 4 steps, on from step 3 ((3 - 1)/4 >= 0.5)
-    flags = ["--fsdp", "--accum-freq", "1", "--self-distill-start", "0.5", *TERMS, "--synthetic-train-size", "32",
-             "--naflex-seq-lens", "16", "--naflex-max-tokens-per-batch", "64", "--val-frequency", "0"]
+    torchrun(logs, name, *FSDP2_FLAGS, *extra, source=FSDP2_SOURCE)
+    found = load_checkpoint(find_latest(logs / name / "checkpoints"))
+    return {**found.states, **{state: found.full_state(state) for state in found.sharded}}
 
-    def run(name: str, *extra: str) -> dict:
-        torchrun(tmp_path, name, *flags, *extra, source=source)
-        return load_checkpoint(find_latest(tmp_path / name / "checkpoints")).states
 
-    straight = run("straight")
+def _one_process_resume(logs: Path, checkpoint: Path, *extra: str) -> subprocess.CompletedProcess:
+    """`checkpoint` (a copy of it) resumed to the end in one process with the FSDP2 runs' flags and `extra`."""
+    import shutil
+    import sys
+
+    from test_train_torchrun import RUN_FLAGS
+
+    copy = logs / "one_process_from" / checkpoint.name
+    shutil.copytree(checkpoint, copy)
+    (logs / "launch.py").write_text(FSDP2_SOURCE)
+    cmd = [sys.executable, str(logs / "launch.py"), "train", *RUN_FLAGS, "--logs-dir", str(logs), "--name", "one",
+           *FSDP2_FLAGS, *extra, "--resume", str(copy)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def fsdp2_straight(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """torchrun, 2 gloo ranks, --fsdp, dropout and drop-path on (each rank its own stream), 4 steps straight with
+    full saves: its logs folder and its last checkpoint's states."""
+    logs = tmp_path_factory.mktemp("fsdp2_self_distill")
+    return logs, _fsdp2_run(logs, "straight")
+
+
+def _losses(run: Path) -> list[tuple[float, float | None]]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [(r["train/loss"], r.get("loss/self_distill")) for r in map(json.loads, lines) if r["kind"] == "train"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["full", "sharded"])
+def test_an_fsdp2_run_resumed_before_and_after_the_switch_ends_as_a_straight_one(
+        fsdp2_straight: tuple[Path, dict], tmp_path: Path, form: str) -> None:
+    """4 steps straight == stopped at step 2 (before the switch), resumed and stopped at step 3 (the sharded teacher
+    built at the switch and saved: gathered whole, or, with --fsdp-checkpoint sharded, as each rank's shards like
+    the student's), resumed to the end (the teacher loaded back into shards): weights, optimizer state and teacher
+    bit-equal, the same losses logged."""
+    from naflexclip.checkpoints.storage import load_checkpoint
+
+    straight_logs, straight = fsdp2_straight
     assert straight["progress"]["step"] == 4 and straight["ema_teacher"]["built"]
     assert straight["run"]["config"]["fsdp"] and straight["run"]["world_size"] == 2
-    before = run("split", "--stop-after-steps", "2")
+    saves = ["--fsdp-checkpoint", form]
+    before = _fsdp2_run(tmp_path, "split", *saves, "--stop-after-steps", "2")
     assert not before["ema_teacher"]["built"] and before["progress"]["step"] == 2
-    after = run("split", "--resume", "latest", "--stop-after-steps", "3")
+    after = _fsdp2_run(tmp_path, "split", *saves, "--resume", "latest", "--stop-after-steps", "3")
     assert after["ema_teacher"]["built"] and after["progress"]["step"] == 3
-    split = run("split", "--resume", "latest")
+    step_3 = load_checkpoint(tmp_path / "split" / "checkpoints" / "step_00000003")
+    if form == "sharded":  # no rank gathers the teacher: it is in the shards, not in rank 0's train_state.pt
+        assert step_3.sharded == ("ema_teacher", "model", "optimizer") and "ema_teacher" not in step_3.states
+        # resharded onto one process, the teacher continues from its shards, not built again from the student (the
+        # switch kept before the checkpoint's step: one process re-plans the run to 8 steps)
+        one = _one_process_resume(tmp_path, step_3.path, "--no-fsdp", "--fsdp-checkpoint", "full",
+                                  "--self-distill-start", "0")
+        assert "world size 2 -> 1" in one.stderr and "EMA teacher built from the student" not in one.stderr
+        assert "Warning" not in one.stderr, one.stderr  # DCP's note that it loads in one process, which it does
+    split = _fsdp2_run(tmp_path, "split", *saves, "--resume", "latest")
     assert split["progress"]["step"] == 4
     for key, value in straight["model"].items():
         assert torch.equal(value, split["model"][key]), key
@@ -365,13 +416,8 @@ def test_an_fsdp2_run_resumed_before_and_after_the_switch_ends_as_a_straight_one
     assert straight["optimizer"]["state"].keys() == split["optimizer"]["state"].keys()
     for name, state in straight["optimizer"]["state"].items():
         assert all(torch.equal(value, split["optimizer"]["state"][name][k]) for k, value in state.items()), name
-
-    def losses(name: str) -> list[tuple[float, float | None]]:
-        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-        return [(r["train/loss"], r.get("loss/self_distill")) for r in map(json.loads, lines) if r["kind"] == "train"]
-
-    assert losses("straight") == losses("split")
-    assert [sd is None for _, sd in losses("straight")] == [True, True, False, False]
+    assert _losses(straight_logs / "straight") == _losses(tmp_path / "split")
+    assert [sd is None for _, sd in _losses(tmp_path / "split")] == [True, True, False, False]
 
 
 def test_a_resume_that_moves_the_switch_later_drops_the_teacher_and_builds_it_again_at_the_new_switch() -> None:

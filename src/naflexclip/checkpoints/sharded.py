@@ -126,8 +126,11 @@ def load_into(directory: Path, states: dict[str, Any], *, partial: bool = False,
     checkpoint's shards; every rank must call it. `partial`: entries the checkpoint lacks keep their values
     (an optimizer state for a parameter without one yet)."""
     no_dist = not (dist.is_available() and dist.is_initialized())
-    dcp.load(states, storage_reader=FileSystemReader(str(directory)), planner=_WeightsOnlyLoad(
-        allow_partial_load=partial), process_group=process_group, no_dist=no_dist)
+    with warnings.catch_warnings():
+        if no_dist:  # DCP warns that it assumes one process, which is the case
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(states, storage_reader=FileSystemReader(str(directory)), planner=_WeightsOnlyLoad(
+            allow_partial_load=partial), process_group=process_group, no_dist=no_dist)
 
 
 def read_whole(directory: Path, name: str) -> dict[str, Any]:

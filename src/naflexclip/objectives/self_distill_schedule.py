@@ -4,22 +4,31 @@
 the lr schedule's steps), builds the EMA teacher from the student at the switch, hands the window the recipe's
 terms with the teacher's (`objectives.self_distillation.SelfDistillTerm`), updates the teacher after each step
 (or forgets a skipped step's logits), and saves and restores it as the run state `ema_teacher`, sharded like the
-student under FSDP2.
+student under FSDP2 (and saved as shards with `--fsdp-checkpoint sharded`).
 docs/siglip2_recipe.md#self-distillation-and-masked-prediction.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from naflexclip.checkpoints import sharded
 from naflexclip.objectives.self_distillation import EmaTeacher, attach_heads
 from naflexclip.objectives.siglip2_recipe import Recipe
 from naflexclip.parallel.process_group import DistributedEnv
-from naflexclip.parallel.wrapping import full_state_dict, is_fsdp, load_full_state_dict, unwrap_model
+from naflexclip.parallel.wrapping import (
+    full_state_dict,
+    is_fsdp,
+    load_full_state_dict,
+    load_sharded_state_dict,
+    sharded_state_dict,
+    unwrap_model,
+)
 from naflexclip.window import Term
 
 
@@ -118,5 +127,23 @@ class SelfDistillation:
         if self.teacher is None:
             self.teacher = self.build()
         load_full_state_dict(self.teacher, state["teacher"], self.env)
+        self.teacher.discard_pending()
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """As `state_dict`, the teacher as this rank holds it (FSDP2: its shards, no gather), for a sharded save."""
+        if self.teacher is None:
+            return {"built": False}
+        return {"built": True, "teacher": sharded_state_dict(self.teacher)}
+
+    def load_sharded(self, checkpoint: Path, name: str) -> None:
+        """Fill this rank's part of the teacher from the sharded checkpoint's state `name`, at any world size."""
+        if not any(key.startswith("teacher.") for key in sharded.saved_keys(checkpoint, name)):
+            self.teacher = None
+            return
+        if self.teacher is None:
+            self.teacher = self.build()
+        state = sharded_state_dict(self.teacher)
+        sharded.load_into(checkpoint, {name: {"teacher": state}})
+        load_sharded_state_dict(self.teacher, state)
         self.teacher.discard_pending()
 

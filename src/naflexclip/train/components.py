@@ -82,10 +82,10 @@ class ModelState:
         """This rank's shards (FSDP2) or whole tensors, live (`parallel.sharded_state_dict`)."""
         return sharded_state_dict(self.model)
 
-    def load_sharded(self, checkpoint: Path) -> None:
-        """Fill this rank's part of the model from a sharded checkpoint's shards, at any world size."""
+    def load_sharded(self, checkpoint: Path, name: str) -> None:
+        """Fill this rank's part of the model from a sharded checkpoint's state `name`, at any world size."""
         state = sharded_state_dict(self.model)
-        sharded.load_into(checkpoint, {"model": state})
+        sharded.load_into(checkpoint, {name: state})
         load_sharded_state_dict(self.model, state)
 
 
@@ -112,13 +112,14 @@ class OptimizerState:
         """This rank's shards (FSDP2) or whole state, keyed by parameter name."""
         return sharded_optimizer_state_dict(self.model, self.optimizer)
 
-    def load_sharded(self, checkpoint: Path) -> None:
-        """Fill this rank's part of the optimizer state from a sharded checkpoint, at any world size."""
+    def load_sharded(self, checkpoint: Path, name: str) -> None:
+        """Fill this rank's part of the optimizer state from a sharded checkpoint's state `name`, at any world
+        size."""
         hyper = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         state = sharded_optimizer_state_dict(self.model, self.optimizer)
-        held = sharded.saved_keys(checkpoint, "optimizer")
-        saved = {name for name in state["state"] if any(key.startswith(f"state.{name}.") for key in held)}
-        sharded.load_into(checkpoint, {"optimizer": state}, partial=True)
+        held = sharded.saved_keys(checkpoint, name)
+        saved = {param for param in state["state"] if any(key.startswith(f"state.{param}.") for key in held)}
+        sharded.load_into(checkpoint, {name: state}, partial=True)
         load_sharded_optimizer_state_dict(self.model, self.optimizer, state, saved)
         self._keep_hyperparameters(hyper)
 
@@ -349,7 +350,7 @@ class Checkpointer:
             if key in skip:
                 continue
             if key in sharded_states:
-                component.load_sharded(sharded_in)  # type: ignore[attr-defined]
+                component.load_sharded(sharded_in, key)  # type: ignore[attr-defined]
             else:
                 component.load_state_dict(states[key])
         self.last_step_saved = self.progress.step
