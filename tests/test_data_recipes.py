@@ -350,6 +350,41 @@ def test_trusted_sizes_json_resumes_mid_epoch_exactly(tmp_path):
     assert resumed == whole and len(whole) == 58
 
 
+@pytest.mark.parametrize(("listing", "named"), [
+    ("{not json", "not JSON"),
+    ("[16, 16, 16]", "not an object of shard name -> sample count"),
+    ('{"s-0.tar": 16, "s-1.tar": "x", "s-2.tar": 16}', "'s-1.tar': 'x' is not a sample count"),
+    ('{"s-0.tar": 16, "s-1.tar": -3, "s-2.tar": 16}', "'s-1.tar': -3 is not a sample count"),
+    ('{"s-0.tar": 16, "s-1.tar": 15.5, "s-2.tar": 16}', "'s-1.tar': 15.5 is not a sample count"),
+    ('{"s-0.tar": 16, "s-2.tar": 16}', "lists no 's-1.tar'"),
+])
+@pytest.mark.parametrize("trusted", [False, True])
+def test_a_sizes_json_that_cannot_be_used_is_named_and_every_shard_trains(tmp_path, caplog, listing, named, trusted):
+    """A sizes.json beside the shards that is not JSON, not an object, holds a count that is not one or leaves a
+    shard out: one line names the file and why, and every shard is indexed instead (before: ignored without a
+    word, or a bare `invalid literal for int()` that named neither the file nor the shard)."""
+    spec = _shards(tmp_path / "s", "s", 3, 16)
+    (tmp_path / "s" / "sizes.json").write_text(listing)
+    with caplog.at_level("WARNING", logger="naflexclip.data"):
+        loader = build_loader(cfg_for(spec, trust_sizes_json=trusted), split="train", patch_size=PATCH,
+                              context_length=CONTEXT)
+    assert sorted(keys_in_order(loader)) == sorted(f"s{s}_{i}" for s in range(3) for i in range(16))
+    lines = [r.getMessage() for r in caplog.records if "sizes.json" in r.getMessage()]
+    assert lines and "\n" not in lines[0] and str(tmp_path / "s" / "sizes.json") in lines[0], lines
+    assert named in lines[0] and "every shard is indexed instead" in lines[0], lines[0]
+    assert len(lines) == 1 + trusted  # with --trust-sizes-json, its own line that it changes nothing
+
+
+def test_a_sizes_json_count_written_as_a_whole_number_is_read_as_openclip_reads_it(tmp_path, caplog):
+    """OpenCLIP reads each count with int(): "16" and 16.0 are 16, planned from the list and said nothing about."""
+    spec = _shards(tmp_path / "s", "s", 2, 16)
+    (tmp_path / "s" / "sizes.json").write_text('{"s-0.tar": "16", "s-1.tar": 16.0}')
+    with caplog.at_level("WARNING", logger="naflexclip.data"):
+        loader = build_loader(cfg_for(spec, trust_sizes_json=True), split="train", patch_size=PATCH,
+                              context_length=CONTEXT)
+    assert len(keys_in_order(loader)) == 32 and not caplog.records
+
+
 def _tiny_csv(root) -> str:
     root.mkdir(parents=True, exist_ok=True)
     for i in range(4):

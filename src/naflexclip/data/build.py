@@ -74,7 +74,7 @@ def _shard_loader(cfg: DataConfig, path: str, urls: list[str], ids: np.ndarray, 
     (`SizedShardSource`: each shard counted from its cached index, or not at all with --trust-sizes-json, the index
     itself read by the workers); else every shard is indexed and held. Mixtures, resampling and sized shards take
     their order from a `ShardRecipe`."""
-    sizes = read_sizes(urls)
+    sizes = _listed_sizes(urls, path, common)
     source: Source
     if sizes is not None:
         source = SizedShardSource(path, urls, sizes, cfg.shard_index_dir, cfg.member_keys(),
@@ -105,6 +105,16 @@ def _shard_loader(cfg: DataConfig, path: str, urls: list[str], ids: np.ndarray, 
     if common["rank"] == 0:
         _announce_mixture(cfg, loader, recipe, common["split"])
     return loader
+
+
+def _listed_sizes(urls: list[str], path: str, common: dict[str, Any]) -> np.ndarray | None:
+    """`read_sizes` of the shards of `path`; a sizes.json there that cannot be used is named in one line."""
+    problems: list[str] = []
+    sizes = read_sizes(urls, problems)
+    if common["rank"] == 0:
+        for problem in problems:
+            logger.warning("data %s (%s): %s", common["split"], path, problem)
+    return sizes
 
 
 def _first_shard(num_shards: int, common: dict[str, Any]) -> int:
@@ -148,7 +158,7 @@ def _table_loader(cfg: DataConfig, path: str, requested: int | None, flag: str, 
         else:
             check_shards(urls, part)
             remote.check_remote_shards(urls, part)
-            listed = read_sizes(urls)
+            listed = _listed_sizes(urls, part, common)
             if listed is not None:
                 source = SizedShardSource(part, urls, listed, cfg.shard_index_dir, cfg.member_keys(),
                                           _first_shard(len(urls), common), trusted=cfg.trust_sizes_json)

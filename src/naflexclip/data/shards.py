@@ -69,38 +69,79 @@ def check_shards(urls: list[str], spec: str) -> None:
         raise DataError(f"no shard of --train-data/--val-data {spec!r} exists (expanded to {len(urls)} urls)")
 
 
-def read_sizes(urls: list[str]) -> np.ndarray | None:
+def read_sizes(urls: list[str], problems: list[str] | None = None) -> np.ndarray | None:
     """Samples per shard from the OpenCLIP-style `sizes.json` beside them (shard file name -> count), or None
-    unless one lists every shard."""
+    unless one lists every shard. A sizes.json that is there but cannot be used (not JSON, not an object, a count
+    that is not a whole number >= 0, a shard left out) also gives None; `problems` gets one line naming it."""
     tables: dict[str, dict[str, Any] | None] = {}
     sizes = np.zeros(len(urls), dtype=np.int64)
     for i, url in enumerate(urls):
         directory, _, name = url.rpartition("/")
+        path = os.path.join(directory, "sizes.json")
         if directory not in tables:
-            path = os.path.join(directory, "sizes.json")
-            try:
-                if remote.is_remote(path):
-                    tables[directory] = json.loads(remote.read_bytes(path))
-                else:
-                    with open(path) as f:
-                        tables[directory] = json.load(f)
-            except (OSError, ValueError, remote.Unreachable):
-                tables[directory] = None
+            tables[directory] = _sizes_table(path, problems)
         table = tables[directory]
-        if table is None or name not in table:
+        if table is None:
             return None
-        sizes[i] = int(table[name])
+        count = sample_count(table[name]) if name in table else None
+        if count is None:
+            _unusable(problems, path, f"{name!r}: {table[name]!r} is not a sample count" if name in table else
+                      f"lists no {name!r}")
+            return None
+        sizes[i] = count
     return sizes
+
+
+def sample_count(value: Any) -> int | None:
+    """A sizes.json count as OpenCLIP's int() reads it (16, "16", 16.0), or None where it is not a whole number
+    >= 0 (int() would truncate 15.5 and take -3)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    if isinstance(value, (int, float)) and value >= 0 and float(value).is_integer():
+        return int(value)
+    return None
+
+
+def _sizes_table(path: str, problems: list[str] | None) -> dict[str, Any] | None:
+    """sizes.json at `path` as an object, or None: absent (said nothing of) or unusable (said in `problems`)."""
+    try:
+        if remote.is_remote(path):
+            text = remote.read_bytes(path)
+        else:
+            with open(path, "rb") as f:
+                text = f.read()
+    except FileNotFoundError:
+        return None
+    except (OSError, remote.Unreachable) as error:
+        if isinstance(error, remote.Unreachable) and error.missing:
+            return None
+        _unusable(problems, path, f"cannot be read ({type(error).__name__})")
+        return None
+    try:
+        table = json.loads(text)
+    except ValueError as error:
+        _unusable(problems, path, f"not JSON ({str(error).splitlines()[0]})")
+        return None
+    if not isinstance(table, dict):
+        _unusable(problems, path, f"not an object of shard name -> sample count (a {type(table).__name__})")
+        return None
+    return table
+
+
+def _unusable(problems: list[str] | None, path: str, what: str) -> None:
+    if problems is not None:
+        problems.append(f"{path}: {what}; every shard is indexed instead, all its samples train")
 
 
 def count_shard_samples(urls: list[str]) -> int:
     """Samples in local shards: from an OpenCLIP-style sizes.json beside them, else by reading tar headers."""
     sizes: dict[str, int] = {}
     for directory in {os.path.dirname(u) for u in urls}:
-        path = os.path.join(directory, "sizes.json")
-        if os.path.isfile(path):
-            with open(path) as f:
-                sizes.update({os.path.join(directory, k): int(v) for k, v in json.load(f).items()})
+        table = _sizes_table(os.path.join(directory, "sizes.json"), None) or {}  # unusable: counted from headers
+        listed = {os.path.join(directory, k): sample_count(v) for k, v in table.items()}
+        sizes.update({url: count for url, count in listed.items() if count is not None})
     total = 0
     for url in urls:
         if url in sizes:
