@@ -75,3 +75,22 @@ def test_a_pickle_of_other_objects_names_what_it_holds(tmp_path: Path) -> None:
     with pytest.raises(ValueError) as error:
         create_model(tiny_name("ViT-B-32-quickgelu"), pretrained=str(file))
     assert "numpy" in str(error.value) and "only tensors" in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("form", ["text", "missing", "empty_folder"])
+def test_a_preset_with_a_pretrained_path_that_is_neither_checkpoint_nor_directory_says_what_it_takes(
+        form: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`--model tiny --pretrained X`: a preset takes a naflexclip checkpoint or a pretrained model directory. X that
+    is neither is one line naming X, what it is and what --pretrained takes with a preset; before, it read "has no
+    config.json ...; not an OpenCLIP model (pass --model NAME with --pretrained FILE or TAG)", --model given."""
+    path = {"text": tmp_path / "notes.txt", "missing": tmp_path / "absent.pt", "empty_folder": tmp_path / "empty"}[form]
+    if form == "text":
+        path.write_text("these are my notes, not weights\n")
+    elif form == "empty_folder":
+        path.mkdir()
+    assert main(["train", "--model", "tiny", "--pretrained", str(path), "--logs", str(tmp_path / "logs")]) == 2
+    lines = [line for line in capsys.readouterr().err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and "--pretrained" in lines[0] and path.name in lines[0], lines
+    line = lines[0]
+    assert "pass --model" not in line and "--model tiny" in line and "naflexclip checkpoint" in line, line
+    assert {"text": "is a file", "missing": "does not exist", "empty_folder": "no config.json"}[form] in line, line

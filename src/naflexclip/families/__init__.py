@@ -63,6 +63,8 @@ class NamedFamily(PretrainedFamily, Protocol):
 
 FAMILIES: tuple[PretrainedFamily, ...] = (siglip2, openclip)
 NAMED_FAMILIES: tuple[NamedFamily, ...] = (openclip,)  # those of FAMILIES that claim model names
+# those whose models come as directories (a named family's come as a name and a weight file or tag)
+DIRECTORY_FAMILIES: tuple[PretrainedFamily, ...] = tuple(f for f in FAMILIES if f not in NAMED_FAMILIES)
 EXPORT_FORMATS = tuple(family.EXPORT_FORMAT for family in FAMILIES)
 
 

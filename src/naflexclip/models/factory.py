@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from naflexclip.families import export_family, family_of, find_family, named_family
+from naflexclip.families import DIRECTORY_FAMILIES, export_family, family_of, find_family, named_family
 from naflexclip.models.naflex_clip import PRESETS, NaFlexClip, model_config
 from naflexclip.models.run_weights import is_run_checkpoint, load_run_model
 
@@ -37,6 +37,8 @@ def create_model(name: str, pretrained: str | None = None, cache_dir: str | None
     if family is not None:
         return family.build(name, pretrained=pretrained, cache_dir=cache_dir, **overrides)
     if pretrained is not None:
+        if name in PRESETS:
+            check_preset_pretrained(name, pretrained)
         if name in PRESETS or os.path.isdir(pretrained):  # `train --pretrained DIR`: the directory's architecture
             return create_model(pretrained, **overrides)
         raise ValueError(f"pretrained={pretrained!r} goes with an OpenCLIP model name, not {name!r} (or is a "
@@ -52,6 +54,26 @@ def create_model(name: str, pretrained: str | None = None, cache_dir: str | None
         hint = f"; pass its directory {parent!r}" if find_family(parent) else ""
         raise ValueError(f"{name!r} is a file; {takes}{hint}")
     raise ValueError(f"{name!r} does not exist; {takes}")
+
+
+def check_preset_pretrained(name: str, pretrained: str) -> None:
+    """`pretrained` (not a naflexclip checkpoint) is a pretrained model directory, which preset `name` takes its
+    architecture and weights from; else ValueError in one line: what it is, and what a preset's --pretrained takes."""
+    if os.path.isdir(pretrained) and find_family(pretrained):
+        return
+    takes = (f"--pretrained takes with --model {name} (a preset) a naflexclip checkpoint (a run's checkpoints/ "
+             "folder or one checkpoint in it) or a pretrained model directory; an OpenCLIP weights file or tag goes "
+             "with an OpenCLIP --model name")
+    if not os.path.isdir(pretrained):
+        raise ValueError(f"{pretrained!r} {'is a file' if os.path.exists(pretrained) else 'does not exist'}: {takes}")
+    reasons = []
+    for family in DIRECTORY_FAMILIES:
+        try:
+            family.check(pretrained)
+        except ValueError as error:
+            reasons.append(f"{family.NAME}: {error}")
+    raise ValueError(f"{pretrained!r} is a folder that holds no naflexclip checkpoint and is no pretrained model "
+                     f"directory ({'; '.join(reasons)}): {takes}")
 
 
 def export_model(model: NaFlexClip, path: str | Path, format: str = "transformers",

@@ -20,6 +20,7 @@ from naflexclip.evaluation.zero_shot import (
 )
 from naflexclip.families import family_of
 from naflexclip.loss import LOSSES
+from naflexclip.models.factory import check_preset_pretrained
 from naflexclip.models.naflex_clip import PRESETS
 from naflexclip.models.precision import check_precision
 from naflexclip.models.run_weights import is_run_checkpoint, model_name_conflict, read_run_weights
@@ -131,6 +132,8 @@ def check_pretrained(cfg: Any, from_run: bool) -> None:
     if cfg.pretrained is None:
         return
     try:
+        if cfg.model in PRESETS:
+            check_preset_pretrained(cfg.model, cfg.pretrained)
         family_of(cfg.pretrained).check(cfg.pretrained)
     except ValueError as error:
         raise ValueError(f"--pretrained: {error}") from None
