@@ -210,6 +210,19 @@ def test_resume_latest_of_a_run_without_usable_checkpoint_stops(stopped_run: Pat
     assert _train_steps(logs / "base") == [1, 2, 3]
 
 
+def test_resume_latest_without_a_name_is_one_line_naming_the_runs_to_continue(stopped_run: Path, tmp_path: Path,
+                                                                               capsys: pytest.CaptureFixture) -> None:
+    """A run without --name gets a new dated name, so `--resume latest` alone never has anything to continue:
+    before, it said "no checkpoint ...; starting fresh" and trained a new run. Now one line asks for --name and
+    names the runs --logs holds."""
+    logs = _copy_run(stopped_run, tmp_path)
+    capsys.readouterr()
+    assert main(["train", "--logs", str(logs), "--resume", "latest"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--resume latest" in err and "--name" in err and "'base'" in err, err
+    assert [p.name for p in logs.iterdir() if p.is_dir()] == ["base"]  # no new run folder
+
+
 def test_resume_fresh_needs_resume_latest(capsys: pytest.CaptureFixture) -> None:
     assert main(["train", "--resume-fresh"]) == 2
     assert capsys.readouterr().err.strip() == ("naflexclip train: error: --resume-fresh goes with --resume latest, "

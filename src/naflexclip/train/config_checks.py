@@ -224,6 +224,20 @@ def check_run_flags(cfg: Any) -> None:
     if cfg.async_save and cfg.fsdp_checkpoint != "sharded":
         raise ValueError(f"--async-save writes sharded checkpoints in the background; it goes with "
                          f"--fsdp-checkpoint sharded, got --fsdp-checkpoint {cfg.fsdp_checkpoint}")
+    if cfg.resume == "latest" and cfg.name is None:
+        runs = _runs_with_checkpoints(Path(cfg.logs))
+        held = (f"the runs with checkpoints in --logs {cfg.logs}: {', '.join(map(repr, runs[:5]))}"
+                f"{', ...' if len(runs) > 5 else ''}" if runs else f"--logs {cfg.logs} holds no run with checkpoints")
+        raise ValueError(f"--resume latest continues the run that --name names; without --name a run gets a new "
+                         f"dated name, with nothing to continue ({held})")
+
+
+def _runs_with_checkpoints(logs: Path) -> list[str]:
+    """The run folders in `logs` that hold a checkpoints/ folder, the newest first."""
+    if not logs.is_dir():
+        return []
+    runs = [run for run in logs.iterdir() if (run / "checkpoints").is_dir()]
+    return [run.name for run in sorted(runs, key=lambda run: run.stat().st_mtime, reverse=True)]
 
 
 def check_model_overrides(cfg: Any) -> None:
