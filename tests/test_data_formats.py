@@ -139,3 +139,13 @@ def test_missing_sources_fail_with_one_clear_error(tmp_path):
         build_loader(cfg_for(str(tmp_path / "t.csv")), split="train", patch_size=PATCH, context_length=CONTEXT)
     with pytest.raises(ValueError, match="--val-data"):
         build_loader(cfg_for(str(tmp_path / "t.csv")), split="val", patch_size=PATCH, context_length=CONTEXT)
+
+
+def test_missing_shards_name_the_flag_of_their_split(tmp_path):
+    """Shards that do not exist are named with the flag that gave them, not "--train-data/--val-data"."""
+    spec = f"{tmp_path}/nope-{{0..1}}.tar"
+    for split, flag in (("train", "--train-data"), ("val", "--val-data")):
+        cfg = DataConfig(train_data=spec, val_data=spec, naflex_seq_lens=(16, 32), workers=0)
+        with pytest.raises(DataError) as raised:
+            build_loader(cfg, split=split, patch_size=PATCH, context_length=CONTEXT)
+        assert f"{flag} {spec!r}" in str(raised.value) and "/--" not in str(raised.value), raised.value

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -31,6 +33,7 @@ from naflexclip.data.regions import DecoderExamples
 from naflexclip.data.samples import reasons_line
 from naflexclip.data.shard_index import IndexedShardSource, SizedShardSource, is_indexable
 from naflexclip.data.shard_order import ShardRecipe, ShardSet, mixture_counts
+from naflexclip.data.source import EITHER_DATA_FLAG
 from naflexclip.data.stream_loader import StreamLoader
 from naflexclip.processing.naflex_transform import Processing, default_processing
 
@@ -209,6 +212,21 @@ def _processing(cfg: DataConfig, processing: Processing | None, patch_size: int,
     return default_processing(patch_size, augment)
 
 
+def _naming_its_flag(build: Callable[..., NaFlexLoader]) -> Callable[..., NaFlexLoader]:
+    """A data error of a split names its flag (--train-data or --val-data) where the check that raised it, serving
+    both, could not (`EITHER_DATA_FLAG`)."""
+    @functools.wraps(build)
+    def naming(*args: Any, split: str, **kwargs: Any) -> NaFlexLoader:
+        try:
+            return build(*args, split=split, **kwargs)
+        except DataError as error:
+            flag = "--train-data" if split == "train" else "--val-data"
+            raise DataError(str(error).replace(EITHER_DATA_FLAG, flag)) from None
+
+    return naming
+
+
+@_naming_its_flag
 def build_loader(
     cfg: DataConfig,
     *,

@@ -20,7 +20,7 @@ import numpy as np
 
 from naflexclip.data import remote
 from naflexclip.data.samples import SkipSample
-from naflexclip.data.source import DataError, RawSample
+from naflexclip.data.source import EITHER_DATA_FLAG, DataError, RawSample
 
 BLOCK_ROW_GROUPS = 8  # row groups whose rows are shuffled together (a worker holds up to twice this many)
 IMAGE_COLUMNS = ("image", "jpg", "png", "webp")  # looked for when --image-key is left at its default
@@ -55,7 +55,7 @@ def _footers(spec: str, urls: list[str]) -> list[Any]:
         try:
             return _open(url).metadata
         except (OSError, ValueError, remote.Unreachable) as error:
-            raise DataError(f"--train-data/--val-data {spec!r}: cannot read {url}: {error}") from None
+            raise DataError(f"{EITHER_DATA_FLAG} {spec!r}: cannot read {url}: {error}") from None
 
     if not any(remote.is_remote(u) for u in urls):
         return [footer(url) for url in urls]

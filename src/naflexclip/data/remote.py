@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from naflexclip.data.source import DataError, skip_record
+from naflexclip.data.source import EITHER_DATA_FLAG, DataError, skip_record
 
 RETRIES = 5  # retries of a transient error, after the first attempt
 BACKOFF_S = 0.25  # the first retry's wait; doubled each retry (with jitter), at most MAX_BACKOFF_S
@@ -209,7 +209,7 @@ def check_remote_shards(urls: Sequence[str], spec: str) -> None:
     try:
         found = list_objects(wanted)
     except Unreachable as error:
-        raise DataError(f"--train-data/--val-data {spec!r}: cannot list its shards: {error}") from None
+        raise DataError(f"{EITHER_DATA_FLAG} {spec!r}: cannot list its shards: {error}") from None
     if not any(u in found for u in wanted):
-        raise DataError(f"no shard of --train-data/--val-data {spec!r} exists (expanded to {len(wanted)} urls, "
+        raise DataError(f"no shard of {EITHER_DATA_FLAG} {spec!r} exists (expanded to {len(wanted)} urls, "
                         "none of them listed in object storage)")

@@ -21,7 +21,7 @@ from webdataset.tariterators import base_plus_ext
 
 from naflexclip.data import remote
 from naflexclip.data.samples import IMAGE_EXTENSIONS
-from naflexclip.data.source import CAPTION_EXTENSIONS, DataError, RawSample, skip_record
+from naflexclip.data.source import CAPTION_EXTENSIONS, EITHER_DATA_FLAG, DataError, RawSample, skip_record
 
 # suffixes that end a member's key (see `member_key`): images, captions and the json metadata
 KEY_SUFFIXES = (*IMAGE_EXTENSIONS, *CAPTION_EXTENSIONS, "json")
@@ -66,7 +66,7 @@ def check_shards(urls: list[str], spec: str) -> None:
     """Fail early, naming `spec`, when none of its local shards exist."""
     local = [u for u in urls if _is_local(u)]
     if not urls or (local and len(local) == len(urls) and not any(os.path.isfile(u) for u in local)):
-        raise DataError(f"no shard of --train-data/--val-data {spec!r} exists (expanded to {len(urls)} urls)")
+        raise DataError(f"no shard of {EITHER_DATA_FLAG} {spec!r} exists (expanded to {len(urls)} urls)")
 
 
 def read_sizes(urls: list[str], problems: list[str] | None = None) -> np.ndarray | None:

@@ -18,6 +18,10 @@ class DataError(RuntimeError):
     """The data source cannot feed the run (nothing usable, missing files); the message names the source."""
 
 
+# in a message of a check that serves both splits; the loader of a split names its own flag there
+EITHER_DATA_FLAG = "--train-data/--val-data"
+
+
 @dataclass
 class RawSample:
     """Undecoded sample: image as bytes (or an already-decoded PIL image), caption as bytes/str (or several
