@@ -117,3 +117,21 @@ def test_cosine_schedule_with_linear_warmup() -> None:
     restored.load_state_dict(schedule.state_dict())
     assert restored.last_step == 14 and optimizer.param_groups[1]["lr"] == restored.lr_at(14) == 0.0
     assert isinstance(optimizer, torch.optim.AdamW)
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["train", "--lr", "abc"], "naflexclip train: error: argument --lr: invalid float value: 'abc'"),
+    (["train", "--bogus-flag"], "naflexclip train: error: unrecognized arguments: --bogus-flag"),
+    (["train", "--train-data-upsampling-factors", "1", "2"], "naflexclip train: error: unrecognized arguments: 2"),
+    (["verify", "--accum-method", "nope"], "naflexclip verify: error: argument --accum-method: invalid choice"),
+    (["nope"], "naflexclip: error: argument command: invalid choice: 'nope'"),
+])
+def test_a_mistyped_flag_is_one_line_naming_the_command_not_a_usage_block(argv: list[str], expected: str,
+                                                                           capsys: pytest.CaptureFixture) -> None:
+    """argparse printed the whole usage (over 100 lines for train) before its error; now the error alone, naming
+    the command the flag belongs to and where its flags are listed."""
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(expected) and "--help" in err[0], err

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
 # command modules, in the order `--help` lists them
 COMMAND_MODULES = (
@@ -21,8 +22,16 @@ COMMAND_MODULES = (
 )
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser (its commands' too) whose error is one line naming the command, without the usage block
+    that argparse prints first (over 100 lines for `train`)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="naflexclip",
         description="Exact gradient accumulation for NaFlex CLIP/SigLIP training.",
     )
@@ -37,7 +46,10 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser.parse_args(argv)
+    args, unrecognized = parser.parse_known_args(argv)
+    if unrecognized:  # said by the command's parser, which names the command
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unrecognized)}")
     args.given = given_destinations(parser, argv)  # a resume keeps the run's saved value of every other setting
     return int(args.func(args) or 0)
 
