@@ -125,6 +125,7 @@ def test_cosine_schedule_with_linear_warmup() -> None:
     (["train", "--train-data-upsampling-factors", "1", "2"], "naflexclip train: error: unrecognized arguments: 2"),
     (["verify", "--accum-method", "nope"], "naflexclip verify: error: argument --accum-method: invalid choice"),
     (["nope"], "naflexclip: error: argument command: invalid choice: 'nope'"),
+    (["data", "export", "--out", "x", "--bogus"], "naflexclip data export: error: unrecognized arguments: --bogus"),
 ])
 def test_a_mistyped_flag_is_one_line_naming_the_command_not_a_usage_block(argv: list[str], expected: str,
                                                                            capsys: pytest.CaptureFixture) -> None:

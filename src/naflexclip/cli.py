@@ -47,9 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args, unrecognized = parser.parse_known_args(argv)
-    if unrecognized:  # said by the command's parser, which names the command
-        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unrecognized)}")
+    if unrecognized:  # said by the parser of the command given (`data export`), which names it
+        command: argparse.ArgumentParser = parser
+        while chosen := next((a for a in command._actions if isinstance(a, argparse._SubParsersAction)), None):
+            command = chosen.choices[getattr(args, chosen.dest)]
+        command.error(f"unrecognized arguments: {' '.join(unrecognized)}")
     args.given = given_destinations(parser, argv)  # a resume keeps the run's saved value of every other setting
     return int(args.func(args) or 0)
 
