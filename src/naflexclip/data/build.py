@@ -321,7 +321,7 @@ def build_loader(
         _check_trainable(loader, world_size)
         if cfg.trust_sizes_json and rank == 0 and not _planned_from_sizes_json(loader):
             logger.warning("--trust-sizes-json: the training data %r is not indexable .tar shards beside a sizes.json "
-                           "listing each of them; the flag changes nothing here", path or "the built-in dataset")
+                           "listing each of them; the flag changes nothing for it", path or "the built-in dataset")
         sizes = cfg.naflex_patch_sizes
         if rank == 0 and sizes is not None and sizes[0] != patch_size:
             logger.warning("--naflex-patch-sizes %s: evaluation runs at the model's own patch size %d (OpenCLIP's at "
