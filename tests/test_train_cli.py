@@ -136,3 +136,18 @@ def test_a_mistyped_flag_is_one_line_naming_the_command_not_a_usage_block(argv: 
     assert stopped.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(expected) and "--help" in err[0], err
+
+
+def test_several_values_after_a_one_value_flag_say_how_to_give_them(capsys: pytest.CaptureFixture) -> None:
+    """A shell glob (`--train-data shards/*.tar`) or OpenCLIP's factors given with spaces leave the extra values as
+    "unrecognized arguments"; the line says which flag takes one value and how to give several."""
+    for argv, flag in ((["train", "--train-data", "s/0.tar", "s/1.tar", "s/2.tar"], "--train-data"),
+                       (["train", "--train-data-upsampling-factors", "1", "2"], "--train-data-upsampling-factors")):
+        with pytest.raises(SystemExit):
+            main(argv)
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert f"{flag} takes one value" in line and "'::'" in line, line
+    with pytest.raises(SystemExit):
+        main(["train", "--lr", "0.1", "0.2"])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "--lr takes one value" in line and "'::'" not in line, line

@@ -41,6 +41,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_value_hint(command: argparse.ArgumentParser, argv: list[str], unrecognized: list[str]) -> str:
+    """Where the unrecognized values follow the value of a flag that takes one (a shell glob, OpenCLIP's `1::2`
+    typed as `1 2`): that the flag takes one value, and how its form joins several."""
+    at = argv.index(unrecognized[0]) if unrecognized[0] in argv else 0
+    action = command._option_string_actions.get(argv[at - 2]) if at >= 2 else None
+    if action is None or action.nargs is not None:
+        return ""
+    form = str(action.metavar or "")
+    joined = f"; join several with '::' ({argv[at - 2]} {form})" if "::" in form else ""
+    return f"; {argv[at - 2]} takes one value{joined}"
+
+
 def main(argv: list[str] | None = None) -> int:
     from naflexclip.settings import given_destinations
 
@@ -51,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         command: argparse.ArgumentParser = parser
         while chosen := next((a for a in command._actions if isinstance(a, argparse._SubParsersAction)), None):
             command = chosen.choices[getattr(args, chosen.dest)]
-        command.error(f"unrecognized arguments: {' '.join(unrecognized)}")
+        command.error(f"unrecognized arguments: {' '.join(unrecognized)}{_one_value_hint(command, argv, unrecognized)}")
     args.given = given_destinations(parser, argv)  # a resume keeps the run's saved value of every other setting
     return int(args.func(args) or 0)
 

@@ -57,10 +57,10 @@ class DataConfig:
     weights, patches per microbatch and the batch-size divisor.
     """
 
-    train_data: str | None = setting(None, rule=REFUSE, why=_ORDER, section=_DATA, help=(
+    train_data: str | None = setting(None, rule=REFUSE, why=_ORDER, section=_DATA, metavar="DATA[::DATA...]", help=(
         "training data: shards ('dir/{00000..00031}.tar', also s3://, gs://, hf://, https://), .parquet files, a "
         ".csv/.tsv, or a folder; the built-in synthetic dataset when omitted"))
-    val_data: str | None = setting(None, rule=APPLY, section=_DATA,
+    val_data: str | None = setting(None, rule=APPLY, section=_DATA, metavar="DATA[::DATA...]",
                                    help="validation data, same forms as --train-data")
     dataset_type: str = setting("auto", rule=REFUSE, why=_ORDER, section=_DATA, openclip="auto",
                                 choices=DATASET_TYPES)
@@ -138,7 +138,8 @@ class DataConfig:
     dataset_resampled: bool = setting(False, rule=REFUSE, why=_ORDER, section=_RECIPES, help=(
         "draw shards with replacement (weighted by --train-data-upsampling-factors); an epoch is "
         "--train-num-samples samples (default: the shards' total)"))
-    train_data_upsampling_factors: str | None = setting(None, rule=REFUSE, why=_ORDER, section=_RECIPES, help=(
+    train_data_upsampling_factors: str | None = setting(None, rule=REFUSE, why=_ORDER, section=_RECIPES,
+                                                        metavar="FACTOR[::FACTOR...]", help=(
         "one weight per `::`-joined --train-data source, e.g. 1::2: with --dataset-resampled the shard weights; "
         "without it, each source's exact share of every epoch"))
     image_key: str = setting(DEFAULT_IMAGE_KEY, rule=REFUSE, why=_ORDER, section=_RECIPES, help=(
