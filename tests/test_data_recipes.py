@@ -375,6 +375,24 @@ def test_a_sizes_json_that_cannot_be_used_is_named_and_every_shard_trains(tmp_pa
     assert len(lines) == 1 + trusted  # with --trust-sizes-json, its own line that it changes nothing
 
 
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_shuffle_buffer_for_data_that_is_not_streamed_says_it_changes_nothing(tmp_path, caplog, streamed):
+    """--shuffle-buffer shapes only streamed shards' order; given for indexed shards (shuffled over the whole
+    epoch) it changed nothing without a word. Now one line says so; streamed shards take it and nothing is said."""
+    spec = _shards(tmp_path / "s", "s", 2, 8, sizes_json=False)
+    if streamed:
+        spec = "::".join(f"pipe:cat {tmp_path}/s/s-{s}.tar" for s in range(2))
+    with caplog.at_level("WARNING", logger="naflexclip.data"):
+        build_loader(cfg_for(spec, shuffle_buffer=10, train_num_samples=16 if streamed else None), split="train",
+                     patch_size=PATCH, context_length=CONTEXT)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("--shuffle-buffer")]
+    if streamed:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and "--shuffle-buffer 10" in lines[0] and spec in lines[0], lines
+        assert "changes nothing" in lines[0] and "\n" not in lines[0]
+
+
 def test_a_sizes_json_count_written_as_a_whole_number_is_read_as_openclip_reads_it(tmp_path, caplog):
     """OpenCLIP reads each count with int(): "16" and 16.0 are 16, planned from the list and said nothing about."""
     spec = _shards(tmp_path / "s", "s", 2, 16)

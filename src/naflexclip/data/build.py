@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections import Counter
@@ -38,6 +39,7 @@ from naflexclip.data.stream_loader import StreamLoader
 from naflexclip.processing.naflex_transform import Processing, default_processing
 
 logger = logging.getLogger("naflexclip.data")
+_DEFAULT_SHUFFLE_BUFFER = next(f.default for f in dataclasses.fields(DataConfig) if f.name == "shuffle_buffer")
 NONE_LISTED_OR_HELD = "sizes.json lists none and its shards hold none"
 
 
@@ -322,6 +324,10 @@ def build_loader(
         if cfg.trust_sizes_json and rank == 0 and not _planned_from_sizes_json(loader):
             logger.warning("--trust-sizes-json: the training data %r is not indexable .tar shards beside a sizes.json "
                            "listing each of them; the flag changes nothing for it", path or "the built-in dataset")
+        if cfg.shuffle_buffer != _DEFAULT_SHUFFLE_BUFFER and rank == 0 and not isinstance(loader, StreamLoader):
+            logger.warning("--shuffle-buffer %d: the training data %r is not streamed (its samples are shuffled over "
+                           "the whole epoch); the flag changes nothing for it", cfg.shuffle_buffer,
+                           path or "the built-in dataset")
         sizes = cfg.naflex_patch_sizes
         if rank == 0 and sizes is not None and sizes[0] != patch_size:
             logger.warning("--naflex-patch-sizes %s: evaluation runs at the model's own patch size %d (OpenCLIP's at "
