@@ -97,3 +97,31 @@ def test_every_registered_objectives_flags_are_training_settings_and_verify_flag
     assert set(names) <= {field.name for field in dataclasses.fields(TrainConfig)}
     verify = build_parser().parse_args(["verify"])
     assert all(hasattr(verify, name) for name in names)
+
+
+def test_an_objectives_setting_without_the_flag_that_turns_it_on_is_said_to_change_nothing(tmp_path, capsys) -> None:
+    """A setting of an objective that is off changes nothing: before, the run trained without a word (a
+    --distill-loss-weight without a teacher, the recipe's --ema-momentum without the recipe). Now one line each
+    names it and the flags that turn its objective on; with them on, nothing is said."""
+    cases = [
+        (["--distill-loss-weight", "3"], "--distill-loss-weight 3.0: changes nothing without --distill-model"),
+        (["--self-distill-start", "0.3"], "--self-distill-start 0.3: changes nothing without --recipe siglip2"),
+        (["--ema-momentum", "0.9"], "--ema-momentum 0.9: changes nothing without --recipe siglip2"),
+        (["--local-crops", "4"], "--local-crops 4: changes nothing without --recipe siglip2"),
+        (["--multi-positive-weighting", "soft"], "--multi-positive-weighting soft: changes nothing without "
+                                                 "--multi-positive"),
+    ]
+    parser = build_parser()
+    for flags, line in cases:
+        from naflexclip.train.train_command import config_from_args
+
+        (said,) = registry.unused_settings(config_from_args(parser.parse_args(["train", *flags])))
+        assert said.startswith(line), said
+    assert registry.unused_settings(TrainConfig(multi_positive=True, multi_positive_weighting="soft")) == []
+    assert registry.unused_settings(TrainConfig(recipe="siglip2", loss="siglip", ema_momentum=0.9)) == []
+    # the run's opening says it
+    assert main(["train", "--model", "tiny", "--logs", str(tmp_path), "--name", "r", "--synthetic-train-size", "32",
+                 "--synthetic-val-size", "8", "--val-frequency", "0", "--zeroshot-frequency", "0", "--no-plot",
+                 "--stop-after-steps", "1", "--distill-loss-weight", "3"]) == 0
+    assert ("warning: --distill-loss-weight 3.0: changes nothing without --distill-model"
+            in capsys.readouterr().err.splitlines())

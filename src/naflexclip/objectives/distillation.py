@@ -218,6 +218,8 @@ class Distillation(Objective):
 
     name = "distillation"
     flags = DistillFlags
+    switch_flags = "--distill-model"
+    switch_fields = ("distill_model",)
     compares_processing = True
 
     def __init__(self, values: Any) -> None:

@@ -49,6 +49,8 @@ class MultiPositive(Objective):
 
     name = "multi_positive"
     flags = MultiPositiveFlags
+    switch_flags = "--multi-positive"
+    switch_fields = ("multi_positive",)
 
     def __init__(self, values: Any) -> None:
         self.values = MultiPositiveFlags(**{key: getattr(values, key) for key in asdict(MultiPositiveFlags())})

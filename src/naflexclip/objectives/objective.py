@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
+from naflexclip.settings import settings_of, shown_value
 from naflexclip.window import Term
 
 
@@ -55,6 +56,7 @@ class Objective:
     state_name: ClassVar[str | None] = None  # the run state its `TermSchedule` is saved as
     head_slots: ClassVar[tuple[str, ...]] = ()  # the model's slots it attaches modules to (`NaFlexClip.attach_head`)
     switch_flags: ClassVar[str] = ""  # the flags that turn it on, as messages name them
+    switch_fields: ClassVar[tuple[str, ...]] = ()  # the fields of those flags
     # it compares the student's data processing with its own (a teacher's inputs): an OpenCLIP name's is resolved
     compares_processing: ClassVar[bool] = False
 
@@ -69,6 +71,16 @@ class Objective:
         """Refuse, in one line, settings this objective cannot train with (`values`: a training config or verify's
         parsed flags; `training`: a run's, not verify's audit of one window); set what it needs of the data config
         (`values.data`, where there is one)."""
+
+    def unused_settings(self, values: Any) -> list[str]:
+        """When it is off, a line for each setting of its own that `values` holds other than its default (given,
+        or kept from a resumed run's settings), which therefore changes nothing: the flags that turn it on."""
+        if self.enabled:
+            return []
+        return [f"{declared.flag} {shown_value(value)}: changes nothing without {self.switch_flags}"
+                for key, declared in settings_of(self.flags).items()
+                if key not in self.switch_fields and declared.has_flag
+                and (value := getattr(values, key, declared.default)) != declared.default]
 
     def pair_loss_kind(self) -> str | None:
         """The pair loss (`clip`/`siglip`) a model built from scratch trains with when `--loss` is not given, or

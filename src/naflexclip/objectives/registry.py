@@ -31,6 +31,11 @@ def objectives_of(values: Any, check: bool = True, training: bool = True) -> lis
     return objectives
 
 
+def unused_settings(values: Any) -> list[str]:
+    """A line for each setting `values` gives an objective that is off (`Objective.unused_settings`)."""
+    return [line for objective in objectives_of(values, check=False) for line in objective.unused_settings(values)]
+
+
 def enabled_objectives(values: Any, training: bool = True) -> list[Objective]:
     """The objectives `values` turns on, checked (`objectives_of`)."""
     return [objective for objective in objectives_of(values, training=training) if objective.enabled]

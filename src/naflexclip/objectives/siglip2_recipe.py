@@ -260,6 +260,7 @@ class Siglip2Recipe(Objective):
     head_slots = ("decoder", "self_distill")
     switch_flags = ("--recipe siglip2 / --locca-loss-weight / --self-distill-loss-weight / "
                     "--masked-prediction-loss-weight")
+    switch_fields = ("recipe", "locca_loss_weight", "self_distill_loss_weight", "masked_prediction_loss_weight")
 
     def __init__(self, values: Any) -> None:
         # a config without the self-distillation fields (a training config before they are wired) leaves them None

@@ -24,7 +24,7 @@ from naflexclip.models.lock import Locks, lock_summary
 from naflexclip.models.naflex_clip import config_to_dict
 from naflexclip.models.precision import create_precision
 from naflexclip.objectives.objective import BuildContext
-from naflexclip.objectives.registry import enabled_objectives, unattached_heads
+from naflexclip.objectives.registry import enabled_objectives, unattached_heads, unused_settings
 from naflexclip.parallel.feature_exchange import window_exchange
 from naflexclip.parallel.process_group import (
     DistributedEnv,
@@ -75,6 +75,7 @@ class Trainer:
         self.objectives = enabled_objectives(cfg)
         notes = [note for objective in self.objectives
                  for note in objective.prepare(model, image_locked=locks.image_fully_locked)]
+        notes += [f"warning: {line}" for line in unused_settings(cfg)]
         unattached = unattached_heads(model)  # loaded with the model, attached by none of this run's objectives
         if unattached is not None:
             notes.append(f"--pretrained {cfg.pretrained}: {unattached}")
