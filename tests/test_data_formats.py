@@ -149,3 +149,14 @@ def test_missing_shards_name_the_flag_of_their_split(tmp_path):
         with pytest.raises(DataError) as raised:
             build_loader(cfg, split=split, patch_size=PATCH, context_length=CONTEXT)
         assert f"{flag} {spec!r}" in str(raised.value) and "/--" not in str(raised.value), raised.value
+
+
+def test_csv_settings_where_no_split_reads_a_csv_are_said_to_change_nothing():
+    """--csv-img-key, --csv-caption-key and --csv-separator other than their defaults with no CSV to read changed
+    nothing without a word; one line each now says so. A CSV in either split takes them; defaults say nothing."""
+    shards = "s/{0..1}.tar"
+    assert DataConfig(train_data=shards, csv_img_key="path", csv_separator=",").unused_settings() == [
+        "--csv-img-key path: changes nothing, neither --train-data nor --val-data is a CSV",
+        "--csv-separator ,: changes nothing, neither --train-data nor --val-data is a CSV"]
+    assert DataConfig(train_data=shards, val_data="v.csv", csv_img_key="path").unused_settings() == []
+    assert DataConfig(train_data=shards).unused_settings() == []

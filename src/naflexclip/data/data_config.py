@@ -17,7 +17,17 @@ from naflexclip.data.readers import MemberKeys
 from naflexclip.data.samples import JsonCaption
 from naflexclip.data.schedule import PatchSizes, TokenBudget, samples_for_image_tokens
 from naflexclip.data.synthetic import SHAPES
-from naflexclip.settings import APPLY, NO_FLAG, REFUSE, add_arguments, parse_kwargs, setting, values_from_args
+from naflexclip.settings import (
+    APPLY,
+    NO_FLAG,
+    REFUSE,
+    add_arguments,
+    parse_kwargs,
+    setting,
+    settings_of,
+    shown_value,
+    values_from_args,
+)
 
 DATASET_TYPES = ("synthetic", "webdataset", "csv", "folder", "parquet", "auto")
 DEFAULT_IMAGE_KEY = "jpg;png;jpeg;webp"  # OpenCLIP's defaults
@@ -335,6 +345,15 @@ class DataConfig:
         """How microbatches are sized: the `--naflex-*` flags as one `TokenBudget`."""
         return TokenBudget(self.naflex_seq_lens, self.naflex_max_tokens_per_batch, self.naflex_seq_len_probs,
                            self.naflex_batch_divisor)
+
+    def unused_settings(self) -> list[str]:
+        """A line for each CSV setting other than its default while no split reads a CSV: it changes nothing."""
+        if any(source is not None and source[0] == "csv" for source in map(self.source, ("train", "val"))):
+            return []
+        declared = settings_of(DataConfig)
+        return [f"{declared[key].flag} {shown_value(value)}: changes nothing, neither --train-data nor --val-data "
+                "is a CSV" for key in ("csv_img_key", "csv_caption_key", "csv_separator")
+                if (value := getattr(self, key)) != declared[key].default]
 
     def source(self, split: str) -> tuple[str, str | None] | None:
         """(dataset type, path) that feeds `split` ("train" or "val"), or None when the split has no data.

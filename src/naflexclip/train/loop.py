@@ -75,7 +75,7 @@ class Trainer:
         self.objectives = enabled_objectives(cfg)
         notes = [note for objective in self.objectives
                  for note in objective.prepare(model, image_locked=locks.image_fully_locked)]
-        notes += [f"warning: {line}" for line in unused_settings(cfg)]
+        notes += [f"warning: {line}" for line in [*unused_settings(cfg), *cfg.data.unused_settings()]]
         unattached = unattached_heads(model)  # loaded with the model, attached by none of this run's objectives
         if unattached is not None:
             notes.append(f"--pretrained {cfg.pretrained}: {unattached}")
