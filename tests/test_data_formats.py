@@ -160,3 +160,11 @@ def test_csv_settings_where_no_split_reads_a_csv_are_said_to_change_nothing():
         "--csv-separator ,: changes nothing, neither --train-data nor --val-data is a CSV"]
     assert DataConfig(train_data=shards, val_data="v.csv", csv_img_key="path").unused_settings() == []
     assert DataConfig(train_data=shards).unused_settings() == []
+
+
+def test_val_num_samples_without_validation_data_is_said_to_change_nothing():
+    """--val-num-samples sizes the validation split; with --train-data and no --val-data there is none."""
+    assert DataConfig(train_data="s/{0..1}.tar", val_num_samples=100).unused_settings() == [
+        "--val-num-samples 100: changes nothing without --val-data"]
+    assert DataConfig(train_data="s/{0..1}.tar", val_data="v.csv", val_num_samples=100).unused_settings() == []
+    assert DataConfig(val_num_samples=100).unused_settings() == []  # the built-in dataset's validation split

@@ -347,13 +347,17 @@ class DataConfig:
                            self.naflex_batch_divisor)
 
     def unused_settings(self) -> list[str]:
-        """A line for each CSV setting other than its default while no split reads a CSV: it changes nothing."""
-        if any(source is not None and source[0] == "csv" for source in map(self.source, ("train", "val"))):
-            return []
+        """A line for each setting given where it changes nothing: a CSV setting other than its default while no
+        split reads a CSV, --val-num-samples without a validation split."""
         declared = settings_of(DataConfig)
-        return [f"{declared[key].flag} {shown_value(value)}: changes nothing, neither --train-data nor --val-data "
-                "is a CSV" for key in ("csv_img_key", "csv_caption_key", "csv_separator")
-                if (value := getattr(self, key)) != declared[key].default]
+        lines = []
+        if not any(source is not None and source[0] == "csv" for source in map(self.source, ("train", "val"))):
+            lines += [f"{declared[key].flag} {shown_value(value)}: changes nothing, neither --train-data nor "
+                      "--val-data is a CSV" for key in ("csv_img_key", "csv_caption_key", "csv_separator")
+                      if (value := getattr(self, key)) != declared[key].default]
+        if self.val_num_samples is not None and self.source("val") is None:
+            lines.append(f"--val-num-samples {self.val_num_samples}: changes nothing without --val-data")
+        return lines
 
     def source(self, split: str) -> tuple[str, str | None] | None:
         """(dataset type, path) that feeds `split` ("train" or "val"), or None when the split has no data.
