@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from collections import Counter
@@ -37,9 +36,10 @@ from naflexclip.data.shard_order import ShardRecipe, ShardSet, mixture_counts
 from naflexclip.data.source import EITHER_DATA_FLAG
 from naflexclip.data.stream_loader import StreamLoader
 from naflexclip.processing.naflex_transform import Processing, default_processing
+from naflexclip.settings import settings_of
 
 logger = logging.getLogger("naflexclip.data")
-_DEFAULT_SHUFFLE_BUFFER = next(f.default for f in dataclasses.fields(DataConfig) if f.name == "shuffle_buffer")
+_DEFAULT_SHUFFLE_BUFFER = settings_of(DataConfig)["shuffle_buffer"].default
 NONE_LISTED_OR_HELD = "sizes.json lists none and its shards hold none"
 
 

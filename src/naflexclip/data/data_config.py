@@ -356,7 +356,8 @@ class DataConfig:
                       "--val-data is a CSV" for key in ("csv_img_key", "csv_caption_key", "csv_separator")
                       if (value := getattr(self, key)) != declared[key].default]
         if self.val_num_samples is not None and self.source("val") is None:
-            lines.append(f"--val-num-samples {self.val_num_samples}: changes nothing without --val-data")
+            lines.append(f"{declared['val_num_samples'].flag} {self.val_num_samples}: changes nothing without "
+                         "--val-data")
         return lines
 
     def source(self, split: str) -> tuple[str, str | None] | None:

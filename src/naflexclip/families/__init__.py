@@ -78,13 +78,14 @@ def find_family(path: str | Path) -> PretrainedFamily | None:
     return next((family for family in FAMILIES if family.detect(path)), None)
 
 
-def family_of(path: str | Path) -> PretrainedFamily:
-    """The family that claims directory `path`; otherwise ValueError with every family's reason, in one line."""
-    family = find_family(path)
+def family_of(path: str | Path, families: tuple[PretrainedFamily, ...] = FAMILIES) -> PretrainedFamily:
+    """The family of `families` that claims directory `path`; otherwise ValueError with each one's reason, in one
+    line."""
+    family = next((family for family in families if family.detect(path)), None)
     if family is not None:
         return family
     reasons = []
-    for candidate in FAMILIES:
+    for candidate in families:
         try:
             candidate.check(path)
             reasons.append(f"{str(path)!r} is not a {candidate.NAME} directory")

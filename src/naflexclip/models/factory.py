@@ -59,21 +59,16 @@ def create_model(name: str, pretrained: str | None = None, cache_dir: str | None
 def check_preset_pretrained(name: str, pretrained: str) -> None:
     """`pretrained` (not a naflexclip checkpoint) is a pretrained model directory, which preset `name` takes its
     architecture and weights from; else ValueError in one line: what it is, and what a preset's --pretrained takes."""
-    if os.path.isdir(pretrained) and find_family(pretrained):
-        return
     takes = (f"--pretrained takes with --model {name} (a preset) a naflexclip checkpoint (a run's checkpoints/ "
              "folder or one checkpoint in it) or a pretrained model directory; an OpenCLIP weights file or tag goes "
              "with an OpenCLIP --model name")
     if not os.path.isdir(pretrained):
         raise ValueError(f"{pretrained!r} {'is a file' if os.path.exists(pretrained) else 'does not exist'}: {takes}")
-    reasons = []
-    for family in DIRECTORY_FAMILIES:
-        try:
-            family.check(pretrained)
-        except ValueError as error:
-            reasons.append(f"{family.NAME}: {error}")
-    raise ValueError(f"{pretrained!r} is a folder that holds no naflexclip checkpoint and is no pretrained model "
-                     f"directory ({'; '.join(reasons)}): {takes}")
+    try:
+        family_of(pretrained, DIRECTORY_FAMILIES)
+    except ValueError as error:
+        raise ValueError(f"{pretrained!r} is a folder that holds no naflexclip checkpoint and is no pretrained model "
+                         f"directory ({error}): {takes}") from None
 
 
 def export_model(model: NaFlexClip, path: str | Path, format: str = "transformers",
