@@ -628,3 +628,21 @@ def test_a_resume_refuses_switching_off_a_refused_flag_in_one_line(switched_run:
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and "Traceback" not in "\n".join(err)
     assert "--lock-text-freeze-layer-norm: the checkpoint has on, this run off" in err[-1], err[-1]
+
+
+def test_a_resume_without_train_data_on_its_command_line_keeps_the_runs_logging_defaults(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A run on --train-data logs at OpenCLIP's defaults (every 100 / 10 steps); `--resume latest` alone took the
+    built-in dataset's (every step), since its command line has no --train-data. A setting the resume takes from
+    its command line but is not given there now has the default of the run's data."""
+    from naflexclip.data.dataset_export import export_synthetic
+
+    (csv,) = export_synthetic(str(tmp_path / "data"), fmt="csv", count=24)
+    flags = ["--model", "tiny", "--device", "cpu", "--no-plot", "--val-frequency", "0", "--zeroshot-frequency", "0",
+             "--naflex-seq-lens", "16", "--naflex-max-tokens-per-batch", "128", "--workers", "0"]
+    assert main(["train", *flags, "--train-data", csv, "--logs", str(tmp_path), "--name", "r",
+                 "--stop-after-steps", "1"]) == 0
+    assert main(["train", "--logs", str(tmp_path), "--name", "r", "--resume", "latest", "--stop-after-steps", "2"]) == 0
+    config = ckpt.read_run_state(tmp_path / "r" / "checkpoints")["config"]
+    assert (config["log_every_n_steps"], config["log_metric_every_n_steps"]) == (100, 10)
+    assert "--log-every-n-steps" not in capsys.readouterr().err

@@ -264,12 +264,17 @@ def switches_with_data(d: Declared) -> bool:
     return d.openclip is not NOT_OPENCLIP and _plain(d.openclip) != _plain(d.default)
 
 
+def default_with_data(d: Declared, with_data: bool) -> Any:
+    """The default of a setting of `switches_with_data`: OpenCLIP's with --train-data, the built-in dataset's
+    without (a tuple as the list argparse gives)."""
+    value = d.openclip if with_data else d.default
+    return list(value) if isinstance(value, tuple) else value
+
+
 def resolve_defaults(args: argparse.Namespace, config: type) -> argparse.Namespace:
-    """`args` with every flag of `switches_with_data` not given at its default: OpenCLIP's with --train-data, the
-    built-in dataset's without."""
+    """`args` with every flag of `switches_with_data` not given at its default (`default_with_data`)."""
     with_data = bool(getattr(args, "train_data", None))
-    defaults = {d.dest: (d.openclip if with_data else d.default) for d in declared(config) if switches_with_data(d)}
-    defaults = {key: list(value) if isinstance(value, tuple) else value for key, value in defaults.items()}
+    defaults = {d.dest: default_with_data(d, with_data) for d in declared(config) if switches_with_data(d)}
     return argparse.Namespace(**{**defaults, **vars(args)})
 
 

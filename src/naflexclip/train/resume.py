@@ -18,7 +18,7 @@ from naflexclip.checkpoints import sharded, storage
 from naflexclip.models.naflex_clip import weights_mismatch
 from naflexclip.models.run_weights import architecture_changes
 from naflexclip.parallel.process_group import barrier, check_consistency, run_on_main
-from naflexclip.settings import APPLY, IGNORE, REFUSE, RESCHEDULE
+from naflexclip.settings import APPLY, IGNORE, REFUSE, RESCHEDULE, default_with_data, switches_with_data
 from naflexclip.train.components import Checkpointer, Progress
 from naflexclip.train.openclip_defaults import flag_name, flat_config, shown_setting, shown_setting_value
 from naflexclip.train.optim import scheduled_lr
@@ -36,7 +36,8 @@ def resumed_settings(values: dict[str, Any], given: set[str]) -> dict[str, Any]:
     run's saved settings, but for the flags given on the command line (`given`: parser destinations; the resume
     then compares them with the saved ones, `refusal` and `changed_flags`), those a resume does not compare
     (IGNORE: where the run writes, when it stops, its devices, how it logs) and how the job runs on its hardware
-    (`runtime`: --fsdp, --grad-checkpointing, --torchcompile), which are this command line's.
+    (`runtime`: --fsdp, --grad-checkpointing, --torchcompile), which are this command line's; one of those not
+    given there has the default of the run's data (OpenCLIP's for a run on --train-data).
     `values` as they are when the checkpoint has no run state to read (a new run, a --remote-sync restore)."""
     resume, name = values.get("resume"), values.get("name")
     if resume is None or (resume == "latest" and name is None):
@@ -50,6 +51,11 @@ def resumed_settings(values: dict[str, Any], given: set[str]) -> dict[str, Any]:
     top = {key: saved[key] for key in saved if key in SETTINGS and key not in keep and "." not in key}
     data = {key.split(".", 1)[1]: saved[key] for key in saved
             if key in SETTINGS and key not in keep and key.startswith("data.")}
+    # one of those not given has the default of the run's data, not of this command line's (which may lack it)
+    with_data = bool(saved.get("data.train_data"))
+    for key, d in SETTINGS.items():
+        if key in keep and switches_with_data(d) and not any(dest in given for dest in d.reads):
+            (data if key.startswith("data.") else top)[key.rsplit(".", 1)[-1]] = default_with_data(d, with_data)
     return {**values, **top, "data": dataclasses.replace(values["data"], **data)}
 
 
