@@ -207,12 +207,11 @@ def loader_window(args: argparse.Namespace, setup: VerifySetup) -> tuple[dict[st
                          "full-batch reference is one batch of the window's microbatches, so one patch size (mixed "
                          "sizes are exact in the window: tests/test_window_patch_sizes.py)")
     processing = data_processing(cfg.hf_processor, setup.model.image_patch_size, cfg.augment)
-    loader = build_loader(cfg, split="train", patch_size=setup.model.image_patch_size,
-                          context_length=setup.model.context_length,
-                          processing=processing,
-                          **{key: value for objective in setup.objectives
-                             for key, value in objective.loader_inputs(setup.model, processing).items()})
-    microbatches = list(itertools.islice(iter(loader), setup.accum_freq))
+    with build_loader(cfg, split="train", patch_size=setup.model.image_patch_size,
+                      context_length=setup.model.context_length, processing=processing,
+                      **{key: value for objective in setup.objectives
+                         for key, value in objective.loader_inputs(setup.model, processing).items()}) as loader:
+        microbatches = list(itertools.islice(iter(loader), setup.accum_freq))
     if len(microbatches) < setup.accum_freq:
         raise ValueError(f"--accum-freq {setup.accum_freq}: the data yields only {len(microbatches)} batches")
     return concat_microbatches(microbatches), [batch_size(mb) for mb in microbatches]

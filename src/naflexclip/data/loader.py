@@ -11,12 +11,15 @@ differ only around a covered one. docs/data.md#epochs and #skipped-samples.
 from __future__ import annotations
 
 import abc
+import atexit
 import collections
 import contextlib
 import dataclasses
 import logging
+import multiprocessing.util  # noqa: F401 - registers its exit handler before `close_loaders`
 import signal
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any, ClassVar, NamedTuple
@@ -167,6 +170,37 @@ def _workers_start_unsignalled(workers: int) -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def shut_down_workers(loader: DataLoader) -> None:
+    """End the worker processes a persistent DataLoader keeps between iterations, now. Its workers ignore SIGTERM
+    (`_worker_init`), so the `terminate()` that multiprocessing's exit handler sends them would be lost and its
+    join would wait for ever: they are told to exit through their queues, as the DataLoader does when it is freed.
+    Torch has no public call for this, so it is the one place that reaches into the DataLoader's iterator."""
+    iterator = getattr(loader, "_iterator", None)
+    loader._iterator = None
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+
+
+# the loaders whose workers outlive an iteration; `close_loaders` ends them at the latest when the process exits
+_open_loaders: weakref.WeakSet[NaFlexLoader] = weakref.WeakSet()
+_exit_hook: list[bool] = []
+
+
+def close_loaders() -> None:
+    """Shut down the workers of every loader still holding them (a run that ended by any path, the interpreter's
+    exit). Registered with atexit after multiprocessing's own exit handler, so that it runs first (atexit runs
+    last in, first out), before that handler joins the daemonic workers."""
+    for loader in list(_open_loaders):
+        loader.close()
+
+
+def _keep_track(loader: NaFlexLoader) -> None:
+    _open_loaders.add(loader)
+    if not _exit_hook:
+        atexit.register(close_loaders)
+        _exit_hook.append(True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,11 +368,24 @@ class NaFlexLoader(abc.ABC):
         return f"data {self.split} ({self.name}): skipped {sum(skipped.values())} ({reasons_line(skipped)}){noted}"
 
     # -- iteration --------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Shut down the worker processes kept between epochs (none for a streamed loader, whose workers end with
+        each iteration). The loader can still be iterated: new workers start then. Also a context manager."""
+        _open_loaders.discard(self)
+
+    def __enter__(self) -> NaFlexLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def data_loader(self, dataset: Any, sampler: Any = None, persistent: bool = False) -> DataLoader:
         """A DataLoader of this loader's workers over `dataset` (items, not batches: each is a built microbatch).
         It draws its worker seed from its own generator, never from the process's global torch RNG. `persistent`:
         its workers are kept between iterations (each new one takes its tasks from `sampler` again)."""
         kwargs: dict[str, Any] = {"prefetch_factor": 2, "worker_init_fn": _worker_init} if self.workers else {}
+        if persistent and self.workers:
+            _keep_track(self)
         return DataLoader(dataset, batch_size=None, sampler=sampler, num_workers=self.workers,
                           pin_memory=self.pin_memory, generator=torch.Generator().manual_seed(self.seed),
                           persistent_workers=persistent and self.workers > 0, **kwargs)

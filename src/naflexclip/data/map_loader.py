@@ -16,7 +16,7 @@ from typing import Any
 from torch.utils.data import DataLoader, Dataset
 
 from naflexclip.data import remote
-from naflexclip.data.loader import NaFlexLoader
+from naflexclip.data.loader import NaFlexLoader, shut_down_workers
 from naflexclip.data.microbatch import MicrobatchBuilder
 from naflexclip.data.readers import RawSample, Source, skip_record
 from naflexclip.data.samples import SkipSample
@@ -115,6 +115,12 @@ class MapLoader(NaFlexLoader):
     @property
     def num_batches(self) -> int:
         return self.plan.num_steps
+
+    def close(self) -> None:
+        super().close()
+        loader, self._loader = self._loader, None
+        if loader is not None:
+            shut_down_workers(loader)
 
     def _dataloader(self, first: int) -> DataLoader:
         if self._loader is None:

@@ -200,10 +200,10 @@ def validation_retrieval(model: nn.Module, data: DataConfig, device: torch.devic
                          autocast: Callable[[], ContextManager[Any]], skip_records: list[dict[str, Any]]
                          ) -> dict[str, float]:
     """`val/...` retrieval metrics of the validation split; its skipped samples go to `skip_records`."""
-    val = build_loader(data, split="val", patch_size=model.image_patch_size, context_length=model.context_length,
-                       processing=data_processing(data.hf_processor, model.image_patch_size,
-                                                  **data.image_overrides()))
-    features = _features(model, val, device, autocast)
+    with build_loader(data, split="val", patch_size=model.image_patch_size, context_length=model.context_length,
+                      processing=data_processing(data.hf_processor, model.image_patch_size,
+                                                 **data.image_overrides())) as val:
+        features = _features(model, val, device, autocast)
     skip_records.extend(val.skip_records)
     metrics = {f"val/{k}": v for k, v in retrieval_metrics(features["image"], features["text"]).items()}
     metrics["val/num_samples"] = float(features["image"].shape[0])
@@ -244,40 +244,40 @@ def decoder_metrics(model: nn.Module, data: DataConfig, device: torch.device,
     for task in ("caption", "aref") if bleu else ("aref",):
         seen = 0
         examples = DecoderExamples(decoder.vocab, decoder.config.max_length, tokens, task=task)
-        val = build_loader(data, split="val", patch_size=model.image_patch_size, context_length=model.context_length,
-                           processing=processing, decoder=examples)
-        for batch in val:
-            if seen >= limit:
-                break
-            batch = to_device(batch, device)
-            with autocast():
-                _, image_tokens, valid = model.encode_image_tokens(batch["image"])
-            ids, labels = batch[EXAMPLE_INPUTS]["decoder_input_ids"], batch[EXAMPLE_INPUTS]["decoder_labels"]
-            rows, prefixes, targets = [], [], []
-            for row in range(min(ids.shape[0], limit - seen)):
-                seen += 1
-                if int(ids[row, 0]) != decoder.vocab.task(task):
-                    continue  # a sample without regions (aref falls back to its caption)
-                first = int((labels[row] != IGNORE).nonzero()[0])  # the start token's position
-                rows.append(row)
-                prefixes.append(ids[row, 1:first].tolist())
-                targets.append([t for t in labels[row].tolist() if t != IGNORE])
-            if not rows:
-                continue
-            with autocast():
-                outputs = decoder.generate(image_tokens[rows], valid[rows], task, prefixes,
-                                           max_new_tokens=4 if task == "aref" else 2 + max(map(len, targets)),
-                                           stop_token=tokens.end)
-            for output, target in zip(outputs, targets, strict=True):
-                if task == "aref":
-                    box, true_box = decoder.vocab.box_of(output), decoder.vocab.box_of(target)
-                    hits += int(box is not None and true_box is not None and box_iou(box, true_box) >= 0.5)
-                    boxes += 1
-                else:
-                    words = [str(t) for t in output if t != tokens.end]
-                    key = len(generated)
-                    generated[key] = [" ".join(words) or "<empty>"]
-                    references[key] = [" ".join(str(t) for t in target if t != tokens.end)]
+        with build_loader(data, split="val", patch_size=model.image_patch_size, context_length=model.context_length,
+                          processing=processing, decoder=examples) as val:
+            for batch in val:
+                if seen >= limit:
+                    break
+                batch = to_device(batch, device)
+                with autocast():
+                    _, image_tokens, valid = model.encode_image_tokens(batch["image"])
+                ids, labels = batch[EXAMPLE_INPUTS]["decoder_input_ids"], batch[EXAMPLE_INPUTS]["decoder_labels"]
+                rows, prefixes, targets = [], [], []
+                for row in range(min(ids.shape[0], limit - seen)):
+                    seen += 1
+                    if int(ids[row, 0]) != decoder.vocab.task(task):
+                        continue  # a sample without regions (aref falls back to its caption)
+                    first = int((labels[row] != IGNORE).nonzero()[0])  # the start token's position
+                    rows.append(row)
+                    prefixes.append(ids[row, 1:first].tolist())
+                    targets.append([t for t in labels[row].tolist() if t != IGNORE])
+                if not rows:
+                    continue
+                with autocast():
+                    outputs = decoder.generate(image_tokens[rows], valid[rows], task, prefixes,
+                                               max_new_tokens=4 if task == "aref" else 2 + max(map(len, targets)),
+                                               stop_token=tokens.end)
+                for output, target in zip(outputs, targets, strict=True):
+                    if task == "aref":
+                        box, true_box = decoder.vocab.box_of(output), decoder.vocab.box_of(target)
+                        hits += int(box is not None and true_box is not None and box_iou(box, true_box) >= 0.5)
+                        boxes += 1
+                    else:
+                        words = [str(t) for t in output if t != tokens.end]
+                        key = len(generated)
+                        generated[key] = [" ".join(words) or "<empty>"]
+                        references[key] = [" ".join(str(t) for t in target if t != tokens.end)]
         skip_records.extend(val.skip_records)
     metrics: dict[str, float] = {}
     if generated:
@@ -365,9 +365,9 @@ def zero_shot_metrics(model: nn.Module, data: DataConfig, device: torch.device,
     """Top-1 accuracy of nearest-prompt classification for each attribute, on single-object images."""
     processing = data_processing(data.hf_processor, model.image_patch_size,  # the model's own
                                  **data.image_overrides())
-    loader = build_zero_shot_loader(data, patch_size=model.image_patch_size, context_length=model.context_length,
-                                    num_samples=num_samples, processing=processing)
-    features = _features(model, loader, device, autocast)
+    with build_zero_shot_loader(data, patch_size=model.image_patch_size, context_length=model.context_length,
+                                num_samples=num_samples, processing=processing) as loader:
+        features = _features(model, loader, device, autocast)
     metrics = {}
     for attribute in ZERO_SHOT_ATTRIBUTES:
         classes = ensemble_embeddings(model, zero_shot_prompt_ensemble(attribute), processing.tokenize, device,

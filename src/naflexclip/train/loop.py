@@ -396,6 +396,7 @@ def train(cfg: TrainConfig) -> dict[str, float]:
         raise stop.interrupted(ckpt.find_latest(checkpoint_dir), show=env.is_main) from None
     finally:
         if trainer is not None:
+            trainer.loader.close()  # its workers end now, not whenever the collector frees the loader
             if trainer.remote_sync is not None:
                 trainer.remote_sync.close()  # after the last save: the backup ends complete
             trainer.reporter.close()
