@@ -245,3 +245,45 @@ def test_a_run_from_the_bucket_stopped_and_resumed_ends_on_the_uninterrupted_wei
     local = ["--train-data", str(bucket[1] / LOCAL_SPEC)]
     assert main(["train", *flags, *local, "--name", "local"]) == 0
     assert _weights(tmp_path / "local") == _weights(tmp_path / "whole")  # the bucket trains what local disk does
+
+
+def _train_flags(tmp_path: Path, spec: str, workers: int = 0) -> list[str]:
+    return ["--model", "tiny", "--device", "cpu", "--epochs", "1", "--warmup", "1", "--val-frequency", "0",
+            "--no-plot", "--zero-shot-samples", "4", "--zeroshot-frequency", "0", "--naflex-seq-lens", "16", "32",
+            "--naflex-max-tokens-per-batch", "128", "--workers", str(workers), "--logs", str(tmp_path),
+            "--train-data", spec, "--shard-index-dir", str(tmp_path / "index")]
+
+
+def test_retried_reads_are_counted_once_the_same_in_the_epoch_line_and_the_run_summary(
+        bucket, tmp_path: Path, fast_retries, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """More retries than the console shows one by one: the epoch's line and the run's summary give one count, and
+    the line after the shown ones speaks of notes, not of skipped samples (none was)."""
+    with FaultProxy(bucket[0], every=2, limit=60) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        remote.forget_filesystems()
+        assert main(["train", *_train_flags(tmp_path, f"s3://data/sized/{LOCAL_SPEC}"), "--name", "flaky"]) == 0
+    out = capsys.readouterr()
+    console = out.out + out.err
+    epoch_line = next(line for line in console.splitlines() if "data train epoch 1 rank 0" in line)
+    retried = int(epoch_line.rpartition("; ")[2].split()[0])
+    assert retried > 20 and epoch_line.endswith(f"; skipped 0; {retried} reads retried"), epoch_line
+    assert f"epoch 1: trained {SAMPLES} samples, skipped 0 bad; noted: read_retry={retried}" in console
+    assert "more skipped" not in console and "more notes (train)" in console
+
+
+def test_a_missing_credential_is_said_once_at_once_naming_how_to_provide_one(
+        bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    remote.forget_filesystems()
+    calls = Counter()
+    sleep = remote.time.sleep
+    monkeypatch.setattr(remote.time, "sleep", lambda s: (calls.update(["sleep"]), sleep(s)))
+    code = main(["train", *_train_flags(tmp_path, f"s3://data/sized/{LOCAL_SPEC}"), "--name", "anon"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and "read_retry" not in err and not calls
+    last = err.strip().splitlines()[-1]
+    assert "NoCredentialsError" in last and "attempts" not in last and "AWS_ACCESS_KEY_ID" in last, last

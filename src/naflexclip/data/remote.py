@@ -3,7 +3,7 @@
 Each URL's filesystem is fsspec's, with its backend's own credentials and endpoint; only the ranges a reader asks
 for are fetched, nothing is written to disk. A transient error is retried with backoff (`RETRIES`), each retry a
 `read_retry` note (`take_notes`); a read that still fails raises `Unreachable`, naming the URL and the last error;
-a missing or refused file is not retried. docs/data.md#data-in-object-storage.
+a missing or refused file, or a missing credential, is not retried. docs/data.md#data-in-object-storage.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import errno
 import io
 import os
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -27,7 +28,15 @@ _T = TypeVar("_T")
 
 # not worth retrying: the object is not there, or we may not read it
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
-_notes: list[dict[str, Any]] = []
+# no credential was found (botocore's, google-auth's): not worth retrying either, and the message says what to set
+_NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError", "NoAuthTokenError", "DefaultCredentialsError")
+_CREDENTIALS_HINT = {
+    "s3": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE (a profile of ~/.aws/credentials)",
+    "gs": "set GOOGLE_APPLICATION_CREDENTIALS, or run `gcloud auth application-default login`",
+    "hf": "set HF_TOKEN, or run `huggingface-cli login`",
+}
+_notes: list[dict[str, Any]] = []  # appended by the reading threads, drained under `_notes_lock`
+_notes_lock = threading.Lock()
 _filesystems: dict[tuple[int, str], Any] = {}
 
 
@@ -38,6 +47,9 @@ class Unreachable(RuntimeError):
 
     def __init__(self, url: str, error: BaseException, attempts: int) -> None:
         tried = f" after {attempts} attempts" if attempts > 1 else ""
+        if _no_credentials(error):
+            protocol = url.split("://", 1)[0].rstrip("a")  # s3a: s3
+            tried = f": {_CREDENTIALS_HINT.get(protocol, 'give the credentials its fsspec backend reads')}"
         super().__init__(f"{url}: {type(error).__name__}: {error}{tried}".strip())
         self.url, self.missing = url, isinstance(error, FileNotFoundError)
 
@@ -71,10 +83,14 @@ def filesystem(url: str) -> tuple[Any, str]:
     return fs, fs._strip_protocol(url)
 
 
+def _no_credentials(error: BaseException) -> bool:
+    return type(error).__name__ in _NO_CREDENTIALS
+
+
 def is_transient(error: BaseException) -> bool:
     """Worth retrying: a timeout, a dropped or refused connection, a server error or throttling (fsspec backends
-    raise these as OSError, TimeoutError, or their HTTP client's errors)."""
-    if isinstance(error, _PERMANENT):
+    raise these as OSError, TimeoutError, or their HTTP client's errors); not a missing credential."""
+    if isinstance(error, _PERMANENT) or _no_credentials(error):
         return False
     if isinstance(error, OSError) and error.errno in (errno.EACCES, errno.ENOENT):
         return False
@@ -90,17 +106,20 @@ def with_retries(url: str, what: str, call: Callable[[], _T]) -> _T:
         except Exception as error:  # noqa: BLE001 - classified below, re-raised as Unreachable
             if not is_transient(error) or attempt == RETRIES:
                 raise Unreachable(url, error, attempt + 1) from error
-            _notes.append(skip_record(url, None, None, "read_retry",
-                                      f"{what}, attempt {attempt + 1}: {type(error).__name__}: {error}"))
+            note = skip_record(url, None, None, "read_retry",
+                               f"{what}, attempt {attempt + 1}: {type(error).__name__}: {error}")
+            with _notes_lock:
+                _notes.append(note)
             wait = min(MAX_BACKOFF_S, BACKOFF_S * 2 ** attempt)
             time.sleep(wait * random.uniform(0.5, 1.0))
     raise AssertionError("unreachable")
 
 
 def take_notes() -> list[dict[str, Any]]:
-    """The `read_retry` notes of this process since the last call."""
-    notes = list(_notes)
-    _notes.clear()
+    """The `read_retry` notes of this process since the last call (each given once, whatever thread asks)."""
+    with _notes_lock:
+        notes = list(_notes)
+        _notes.clear()
     return notes
 
 
