@@ -287,3 +287,32 @@ def test_a_missing_credential_is_said_once_at_once_naming_how_to_provide_one(
     assert code == 2 and "Traceback" not in err and "read_retry" not in err and not calls
     last = err.strip().splitlines()[-1]
     assert "NoCredentialsError" in last and "attempts" not in last and "AWS_ACCESS_KEY_ID" in last, last
+
+
+def _rewrite(url: str, with_bytes_of: Path) -> None:
+    """Replace an object of the bucket with other content (another shard's: other samples, another size)."""
+    import s3fs
+
+    s3fs.S3FileSystem(skip_instance_cache=True).put_file(str(with_bytes_of), url)
+
+
+@pytest.mark.parametrize("folder", ["sized", "unsized"])
+def test_a_shard_rewritten_mid_epoch_is_a_named_fault_never_data(bucket, tmp_path: Path, folder: str) -> None:
+    """train-00002.tar is replaced by another shard's bytes after the epoch was planned and its first microbatch
+    read: none of what it now holds trains, each of its samples read after it changed is `shard_changed`."""
+    source = bucket[1] if folder == "sized" else bucket[2]
+    prefix = f"s3://data/rewritten-{folder}"
+    upload(str(source), prefix)
+    loader = build_loader(config(f"{prefix}/{LOCAL_SPEC}", tmp_path), split="train", patch_size=PATCH,
+                          context_length=CONTEXT)
+    batches = iter(loader)
+    keys = list(next(batches)["keys"])
+    _rewrite(f"{prefix}/train-00002.tar", source / "train-00000.tar")
+    keys += [key for batch in batches for key in batch["keys"]]
+    changed = [r for r in loader.skip_records if r["reason"] == "shard_changed"]
+    assert set(loader.skip_counts) == {"shard_changed"}, loader.skip_counts
+    assert all(r["source"] == f"{prefix}/train-00002.tar" for r in changed)
+    assert "changed since it was planned" in changed[0]["detail"]
+    read_before = sum("train-00002.tar" in k for k in keys)
+    assert read_before + len(changed) == 10 and len(keys) == SAMPLES - len(changed)
+    assert all(int(k[-8:]) // 10 == int(k.split(".tar")[0][-1]) for k in keys)  # each key its own shard's
