@@ -316,3 +316,31 @@ def test_a_shard_rewritten_mid_epoch_is_a_named_fault_never_data(bucket, tmp_pat
     read_before = sum("train-00002.tar" in k for k in keys)
     assert read_before + len(changed) == 10 and len(keys) == SAMPLES - len(changed)
     assert all(int(k[-8:]) // 10 == int(k.split(".tar")[0][-1]) for k in keys)  # each key its own shard's
+
+
+@pytest.mark.parametrize("folder", ["sized", "unsized"])
+def test_a_resume_that_finds_a_shard_rewritten_since_the_checkpoint_says_so_and_never_trains_it(
+        bucket, tmp_path: Path, folder: str, caplog: pytest.LogCaptureFixture) -> None:
+    source = bucket[1] if folder == "sized" else bucket[2]
+    prefix = f"s3://data/resume-rewritten-{folder}"
+    upload(str(source), prefix)
+    cfg = config(f"{prefix}/{LOCAL_SPEC}", tmp_path)
+    first = build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT)
+    head = []
+    for batch in first:
+        head += batch["keys"]
+        if len(head) >= 8:
+            break
+    state = first.state_dict()
+    _rewrite(f"{prefix}/train-00002.tar", source / "train-00000.tar")
+    remote.forget_filesystems()  # a new process: nothing of the first one's listing is kept
+    resumed = build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT)
+    with caplog.at_level("WARNING", logger="naflexclip.data"):
+        resumed.load_state_dict([state])
+        resumed.set_epoch(state["epoch"], state["position"])
+        rest = [key for batch in resumed for key in batch["keys"]]
+    said = [r.getMessage() for r in caplog.records if "changed since the checkpoint" in r.getMessage()]
+    assert len(said) == 1 and "1 shard changed since the checkpoint" in said[0]
+    assert f"{prefix}/train-00002.tar" in said[0]
+    assert all(int(k[-8:]) // 10 == int(k.split(".tar")[0][-1]) for k in head + rest)  # nothing of the new bytes
+    assert resumed.skip_counts["shard_changed"] == 10 - sum("train-00002" in k for k in head)

@@ -348,6 +348,20 @@ class IndexedShardSource:
     def __len__(self) -> int:
         return len(self.keys)
 
+    def shard_versions(self) -> dict[str, str]:
+        """The pinned version of each remote shard, by URL (what a checkpoint records)."""
+        return {url: v for url, v in zip(self.urls, self.versions, strict=True) if v is not None}
+
+    def pin_versions(self, saved: dict[str, str]) -> list[tuple[str, str, str | None]]:
+        """Read each shard at its `saved` version (a checkpoint's): (url, saved, now) of those that changed since,
+        whose reads are then `shard_changed`."""
+        changed = []
+        for shard_id, url in enumerate(self.urls):
+            if url in saved and self.versions[shard_id] not in (None, saved[url]):  # not listed now: missing_shard
+                changed.append((url, saved[url], self.versions[shard_id]))
+                self.versions[shard_id] = saved[url]
+        return changed
+
     def describe(self, index: int) -> tuple[str, str, int | None]:
         return self.urls[int(self.shard_ids[index])], self.keys[index], None
 
@@ -413,6 +427,21 @@ class SizedShardSource:
 
     def __len__(self) -> int:
         return int(self.bounds[-1])
+
+    def shard_versions(self) -> dict[str, str]:
+        """As `IndexedShardSource.shard_versions`."""
+        return {url: pin["version"] for url, pin in self.pins.items()}
+
+    def pin_versions(self, saved: dict[str, str]) -> list[tuple[str, str, str | None]]:
+        """As `IndexedShardSource.pin_versions`."""
+        changed = []
+        for url in dict.fromkeys(self.urls):
+            now = self.pins[url]["version"] if url in self.pins else None
+            if url in saved and now not in (None, saved[url]):  # not listed now: missing_shard
+                changed.append((url, saved[url], now))
+                self.pins[url] = {**self.pins[url], "version": saved[url]}
+        self._indexes.clear()
+        return changed
 
     def _locate(self, index: int) -> tuple[int, int, ShardIndex]:
         shard = int(np.searchsorted(self.bounds, index, side="right")) - 1
