@@ -245,3 +245,102 @@ def test_a_run_from_the_bucket_stopped_and_resumed_ends_on_the_uninterrupted_wei
     local = ["--train-data", str(bucket[1] / LOCAL_SPEC)]
     assert main(["train", *flags, *local, "--name", "local"]) == 0
     assert _weights(tmp_path / "local") == _weights(tmp_path / "whole")  # the bucket trains what local disk does
+
+
+def _train_flags(tmp_path: Path, spec: str, workers: int = 0) -> list[str]:
+    return ["--model", "tiny", "--device", "cpu", "--epochs", "1", "--warmup", "1", "--val-frequency", "0",
+            "--no-plot", "--zero-shot-samples", "4", "--zeroshot-frequency", "0", "--naflex-seq-lens", "16", "32",
+            "--naflex-max-tokens-per-batch", "128", "--workers", str(workers), "--logs", str(tmp_path),
+            "--train-data", spec, "--shard-index-dir", str(tmp_path / "index")]
+
+
+def test_retried_reads_are_counted_once_the_same_in_the_epoch_line_and_the_run_summary(
+        bucket, tmp_path: Path, fast_retries, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """More retries than the console shows one by one: the epoch's line and the run's summary give one count, and
+    the line after the shown ones speaks of notes, not of skipped samples (none was)."""
+    with FaultProxy(bucket[0], every=2, limit=60) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        remote.forget_filesystems()
+        assert main(["train", *_train_flags(tmp_path, f"s3://data/sized/{LOCAL_SPEC}"), "--name", "flaky"]) == 0
+    out = capsys.readouterr()
+    console = out.out + out.err
+    epoch_line = next(line for line in console.splitlines() if "data train epoch 1 rank 0" in line)
+    retried = int(epoch_line.rpartition("; ")[2].split()[0])
+    assert retried > 20 and epoch_line.endswith(f"; skipped 0; {retried} reads retried"), epoch_line
+    assert f"epoch 1: trained {SAMPLES} samples, skipped 0 bad; noted: read_retry={retried}" in console
+    assert "more skipped" not in console and "more notes (train)" in console
+
+
+def test_a_missing_credential_is_said_once_at_once_naming_how_to_provide_one(
+        bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    remote.forget_filesystems()
+    calls = Counter()
+    sleep = remote.time.sleep
+    monkeypatch.setattr(remote.time, "sleep", lambda s: (calls.update(["sleep"]), sleep(s)))
+    code = main(["train", *_train_flags(tmp_path, f"s3://data/sized/{LOCAL_SPEC}"), "--name", "anon"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and "read_retry" not in err and not calls
+    last = err.strip().splitlines()[-1]
+    assert "NoCredentialsError" in last and "attempts" not in last and "AWS_ACCESS_KEY_ID" in last, last
+
+
+def _rewrite(url: str, with_bytes_of: Path) -> None:
+    """Replace an object of the bucket with other content (another shard's: other samples, another size)."""
+    import s3fs
+
+    s3fs.S3FileSystem(skip_instance_cache=True).put_file(str(with_bytes_of), url)
+
+
+@pytest.mark.parametrize("folder", ["sized", "unsized"])
+def test_a_shard_rewritten_mid_epoch_is_a_named_fault_never_data(bucket, tmp_path: Path, folder: str) -> None:
+    """train-00002.tar is replaced by another shard's bytes after the epoch was planned and its first microbatch
+    read: none of what it now holds trains, each of its samples read after it changed is `shard_changed`."""
+    source = bucket[1] if folder == "sized" else bucket[2]
+    prefix = f"s3://data/rewritten-{folder}"
+    upload(str(source), prefix)
+    loader = build_loader(config(f"{prefix}/{LOCAL_SPEC}", tmp_path), split="train", patch_size=PATCH,
+                          context_length=CONTEXT)
+    batches = iter(loader)
+    keys = list(next(batches)["keys"])
+    _rewrite(f"{prefix}/train-00002.tar", source / "train-00000.tar")
+    keys += [key for batch in batches for key in batch["keys"]]
+    changed = [r for r in loader.skip_records if r["reason"] == "shard_changed"]
+    assert set(loader.skip_counts) == {"shard_changed"}, loader.skip_counts
+    assert all(r["source"] == f"{prefix}/train-00002.tar" for r in changed)
+    assert "changed since it was planned" in changed[0]["detail"]
+    read_before = sum("train-00002.tar" in k for k in keys)
+    assert read_before + len(changed) == 10 and len(keys) == SAMPLES - len(changed)
+    assert all(int(k[-8:]) // 10 == int(k.split(".tar")[0][-1]) for k in keys)  # each key its own shard's
+
+
+@pytest.mark.parametrize("folder", ["sized", "unsized"])
+def test_a_resume_that_finds_a_shard_rewritten_since_the_checkpoint_says_so_and_never_trains_it(
+        bucket, tmp_path: Path, folder: str, caplog: pytest.LogCaptureFixture) -> None:
+    source = bucket[1] if folder == "sized" else bucket[2]
+    prefix = f"s3://data/resume-rewritten-{folder}"
+    upload(str(source), prefix)
+    cfg = config(f"{prefix}/{LOCAL_SPEC}", tmp_path)
+    first = build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT)
+    head = []
+    for batch in first:
+        head += batch["keys"]
+        if len(head) >= 8:
+            break
+    state = first.state_dict()
+    _rewrite(f"{prefix}/train-00002.tar", source / "train-00000.tar")
+    remote.forget_filesystems()  # a new process: nothing of the first one's listing is kept
+    resumed = build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT)
+    with caplog.at_level("WARNING", logger="naflexclip.data"):
+        resumed.load_state_dict([state])
+        resumed.set_epoch(state["epoch"], state["position"])
+        rest = [key for batch in resumed for key in batch["keys"]]
+    said = [r.getMessage() for r in caplog.records if "changed since the checkpoint" in r.getMessage()]
+    assert len(said) == 1 and "1 shard changed since the checkpoint" in said[0]
+    assert f"{prefix}/train-00002.tar" in said[0]
+    assert all(int(k[-8:]) // 10 == int(k.split(".tar")[0][-1]) for k in head + rest)  # nothing of the new bytes
+    assert resumed.skip_counts["shard_changed"] == 10 - sum("train-00002" in k for k in head)

@@ -273,6 +273,14 @@ class NaFlexLoader(abc.ABC):
         """The global sample position where planned microbatch `planned` starts, when there is one."""
         return None
 
+    def _shard_versions(self) -> dict[str, str]:
+        """The versions the data's remote shards are read at, by URL (kept in rank 0's state)."""
+        return {}
+
+    def _pin_shard_versions(self, saved: dict[str, str]) -> None:
+        """Read the remote shards at the versions a checkpoint recorded (`_shard_versions`)."""
+        return None
+
     # -- the epoch --------------------------------------------------------------------------------
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         """Plan `epoch` (plan and sample order from seed and epoch), starting at microbatch position `start_batch`.
@@ -324,7 +332,8 @@ class NaFlexLoader(abc.ABC):
         return {"epoch": self.epoch, "position": cursor.position, "planned": cursor.planned,
                 "pieces": cursor.pieces, "owed": cursor.owed, "logged": cursor.logged,
                 "sample_position": self._sample_position, "world_size": self.world_size, "rank": self.rank,
-                "skip_counts": dict(self.skip_counts)}
+                "skip_counts": dict(self.skip_counts),
+                **({"shard_versions": self._shard_versions()} if self.rank == 0 else {})}
 
     @staticmethod
     def can_remap(states: list[dict[str, Any]]) -> bool:
@@ -357,6 +366,7 @@ class NaFlexLoader(abc.ABC):
             raise ValueError(f"the data position was saved at world size {saved_world} mid-way through a "
                              f"microbatch split, so it cannot be re-mapped to world size {self.world_size}")
         self.skip_counts = Counter((mine or {}).get("skip_counts", {}))
+        self._pin_shard_versions(next((s["shard_versions"] for s in states if s.get("shard_versions")), {}))
         self._resume = resume
         self.set_epoch(resume.epoch, resume.cursor.position)
 

@@ -16,7 +16,7 @@ from typing import Any
 from torch.utils.data import DataLoader, Dataset
 
 from naflexclip.data import remote
-from naflexclip.data.loader import NaFlexLoader, shut_down_workers
+from naflexclip.data.loader import NaFlexLoader, logger, shut_down_workers
 from naflexclip.data.microbatch import MicrobatchBuilder
 from naflexclip.data.readers import RawSample, Source, skip_record
 from naflexclip.data.samples import SkipSample
@@ -142,3 +142,18 @@ class MapLoader(NaFlexLoader):
 
     def _sample_position_at(self, planned: int) -> int | None:
         return self.plan.step_start(planned)
+
+    def _shard_versions(self) -> dict[str, str]:
+        versions: dict[str, str] = {}
+        for part in getattr(self.source, "sources", [self.source]):
+            versions.update(part.shard_versions() if hasattr(part, "shard_versions") else {})
+        return versions
+
+    def _pin_shard_versions(self, saved: dict[str, str]) -> None:
+        changed = [c for part in getattr(self.source, "sources", [self.source]) if hasattr(part, "pin_versions")
+                   for c in part.pin_versions(saved)]
+        if changed and self.rank == 0:
+            url, was, now = changed[0]
+            logger.warning("data %s (%s): %d shard%s changed since the checkpoint, read as shard_changed (never "
+                           "its new data), e.g. %s: version %s, now %s", self.split, self.name, len(changed),
+                           "" if len(changed) == 1 else "s", url, was, now)

@@ -3,7 +3,7 @@
 Each URL's filesystem is fsspec's, with its backend's own credentials and endpoint; only the ranges a reader asks
 for are fetched, nothing is written to disk. A transient error is retried with backoff (`RETRIES`), each retry a
 `read_retry` note (`take_notes`); a read that still fails raises `Unreachable`, naming the URL and the last error;
-a missing or refused file is not retried. docs/data.md#data-in-object-storage.
+a missing or refused file, or a missing credential, is not retried. docs/data.md#data-in-object-storage.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import errno
 import io
 import os
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -27,7 +28,15 @@ _T = TypeVar("_T")
 
 # not worth retrying: the object is not there, or we may not read it
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
-_notes: list[dict[str, Any]] = []
+# no credential was found (botocore's, google-auth's): not worth retrying either, and the message says what to set
+_NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError", "NoAuthTokenError", "DefaultCredentialsError")
+_CREDENTIALS_HINT = {
+    "s3": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE (a profile of ~/.aws/credentials)",
+    "gs": "set GOOGLE_APPLICATION_CREDENTIALS, or run `gcloud auth application-default login`",
+    "hf": "set HF_TOKEN, or run `huggingface-cli login`",
+}
+_notes: list[dict[str, Any]] = []  # appended by the reading threads, drained under `_notes_lock`
+_notes_lock = threading.Lock()
 _filesystems: dict[tuple[int, str], Any] = {}
 
 
@@ -38,8 +47,21 @@ class Unreachable(RuntimeError):
 
     def __init__(self, url: str, error: BaseException, attempts: int) -> None:
         tried = f" after {attempts} attempts" if attempts > 1 else ""
+        if _no_credentials(error):
+            protocol = url.split("://", 1)[0].rstrip("a")  # s3a: s3
+            tried = f": {_CREDENTIALS_HINT.get(protocol, 'give the credentials its fsspec backend reads')}"
         super().__init__(f"{url}: {type(error).__name__}: {error}{tried}".strip())
         self.url, self.missing = url, isinstance(error, FileNotFoundError)
+
+
+class Changed(RuntimeError):
+    """A read of an object that is no longer the version pinned when the epoch was planned (it was rewritten):
+    its bytes are another object's, never data. Not retried."""
+
+    def __init__(self, url: str, pinned: str, found: str | None = None) -> None:
+        now = f", now {found}" if found else ""
+        super().__init__(f"{url}: changed since it was planned (version {pinned}{now})")
+        self.url = url
 
 
 def is_remote(url: str) -> bool:
@@ -71,10 +93,14 @@ def filesystem(url: str) -> tuple[Any, str]:
     return fs, fs._strip_protocol(url)
 
 
+def _no_credentials(error: BaseException) -> bool:
+    return type(error).__name__ in _NO_CREDENTIALS
+
+
 def is_transient(error: BaseException) -> bool:
     """Worth retrying: a timeout, a dropped or refused connection, a server error or throttling (fsspec backends
-    raise these as OSError, TimeoutError, or their HTTP client's errors)."""
-    if isinstance(error, _PERMANENT):
+    raise these as OSError, TimeoutError, or their HTTP client's errors); not a missing credential."""
+    if isinstance(error, _PERMANENT) or _no_credentials(error):
         return False
     if isinstance(error, OSError) and error.errno in (errno.EACCES, errno.ENOENT):
         return False
@@ -87,39 +113,89 @@ def with_retries(url: str, what: str, call: Callable[[], _T]) -> _T:
     for attempt in range(RETRIES + 1):
         try:
             return call()
+        except Changed:
+            raise
         except Exception as error:  # noqa: BLE001 - classified below, re-raised as Unreachable
             if not is_transient(error) or attempt == RETRIES:
                 raise Unreachable(url, error, attempt + 1) from error
-            _notes.append(skip_record(url, None, None, "read_retry",
-                                      f"{what}, attempt {attempt + 1}: {type(error).__name__}: {error}"))
+            note = skip_record(url, None, None, "read_retry",
+                               f"{what}, attempt {attempt + 1}: {type(error).__name__}: {error}")
+            with _notes_lock:
+                _notes.append(note)
             wait = min(MAX_BACKOFF_S, BACKOFF_S * 2 ** attempt)
             time.sleep(wait * random.uniform(0.5, 1.0))
     raise AssertionError("unreachable")
 
 
 def take_notes() -> list[dict[str, Any]]:
-    """The `read_retry` notes of this process since the last call."""
-    notes = list(_notes)
-    _notes.clear()
+    """The `read_retry` notes of this process since the last call (each given once, whatever thread asks)."""
+    with _notes_lock:
+        notes = list(_notes)
+        _notes.clear()
     return notes
 
 
-def info(url: str) -> dict[str, Any]:
-    """The object's size and version stamp (ETag or modification time), with retries."""
-    fs, path = filesystem(url)
-    found = with_retries(url, "info", lambda: fs.info(path))
+def _stamp(found: dict[str, Any]) -> dict[str, Any]:
+    """Size and version (ETag, else the backend's modification stamp) of an `info` or listing entry."""
     version = found.get("ETag") or found.get("etag") or found.get("md5Hash") or found.get("LastModified") or \
         found.get("mtime") or found.get("last_modified") or found.get("blob_id")
     return {"size": int(found["size"]), "version": str(version)}
 
 
-def read_range(url: str, start: int, end: int) -> bytes:
-    """Bytes [start, end) of the object, one ranged request (retried)."""
+def info(url: str) -> dict[str, Any]:
+    """The object's size and version stamp (ETag or modification time), with retries."""
     fs, path = filesystem(url)
-    data = with_retries(url, f"bytes {start}-{end}", lambda: fs.cat_file(path, start=start, end=end))
+    return _stamp(with_retries(url, "info", lambda: fs.info(path)))
+
+
+def pins(urls: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Each remote URL's size and version as its folder's listing gives them (one listing per folder): what the
+    epoch is planned from, and what every later read of it must still find (`read_range`). Left out: local paths,
+    objects not listed, folders that cannot be listed."""
+    wanted = [u for u in urls if is_remote(u)]
+    found = list_objects(wanted) if wanted else {}
+    return {url: _stamp(found[url]) for url in wanted if url in found and found[url].get("type") != "directory"}
+
+
+def _cat_range(fs: Any, path: str, url: str, start: int, end: int, version: str | None) -> bytes:
+    """One ranged GET; with `version` on S3 it is sent as If-Match and the response's ETag checked too (a store
+    that ignores If-Match): a rewritten object raises `Changed`. Other stores' reads are not pinned."""
+    if version is None or type(fs).__name__ != "S3FileSystem":
+        return fs.cat_file(path, start=start, end=end)
+    from fsspec.asyn import sync
+
+    bucket, key, _ = fs.split_path(path)
+
+    async def get() -> bytes:
+        try:
+            response = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
+                                         IfMatch=version)
+        except OSError as error:
+            cause = getattr(error, "__cause__", None)
+            code = getattr(cause, "response", {}).get("Error", {}).get("Code") if cause is not None else None
+            if code in ("PreconditionFailed", "412") or "pre-condition" in str(error):
+                raise Changed(url, version) from None
+            raise
+        try:
+            if response.get("ETag") not in (None, version):
+                raise Changed(url, version, response["ETag"])
+            return await response["Body"].read()
+        finally:
+            response["Body"].close()
+
+    return sync(fs.loop, get)
+
+
+def read_range(url: str, start: int, end: int, version: str | None = None) -> bytes:
+    """Bytes [start, end) of the object, one ranged request (retried). `version`: the one pinned (`pins`); an
+    object no longer at that version raises `Changed`."""
+    if end <= start:
+        return b""
+    fs, path = filesystem(url)
+    data = with_retries(url, f"bytes {start}-{end}", lambda: _cat_range(fs, path, url, start, end, version))
     if len(data) != end - start:  # a short read is a dropped transfer, not the object's end
         data = with_retries(url, f"bytes {start}-{end} (short read)",
-                            lambda: _exact(fs.cat_file(path, start=start, end=end), end - start))
+                            lambda: _exact(_cat_range(fs, path, url, start, end, version), end - start))
     return data
 
 
@@ -129,14 +205,14 @@ def _exact(data: bytes, size: int) -> bytes:
     return data
 
 
-def read_spans(url: str, spans: Sequence[tuple[int, int]]) -> list[bytes | None]:
+def read_spans(url: str, spans: Sequence[tuple[int, int]], version: str | None = None) -> list[bytes | None]:
     """Several (offset, size) members of one object in one ranged request covering them (a sample's members
-    are consecutive in its shard); an offset < 0 gives None."""
+    are consecutive in its shard); an offset < 0 gives None. `version`: as `read_range`'s."""
     present = [(o, s) for o, s in spans if o >= 0]
     if not present:
         return [None] * len(spans)
     start = min(o for o, _ in present)
-    data = read_range(url, start, max(o + s for o, s in present))
+    data = read_range(url, start, max(o + s for o, s in present), version)
     return [None if o < 0 else data[o - start: o - start + s] for o, s in spans]
 
 
@@ -150,9 +226,9 @@ class RangedFile(io.RawIOBase):
     """A remote object as a seekable binary file whose reads are retried ranged requests (wrap it in an
     `io.BufferedReader` to fetch `SCAN_BLOCK` bytes at a time): what `tarfile` reads a shard's headers from."""
 
-    def __init__(self, url: str, size: int) -> None:
+    def __init__(self, url: str, size: int, version: str | None = None) -> None:
         super().__init__()
-        self.url, self.size, self.position = url, size, 0
+        self.url, self.size, self.position, self.version = url, size, 0, version
 
     def readable(self) -> bool:
         return True
@@ -172,15 +248,15 @@ class RangedFile(io.RawIOBase):
         end = min(self.size, self.position + len(buffer))
         if end <= self.position:
             return 0
-        data = read_range(self.url, self.position, end)
+        data = read_range(self.url, self.position, end, self.version)
         buffer[: len(data)] = data
         self.position += len(data)
         return len(data)
 
 
-def open_ranged(url: str, size: int) -> io.BufferedReader:
-    """The object as a buffered, seekable file reading `SCAN_BLOCK` bytes per request."""
-    return io.BufferedReader(RangedFile(url, size), buffer_size=SCAN_BLOCK)
+def open_ranged(url: str, size: int, version: str | None = None) -> io.BufferedReader:
+    """The object as a buffered, seekable file reading `SCAN_BLOCK` bytes per request (`version`: pinned)."""
+    return io.BufferedReader(RangedFile(url, size, version), buffer_size=SCAN_BLOCK)
 
 
 def list_objects(urls: Sequence[str]) -> dict[str, dict[str, Any]]:

@@ -47,6 +47,7 @@ SKIP_REASONS = (
     # than listed named once per epoch (its samples all train; with --trust-sizes-json each one past the count named)
     "shard_size_mismatch",
     "unreachable_shard",  # a remote shard whose reads kept failing after retries (each of its samples counted)
+    "shard_changed",  # a remote shard rewritten since its version was pinned at startup (each sample read counted)
     "read_retry",  # a remote read that failed transiently and was retried: a note, nothing is lost
     *REGION_REASONS,
 )

@@ -46,7 +46,8 @@ class ShardIndex:
     """One shard's samples: key, image (offset, size, or -1, -1), caption (offset, size, or -1, -1).
 
     `status`: "ok", "missing" (cannot be opened), "unreachable" (a remote shard whose reads kept failing:
-    `detail` says why) or "truncated" (ends early or is not a tar; the samples before the damage are kept).
+    `detail` says why), "changed" (a remote shard rewritten since its version was pinned) or "truncated" (ends
+    early or is not a tar; the samples before the damage are kept). `version`: a remote shard's, as indexed.
     `cut`: the key of the sample a member of which the damage cut (left out of `keys`), or None when no member
     was cut."""
 
@@ -57,9 +58,15 @@ class ShardIndex:
     cut: str | None = None
     duplicates: list[str] = field(default_factory=list)  # keys that name several samples (each trains)
     detail: str = ""
+    version: str | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
+
+
+# an unreadable shard's status, and the reason its samples are skipped for
+SHARD_STATUS_REASONS = {"missing": "missing_shard", "unreachable": "unreachable_shard", "changed": "shard_changed",
+                        "truncated": "truncated_shard"}
 
 
 def _unreadable(url: str, error: remote.Unreachable) -> ShardIndex:
@@ -67,13 +74,18 @@ def _unreadable(url: str, error: remote.Unreachable) -> ShardIndex:
                       detail=str(error))
 
 
-def scan_shard(url: str, keys: MemberKeys = DEFAULT_MEMBER_KEYS, file_size: int | None = None) -> ShardIndex:
+def _changed(url: str, error: remote.Changed) -> ShardIndex:
+    return ShardIndex(url, "changed", [], np.zeros((0, 6), np.int64), detail=str(error))
+
+
+def scan_shard(url: str, keys: MemberKeys = DEFAULT_MEMBER_KEYS, file_size: int | None = None,
+               version: str | None = None) -> ShardIndex:
     """Index a tar shard by reading its member headers (a remote one's by ranged requests); `keys` picks each
-    sample's image and caption. `file_size`: the shard's, when known."""
+    sample's image and caption. `file_size`: the shard's, when known; `version`: a remote shard's pinned one."""
     try:
         if remote.is_remote(url):
             file_size = remote.info(url)["size"] if file_size is None else file_size
-            stream = remote.open_ranged(url, file_size)
+            stream = remote.open_ranged(url, file_size, version)
         else:
             file_size = os.path.getsize(url)
             stream = open(url, "rb")  # noqa: SIM115 - closed with the tar below
@@ -104,6 +116,8 @@ def scan_shard(url: str, keys: MemberKeys = DEFAULT_MEMBER_KEYS, file_size: int 
         truncated = True
     except remote.Unreachable as error:  # not a damaged shard: nothing of it is known
         return _unreadable(url, error)
+    except remote.Changed as error:
+        return _changed(url, error)
     image_rank = {e: i for i, e in enumerate(keys.image)}
     caption_rank = {e: i for i, e in enumerate(keys.caption)}
     sample_keys: list[str] = []
@@ -133,7 +147,8 @@ def scan_shard(url: str, keys: MemberKeys = DEFAULT_MEMBER_KEYS, file_size: int 
             cut = sample_keys.pop()
             rows.pop()
     return ShardIndex(url, "truncated" if truncated else "ok", sample_keys,
-                      np.asarray(rows, dtype=np.int64).reshape(-1, 6), cut, repeated_keys(sample_keys))
+                      np.asarray(rows, dtype=np.int64).reshape(-1, 6), cut, repeated_keys(sample_keys),
+                      version=version)
 
 
 def repeated_keys(sample_keys: list[str]) -> list[str]:
@@ -156,11 +171,11 @@ def _cache_path(url: str, cache_dir: str | None) -> str:
     return os.path.join(directory, f"{url.rpartition('/')[2]}-{digest}.json")
 
 
-def _cache_stamp(url: str, keys: MemberKeys) -> dict[str, Any] | None:
-    """What the shard's cached index must match: its size and mtime (a remote object's size and ETag: raises
-    `remote.Unreachable`) and the member keys. None: a local path that cannot be stat'ed."""
+def _cache_stamp(url: str, keys: MemberKeys, pin: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """What the shard's cached index must match: its size and mtime (a remote object's size and ETag: `pin`, else
+    asked for, which raises `remote.Unreachable`) and the member keys. None: a local path that cannot be stat'ed."""
     if remote.is_remote(url):  # a remote shard's version is its ETag (or its backend's modification stamp)
-        found = remote.info(url)
+        found = pin or remote.info(url)
         stamp = {"version": INDEX_VERSION, "size": found["size"], "etag": found["version"]}
     else:
         try:
@@ -186,26 +201,28 @@ def _read_cache(path: str, stamp: dict[str, Any], whole: bool) -> dict[str, Any]
         return None
 
 
-def load_shard_index(url: str, cache_dir: str | None = None, keys: MemberKeys = DEFAULT_MEMBER_KEYS) -> ShardIndex:
+def load_shard_index(url: str, cache_dir: str | None = None, keys: MemberKeys = DEFAULT_MEMBER_KEYS,
+                     pin: dict[str, Any] | None = None) -> ShardIndex:
     """The shard's index: from its cache while the shard's size and mtime (and the member keys) match, else
-    scanned and cached."""
+    scanned and cached. `pin`: a remote shard's size and version (`remote.pins`), which its reads must find."""
     try:
-        stamp = _cache_stamp(url, keys)
+        stamp = _cache_stamp(url, keys, pin)
     except remote.Unreachable as error:
         return _unreadable(url, error)
     if stamp is None:
         return scan_shard(url, keys)
+    version = stamp.get("etag")
     path = _cache_path(url, cache_dir)
     cached = _read_cache(path, stamp, whole=True)
     try:
         if cached is not None:
             return ShardIndex(url, cached["status"], cached["keys"],
                               np.asarray(cached["offsets"], dtype=np.int64).reshape(-1, 6), cached["cut"],
-                              cached["duplicates"])
+                              cached["duplicates"], version=version)
     except (KeyError, ValueError):
         pass
-    index = scan_shard(url, keys, stamp["size"])
-    if index.status in ("missing", "unreachable"):
+    index = scan_shard(url, keys, stamp["size"], version)
+    if index.status in ("missing", "unreachable", "changed"):
         return index  # a fault of this moment, not the shard's content: never cached
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -220,50 +237,69 @@ def load_shard_index(url: str, cache_dir: str | None = None, keys: MemberKeys = 
     return index
 
 
-def held_count(url: str, cache_dir: str | None = None, keys: MemberKeys = DEFAULT_MEMBER_KEYS) -> int:
+def held_count(url: str, cache_dir: str | None = None, keys: MemberKeys = DEFAULT_MEMBER_KEYS,
+               pin: dict[str, Any] | None = None) -> int:
     """The samples the shard holds (0: it cannot be read): the first line of its cached index, else its index."""
     try:
-        stamp = _cache_stamp(url, keys)
+        stamp = _cache_stamp(url, keys, pin)
     except remote.Unreachable:
         return 0  # its reads are tried again, and its listed samples counted, when the epoch reaches it
     cached = None if stamp is None else _read_cache(_cache_path(url, cache_dir), stamp, whole=False)
     if cached is not None and isinstance(cached.get("count"), int):
         return cached["count"]
-    return len(load_shard_index(url, cache_dir, keys))
+    return len(load_shard_index(url, cache_dir, keys, pin))
 
 
-def load_shard_indexes(urls: list[str], cache_dir: str | None, keys: MemberKeys) -> list[ShardIndex]:
-    """Every shard's index, in order; remote shards' by several requests at once."""
+def load_shard_indexes(urls: list[str], cache_dir: str | None, keys: MemberKeys,
+                       pins: dict[str, dict[str, Any]] | None = None) -> list[ShardIndex]:
+    """Every shard's index, in order; remote shards' by several requests at once, at their `pins`."""
+    pins = pins or {}
     if not any(remote.is_remote(u) for u in urls):
         return [load_shard_index(url, cache_dir, keys) for url in urls]
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        return list(pool.map(lambda url: load_shard_index(url, cache_dir, keys), urls))
+        return list(pool.map(lambda url: load_shard_index(url, cache_dir, keys, pins.get(url)), urls))
 
 
-def held_samples(urls: list[str], cache_dir: str | None, keys: MemberKeys, first: int = 0) -> np.ndarray:
+def held_samples(urls: list[str], cache_dir: str | None, keys: MemberKeys, first: int = 0,
+                 pins: dict[str, dict[str, Any]] | None = None) -> np.ndarray:
     """The samples each shard holds (0 for one that cannot be read), by `held_count`; no index is kept. Shards are
     taken from `first` on, wrapping round, several at once: ranks starting at different shards scan different ones
-    and find the others' in the cache."""
+    and find the others' in the cache. `pins`: remote shards' sizes and versions."""
+    pins = pins or {}
     unique = list(dict.fromkeys(urls))  # a shard named twice is scanned once
     order = unique[first % len(unique):] + unique[:first % len(unique)] if unique else []
     found: dict[str, int] = {}
     with concurrent.futures.ThreadPoolExecutor(16) as pool:  # a shard's header reads wait on disk or network
         for start in range(0, len(order), 1024):  # a chunk at a time: a future per shard of 10^5 is 100 MiB
             chunk = order[start:start + 1024]
-            found.update(zip(chunk, pool.map(lambda url: held_count(url, cache_dir, keys), chunk), strict=True))
+            found.update(zip(chunk, pool.map(lambda url: held_count(url, cache_dir, keys, pins.get(url)), chunk),
+                             strict=True))
     return np.asarray([found[url] for url in urls], dtype=np.int64).reshape(-1)
 
 
-def read_remote_sample(url: str, key: str, row: np.ndarray, notes: list[dict[str, Any]] | None = None) -> RawSample:
+def read_remote_sample(url: str, key: str, row: np.ndarray, notes: list[dict[str, Any]] | None = None,
+                       version: str | None = None) -> RawSample:
     """A remote shard's sample: its members in one ranged request; a read failing for good skips it as
-    `unreachable_shard`, naming the URL and the error. `notes`: as `RawSample.notes`."""
+    `unreachable_shard`, naming the URL and the error, and a shard no longer at its pinned `version` as
+    `shard_changed`. `notes`: as `RawSample.notes`."""
     img_off, img_size, cap_off, cap_size, json_off, json_size = (int(v) for v in row)
     try:
         image, caption, regions = remote.read_spans(url, [(img_off, img_size), (cap_off, cap_size),
-                                                          (json_off, json_size)])
+                                                          (json_off, json_size)], version)
     except remote.Unreachable as error:
         raise SkipSample("unreachable_shard", str(error), notes=notes) from None
+    except remote.Changed as error:
+        raise SkipSample("shard_changed", str(error), notes=notes) from None
     return RawSample(image, caption, None, f"{url}:{key}", regions, notes or [])
+
+
+def _pins(urls: list[str]) -> dict[str, dict[str, Any]]:
+    """`remote.pins` of the remote shards; none (each shard's stamp asked for when indexed) where no listing can be
+    had (the startup check named a store that cannot be listed)."""
+    try:
+        return remote.pins(urls)
+    except remote.Unreachable:
+        return {}
 
 
 class IndexedShardSource:
@@ -281,10 +317,13 @@ class IndexedShardSource:
         self.urls = urls
         self.index_skips: list[dict[str, Any]] = []
         shard_ids, keys, offsets = [], [], []
-        for shard_id, index in enumerate(load_shard_indexes(urls, cache_dir, member_keys)):
+        indexes = load_shard_indexes(urls, cache_dir, member_keys, _pins(urls))
+        self.versions = [index.version for index in indexes]  # what every read of a remote shard must find
+        for shard_id, index in enumerate(indexes):
             url = index.url
             if index.status != "ok":
-                self.index_skips.append(skip_record(url, None, None, f"{index.status}_shard", index.detail))
+                self.index_skips.append(skip_record(url, None, None, SHARD_STATUS_REASONS[index.status],
+                                                    index.detail))
             for key in index.duplicates:
                 self.index_skips.append(skip_record(url, key, None, "duplicate_key", DUPLICATE_DETAIL))
             if index.cut is not None:
@@ -309,6 +348,20 @@ class IndexedShardSource:
     def __len__(self) -> int:
         return len(self.keys)
 
+    def shard_versions(self) -> dict[str, str]:
+        """The pinned version of each remote shard, by URL (what a checkpoint records)."""
+        return {url: v for url, v in zip(self.urls, self.versions, strict=True) if v is not None}
+
+    def pin_versions(self, saved: dict[str, str]) -> list[tuple[str, str, str | None]]:
+        """Read each shard at its `saved` version (a checkpoint's): (url, saved, now) of those that changed since,
+        whose reads are then `shard_changed`."""
+        changed = []
+        for shard_id, url in enumerate(self.urls):
+            if url in saved and self.versions[shard_id] not in (None, saved[url]):  # not listed now: missing_shard
+                changed.append((url, saved[url], self.versions[shard_id]))
+                self.versions[shard_id] = saved[url]
+        return changed
+
     def describe(self, index: int) -> tuple[str, str, int | None]:
         return self.urls[int(self.shard_ids[index])], self.keys[index], None
 
@@ -323,7 +376,8 @@ class IndexedShardSource:
         shard_id = int(self.shard_ids[index])
         img_off, img_size, cap_off, cap_size, json_off, json_size = (int(v) for v in self.offsets[index])
         if remote.is_remote(self.urls[shard_id]):
-            return read_remote_sample(self.urls[shard_id], self.keys[index], self.offsets[index])
+            return read_remote_sample(self.urls[shard_id], self.keys[index], self.offsets[index],
+                                      version=self.versions[shard_id])
         fd = self._fd(shard_id)
         image = os.pread(fd, img_size, img_off)  # pread: no shared file position between threads or forks
         caption = os.pread(fd, cap_size, cap_off)
@@ -358,8 +412,9 @@ class SizedShardSource:
         `trusted`: not checked, the plan is sizes.json's."""
         self.name, self.urls, self.listed = spec, urls, np.asarray(sizes, dtype=np.int64)
         self.cache_dir, self.member_keys, self.trusted = cache_dir, member_keys, trusted
+        self.pins = _pins(urls)  # remote shards' sizes and versions: what every later read must find
         # a trusted list is what the shards hold, as far as the plan knows: no shard is read for it
-        held = self.listed if trusted else held_samples(urls, cache_dir, member_keys, first_shard)
+        held = self.listed if trusted else held_samples(urls, cache_dir, member_keys, first_shard, self.pins)
         self.sizes = np.maximum(self.listed, held)  # positions planned per shard
         self.index_skips: list[dict[str, Any]] = [
             skip_record(url, None, None, "shard_holds_more",
@@ -373,10 +428,26 @@ class SizedShardSource:
     def __len__(self) -> int:
         return int(self.bounds[-1])
 
+    def shard_versions(self) -> dict[str, str]:
+        """As `IndexedShardSource.shard_versions`."""
+        return {url: pin["version"] for url, pin in self.pins.items()}
+
+    def pin_versions(self, saved: dict[str, str]) -> list[tuple[str, str, str | None]]:
+        """As `IndexedShardSource.pin_versions`."""
+        changed = []
+        for url in dict.fromkeys(self.urls):
+            now = self.pins[url]["version"] if url in self.pins else None
+            if url in saved and now not in (None, saved[url]):  # not listed now: missing_shard
+                changed.append((url, saved[url], now))
+                self.pins[url] = {**self.pins[url], "version": saved[url]}
+        self._indexes.clear()
+        return changed
+
     def _locate(self, index: int) -> tuple[int, int, ShardIndex]:
         shard = int(np.searchsorted(self.bounds, index, side="right")) - 1
         if shard not in self._indexes:
-            self._indexes[shard] = load_shard_index(self.urls[shard], self.cache_dir, self.member_keys)
+            url = self.urls[shard]
+            self._indexes[shard] = load_shard_index(url, self.cache_dir, self.member_keys, self.pins.get(url))
             while len(self._indexes) > self.cached_shards:
                 self._indexes.popitem(last=False)
         self._indexes.move_to_end(shard)
@@ -391,8 +462,8 @@ class SizedShardSource:
         url = self.urls[shard]
         if shard_index.status == "missing":
             raise SkipSample("missing_shard", url)
-        if shard_index.status == "unreachable":
-            raise SkipSample("unreachable_shard", shard_index.detail)
+        if shard_index.status in ("unreachable", "changed"):
+            raise SkipSample(SHARD_STATUS_REASONS[shard_index.status], shard_index.detail)
         listed, planned = int(self.listed[shard]), int(self.sizes[shard])
         if j >= len(shard_index):
             if shard_index.status == "truncated":
@@ -413,7 +484,7 @@ class SizedShardSource:
         if reason is not None:
             raise SkipSample(reason, notes=notes)
         if remote.is_remote(url):
-            return read_remote_sample(url, shard_index.keys[j], shard_index.offsets[j], notes)
+            return read_remote_sample(url, shard_index.keys[j], shard_index.offsets[j], notes, shard_index.version)
         with open(url, "rb") as f:
             image = os.pread(f.fileno(), img_size, img_off)
             caption = os.pread(f.fileno(), cap_size, cap_off)

@@ -34,7 +34,7 @@ PLOT_FILE = "curves.png"
 # one JSON line per skipped sample: source, key, line, reason, detail, split, epoch (numbered from 1, as everywhere
 # a user reads one), rank (and, for the validation split, the step of the evaluation that left it out)
 SKIP_LOG_FILE = "skipped_samples.jsonl"
-MAX_SKIP_LINES = 20  # skipped samples printed per split and epoch; all of them are in the skip log
+MAX_SKIP_LINES = 20  # skipped samples (and notes, apart) printed per split and epoch; all are in the skip log
 # the metrics of the summary table, with the chance level next to them where there is one
 SUMMARY_KEYS = (
     "val/image_to_text_R@1", "val/image_to_text_R@5", "val/image_to_text_R@10", "val/image_to_text_median_rank",
@@ -87,7 +87,7 @@ class Reporter:
         self.enabled = rank == 0
         self.log_file = log_file  # --log-local: this process's messages also go here (OpenCLIP's out-{rank}.log)
         self.metrics_path = run_dir / METRICS_FILE
-        self.skips_printed: dict[tuple[str, int], int] = {}  # (split, epoch): skip lines printed
+        self.skips_printed: dict[tuple[str, int, bool], int] = {}  # (split, epoch, a note): lines printed
         self.sinks: dict[str, Sink] = {}
         names = dict.fromkeys(["jsonl", *report_to_names(report_to)])
         if self.enabled:
@@ -139,15 +139,17 @@ class Reporter:
             os.close(fd)
         for record in records:
             split = record.get("split", "train")
-            key = (split, record.get("epoch"))
+            note = record["reason"] in NOTE_REASONS  # a note's samples trained
+            key = (split, record.get("epoch"), note)
             self.skips_printed[key] = shown = self.skips_printed.get(key, 0) + 1
             where = ", ".join(f"{k} {record[k]}" for k in ("key", "line") if record.get(k) is not None)
             reason = record["reason"] if split == "train" else f"{record['reason']}, {split}"
             if shown <= MAX_SKIP_LINES:
-                said = "noted" if record["reason"] in NOTE_REASONS else "skipped"  # a note's samples trained
+                said = "noted" if note else "skipped"
                 self.message(f"{said} ({reason}): {record['source']}" + (f" [{where}]" if where else ""))
             elif shown == MAX_SKIP_LINES + 1:
-                self.message(f"more skipped {split} samples: see {self.run_dir / SKIP_LOG_FILE}")
+                more = f"more notes ({split})" if note else f"more skipped {split} samples"
+                self.message(f"{more}: see {self.run_dir / SKIP_LOG_FILE}")
 
     def log_epoch_data(self, step: int, epoch: int, num_samples_seen: int, sources: Mapping[str, int] | None = None
                        ) -> None:
@@ -275,7 +277,8 @@ def summary_table(first: dict[str, float], last: dict[str, float], counts: dict[
 
 
 def read_skip_log(path: Path) -> list[dict[str, Any]]:
-    """The run's skipped samples, each once: a sample re-read after a resume is not counted twice."""
+    """The run's skipped samples, each once: a sample re-read after a resume is not counted twice. A retried read
+    (`read_retry`, naming no sample) is an event of its own, each one counted, as the loader counts them."""
     if not path.exists():
         return []
     seen, records = set(), []
@@ -285,7 +288,7 @@ def read_skip_log(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue  # a line torn by a crash
         ident = tuple(str(record.get(k)) for k in ("split", "step", "epoch", "source", "key", "line", "reason"))
-        if ident not in seen:
+        if record.get("reason") == "read_retry" or ident not in seen:
             seen.add(ident)
             records.append(record)
     return records
