@@ -69,7 +69,7 @@ def test_train_and_eval_exit_within_seconds_of_their_last_line_with_the_collecto
     flags = ["--model", "tiny", "--device", "cpu", "--precision", "fp32", "--workers", "2"]
     _run_until_exit(["train", *flags, "--synthetic-train-size", "32", "--epochs", "1", "--name", "run"],
                     tmp_path, "outputs in")
-    _run_until_exit(["eval", "--checkpoint", "logs/run/checkpoints", "--workers", "2"], tmp_path, "zeroshot/")
+    _run_until_exit(["eval", "--checkpoint", "logs/run/checkpoints"], tmp_path, "probe/miou_chance")
 
 
 def test_closing_a_loader_ends_its_persistent_workers() -> None:
