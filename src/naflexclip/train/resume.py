@@ -213,6 +213,8 @@ def resume(cfg: TrainConfig, checkpointer: Checkpointer, reporter: Reporter, mod
     checkpointer.components["lr_schedule"].load_state_dict(states["lr_schedule"])
     if found.path.resolve().parent == checkpointer.checkpoint_dir.resolve():  # this run's own checkpoint
         reporter.load_state_dict(states["reporter"], progress.step)
+    else:  # another run's (--resume DIR under a new --name): its counts go on in this run's folder
+        reporter.continue_counts(states["reporter"])
     barrier(checkpointer.env)
     check_consistency(checkpointer.env, step=progress.step, epoch=progress.epoch, next_batch=progress.next_batch)
     reporter.message(f"resumed from {found.path} at epoch {progress.epoch + 1}, step {progress.step}")
