@@ -288,3 +288,21 @@ def test_a_resume_cuts_the_skip_log_back_to_the_checkpoint(straight_counted_run,
     train(_counting_config(tmp_path, "cut", resume="latest"))
     assert _skip_lines(tmp_path / "cut") == _skip_lines(straight_counted_run)
     assert _epoch_counts(tmp_path / "cut") == _epoch_counts(straight_counted_run)
+
+
+def test_a_checkpoint_without_the_reporters_counts_still_resumes_with_the_right_counts(straight_counted_run,
+                                                                                      tmp_path):
+    """A checkpoint written before the reporter saved its counts (main's) resumes as it did: the epochs' samples
+    read from the run's metrics.jsonl."""
+    from test_train_resume import _edit_state
+
+    from naflexclip.checkpoints.storage import find_latest
+    from naflexclip.train.loop import train
+    from naflexclip.train.report import COUNTS_STATE
+
+    steps_per_epoch = next(json.loads(line)["step"] for line in
+                           (straight_counted_run / "metrics.jsonl").read_text().splitlines() if '"data"' in line)
+    train(_counting_config(tmp_path, "old", stop_after_steps=steps_per_epoch + 3))
+    _edit_state(find_latest(tmp_path / "old" / "checkpoints"), lambda state: state["reporter"].pop(COUNTS_STATE))
+    train(_counting_config(tmp_path, "old", resume="latest"))
+    assert _epoch_counts(tmp_path / "old") == _epoch_counts(straight_counted_run)
