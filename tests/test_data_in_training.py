@@ -213,3 +213,96 @@ def test_two_ranks_with_one_sample_stop_in_one_line_without_a_checkpoint(tmp_pat
     assert result.stderr.count("naflexclip train: error: training data") == 2  # one line per rank, no traceback
     assert "naflexclip/data" not in result.stderr  # (torchrun's own failure report follows)
     assert not (tmp_path / "one" / "checkpoints").exists()
+
+
+def _broken_rows_table(root: Path) -> str:
+    """16 rows, every third image broken (found when decoded): 10 trained and 6 skipped per epoch."""
+    rows = ["filepath\ttitle"]
+    for i in range(16):
+        (root / f"i{i}.png").write_bytes(image_bytes(16, 16 + i, seed=i) if i % 3 else b"broken")
+        rows.append(f"i{i}.png\ta picture number {i}")
+    (root / "t.tsv").write_text("\n".join(rows) + "\n")
+    return str(root / "t.tsv")
+
+
+def _counting_config(root: Path, name: str, **overrides):
+    from naflexclip.data import DataConfig
+    from naflexclip.train.train_config import TrainConfig
+
+    data = DataConfig(train_data=_broken_rows_table(root), naflex_seq_lens=(16,), naflex_max_tokens_per_batch=32,
+                      workers=0)
+    return TrainConfig(data=data, model="tiny", epochs=2, accum_freq=1, lr=1e-3, warmup=1, logs=str(root),
+                       name=name, device="cpu", val_frequency=0, plot=False, **overrides)
+
+
+def _epoch_counts(run_dir: Path) -> list[dict]:
+    """Each epoch's data record: samples trained and skipped by reason."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k.startswith("data/")} for r in records if r["kind"] == "data"]
+
+
+def _skip_lines(run_dir: Path) -> list[tuple]:
+    lines = (run_dir / "skipped_samples.jsonl").read_text().splitlines()
+    return sorted((r["epoch"], r["key"], r["reason"]) for r in map(json.loads, lines))
+
+
+@pytest.fixture(scope="module")
+def straight_counted_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two epochs of 10 trained and 6 skipped samples, uninterrupted."""
+    from naflexclip.train.loop import train
+
+    root = tmp_path_factory.mktemp("straight")
+    train(_counting_config(root, "straight"))
+    return root / "straight"
+
+
+def test_a_resume_under_a_new_name_counts_each_epoch_as_the_uninterrupted_run(straight_counted_run, tmp_path,
+                                                                               capsys):
+    """--resume of another run's checkpoint taken in epoch 2, under a new --name: the new run's epoch record and
+    summary count the samples of that epoch once (trained and skipped), as the straight run does."""
+    from naflexclip.checkpoints.storage import find_latest
+    from naflexclip.train.loop import train
+
+    straight = _epoch_counts(straight_counted_run)
+    assert [r["data/trained_samples"] for r in straight] == [10, 10]
+    steps_per_epoch = next(json.loads(line)["step"] for line in
+                           (straight_counted_run / "metrics.jsonl").read_text().splitlines() if '"data"' in line)
+    train(_counting_config(tmp_path, "cut", stop_after_steps=steps_per_epoch + 3))
+    capsys.readouterr()
+    train(_counting_config(tmp_path, "new", resume=str(find_latest(tmp_path / "cut" / "checkpoints"))))
+    assert _epoch_counts(tmp_path / "new") == straight[1:]
+    assert "epoch 2: trained 10 samples, skipped 6 bad (not_an_image=6)" in capsys.readouterr().out
+
+
+def test_a_resume_cuts_the_skip_log_back_to_the_checkpoint(straight_counted_run, tmp_path):
+    """A run that died after its last save had logged skips of samples it trains again when resumed: the resume
+    cuts skipped_samples.jsonl back to the checkpoint, so every skip is in it once, as in the uninterrupted run."""
+    import shutil
+
+    from naflexclip.train.loop import train
+
+    train(_counting_config(tmp_path, "cut", stop_after_steps=3))
+    train(_counting_config(tmp_path, "cut", resume="latest", stop_after_steps=8, save_every_n_steps=100))
+    # as if the process had died after step 8 but before saving it
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step_00000008")
+    train(_counting_config(tmp_path, "cut", resume="latest"))
+    assert _skip_lines(tmp_path / "cut") == _skip_lines(straight_counted_run)
+    assert _epoch_counts(tmp_path / "cut") == _epoch_counts(straight_counted_run)
+
+
+def test_a_checkpoint_without_the_reporters_counts_still_resumes_with_the_right_counts(straight_counted_run,
+                                                                                      tmp_path):
+    """A checkpoint written before the reporter saved its counts (main's) resumes as it did: the epochs' samples
+    read from the run's metrics.jsonl."""
+    from test_train_resume import _edit_state
+
+    from naflexclip.checkpoints.storage import find_latest
+    from naflexclip.train.loop import train
+    from naflexclip.train.report import COUNTS_STATE
+
+    steps_per_epoch = next(json.loads(line)["step"] for line in
+                           (straight_counted_run / "metrics.jsonl").read_text().splitlines() if '"data"' in line)
+    train(_counting_config(tmp_path, "old", stop_after_steps=steps_per_epoch + 3))
+    _edit_state(find_latest(tmp_path / "old" / "checkpoints"), lambda state: state["reporter"].pop(COUNTS_STATE))
+    train(_counting_config(tmp_path, "old", resume="latest"))
+    assert _epoch_counts(tmp_path / "old") == _epoch_counts(straight_counted_run)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,47 @@ def test_a_student_with_patch_sizes_drawn_per_microbatch_learns_from_a_teacher_o
     steps = [json.loads(line) for line in (tmp_path / "student" / "metrics.jsonl").read_text().splitlines()
              if "train/loss" in line]
     assert len(steps) == 1 and steps[0]["loss/distill"] > 0
+
+
+def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    from naflexclip.checkpoints.storage import find_latest, load_checkpoint
+
+    return load_checkpoint(find_latest(run_dir / "checkpoints")).states["model"]
+
+
+@pytest.mark.slow
+def test_a_resumed_student_keeps_the_teacher_it_started_from_or_refuses_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--distill-pretrained naming a teacher run's checkpoints/ reads its latest, which moves while the teacher's run
+    goes on: a resumed student keeps distilling from the step folder it started from, and refuses in one line when
+    the teacher it names has other weights (that folder gone, or its contents replaced)."""
+    train(tiny_config(tmp_path, "teacher", stop_after_steps=2, val_frequency=0, seed=5))
+    teacher_dir = str(tmp_path / "teacher" / "checkpoints")
+
+    def student(name: str, **overrides) -> None:
+        train(tiny_config(tmp_path, name, val_frequency=0, distill_model="tiny", distill_pretrained=teacher_dir,
+                          **overrides))
+
+    student("straight", stop_after_steps=4)
+    student("cut", stop_after_steps=2)
+    student("replaced", stop_after_steps=2)
+    # the teacher's run goes on: its latest moves to step 3
+    train(tiny_config(tmp_path, "teacher", stop_after_steps=3, val_frequency=0, seed=5, resume="latest"))
+    student("cut", stop_after_steps=4, resume="latest")
+    straight, resumed = _final_weights(tmp_path / "straight"), _final_weights(tmp_path / "cut")
+    assert all(torch.equal(straight[key], resumed[key]) for key in straight)
+    # the folder the students started from now holds other weights: the resume refuses, naming it
+    step_2, step_3 = (tmp_path / "teacher" / "checkpoints" / f"step_0000000{i}" for i in (2, 3))
+    shutil.rmtree(step_2)
+    shutil.copytree(step_3, step_2)
+    capsys.readouterr()
+    assert main(["train", "--logs", str(tmp_path), "--name", "replaced", "--resume", "latest",
+                 "--stop-after-steps", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--distill-pretrained" in err and str(step_2) in err and "weights" in err, err
+    # and when it is gone, the teacher run's latest (step 3) is not the teacher the student started from
+    shutil.rmtree(step_2)
+    assert main(["train", "--logs", str(tmp_path), "--name", "replaced", "--resume", "latest",
+                 "--stop-after-steps", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and str(step_3) in err and str(step_2) in err, err

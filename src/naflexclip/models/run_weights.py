@@ -9,10 +9,12 @@ a sharded checkpoint's model is gathered whole in this process from its shards.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from naflexclip.checkpoints import storage as storage
 from naflexclip.models.naflex_clip import (
@@ -139,3 +141,14 @@ def load_checkpoint_model(path: str | Path, device: str | torch.device = "cpu") 
     model = NaFlexClip(config_from_dict(run["model_config"]))
     load_weights(model, found.full_state(storage.MODEL), f"checkpoint {str(found.path)!r}")
     return model.to(device).eval(), run["config"]
+
+
+def weights_digest(model: nn.Module) -> str:
+    """SHA-256 of a model's weights (every tensor of its state dict: name, dtype, shape and bytes, in name order):
+    which weights a run read, whatever path it read them from."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        tensor = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

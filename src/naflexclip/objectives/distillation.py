@@ -18,17 +18,19 @@ import torch
 from torch import nn
 
 from naflexclip.batch import TEACHER_INPUTS
+from naflexclip.checkpoints import storage
 from naflexclip.data.microbatch import TeacherInputs
 from naflexclip.families import data_processing, find_family, named_family
 from naflexclip.loss import DistillLoss, MultiPositiveDistillLoss, MultiPositiveLoss
 from naflexclip.models.factory import create_model
 from naflexclip.models.naflex_clip import PRESETS
-from naflexclip.models.run_weights import is_run_checkpoint
+from naflexclip.models.run_weights import is_run_checkpoint, weights_digest
 from naflexclip.objectives.objective import BuildContext, Objective
 from naflexclip.settings import APPLY, add_arguments, setting
 from naflexclip.window import TeacherFeatures, Term
 
 _DISTILL = "distillation"
+_TEACHER_RECORD = "teacher"  # the run state's record of the teacher a run was built with
 
 
 @dataclass
@@ -78,15 +80,18 @@ class Distill(DistillFlags):
         return DistillLoss(kind, weight=self.distill_loss_weight, tile_size=tile_size)
 
     def teacher(self, student: nn.Module, student_processor: str | None, kind: str, cache_dir: str | None = None,
-                *, augment: bool = False, image_overrides: dict[str, Any] | None = None, own_inputs: bool = False
-                ) -> tuple[nn.Module, TeacherInputs | None]:
+                *, augment: bool = False, image_overrides: dict[str, Any] | None = None, own_inputs: bool = False,
+                checkpoint: Path | None = None) -> tuple[nn.Module, TeacherInputs | None]:
         """The frozen teacher in eval mode (its tags looked up under `cache_dir` too), checked, for a `siglip`
         student, to give pair probabilities (a `logit_bias`); and the inputs it reads (`teacher_inputs`): None for
         the student's (whose data `student_processor` processes, a `DataConfig.hf_processor`, or the default
         pipeline when None, with `augment` and the student's `image_overrides`, `DataConfig.image_overrides()`;
-        `own_inputs`: its own in any case, as when the student's patch size varies per microbatch)."""
+        `own_inputs`: its own in any case, as when the student's patch size varies per microbatch).
+        `checkpoint`: the naflexclip checkpoint to read the weights from instead of --distill-pretrained's (the one
+        it named when a resumed run started)."""
         assert self.distill_model is not None
-        model, processor = load_teacher(self.distill_model, self.distill_pretrained, cache_dir)
+        model, processor = load_teacher(self.distill_model, self.distill_pretrained if checkpoint is None
+                                        else str(checkpoint), cache_dir)
         if kind == "siglip" and getattr(model, "logit_bias", None) is None:
             raise ValueError(f"--distill-model {self.distill_model!r}: a siglip student distils from a sigmoid "
                              f"teacher's pair probabilities, and this teacher has no logit_bias (a clip model)")
@@ -114,6 +119,16 @@ def load_teacher(name: str, pretrained: str | None, cache_dir: str | None = None
     for param in model.parameters():
         param.requires_grad_(False)
     return model.eval(), processor
+
+
+def teacher_checkpoint(pretrained: str | None) -> Path | None:
+    """The checkpoint folder a run-checkpoint --distill-pretrained reads now (a run's `checkpoints/`: its latest,
+    which moves while that run goes on), or None for weights of another kind."""
+    if pretrained is None or not is_run_checkpoint(pretrained):
+        return None
+    path = Path(pretrained)
+    path = path.parent if path.is_file() else path
+    return path if storage.is_complete(path) else storage.find_latest(path)
 
 
 def _openclip_teacher(family: Any, name: str, pretrained: str | None, cache_dir: str | None
@@ -226,6 +241,9 @@ class Distillation(Objective):
         self.distill = Distill.pick(values)
         self.teacher: nn.Module | None = None
         self.teacher_inputs: TeacherInputs | None = None
+        # the teacher built: its flags, the checkpoint folder it was read from and its weights' digest
+        self.teacher_record: dict[str, Any] | None = None
+        self.kept_teacher: str | None = None  # a resume's note: the teacher kept where the flag now reads another
 
     @property
     def enabled(self) -> bool:
@@ -248,11 +266,44 @@ class Distillation(Objective):
         return self.distill.loss(kind, tile_size, weighting)
 
     def build(self, context: BuildContext) -> None:
+        flags = {"distill_model": self.distill.distill_model, "distill_pretrained": self.distill.distill_pretrained}
+        now = teacher_checkpoint(self.distill.distill_pretrained)
+        # a resume keeps the checkpoint folder the run started from (a run's `latest` moves while it goes on),
+        # unless the teacher's flags changed
+        saved = (context.resumed_run or {}).get(_TEACHER_RECORD)
+        kept = None
+        if (now is not None and saved is not None and saved.get("path") is not None
+                and {key: saved.get(key) for key in flags} == flags and storage.is_complete(Path(saved["path"]))):
+            kept = Path(saved["path"])
+            if kept.resolve() != now.resolve():
+                self.kept_teacher = (f"--distill-pretrained {self.distill.distill_pretrained}: distilling from "
+                                     f"{kept}, the teacher the resumed run started from (its latest is now {now})")
         teacher, self.teacher_inputs = self.distill.teacher(
             context.student, context.processor, context.loss, context.cache_dir, augment=context.augment,
-            image_overrides=context.image_overrides, own_inputs=context.own_inputs)
+            image_overrides=context.image_overrides, own_inputs=context.own_inputs, checkpoint=kept)
+        path = kept if kept is not None else now
+        self.teacher_record = {**flags, "path": None if path is None else str(path),
+                               "weights_sha256": weights_digest(teacher)}
         self.teacher = (teacher.to(context.device) if context.dtype is None
                         else teacher.to(context.device, context.dtype))
+
+    def run_record(self) -> dict[str, Any]:
+        return {} if self.teacher_record is None else {_TEACHER_RECORD: self.teacher_record}
+
+    def resume_error(self, saved_run: dict[str, Any], run: dict[str, Any]) -> str | None:
+        """Under the same teacher flags, a teacher with other weights than the checkpoint's is refused (another
+        --distill-pretrained is the way to take a new teacher on)."""
+        saved, current = saved_run.get(_TEACHER_RECORD), run.get(_TEACHER_RECORD)
+        if saved is None or current is None or saved["weights_sha256"] == current["weights_sha256"]:
+            return None
+        if any(saved.get(key) != current.get(key) for key in ("distill_model", "distill_pretrained")):
+            return None  # a changed teacher flag, applied and named as every changed flag is
+        was, now = (record.get("path") or record.get("distill_pretrained") for record in (saved, current))
+        where = "which now holds other weights" if was == now else f"this run would read {now}"
+        return (f"--distill-pretrained {self.distill.distill_pretrained}: the checkpoint distilled from {was} "
+                f"(weights sha256 {saved['weights_sha256'][:12]}), {where} "
+                f"(sha256 {current['weights_sha256'][:12]}); give the teacher its weights back, or name the folder "
+                f"of the teacher to go on with in --distill-pretrained (a changed flag is applied)")
 
     def loader_inputs(self, student: nn.Module, processing: Any) -> dict[str, Any]:
         # a teacher that reads other inputs than the student's gets its own of the same samples from the loader
@@ -275,9 +326,10 @@ class Distillation(Objective):
                                  "text": own["text"][: batch["text"].shape[0]]}
 
     def describe(self) -> list[str]:
+        kept = [] if self.kept_teacher is None else [self.kept_teacher]
         own = ("" if self.teacher_inputs is None else
                f"; it reads its own inputs of the same samples (patch size {self.teacher_inputs.patch_size}, "
                f"context length {self.teacher_inputs.context_length})")
         return [f"distilling from --distill-model {self.distill.distill_model} (frozen, one forward per microbatch "
                 f"without gradient): loss = contrastive + {self.distill.distill_loss_weight:g} · distill, logged as "
-                f"loss/contrastive and loss/distill{own}"]
+                f"loss/contrastive and loss/distill{own}", *kept]

@@ -36,6 +36,9 @@ class BuildContext:
     own_inputs: bool = False  # a teacher reads its own inputs in any case (the student's patch size varies)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dtype: torch.dtype | None = None
+    # the run state (`run`) of the checkpoint this run resumes, None for a new run: what it was built from
+    # (`Objective.run_record`) is built again where it still can be
+    resumed_run: dict[str, Any] | None = None
 
 
 class TermSchedule(Protocol):
@@ -98,6 +101,16 @@ class Objective:
 
     def build(self, context: BuildContext) -> None:
         """Build what it reads without training (a frozen teacher), after the model is wrapped and seeded."""
+
+    def run_record(self) -> dict[str, Any]:
+        """What it was built from, saved with the run state of every checkpoint (`run`), which a resume compares
+        (`resume_error`); nothing by default."""
+        return {}
+
+    def resume_error(self, saved_run: dict[str, Any], run: dict[str, Any]) -> str | None:
+        """Why a run with run state `run` cannot continue a checkpoint with `saved_run` for this objective (one
+        line), or None."""
+        return None
 
     def loader_inputs(self, student: nn.Module, processing: Any) -> dict[str, Any]:
         """The keyword arguments of `naflexclip.data.build_loader` its examples need."""

@@ -52,7 +52,7 @@ from naflexclip.train.optim import LrSchedule, create_optimizer, describe_param_
 from naflexclip.train.rank_agreement import check_ranks_agree
 from naflexclip.train.remote_sync import RemoteSync
 from naflexclip.train.report import Reporter, refuse_existing_run
-from naflexclip.train.resume import nothing_left, resume
+from naflexclip.train.resume import nothing_left, resume, resumed_run_state
 from naflexclip.train.step import StepResult, WindowStep, step_metrics, token_counts, windows
 from naflexclip.train.stop import StopSignals, TrainingStopped
 from naflexclip.train.train_config import TrainConfig
@@ -97,7 +97,8 @@ class Trainer:
             loss_fn = objective.loss(loss_fn, cfg.loss, cfg.loss_tile_size)
         context = BuildContext(self.module, cfg.loss, cfg.data.hf_processor, cfg.cache_dir, cfg.data.augment,
                                cfg.data.image_overrides(),
-                               cfg.data.patch_sizes(self.module.image_patch_size) is not None, env.device)
+                               cfg.data.patch_sizes(self.module.image_patch_size) is not None, env.device,
+                               resumed_run=resumed_run_state(cfg))
         for objective in self.objectives:
             objective.build(context)
         # every window's size exchange also checks that the ranks agree on step, epoch and having data
@@ -142,7 +143,8 @@ class Trainer:
                       **schedules,  # after "model": an EMA teacher is built from the loaded student
                       "rng": RngStreams(env)}  # restored last: nothing above draws from it once it is restored
         run = {"config": cfg.to_dict(), "model_config": config_to_dict(self.module.config),
-               "world_size": env.world_size}
+               "world_size": env.world_size,
+               **{key: value for objective in self.objectives for key, value in objective.run_record().items()}}
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", components, run, self.progress, env,
                                          self.reporter.message, sharded=cfg.fsdp_checkpoint == "sharded",
                                          async_save=cfg.async_save)

@@ -35,6 +35,9 @@ PLOT_FILE = "curves.png"
 # a user reads one), rank (and, for the validation split, the step of the evaluation that left it out)
 SKIP_LOG_FILE = "skipped_samples.jsonl"
 MAX_SKIP_LINES = 20  # skipped samples (and notes, apart) printed per split and epoch; all are in the skip log
+# the reporter's saved state beside its sinks': the skip log's size, and the counts a resume under another --name
+# continues (a checkpoint written before this was recorded has none)
+COUNTS_STATE = "counts"
 # the metrics of the summary table, with the chance level next to them where there is one
 SUMMARY_KEYS = (
     "val/image_to_text_R@1", "val/image_to_text_R@5", "val/image_to_text_R@10", "val/image_to_text_median_rank",
@@ -78,8 +81,9 @@ def run_exists(run_dir: Path) -> bool:
 class Reporter:
     """The run's logs: sinks (main rank), messages and the progress bar (main rank), the skip log (every rank).
 
-    `state_dict()` holds each sink's state under its name; `load_state_dict(state, step)` continues every sink
-    after `step`."""
+    `state_dict()` holds each sink's state under its name, and under `COUNTS_STATE` the skip log's size and the
+    counts of the epochs' data records; `load_state_dict(state, step)` continues this run's logs after `step`,
+    `continue_counts(state)` another run's counts in this run's folder."""
 
     def __init__(self, run_dir: Path, *, rank: int = 0, report_to: str = "", config: dict[str, Any] | None = None,
                  name: str | None = None, log_file: Path | None = None) -> None:
@@ -89,6 +93,11 @@ class Reporter:
         self.metrics_path = run_dir / METRICS_FILE
         self.skips_printed: dict[tuple[str, int, bool], int] = {}  # (split, epoch, a note): lines printed
         self.sinks: dict[str, Sink] = {}
+        # samples trained in each finished epoch (numbered from 1); None: unknown (a checkpoint that did not record
+        # them), then read from this run's metrics.jsonl
+        self.trained_by_epoch: dict[int, int] | None = {}
+        # training skips by epoch and reason that another run's checkpoint counted before this run's skip log began
+        self.carried_skips: dict[int, dict[str, int]] = {}
         names = dict.fromkeys(["jsonl", *report_to_names(report_to)])
         if self.enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -100,15 +109,51 @@ class Reporter:
             sink.log(kind, step, epoch, metrics)
 
     def state_dict(self) -> dict[str, Any]:
-        return {name: sink.state_dict() for name, sink in self.sinks.items()}
+        state: dict[str, Any] = {name: sink.state_dict() for name, sink in self.sinks.items()}
+        if self.enabled:  # every rank has written its skips up to this step: the main rank reads them
+            skip_log = self.run_dir / SKIP_LOG_FILE
+            skips = train_skip_counts(read_skip_log(skip_log))
+            for epoch, counts in self.carried_skips.items():
+                for reason, count in counts.items():
+                    skips.setdefault(epoch, {})[reason] = skips.get(epoch, {}).get(reason, 0) + count
+            state[COUNTS_STATE] = {"skip_log_bytes": skip_log.stat().st_size if skip_log.exists() else 0,
+                                   "trained_by_epoch": dict(self._trained_by_epoch()), "skipped_by_epoch": skips,
+                                   "carried_skips": self.carried_skips}
+        return state
 
     def load_state_dict(self, state: dict[str, Any], step: int) -> None:
+        """Continue this run's own checkpoint: every log written after it (metrics, skip log) is cut back to it."""
         for name, sink in self.sinks.items():
             sink.load_state_dict(state.get(name, {}), step)
+        counts = state.get(COUNTS_STATE)
+        skip_log = self.run_dir / SKIP_LOG_FILE
+        if self.enabled and counts is not None and skip_log.exists():
+            if skip_log.stat().st_size > int(counts["skip_log_bytes"]):
+                os.truncate(skip_log, int(counts["skip_log_bytes"]))
+        self._continue_trained(counts)
+        self.carried_skips = _skips_by_epoch((counts or {}).get("carried_skips", {}))  # not in this run's skip log
+
+    def continue_counts(self, state: dict[str, Any]) -> None:
+        """Continue another run's checkpoint in this run's folder: its epochs' counts carry on here (this run's
+        skip log holds only what this run skips)."""
+        counts = state.get(COUNTS_STATE)
+        self._continue_trained(counts)
+        self.carried_skips = _skips_by_epoch((counts or {}).get("skipped_by_epoch", {}))
+
+    def _continue_trained(self, counts: dict[str, Any] | None) -> None:
+        self.trained_by_epoch = (None if counts is None else
+                                 {int(epoch): int(n) for epoch, n in counts["trained_by_epoch"].items()})
+
+    def _trained_by_epoch(self) -> dict[int, int]:
+        if self.trained_by_epoch is None:  # resumed from a checkpoint that did not record them: this run's metrics
+            self.trained_by_epoch = ({int(r["data/epoch"]): int(r["data/trained_samples"])
+                                      for r in read_metrics(self.metrics_path) if r["kind"] == "data"}
+                                     if self.metrics_path.exists() else {})
+        return self.trained_by_epoch
 
     def start_over(self) -> None:
         """A run started over from scratch (`--resume-fresh`): what earlier starts logged is dropped."""
-        self.load_state_dict({}, step=-1)
+        self.load_state_dict({COUNTS_STATE: {"skip_log_bytes": 0, "trained_by_epoch": {}}}, step=-1)
 
     def message(self, text: str) -> None:
         """A line for the user that does not break the progress bar."""
@@ -157,7 +202,11 @@ class Reporter:
         record and messages), after every rank wrote its skip records; `sources`: the samples each `::` source of a
         mixture contributed to it, as planned."""
         if self.enabled:
-            record = epoch_data_record(self.run_dir, epoch + 1, num_samples_seen)
+            trained = self._trained_by_epoch()
+            earlier = sum(n for e, n in trained.items() if e < epoch + 1)
+            record = epoch_data_record(self.run_dir, epoch + 1, num_samples_seen - earlier,
+                                       self.carried_skips.get(epoch + 1, {}))
+            trained[epoch + 1] = record["data/trained_samples"]
             for i, (name, count) in enumerate((sources or {}).items()):
                 record[f"data/source/{i}"] = count
                 self.message(f"data epoch {epoch + 1}: source {i} ({name}): {count} samples")
@@ -294,19 +343,30 @@ def read_skip_log(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def epoch_data_record(run_dir: Path, epoch: int, num_samples_seen: int) -> dict[str, Any]:
+def _skips_by_epoch(saved: Mapping[Any, Mapping[str, int]]) -> dict[int, dict[str, int]]:
+    return {int(epoch): {reason: int(count) for reason, count in skips.items()} for epoch, skips in saved.items()}
+
+
+def train_skip_counts(records: list[dict[str, Any]]) -> dict[int, dict[str, int]]:
+    """Skip records of the training split, counted by epoch (from 1) and reason."""
+    counts: dict[int, dict[str, int]] = {}
+    for skip in records:
+        if skip.get("split", "train") == "train" and skip.get("epoch") is not None:
+            epoch = counts.setdefault(int(skip["epoch"]), {})
+            epoch[skip["reason"]] = epoch.get(skip["reason"], 0) + 1
+    return counts
+
+
+def epoch_data_record(run_dir: Path, epoch: int, trained_samples: int,
+                      carried_skips: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The `data` record of finished epoch number `epoch` (from 1): samples trained in it (all ranks) and skipped by
-    reason (training samples: the validation split's skips are in the skip log apart)."""
-    metrics_path = run_dir / METRICS_FILE
-    earlier = {}
-    if metrics_path.exists():
-        earlier = {int(r["data/epoch"]): r["data/trained_samples"]
-                   for r in read_metrics(metrics_path) if r["kind"] == "data" and r["data/epoch"] < epoch}
-    record: dict[str, Any] = {"data/epoch": epoch, "data/trained_samples": num_samples_seen - sum(earlier.values())}
-    for skip in read_skip_log(run_dir / SKIP_LOG_FILE):
-        if skip.get("epoch") == epoch and skip.get("split", "train") == "train":
-            key = f"data/skipped/{skip['reason']}"
-            record[key] = record.get(key, 0) + 1
+    reason (training samples: the validation split's skips are in the skip log apart), those of the skip log and
+    `carried_skips` (counted by the run whose checkpoint this one continues under another --name)."""
+    record: dict[str, Any] = {"data/epoch": epoch, "data/trained_samples": trained_samples}
+    skips = dict(carried_skips or {})
+    for reason, count in train_skip_counts(read_skip_log(run_dir / SKIP_LOG_FILE)).get(epoch, {}).items():
+        skips[reason] = skips.get(reason, 0) + count
+    record.update({f"data/skipped/{reason}": count for reason, count in skips.items()})
     return record
 
 

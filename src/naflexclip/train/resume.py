@@ -10,13 +10,15 @@ docs/checkpoints.md#what-a-resume-may-change.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from naflexclip.checkpoints import sharded, storage
 from naflexclip.models.naflex_clip import weights_mismatch
 from naflexclip.models.run_weights import architecture_changes
+from naflexclip.objectives.objective import Objective
+from naflexclip.objectives.registry import objectives_of
 from naflexclip.parallel.process_group import barrier, check_consistency, run_on_main
 from naflexclip.settings import APPLY, IGNORE, REFUSE, RESCHEDULE, default_with_data, switches_with_data
 from naflexclip.train.components import Checkpointer, Progress
@@ -39,10 +41,7 @@ def resumed_settings(values: dict[str, Any], given: set[str]) -> dict[str, Any]:
     (`runtime`: --fsdp, --grad-checkpointing, --torchcompile), which are this command line's; one of those not
     given there has the default of the run's data (OpenCLIP's for a run on --train-data).
     `values` as they are when the checkpoint has no run state to read (a new run, a --remote-sync restore)."""
-    resume, name = values.get("resume"), values.get("name")
-    if resume is None or (resume == "latest" and name is None):
-        return values
-    run = storage.read_run_state(Path(values["logs"]) / str(name) / "checkpoints" if resume == "latest" else resume)
+    run = _saved_run(values.get("resume"), values.get("logs"), values.get("name"))
     if run is None:
         return values
     saved = flat_config(run["config"])
@@ -57,6 +56,20 @@ def resumed_settings(values: dict[str, Any], given: set[str]) -> dict[str, Any]:
         if key in keep and switches_with_data(d) and not any(dest in given for dest in d.reads):
             (data if key.startswith("data.") else top)[key.rsplit(".", 1)[-1]] = default_with_data(d, with_data)
     return {**values, **top, "data": dataclasses.replace(values["data"], **data)}
+
+
+def _saved_run(resume: str | None, logs: str | None, name: str | None) -> dict[str, Any] | None:
+    """The run state of the checkpoint --resume names (`latest`: this run's), read without its tensors; None
+    where there is none to read (the resume then says why)."""
+    if resume is None or (resume == "latest" and name is None):
+        return None
+    return storage.read_run_state(Path(str(logs)) / str(name) / "checkpoints" if resume == "latest" else resume)
+
+
+def resumed_run_state(cfg: TrainConfig) -> dict[str, Any] | None:
+    """The run state of the checkpoint this run will resume, before it is loaded: what the run was built from
+    (`Objective.run_record`, a teacher's checkpoint folder) is built again from it."""
+    return _saved_run(cfg.resume, cfg.logs, cfg.name)
 
 
 def _plain(value: Any) -> Any:
@@ -121,12 +134,15 @@ def architecture_error(model: str | None, saved: dict[str, Any], current: dict[s
 
 
 def resume_error(states: dict[str, Any], checkpointer: Checkpointer, model: Any,
-                 weights: dict[str, Any] | None = None) -> str | None:
-    """Why this run cannot continue a checkpoint's `states` exactly (flags, architecture, weights, world size),
-    or None. `model`: the plain (unwrapped) model this run built; `weights`: the checkpoint's model tensors (a
-    sharded checkpoint's as empty tensors of their shapes), default `states["model"]`."""
+                 weights: dict[str, Any] | None = None, objectives: Sequence[Objective] = ()) -> str | None:
+    """Why this run cannot continue a checkpoint's `states` exactly (flags, what `objectives` were built from,
+    architecture, weights, world size), or None. `model`: the plain (unwrapped) model this run built; `weights`: the
+    checkpoint's model tensors (a sharded checkpoint's as empty tensors of their shapes), default
+    `states["model"]`."""
     saved, current = states["run"], checkpointer.run
     error = refusal(saved["config"], current["config"])
+    for objective in objectives:
+        error = error or objective.resume_error(saved, current)
     if error is None:
         error = architecture_error(current["config"]["model"], saved["model_config"], current["model_config"])
     if error is None:
@@ -203,7 +219,7 @@ def resume(cfg: TrainConfig, checkpointer: Checkpointer, reporter: Reporter, mod
     states = dict(found.states)
     # a sharded checkpoint's model is checked by its shapes (read from DCP's index), then resharded on load
     weights = sharded.tensor_shapes(found.path, storage.MODEL) if storage.MODEL in found.sharded else None
-    error = resume_error(states, checkpointer, model, weights)
+    error = resume_error(states, checkpointer, model, weights, objectives_of(cfg, check=False))
     if error is not None:
         raise ValueError(f"--resume {str(found.path)!r}: {error}")
     checkpointer.load(states, skip=("reporter", "lr_schedule"), sharded_in=found.path, sharded_states=found.sharded)
@@ -213,6 +229,8 @@ def resume(cfg: TrainConfig, checkpointer: Checkpointer, reporter: Reporter, mod
     checkpointer.components["lr_schedule"].load_state_dict(states["lr_schedule"])
     if found.path.resolve().parent == checkpointer.checkpoint_dir.resolve():  # this run's own checkpoint
         reporter.load_state_dict(states["reporter"], progress.step)
+    else:  # another run's (--resume DIR under a new --name): its counts go on in this run's folder
+        reporter.continue_counts(states["reporter"])
     barrier(checkpointer.env)
     check_consistency(checkpointer.env, step=progress.step, epoch=progress.epoch, next_batch=progress.next_batch)
     reporter.message(f"resumed from {found.path} at epoch {progress.epoch + 1}, step {progress.step}")
