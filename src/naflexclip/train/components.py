@@ -119,6 +119,12 @@ class OptimizerState:
         state = sharded_optimizer_state_dict(self.model, self.optimizer)
         held = sharded.saved_keys(checkpoint, name)
         saved = {param for param in state["state"] if any(key.startswith(f"state.{param}.") for key in held)}
+        # a state for a parameter this optimizer does not have would be dropped: nothing trains on without it
+        foreign = sorted(key for key in held if key.startswith("state.")
+                         and not any(key.startswith(f"state.{param}.") for param in saved))
+        if foreign:
+            raise ValueError(f"the checkpoint's optimizer state holds {foreign[0]!r}, of a parameter this run's "
+                             f"optimizer does not train; it cannot be loaded")
         sharded.load_into(checkpoint, {name: state}, partial=True)
         load_sharded_optimizer_state_dict(self.model, self.optimizer, state, saved)
         self._keep_hyperparameters(hyper)
