@@ -6,14 +6,18 @@ tolerance: the two reduce gradients in another order)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from test_checkpoint_sharded import _assert_same, _one_process, _states, _torchrun
+from test_checkpoint_sharded import SHARDED_LAUNCHER, _assert_same, _one_process, _states, _torchrun
 from test_train_loop import TINY_DATA_FLAGS
+from test_train_torchrun import RUN_FLAGS
 
 from naflexclip.checkpoints import storage
 from naflexclip.cli import main
@@ -166,3 +170,39 @@ def test_a_resume_switching_to_full_checkpoints_names_the_change(async_sharded_r
     assert final.sharded == () and (final.path / storage.MODEL_FILE).is_file()
     assert not final.states["run"]["config"]["async_save"]
     assert "--fsdp-checkpoint sharded -> full" in notices and "--async-save on -> off" in notices, notices
+
+
+# ------------------------------------------------------------------------------ a rank lost mid-save
+
+# rank 1 dies while it writes its shards of step 2 (as kill -9 would end it)
+DYING_WRITER = '''
+import os
+from torch.distributed.checkpoint import FileSystemWriter
+
+_write_data = FileSystemWriter.write_data
+
+
+def dying_write_data(self, plan, planner):
+    if os.environ["RANK"] == "1" and "step_00000002" in str(self.path):
+        os._exit(9)
+    return _write_data(self, plan, planner)
+
+
+FileSystemWriter.write_data = dying_write_data
+'''
+
+
+@pytest.mark.slow
+def test_a_rank_lost_mid_sharded_save_is_one_line_naming_it_and_the_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "launch.py").write_text(SHARDED_LAUNCHER.replace("sys.exit(main(", DYING_WRITER + "sys.exit(main("))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(tmp_path / "launch.py"), "train", *RUN_FLAGS, "--logs-dir", str(tmp_path), "--name", "run", "--fsdp",
+           "--fsdp-checkpoint", "sharded", "--save-every-n-steps", "1"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode != 0
+    assert "[rank0]: Traceback" not in result.stderr, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("naflexclip train: rank 0 stopped")]
+    assert ("while writing checkpoint step_00000002, left incomplete (latest: step_00000001): rank 1 died or "
+            "stopped responding") in line, line
+    assert storage.find_latest(tmp_path / "run" / "checkpoints").name == "step_00000001"
