@@ -57,7 +57,7 @@ def resumed_settings(values: dict[str, Any], given: set[str]) -> dict[str, Any]:
         if key in keep and switches_with_data(d) and not any(dest in given for dest in d.reads):
             (data if key.startswith("data.") else top)[key.rsplit(".", 1)[-1]] = default_with_data(d, with_data)
     settings = {**values, **top, "data": dataclasses.replace(values["data"], **data)}
-    if settings["fsdp_checkpoint"] != "sharded" and "async_save" not in given:  # it writes sharded ones only
+    if settings.get("fsdp_checkpoint") != "sharded" and "async_save" not in given:  # it writes sharded ones only
         settings["async_save"] = False
     return settings
 
