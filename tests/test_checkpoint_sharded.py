@@ -105,9 +105,11 @@ def test_a_sharded_checkpoint_resumes_on_one_process_as_its_full_form_does(fsdp_
     assert full.sharded == () and (fsdp_run / "step_2_full" / storage.MODEL_FILE).is_file()
     _assert_same(full.states[storage.MODEL], sharded.full_state(storage.MODEL))
 
-    from_shards = _one_process(tmp_path, "from_shards", "--resume", str(step_2))
-    _one_process(tmp_path, "from_full", "--resume", str(fsdp_run / "step_2_full"))
+    full_saves = ["--fsdp-checkpoint", "full"]  # the run's are sharded and asynchronous
+    from_shards = _one_process(tmp_path, "from_shards", "--resume", str(step_2), *full_saves)
+    _one_process(tmp_path, "from_full", "--resume", str(fsdp_run / "step_2_full"), *full_saves)
     assert "world size 2 -> 1" in from_shards.stderr
+    assert "--async-save on -> off" in from_shards.stderr and "--fsdp-checkpoint sharded -> full" in from_shards.stderr
     finals = [storage.load_checkpoint(tmp_path / name / "checkpoints") for name in ("from_shards", "from_full")]
     assert [f.sharded for f in finals] == [(), ()] and finals[0].step == finals[1].step > 4
     _assert_same(finals[0].states[storage.MODEL], finals[1].states[storage.MODEL])

@@ -234,16 +234,18 @@ def load_full_optimizer_state_dict(
     without state, as `optimizer.load_state_dict` leaves it: its state starts at its first step, as in an
     uninterrupted run (torch's loader gives it a zero state at step 1, which would shift its Adam bias correction).
     """
+    names = {id(param): name for name, param in unwrap_model(model).named_parameters()}
+    # every rank that holds the state checks it (each raises the same one line); keyed by name, as FSDP2's loader
+    # finds a parameter's state: a state keyed by position (one process's, DDP's) would load nothing, silently
+    by_name = _optimizer_state_by_name(state, optimizer, names) if state else {}
     if is_fsdp(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         params = [param for group in optimizer.param_groups for param in group["params"]]
-        names = {id(param): name for name, param in unwrap_model(model).named_parameters()}
         saved = torch.zeros(len(params), dtype=torch.uint8)
-        if env.is_main:  # the saved state's keys: names (FSDP2's) or positions (optimizer.state_dict()'s)
-            keys = state["state"].keys()
-            saved = torch.tensor([names.get(id(p)) in keys or i in keys for i, p in enumerate(params)],
-                                 dtype=torch.uint8)
+        if env.is_main:
+            saved = torch.tensor([names[id(p)] in by_name["state"] for p in params], dtype=torch.uint8)
+        state = by_name
         with translate_faults(env, "loading the FSDP optimizer state"):
             set_optimizer_state_dict(
                 model, optimizer, state,
@@ -257,7 +259,45 @@ def load_full_optimizer_state_dict(
         return
     if not state:
         raise ValueError(f"rank {env.rank}: empty optimizer state; under DDP every rank loads the checkpoint's")
-    optimizer.load_state_dict(state)
+    optimizer.load_state_dict(by_name)
+
+
+def _optimizer_state_by_name(state: dict[str, Any], optimizer: torch.optim.Optimizer,
+                            names: dict[int, str]) -> dict[str, Any]:
+    """A full optimizer state (`optimizer.state_dict()`'s form, parameters by position in the param groups, or
+    FSDP2's, by name) keyed by parameter name; `names`: each parameter's name by `id`. A state that does not fit
+    this optimizer (other param groups, a parameter it does not train, a tensor of another shape) raises
+    ValueError in one line: nothing trains on with a state loaded in part."""
+    groups = optimizer.param_groups
+    saved_sizes = [len(group["params"]) for group in state["param_groups"]]
+    sizes = [len(group["params"]) for group in groups]
+    if saved_sizes != sizes:
+        raise ValueError(f"the checkpoint's optimizer state has parameter groups of {saved_sizes} parameters, this "
+                         f"run's optimizer {sizes}; it cannot be loaded")
+    by_name = {names[id(param)]: param for group in groups for param in group["params"]}
+    param_of: dict[Any, nn.Parameter] = {}
+    for index, (saved_group, group) in enumerate(zip(state["param_groups"], groups, strict=True)):
+        for key, param in zip(saved_group["params"], group["params"], strict=True):
+            if not isinstance(key, int) and key not in by_name:
+                raise ValueError(f"the checkpoint's optimizer state holds parameter {key!r}, which this run's "
+                                 f"optimizer does not train; it cannot be loaded")
+            param_of[key] = param if isinstance(key, int) else by_name[key]
+        if {id(param_of[key]) for key in saved_group["params"]} != {id(param) for param in group["params"]}:
+            raise ValueError(f"the checkpoint's optimizer state has other parameters in param group {index} than "
+                             f"this run's optimizer; it cannot be loaded")
+    for key, param_state in state["state"].items():
+        if key not in param_of:
+            raise ValueError(f"the checkpoint's optimizer state holds a state for parameter {key!r}, which none of "
+                             f"its param groups lists; it cannot be loaded")
+        param = param_of[key]
+        for what, value in param_state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                raise ValueError(f"the checkpoint's optimizer state of {names[id(param)]} has {what} of shape "
+                                 f"{tuple(value.shape)}, the parameter {tuple(param.shape)}; it cannot be loaded")
+    # the groups list their names in this optimizer's order: `optimizer.load_state_dict` matches them by position
+    return {"state": {names[id(param_of[key])]: value for key, value in state["state"].items()},
+            "param_groups": [{**saved_group, "params": [names[id(param)] for param in group["params"]]}
+                             for saved_group, group in zip(state["param_groups"], groups, strict=True)]}
 
 
 # ------------------------------------------------------------------------------ sharded checkpoints

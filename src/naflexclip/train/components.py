@@ -25,7 +25,13 @@ from torch import nn
 from naflexclip.checkpoints import sharded, storage
 from naflexclip.models.factory import create_model
 from naflexclip.models.run_weights import load_checkpoint_model as load_checkpoint_model  # its old import path
-from naflexclip.parallel.process_group import DistributedEnv, gather_to_main, run_on_main
+from naflexclip.parallel.process_group import (
+    DistributedEnv,
+    DistributedFault,
+    gather_to_main,
+    run_on_main,
+    translate_faults,
+)
 from naflexclip.parallel.wrapping import (
     full_optimizer_state_dict,
     full_state_dict,
@@ -119,6 +125,12 @@ class OptimizerState:
         state = sharded_optimizer_state_dict(self.model, self.optimizer)
         held = sharded.saved_keys(checkpoint, name)
         saved = {param for param in state["state"] if any(key.startswith(f"state.{param}.") for key in held)}
+        # a state for a parameter this optimizer does not have would be dropped: nothing trains on without it
+        foreign = sorted(key for key in held if key.startswith("state.")
+                         and not any(key.startswith(f"state.{param}.") for param in saved))
+        if foreign:
+            raise ValueError(f"the checkpoint's optimizer state holds {foreign[0]!r}, of a parameter this run's "
+                             f"optimizer does not train; it cannot be loaded")
         sharded.load_into(checkpoint, {name: state}, partial=True)
         load_sharded_optimizer_state_dict(self.model, self.optimizer, state, saved)
         self._keep_hyperparameters(hyper)
@@ -223,7 +235,7 @@ class Checkpointer:
         self.progress, self.env, self.notify = progress, env, notify
         self.sharded, self.async_save = sharded, async_save
         self.last_step_saved: int | None = None
-        self._pending: tuple[Future, threading.Event] | None = None
+        self._pending: tuple[str, Future, threading.Event] | None = None
         self._failed: list[BaseException] = []
         self._after_pending: list[Callable[[], None]] = []
         # a background save's collectives run beside the training's: their own gloo group (torchtitan's way)
@@ -270,7 +282,11 @@ class Checkpointer:
             return written
 
         run_on_main(self.env, f"preparing checkpoint {name}", prepare)
-        future = sharded.write_shards(shards, folder, process_group=self._group, asynchronous=self.async_save)
+        try:
+            future = sharded.write_shards(shards, folder, process_group=self._group, asynchronous=self.async_save)
+        except Exception:
+            with translate_faults(self.env, self._left_incomplete(name)):  # a rank lost mid-save: one line
+                raise
         if future is None:
             return run_on_main(self.env, f"writing checkpoint {name}", publish) or self.checkpoint_dir / name
         published = threading.Event()
@@ -278,8 +294,14 @@ class Checkpointer:
             future.add_done_callback(lambda done: self._publish_when_written(done, publish, published))
         else:
             published.set()
-        self._pending = (future, published)
+        self._pending = (name, future, published)
         return self.checkpoint_dir / name
+
+    def _left_incomplete(self, name: str) -> str:
+        """What a rank was doing when another was lost during the save of `name`, and where that leaves the run."""
+        latest = storage.find_latest(self.checkpoint_dir)
+        return (f"writing checkpoint {name}, left incomplete (latest: "
+                f"{latest.name if latest is not None else 'no complete checkpoint'})")
 
     def _publish_when_written(self, done: Future, publish: Callable[[], Path], published: threading.Event) -> None:
         try:
@@ -293,8 +315,9 @@ class Checkpointer:
     def wait(self) -> None:
         """Until the asynchronous save in flight is written and published (every rank must call it); then what
         waited for it (--delete-previous-checkpoint's removal). Raises a failed save's error."""
+        name = None
         if self._pending is not None:
-            future, published = self._pending
+            name, future, published = self._pending
             self._pending = None
             try:
                 future.result()
@@ -305,6 +328,14 @@ class Checkpointer:
         if self._failed:
             error = self._failed.pop()
             self._failed.clear()
+            if name is not None and isinstance(error, Exception):
+                try:
+                    with translate_faults(self.env, self._left_incomplete(name)):  # a rank lost mid-save: one line
+                        raise error
+                except DistributedFault:
+                    raise
+                except Exception:  # this rank's own error
+                    pass
             raise RuntimeError(f"writing a checkpoint failed: {type(error).__name__}: {error}") from error
         after, self._after_pending = self._after_pending, []
         for work in after:

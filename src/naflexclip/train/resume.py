@@ -55,7 +55,10 @@ def resumed_settings(values: dict[str, Any], given: set[str]) -> dict[str, Any]:
     for key, d in SETTINGS.items():
         if key in keep and switches_with_data(d) and not any(dest in given for dest in d.reads):
             (data if key.startswith("data.") else top)[key.rsplit(".", 1)[-1]] = default_with_data(d, with_data)
-    return {**values, **top, "data": dataclasses.replace(values["data"], **data)}
+    settings = {**values, **top, "data": dataclasses.replace(values["data"], **data)}
+    if settings.get("fsdp_checkpoint") != "sharded" and "async_save" not in given:  # it writes sharded ones only
+        settings["async_save"] = False
+    return settings
 
 
 def _saved_run(resume: str | None, logs: str | None, name: str | None) -> dict[str, Any] | None:
@@ -222,7 +225,11 @@ def resume(cfg: TrainConfig, checkpointer: Checkpointer, reporter: Reporter, mod
     error = resume_error(states, checkpointer, model, weights, objectives_of(cfg, check=False))
     if error is not None:
         raise ValueError(f"--resume {str(found.path)!r}: {error}")
-    checkpointer.load(states, skip=("reporter", "lr_schedule"), sharded_in=found.path, sharded_states=found.sharded)
+    try:
+        checkpointer.load(states, skip=("reporter", "lr_schedule"), sharded_in=found.path,
+                          sharded_states=found.sharded)
+    except ValueError as error:  # a state that does not fit this run (every rank raises the same)
+        raise ValueError(f"--resume {str(found.path)!r}: {error}") from None
     progress = checkpointer.progress  # the data position re-mapped to this world size, where it changed
     changes = changed_flags(states["run"]["config"], cfg.to_dict()) + reschedule(
         states, cfg, checkpointer.run["world_size"], progress, plan)

@@ -189,13 +189,14 @@ class RunSettings:
         "stop after this many consecutive steps with a non-finite loss or gradient"))
     fsdp: bool = setting(False, rule=APPLY, section=_DEVICES, openclip=False, runtime=True, help=(
         "shard the model with FSDP2 instead of DDP (needs several processes: torchrun, srun, mpirun)"))
-    # how a checkpoint is written: either form resumes at any world size, under FSDP2, DDP or one process
-    fsdp_checkpoint: str = setting("full", rule=IGNORE, section=_DEVICES, openclip="full",
+    # how a checkpoint is written: either form resumes at any world size, under FSDP2, DDP or one process; a resume
+    # keeps the run's form unless its command line gives another, which the resume then names
+    fsdp_checkpoint: str = setting("full", rule=APPLY, section=_DEVICES, openclip="full",
                                    choices=("full", "sharded"), help=(
         "full: rank 0 gathers the model and optimizer and writes model.safetensors; sharded: every rank writes its "
         "own shards through torch.distributed.checkpoint (no gather; resumes at any world size, under FSDP2, DDP or "
         "one process)"))
-    async_save: bool = setting(False, rule=IGNORE, section=_DEVICES, help=(
+    async_save: bool = setting(False, rule=APPLY, section=_DEVICES, help=(
         "with --fsdp-checkpoint sharded: training continues while the shards are written (DCP's async_save); the "
         "next save waits for the previous one"))
     # recompute block activations in backward (both towers)
