@@ -42,13 +42,14 @@ def _train_steps(run_dir: Path) -> list[int]:
 
 
 def _edit_state(directory: Path, edit) -> None:
-    """Rewrite a checkpoint's train_state.pt (and the size its checkpoint.json records)."""
+    """Rewrite a checkpoint's train_state.pt (and the size and checksum its checkpoint.json records)."""
     path = directory / ckpt.STATE_FILE
     state = torch.load(path, weights_only=True)
     edit(state)
     torch.save(state, path)
     meta = json.loads((directory / ckpt.META_FILE).read_text())
     meta["sizes"][ckpt.STATE_FILE] = path.stat().st_size
+    meta["checksums"][ckpt.STATE_FILE] = ckpt.file_checksum(path)
     (directory / ckpt.META_FILE).write_text(json.dumps(meta))
 
 

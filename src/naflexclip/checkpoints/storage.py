@@ -1,18 +1,21 @@
 """Checkpoint storage: one directory per save holding a mapping of named states; this module never looks
 inside a state. The state "model" goes to `model.safetensors`, every other to `train_state.pt` (read back
-weights-only), then `checkpoint.json` (step, epoch, file sizes) marks the save complete and `latest` names it.
+weights-only), then `checkpoint.json` (step, epoch, each file's size and checksum) marks the save complete and
+`latest` names it.
 It publishes, finds and checks full and sharded (`checkpoints.sharded`) saves alike, never losing the last complete
 one, and falls back by step past a damaged or missing one. docs/checkpoints.md#layout and #crash-safety.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import re
 import shutil
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,8 @@ LATEST_FILE = "latest"
 # hidden leftovers of an interrupted save: the temp directory, the old copy swapped out, the pointer's temp file
 _STALE = re.compile(r"^\.(tmp|old)-")
 _NEW_SUFFIX = ".new"
+CHECKSUM = "blake2b-256"  # `checkpoint.json`'s checksums: "blake2b-256:<hex>"
+_CHECKSUM_BLOCK = 1 << 20
 
 Notify = Callable[[str], None]
 _log = logging.getLogger(__name__)
@@ -189,11 +194,30 @@ def publish(checkpoint_dir: Path, name: str, tmp: Path) -> Path:
 
 
 def write_meta(folder: Path, step: int, epoch: int, **fields: Any) -> None:
-    """`checkpoint.json`, the last file of a save: step, epoch, `fields`, and the size of every file in `folder`
-    (a reader checks them: a truncated or missing file is named)."""
-    sizes = {path.name: path.stat().st_size for path in sorted(folder.iterdir()) if path.is_file()}
-    meta = {"step": step, "epoch": epoch, **fields, "sizes": sizes}
+    """`checkpoint.json`, the last file of a save: step, epoch, `fields`, and the size and checksum of every file
+    in `folder` (a reader checks them: a truncated, missing or altered file is named)."""
+    files = [path for path in sorted(folder.iterdir()) if path.is_file()]
+    sizes = {path.name: path.stat().st_size for path in files}
+    meta = {"step": step, "epoch": epoch, **fields, "sizes": sizes, "checksums": checksums(files)}
     _write_fsynced(folder / META_FILE, lambda p: p.write_text(json.dumps(meta) + "\n"))
+
+
+def file_checksum(path: Path) -> str:
+    """`CHECKSUM:<hex>` of a file's bytes, read in 1 MiB blocks."""
+    digest = hashlib.blake2b(digest_size=32)
+    with open(path, "rb") as f:
+        while block := f.read(_CHECKSUM_BLOCK):
+            digest.update(block)
+    return f"{CHECKSUM}:{digest.hexdigest()}"
+
+
+def checksums(files: list[Path]) -> dict[str, str]:
+    """{name: `file_checksum`} of `files`, hashed side by side (hashlib releases the GIL: a sharded checkpoint's
+    shards are read in parallel)."""
+    if not files:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(8, len(files))) as pool:
+        return dict(zip([path.name for path in files], pool.map(file_checksum, files), strict=True))
 
 
 # ----------------------------------------------------------------------------------------------- find
@@ -288,12 +312,26 @@ def _read(directory: Path, device: str | torch.device) -> Checkpoint:
 
         names = tuple(meta.get("sharded", ()))
         sharded.check_metadata(directory, names, damaged)
+        _check_checksums(directory, meta, damaged)
         return Checkpoint(directory, int(meta["step"]), int(meta["epoch"]), train_state, names)
     try:
         model_state = load_file(str(directory / MODEL_FILE), device=str(device))
     except Exception as error:  # safetensors' SafetensorError, OSError: one line, not a traceback
         raise CheckpointError(f"{damaged} ({MODEL_FILE}: {_first_line(error)})") from None
+    _check_checksums(directory, meta, damaged)
     return Checkpoint(directory, int(meta["step"]), int(meta["epoch"]), {MODEL: model_state, **train_state})
+
+
+def _check_checksums(directory: Path, meta: dict[str, Any], damaged: str) -> None:
+    """Every file's bytes are those written (bytes changed at the same size load without an error, or fail deep
+    inside a reader); a checkpoint written before checksums were recorded is not checked."""
+    recorded = meta.get("checksums") or {}
+    files = [directory / file for file, value in recorded.items() if str(value).startswith(f"{CHECKSUM}:")]
+    found = checksums(files)
+    for file in sorted(found):
+        if found[file] != recorded[file]:
+            raise CheckpointError(f"{damaged} ({file}: its checksum is not the one written: the file changed "
+                                  f"since it was saved)")
 
 
 def _first_line(error: BaseException) -> str:
