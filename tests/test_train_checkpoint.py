@@ -30,10 +30,9 @@ CHILD = textwrap.dedent(
     import sys, time
     sys.path.insert(0, {tests!r})
     from naflexclip.checkpoints import storage as ckpt
-from naflexclip.cli import main
     from naflexclip.evaluation import dense_probe as probe
     from naflexclip.train.loop import train
-    from test_train_loop import TINY_DATA_FLAGS, tiny_config
+    from test_train_loop import tiny_config
 
     probe.PROBE_SCENES.update(train=12, val=6)  # as tests/conftest.py's small_dense_probe
     real_save = ckpt.save_file
