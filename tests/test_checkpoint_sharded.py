@@ -26,7 +26,7 @@ from naflexclip.models.naflex_clip import PRESETS, config_to_dict
 from naflexclip.models.run_weights import load_checkpoint_model
 from naflexclip.parallel.process_group import DistributedEnv
 from naflexclip.train.components import Checkpointer, ModelState, OptimizerState, Progress
-from naflexclip.train.remote_sync import restore_from_backup
+from naflexclip.train.remote_sync import RemoteSync, restore_from_backup
 
 FSDP = ["--fsdp", "--fsdp-checkpoint", "sharded"]
 # test_train_torchrun's launcher (stochastic layers on), without its check that a resume broadcasts no pickled
@@ -336,3 +336,28 @@ def test_delete_previous_checkpoint_removes_the_previous_async_save_once_the_nex
     saver.wait()  # the run's end
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch_3", "latest"]
     assert storage.load_checkpoint(tmp_path).epoch == 3
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_second_name_at_the_same_step_links_the_shards(tmp_path: Path, async_save: bool) -> None:
+    """`epoch_K` saved at `step_N`'s step holds the same shards: written once, read, consolidated, backed up and
+    restored under either name, and whole when the other name is removed."""
+    checkpoints = tmp_path / "run" / "checkpoints"
+    saver, _, progress = _saver(checkpoints, async_save=async_save)
+    saver.save_step()
+    saver.save_epoch(1, last=True, frequency=1, most_recent=True)
+    saver.wait()
+    step, epoch = checkpoints / "step_00000001", checkpoints / "epoch_1"
+    for file in ("__0_0.distcp", storage.DCP_METADATA):
+        assert (step / file).stat().st_ino == (epoch / file).stat().st_ino == (checkpoints / "epoch_latest" /
+                                                                             file).stat().st_ino, file
+    whole = storage.load_checkpoint(epoch).full_state(storage.MODEL)
+    assert main(["checkpoint", "consolidate", str(epoch), "--out", str(tmp_path / "full")]) == 0
+    _assert_same(storage.load_checkpoint(tmp_path / "full").states[storage.MODEL], whole)
+    RemoteSync(tmp_path / "run", str(tmp_path / "backup"), 60, "fsspec", lambda line: None).sync()
+    assert storage.remove_checkpoint(checkpoints, "step_00000001")
+    _assert_same(storage.load_checkpoint(epoch).full_state(storage.MODEL), whole)
+    fresh = tmp_path / "fresh" / "run"
+    fresh.mkdir(parents=True)
+    assert restore_from_backup(fresh, str(tmp_path / "backup"), "fsspec", lambda line: None) == 1
+    _assert_same(storage.load_checkpoint(fresh / "checkpoints").full_state(storage.MODEL), whole)

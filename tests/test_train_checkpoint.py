@@ -317,3 +317,42 @@ def test_resume_and_eval_of_a_checkpoint_with_bytes_changed_name_the_file(tmp_pa
     assert main(["eval", "--checkpoint", str(damaged), "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and f"is damaged ({ckpt.MODEL_FILE}: its checksum" in err, err
+
+
+# --------------------------------------------------------------------------- one state under several names
+
+
+def disk_use(root: Path) -> int:
+    """Bytes the files under `root` take, a file with several names (hard links) counted once."""
+    inodes = {(p.stat().st_dev, p.stat().st_ino): p.stat().st_size for p in root.rglob("*") if p.is_file()}
+    return sum(inodes.values())
+
+
+def test_one_state_saved_under_several_names_is_written_once(tmp_path: Path) -> None:
+    """At an epoch's last step `--save-every-n-steps` (step_N), the epoch's save (epoch_K) and
+    `--save-most-recent` (epoch_latest) hold one model and optimizer state: it is on disk once, every name reads
+    it, and removing one name (--delete-previous-checkpoint, by hand) leaves the others whole."""
+    flags = ["--model", "tiny", "--epochs", "2", "--device", "cpu", "--zero-shot-samples", "8", "--val-frequency",
+             "0", "--no-plot", *TINY_DATA_FLAGS, "--logs", str(tmp_path)]
+    # the built-in plan's epochs have 3 and 4 steps: step 3 is epoch 1's last (epoch_1, removed by
+    # --delete-previous-checkpoint once epoch_2 is saved), step 6 one inside epoch 2, step 7 its last
+    assert main(["train", *flags, "--name", "run", "--save-every-n-steps", "3", "--save-most-recent",
+                 "--delete-previous-checkpoint"]) == 0
+    checkpoints = tmp_path / "run" / "checkpoints"
+    steps = {path.name: ckpt.checkpoint_step(path) for path in checkpoints.iterdir() if path.is_dir()}
+    assert steps == {"step_00000003": 3, "step_00000006": 6, "epoch_2": 7, "epoch_latest": 7}
+    one_state = disk_use(checkpoints / "step_00000006")
+    assert disk_use(checkpoints) < 3.2 * one_state  # the states of steps 3, 6 and 7, each once
+    weights = {}
+    for name in steps:
+        weights[name] = ckpt.load_checkpoint(checkpoints / name).states["model"]
+        model, _ = load_checkpoint_model(checkpoints / name)  # eval, verify, --pretrained
+        assert all(torch.equal(value, model.state_dict()[key]) for key, value in weights[name].items())
+    assert all(torch.equal(weights["epoch_2"][key], weights["epoch_latest"][key]) for key in weights["epoch_2"])
+    # step 3's other name (epoch_1) was removed by --delete-previous-checkpoint: step 3 resumes
+    assert main(["train", *flags, "--name", "again", "--resume", str(checkpoints / "step_00000003"),
+                 "--stop-after-steps", "4"]) == 0
+    assert ckpt.load_checkpoint(tmp_path / "again" / "checkpoints").step == 4
+    assert ckpt.remove_checkpoint(checkpoints, "epoch_2")  # and epoch_latest, its other name, stays whole
+    assert ckpt.load_checkpoint(checkpoints).path.name == "epoch_latest"
+    assert ckpt.load_checkpoint(checkpoints / "epoch_latest").step == 7
