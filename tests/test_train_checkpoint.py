@@ -267,10 +267,10 @@ def flip_middle(path: Path) -> None:
 def _large_states(value: float, step: int) -> dict:
     """States whose files are mostly tensor bytes: a flip at a file's middle lands in a tensor's values."""
     return {"model": {"w": torch.full((4096,), value)}, "optimizer": {"m": torch.full((4096,), value)},
-            "progress": {"step": step}}
+            "rng": {"state": torch.full((4096,), value)}, "progress": {"step": step}}
 
 
-@pytest.mark.parametrize("file", [ckpt.MODEL_FILE, ckpt.STATE_FILE])
+@pytest.mark.parametrize("file", [ckpt.MODEL_FILE, "optimizer.pt", ckpt.STATE_FILE])
 def test_bytes_changed_at_the_same_size_are_named_and_the_previous_checkpoint_is_used(tmp_path: Path,
                                                                                         file: str) -> None:
     for step in (1, 2):
@@ -289,7 +289,7 @@ def test_bytes_changed_at_the_same_size_are_named_and_the_previous_checkpoint_is
 def test_every_file_has_its_checksum_and_a_checkpoint_without_checksums_still_loads(tmp_path: Path) -> None:
     path = ckpt.save_checkpoint(tmp_path, "step_00000001", _large_states(1.0, 1), step=1, epoch=0)
     meta = json.loads((path / ckpt.META_FILE).read_text())
-    assert set(meta["checksums"]) == set(meta["sizes"]) == {ckpt.MODEL_FILE, ckpt.STATE_FILE}
+    assert set(meta["checksums"]) == set(meta["sizes"]) == {ckpt.MODEL_FILE, "optimizer.pt", ckpt.STATE_FILE}
     assert meta["checksums"][ckpt.MODEL_FILE] == ckpt.file_checksum(path / ckpt.MODEL_FILE)
     del meta["checksums"]  # written before checksums were recorded: not checked
     (path / ckpt.META_FILE).write_text(json.dumps(meta))
