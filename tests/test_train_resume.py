@@ -242,7 +242,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path: Path
     assert _cli(tmp_path, "run", "--resume", "latest", "--stop-after-steps", "3") == 0
     err = capsys.readouterr().err
     damaged = [line for line in err.splitlines() if "is damaged" in line]
-    assert len(damaged) == 1 and "step_00000002" in damaged[0] and "PytorchStreamReader failed" in damaged[0]
+    assert len(damaged) == 1 and f"step_00000002' is damaged ({ckpt.STATE_FILE}: " in damaged[0]
     assert "using step_00000001 (step 1)" in damaged[0]
     assert "resumed from " in err and "step_00000001 at epoch 1, step 1" in err
     assert "Traceback" not in err
