@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_train_checkpoint import flip_middle
 from test_train_loop import TINY_DATA_FLAGS
 from test_train_torchrun import LAUNCHER, RUN_FLAGS, torchrun
 
@@ -25,7 +26,7 @@ from naflexclip.models.naflex_clip import PRESETS, config_to_dict
 from naflexclip.models.run_weights import load_checkpoint_model
 from naflexclip.parallel.process_group import DistributedEnv
 from naflexclip.train.components import Checkpointer, ModelState, OptimizerState, Progress
-from naflexclip.train.remote_sync import restore_from_backup
+from naflexclip.train.remote_sync import RemoteSync, restore_from_backup
 
 FSDP = ["--fsdp", "--fsdp-checkpoint", "sharded"]
 # test_train_torchrun's launcher (stochastic layers on), without its check that a resume broadcasts no pickled
@@ -205,6 +206,7 @@ def test_a_resume_whose_model_has_other_shapes_names_the_parameter(one_process_r
             torch.save(state, folder / storage.STATE_FILE)
             meta = json.loads((folder / storage.META_FILE).read_text())
             meta["sizes"][storage.STATE_FILE] = (folder / storage.STATE_FILE).stat().st_size
+            meta["checksums"][storage.STATE_FILE] = storage.file_checksum(folder / storage.STATE_FILE)
             (folder / storage.META_FILE).write_text(json.dumps(meta))
     assert main(["train", "--model", "tiny", "--epochs", "1", "--device", "cpu", "--val-frequency", "0",
                  "--zero-shot-samples", "8", "--no-plot", *TINY_DATA_FLAGS, "--logs", str(tmp_path), "--name", "run",
@@ -232,6 +234,55 @@ def test_a_sharded_checkpoint_is_backed_up_and_restored_whole(one_process_run: P
     assert restored.path.name == saved.name and restored.sharded == ("model", "optimizer")
     original = storage.load_checkpoint(saved).full_state("optimizer")["state"]
     _assert_same(restored.full_state("optimizer")["state"], original)
+
+
+# -------------------------------------------------------------------- bytes changed at the same size (one process)
+
+SHARDED_ONE_PROCESS = ["--model", "tiny", "--epochs", "1", "--device", "cpu", "--val-frequency", "0",
+                       "--zero-shot-samples", "8", "--no-plot", *TINY_DATA_FLAGS, "--fsdp-checkpoint", "sharded"]
+
+
+@pytest.fixture(scope="module", params=["sync", "async"])
+def two_sharded_saves(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One process saving sharded checkpoints at steps 1 and 2, synchronously or with --async-save."""
+    logs = tmp_path_factory.mktemp(f"sharded_{request.param}")
+    extra = ["--async-save"] if request.param == "async" else []
+    assert main(["train", *SHARDED_ONE_PROCESS, *extra, "--logs", str(logs), "--name", "run",
+                 "--save-every-n-steps", "1", "--stop-after-steps", "2"]) == 0
+    return logs
+
+
+@pytest.mark.parametrize("file", ["__0_0.distcp", storage.DCP_METADATA, storage.STATE_FILE])
+def test_a_sharded_file_with_bytes_changed_is_named_and_the_previous_checkpoint_is_used(
+        two_sharded_saves: Path, tmp_path: Path, file: str) -> None:
+    checkpoints = tmp_path / "checkpoints"
+    shutil.copytree(two_sharded_saves / "run" / "checkpoints", checkpoints)
+    meta = json.loads((checkpoints / "step_00000002" / storage.META_FILE).read_text())
+    assert set(meta["checksums"]) == set(meta["sizes"]) and file in meta["checksums"]  # every file, every rank's
+    flip_middle(checkpoints / "step_00000002" / file)
+    notes: list[str] = []
+    found = storage.load_checkpoint(checkpoints, notify=notes.append)
+    assert found.step == 1 and len(notes) == 1 and "\n" not in notes[0], notes
+    assert f"step_00000002' is damaged ({file}: " in notes[0] and notes[0].endswith("using step_00000001 (step 1)")
+
+
+def test_resume_and_eval_of_a_sharded_checkpoint_with_bytes_changed_name_the_file(
+        two_sharded_saves: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`--resume latest` falls back past a `.distcp` changed at the same size in one line naming it; `eval
+    --checkpoint` of it is one line naming it."""
+    shutil.copytree(two_sharded_saves / "run", tmp_path / "run")
+    damaged = tmp_path / "run" / "checkpoints" / "step_00000002"
+    flip_middle(damaged / "__0_0.distcp")
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(damaged), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "is damaged (__0_0.distcp: its checksum is not the one written" in err, err
+    assert main(["train", *SHARDED_ONE_PROCESS, "--logs", str(tmp_path), "--name", "run", "--resume", "latest",
+                 "--stop-after-steps", "3"]) == 0
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if "is damaged" in line]
+    assert len(said) == 1 and "step_00000002' is damaged (__0_0.distcp: its checksum" in said[0], err
+    assert "using step_00000001 (step 1)" in said[0] and "Traceback" not in err
 
 
 # ------------------------------------------------------------------------------ the saver alone (one process)
@@ -287,3 +338,28 @@ def test_delete_previous_checkpoint_removes_the_previous_async_save_once_the_nex
     saver.wait()  # the run's end
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch_3", "latest"]
     assert storage.load_checkpoint(tmp_path).epoch == 3
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_second_name_at_the_same_step_links_the_shards(tmp_path: Path, async_save: bool) -> None:
+    """`epoch_K` saved at `step_N`'s step holds the same shards: written once, read, consolidated, backed up and
+    restored under either name, and whole when the other name is removed."""
+    checkpoints = tmp_path / "run" / "checkpoints"
+    saver, _, progress = _saver(checkpoints, async_save=async_save)
+    saver.save_step()
+    saver.save_epoch(1, last=True, frequency=1, most_recent=True)
+    saver.wait()
+    step, epoch = checkpoints / "step_00000001", checkpoints / "epoch_1"
+    for file in ("__0_0.distcp", storage.DCP_METADATA):
+        assert (step / file).stat().st_ino == (epoch / file).stat().st_ino == (checkpoints / "epoch_latest" /
+                                                                             file).stat().st_ino, file
+    whole = storage.load_checkpoint(epoch).full_state(storage.MODEL)
+    assert main(["checkpoint", "consolidate", str(epoch), "--out", str(tmp_path / "full")]) == 0
+    _assert_same(storage.load_checkpoint(tmp_path / "full").states[storage.MODEL], whole)
+    RemoteSync(tmp_path / "run", str(tmp_path / "backup"), 60, "fsspec", lambda line: None).sync()
+    assert storage.remove_checkpoint(checkpoints, "step_00000001")
+    _assert_same(storage.load_checkpoint(epoch).full_state(storage.MODEL), whole)
+    fresh = tmp_path / "fresh" / "run"
+    fresh.mkdir(parents=True)
+    assert restore_from_backup(fresh, str(tmp_path / "backup"), "fsspec", lambda line: None) == 1
+    _assert_same(storage.load_checkpoint(fresh / "checkpoints").full_state(storage.MODEL), whole)

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train_loop import tiny_config
+from test_train_loop import TINY_DATA_FLAGS, tiny_config
 
 from naflexclip.checkpoints import storage as ckpt
+from naflexclip.cli import main
 from naflexclip.models.naflex_clip import PRESETS
 from naflexclip.train.components import load_checkpoint_model, rng_state, set_rng_state
 from naflexclip.train.loop import train
@@ -250,3 +251,108 @@ def test_openclips_epoch_k_pt_names_the_epoch_k_checkpoint_folder(tmp_path: Path
                      f"here; using it"]
     with pytest.raises(FileNotFoundError, match=r"no usable checkpoint .* at '.*epoch_2\.pt'"):
         ckpt.load_checkpoint(tmp_path / "epoch_2.pt")
+
+
+# ------------------------------------------------------------------------- bytes changed at the same size
+
+
+def flip_middle(path: Path) -> None:
+    """Bytes flipped at the middle of a file, its size unchanged (a failing disk, a bad copy)."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 8] = bytes(byte ^ 0xFF for byte in data[middle:middle + 8])
+    path.write_bytes(bytes(data))
+
+
+def _large_states(value: float, step: int) -> dict:
+    """States whose files are mostly tensor bytes: a flip at a file's middle lands in a tensor's values."""
+    return {"model": {"w": torch.full((4096,), value)}, "optimizer": {"m": torch.full((4096,), value)},
+            "rng": {"state": torch.full((4096,), value)}, "progress": {"step": step}}
+
+
+@pytest.mark.parametrize("file", [ckpt.MODEL_FILE, "optimizer.pt", ckpt.STATE_FILE])
+def test_bytes_changed_at_the_same_size_are_named_and_the_previous_checkpoint_is_used(tmp_path: Path,
+                                                                                        file: str) -> None:
+    for step in (1, 2):
+        ckpt.save_checkpoint(tmp_path, f"step_{step:08d}", _large_states(step, step), step=step, epoch=0)
+    flip_middle(tmp_path / "step_00000002" / file)
+    notes: list[str] = []
+    found = ckpt.load_checkpoint(tmp_path, notify=notes.append)
+    assert found.step == 1 and float(found.states["model"]["w"][0]) == 1.0
+    assert len(notes) == 1 and "\n" not in notes[0], notes
+    assert f"step_00000002' is damaged ({file}: its checksum is not the one written" in notes[0], notes
+    assert notes[0].endswith("using step_00000001 (step 1)")
+    with pytest.raises(ckpt.CheckpointError, match=f"is damaged \\({file}: its checksum"):
+        ckpt.load_checkpoint(tmp_path / "step_00000002")
+
+
+def test_every_file_has_its_checksum_and_a_checkpoint_without_checksums_still_loads(tmp_path: Path) -> None:
+    path = ckpt.save_checkpoint(tmp_path, "step_00000001", _large_states(1.0, 1), step=1, epoch=0)
+    meta = json.loads((path / ckpt.META_FILE).read_text())
+    assert set(meta["checksums"]) == set(meta["sizes"]) == {ckpt.MODEL_FILE, "optimizer.pt", ckpt.STATE_FILE}
+    assert meta["checksums"][ckpt.MODEL_FILE] == ckpt.file_checksum(path / ckpt.MODEL_FILE)
+    del meta["checksums"]  # written before checksums were recorded: not checked
+    (path / ckpt.META_FILE).write_text(json.dumps(meta))
+    flip_middle(path / ckpt.MODEL_FILE)
+    assert ckpt.load_checkpoint(tmp_path).step == 1
+
+
+def test_resume_and_eval_of_a_checkpoint_with_bytes_changed_name_the_file(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture) -> None:
+    """`--resume latest` falls back to the previous complete checkpoint in one line naming the file; `eval
+    --checkpoint` of the changed one is one line naming it."""
+    flags = ["--model", "tiny", "--epochs", "1", "--device", "cpu", "--zero-shot-samples", "8", "--val-frequency",
+             "0", "--no-plot", *TINY_DATA_FLAGS, "--logs", str(tmp_path), "--name", "run"]
+    assert main(["train", *flags, "--save-every-n-steps", "1", "--stop-after-steps", "2"]) == 0
+    damaged = tmp_path / "run" / "checkpoints" / "step_00000002"
+    flip_middle(damaged / ckpt.MODEL_FILE)
+    capsys.readouterr()
+    assert main(["train", *flags, "--resume", "latest", "--stop-after-steps", "3"]) == 0
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if "is damaged" in line]
+    assert len(said) == 1 and f"step_00000002' is damaged ({ckpt.MODEL_FILE}: its checksum" in said[0], err
+    assert "using step_00000001 (step 1)" in said[0] and "step_00000001 at epoch 1, step 1" in err
+    assert "Traceback" not in err
+    flip_middle(damaged / ckpt.MODEL_FILE)  # re-saved at step 2 by the resume: change the new copy
+    assert main(["eval", "--checkpoint", str(damaged), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"is damaged ({ckpt.MODEL_FILE}: its checksum" in err, err
+
+
+# --------------------------------------------------------------------------- one state under several names
+
+
+def disk_use(root: Path) -> int:
+    """Bytes the files under `root` take, a file with several names (hard links) counted once."""
+    inodes = {(p.stat().st_dev, p.stat().st_ino): p.stat().st_size for p in root.rglob("*") if p.is_file()}
+    return sum(inodes.values())
+
+
+def test_one_state_saved_under_several_names_is_written_once(tmp_path: Path) -> None:
+    """At an epoch's last step `--save-every-n-steps` (step_N), the epoch's save (epoch_K) and
+    `--save-most-recent` (epoch_latest) hold one model and optimizer state: it is on disk once, every name reads
+    it, and removing one name (--delete-previous-checkpoint, by hand) leaves the others whole."""
+    flags = ["--model", "tiny", "--epochs", "2", "--device", "cpu", "--zero-shot-samples", "8", "--val-frequency",
+             "0", "--no-plot", *TINY_DATA_FLAGS, "--logs", str(tmp_path)]
+    # the built-in plan's epochs have 3 and 4 steps: step 3 is epoch 1's last (epoch_1, removed by
+    # --delete-previous-checkpoint once epoch_2 is saved), step 6 one inside epoch 2, step 7 its last
+    assert main(["train", *flags, "--name", "run", "--save-every-n-steps", "3", "--save-most-recent",
+                 "--delete-previous-checkpoint"]) == 0
+    checkpoints = tmp_path / "run" / "checkpoints"
+    steps = {path.name: ckpt.checkpoint_step(path) for path in checkpoints.iterdir() if path.is_dir()}
+    assert steps == {"step_00000003": 3, "step_00000006": 6, "epoch_2": 7, "epoch_latest": 7}
+    one_state = disk_use(checkpoints / "step_00000006")
+    assert disk_use(checkpoints) < 3.2 * one_state  # the states of steps 3, 6 and 7, each once
+    weights = {}
+    for name in steps:
+        weights[name] = ckpt.load_checkpoint(checkpoints / name).states["model"]
+        model, _ = load_checkpoint_model(checkpoints / name)  # eval, verify, --pretrained
+        assert all(torch.equal(value, model.state_dict()[key]) for key, value in weights[name].items())
+    assert all(torch.equal(weights["epoch_2"][key], weights["epoch_latest"][key]) for key in weights["epoch_2"])
+    # step 3's other name (epoch_1) was removed by --delete-previous-checkpoint: step 3 resumes
+    assert main(["train", *flags, "--name", "again", "--resume", str(checkpoints / "step_00000003"),
+                 "--stop-after-steps", "4"]) == 0
+    assert ckpt.load_checkpoint(tmp_path / "again" / "checkpoints").step == 4
+    assert ckpt.remove_checkpoint(checkpoints, "epoch_2")  # and epoch_latest, its other name, stays whole
+    assert ckpt.load_checkpoint(checkpoints).path.name == "epoch_latest"
+    assert ckpt.load_checkpoint(checkpoints / "epoch_latest").step == 7

@@ -42,13 +42,14 @@ def _train_steps(run_dir: Path) -> list[int]:
 
 
 def _edit_state(directory: Path, edit) -> None:
-    """Rewrite a checkpoint's train_state.pt (and the size its checkpoint.json records)."""
+    """Rewrite a checkpoint's train_state.pt (and the size and checksum its checkpoint.json records)."""
     path = directory / ckpt.STATE_FILE
     state = torch.load(path, weights_only=True)
     edit(state)
     torch.save(state, path)
     meta = json.loads((directory / ckpt.META_FILE).read_text())
     meta["sizes"][ckpt.STATE_FILE] = path.stat().st_size
+    meta["checksums"][ckpt.STATE_FILE] = ckpt.file_checksum(path)
     (directory / ckpt.META_FILE).write_text(json.dumps(meta))
 
 
@@ -241,7 +242,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path: Path
     assert _cli(tmp_path, "run", "--resume", "latest", "--stop-after-steps", "3") == 0
     err = capsys.readouterr().err
     damaged = [line for line in err.splitlines() if "is damaged" in line]
-    assert len(damaged) == 1 and "step_00000002" in damaged[0] and "PytorchStreamReader failed" in damaged[0]
+    assert len(damaged) == 1 and f"step_00000002' is damaged ({ckpt.STATE_FILE}: " in damaged[0]
     assert "using step_00000001 (step 1)" in damaged[0]
     assert "resumed from " in err and "step_00000001 at epoch 1, step 1" in err
     assert "Traceback" not in err

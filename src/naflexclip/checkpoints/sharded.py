@@ -49,11 +49,12 @@ def write_shards(states: dict[str, Any], folder: Path, *, process_group: dist.Pr
 
 
 def finish(checkpoint_dir: Path, name: str, folder: Path, other_states: dict[str, Any], *, step: int, epoch: int,
-           sharded: list[str]) -> Path:
-    """On rank 0 once every rank's shards are in `folder`: `train_state.pt`, `checkpoint.json`, publish."""
+           sharded: list[str], known: dict[str, str | None] | None = None) -> Path:
+    """On rank 0 once every rank's shards are in `folder`: `train_state.pt`, `checkpoint.json`, publish.
+    `known`: checksums recorded already (shards linked from a checkpoint of the same step)."""
     try:
         storage.write_state_file(folder, other_states)
-        storage.write_meta(folder, step, epoch, format=FORMAT, sharded=sorted(sharded))
+        storage.write_meta(folder, step, epoch, known=known, format=FORMAT, sharded=sorted(sharded))
     except BaseException:
         storage.discard(folder)
         raise

@@ -1,18 +1,21 @@
 """Checkpoint storage: one directory per save holding a mapping of named states; this module never looks
 inside a state. The state "model" goes to `model.safetensors`, every other to `train_state.pt` (read back
-weights-only), then `checkpoint.json` (step, epoch, file sizes) marks the save complete and `latest` names it.
+weights-only), then `checkpoint.json` (step, epoch, each file's size and checksum) marks the save complete and
+`latest` names it.
 It publishes, finds and checks full and sharded (`checkpoints.sharded`) saves alike, never losing the last complete
 one, and falls back by step past a damaged or missing one. docs/checkpoints.md#layout and #crash-safety.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import re
 import shutil
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,12 +26,17 @@ from safetensors.torch import load_file, save_file
 MODEL = "model"  # the named state stored as safetensors
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "train_state.pt"
+# the large states besides the model, each in a file of its own (`{name}.pt`), so that a second name for the state
+# of one step (`epoch_K` saved at `step_N`'s step, `epoch_latest`) links these files instead of writing them again
+OWN_FILE_STATES = ("optimizer", "ema_teacher")
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a sharded checkpoint (`checkpoints.sharded`)
 META_FILE = "checkpoint.json"
 LATEST_FILE = "latest"
 # hidden leftovers of an interrupted save: the temp directory, the old copy swapped out, the pointer's temp file
 _STALE = re.compile(r"^\.(tmp|old)-")
 _NEW_SUFFIX = ".new"
+CHECKSUM = "blake2b-256"  # `checkpoint.json`'s checksums: "blake2b-256:<hex>"
+_CHECKSUM_BLOCK = 1 << 20
 
 Notify = Callable[[str], None]
 _log = logging.getLogger(__name__)
@@ -117,19 +125,52 @@ def _point_latest(checkpoint_dir: Path, name: str) -> None:
     _fsync_dir(checkpoint_dir)
 
 
-def save_checkpoint(checkpoint_dir: Path, name: str, states: Mapping[str, Any], *, step: int, epoch: int) -> Path:
+def save_checkpoint(checkpoint_dir: Path, name: str, states: Mapping[str, Any], *, step: int, epoch: int,
+                    same_as: Path | None = None) -> Path:
     """Write `states` (name -> state; "model" a mapping of tensors) as `checkpoint_dir/name/` and point `latest`
-    at it, never leaving `latest` without a complete checkpoint behind it (module docstring); returns its path."""
-    return install_checkpoint(checkpoint_dir, name, lambda tmp: write_full(tmp, states, step=step, epoch=epoch))
+    at it, never leaving `latest` without a complete checkpoint behind it (module docstring); returns its path.
+    `same_as`: a checkpoint holding the same large states (`write_full`)."""
+    return install_checkpoint(checkpoint_dir, name,
+                              lambda tmp: write_full(tmp, states, step=step, epoch=epoch, same_as=same_as))
 
 
-def write_full(folder: Path, states: Mapping[str, Any], *, step: int, epoch: int) -> None:
-    """The full form's three files of `states` into the existing `folder` (`checkpoint.json` last)."""
-    # safetensors refuses shared or non-contiguous storage: save plain contiguous copies
-    tensors = {key: value.detach().contiguous() for key, value in states[MODEL].items()}
-    _write_fsynced(folder / MODEL_FILE, lambda p: save_file(tensors, str(p)))
-    write_state_file(folder, {key: value for key, value in states.items() if key != MODEL})
-    write_meta(folder, step, epoch)
+def write_full(folder: Path, states: Mapping[str, Any], *, step: int, epoch: int, same_as: Path | None = None
+               ) -> None:
+    """The full form's files of `states` into the existing `folder` (`checkpoint.json` last): `model.safetensors`,
+    a `{name}.pt` for each of `OWN_FILE_STATES`, `train_state.pt` for the rest. `same_as`: a checkpoint whose
+    model and `OWN_FILE_STATES` these states are (a second name for the state of one step): its files of them
+    become this checkpoint's too (hard links: written once, and either name may be removed)."""
+    reused: dict[str, str | None] = {}
+    if same_as is not None:
+        files = [MODEL_FILE, *(f"{key}.pt" for key in OWN_FILE_STATES if key in states)]
+        reused = link_files(same_as, folder, files)
+    if MODEL_FILE not in reused:
+        # safetensors refuses shared or non-contiguous storage: save plain contiguous copies
+        tensors = {key: value.detach().contiguous() for key, value in states[MODEL].items()}
+        _write_fsynced(folder / MODEL_FILE, lambda p: save_file(tensors, str(p)))
+    for key in OWN_FILE_STATES:
+        if key in states and f"{key}.pt" not in reused:
+            _write_fsynced(folder / f"{key}.pt", lambda p, state=states[key]: torch.save(state, p))
+    write_state_file(folder, {key: value for key, value in states.items()
+                              if key != MODEL and key not in OWN_FILE_STATES})
+    write_meta(folder, step, epoch, known=reused)
+
+
+def link_files(source: Path, folder: Path, files: list[str]) -> dict[str, str | None]:
+    """Hard-link `files` of the checkpoint `source` into `folder`: one copy on disk under both names, which
+    outlives the removal of either (copied where the filesystem has no hard links). {file: its checksum recorded
+    in `source` (None: not recorded)} of those linked; a file missing there is left out."""
+    recorded = (_read_meta(source) or {}).get("checksums") or {}
+    linked: dict[str, str | None] = {}
+    for file in files:
+        if not (source / file).is_file():
+            continue
+        try:
+            os.link(source / file, folder / file)
+        except OSError:
+            _write_fsynced(folder / file, lambda p, file=file: shutil.copyfile(source / file, p))
+        linked[file] = recorded.get(file)
+    return linked
 
 
 def write_state_file(folder: Path, states: Mapping[str, Any]) -> None:
@@ -188,12 +229,35 @@ def publish(checkpoint_dir: Path, name: str, tmp: Path) -> Path:
     return final
 
 
-def write_meta(folder: Path, step: int, epoch: int, **fields: Any) -> None:
-    """`checkpoint.json`, the last file of a save: step, epoch, `fields`, and the size of every file in `folder`
-    (a reader checks them: a truncated or missing file is named)."""
-    sizes = {path.name: path.stat().st_size for path in sorted(folder.iterdir()) if path.is_file()}
-    meta = {"step": step, "epoch": epoch, **fields, "sizes": sizes}
+def write_meta(folder: Path, step: int, epoch: int, *, known: Mapping[str, str | None] | None = None,
+               **fields: Any) -> None:
+    """`checkpoint.json`, the last file of a save: step, epoch, `fields`, and the size and checksum of every file
+    in `folder` (a reader checks them: a truncated, missing or altered file is named). `known`: checksums already
+    recorded for some of them (files linked from another checkpoint), not computed again."""
+    files = [path for path in sorted(folder.iterdir()) if path.is_file()]
+    sizes = {path.name: path.stat().st_size for path in files}
+    known = {file: value for file, value in (known or {}).items() if value is not None}
+    found = {**checksums([path for path in files if path.name not in known]), **known}
+    meta = {"step": step, "epoch": epoch, **fields, "sizes": sizes, "checksums": dict(sorted(found.items()))}
     _write_fsynced(folder / META_FILE, lambda p: p.write_text(json.dumps(meta) + "\n"))
+
+
+def file_checksum(path: Path) -> str:
+    """`CHECKSUM:<hex>` of a file's bytes, read in 1 MiB blocks."""
+    digest = hashlib.blake2b(digest_size=32)
+    with open(path, "rb") as f:
+        while block := f.read(_CHECKSUM_BLOCK):
+            digest.update(block)
+    return f"{CHECKSUM}:{digest.hexdigest()}"
+
+
+def checksums(files: list[Path]) -> dict[str, str]:
+    """{name: `file_checksum`} of `files`, hashed side by side (hashlib releases the GIL: a sharded checkpoint's
+    shards are read in parallel)."""
+    if not files:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(8, len(files))) as pool:
+        return dict(zip([path.name for path in files], pool.map(file_checksum, files), strict=True))
 
 
 # ----------------------------------------------------------------------------------------------- find
@@ -279,21 +343,42 @@ def _read(directory: Path, device: str | torch.device) -> Checkpoint:
             raise CheckpointError(f"{damaged} ({file}: missing, written {expected} bytes)")
         if size != expected:
             raise CheckpointError(f"{damaged} ({file}: {size} bytes, written {expected})")
-    try:
-        train_state = torch.load(directory / STATE_FILE, map_location=device, weights_only=True)
-    except Exception as error:  # "PytorchStreamReader failed ...", UnpicklingError, EOFError
-        raise CheckpointError(f"{damaged} ({STATE_FILE}: {_first_line(error)})") from None
+    train_state: dict[str, Any] = {}
+    # train_state.pt, and each of `OWN_FILE_STATES` in its own file (a checkpoint written before holds them in it)
+    for file in [STATE_FILE, *(f"{key}.pt" for key in OWN_FILE_STATES if f"{key}.pt" in meta.get("sizes", {}))]:
+        try:
+            state = torch.load(directory / file, map_location=device, weights_only=True)
+        except Exception as error:  # "PytorchStreamReader failed ...", UnpicklingError, EOFError
+            raise CheckpointError(f"{damaged} ({file}: {_first_line(error)})") from None
+        if file == STATE_FILE:
+            train_state.update(state)
+        else:
+            train_state[file.removesuffix(".pt")] = state
     if meta.get("format") == "sharded":
         from naflexclip.checkpoints import sharded
 
         names = tuple(meta.get("sharded", ()))
         sharded.check_metadata(directory, names, damaged)
+        _check_checksums(directory, meta, damaged)
         return Checkpoint(directory, int(meta["step"]), int(meta["epoch"]), train_state, names)
     try:
         model_state = load_file(str(directory / MODEL_FILE), device=str(device))
     except Exception as error:  # safetensors' SafetensorError, OSError: one line, not a traceback
         raise CheckpointError(f"{damaged} ({MODEL_FILE}: {_first_line(error)})") from None
+    _check_checksums(directory, meta, damaged)
     return Checkpoint(directory, int(meta["step"]), int(meta["epoch"]), {MODEL: model_state, **train_state})
+
+
+def _check_checksums(directory: Path, meta: dict[str, Any], damaged: str) -> None:
+    """Every file's bytes are those written (bytes changed at the same size load without an error, or fail deep
+    inside a reader); a checkpoint written before checksums were recorded is not checked."""
+    recorded = meta.get("checksums") or {}
+    files = [directory / file for file, value in recorded.items() if str(value).startswith(f"{CHECKSUM}:")]
+    found = checksums(files)
+    for file in sorted(found):
+        if found[file] != recorded[file]:
+            raise CheckpointError(f"{damaged} ({file}: its checksum is not the one written: the file changed "
+                                  f"since it was saved)")
 
 
 def _first_line(error: BaseException) -> str:

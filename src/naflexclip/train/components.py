@@ -235,6 +235,9 @@ class Checkpointer:
         self.progress, self.env, self.notify = progress, env, notify
         self.sharded, self.async_save = sharded, async_save
         self.last_step_saved: int | None = None
+        # (step, name) of this process's last save: a save at the same step (an epoch's end after its last step was
+        # saved, epoch_latest) holds the same model, optimizer and EMA teacher, whose files it links, not writes
+        self._last_save: tuple[int, str] | None = None
         self._pending: tuple[str, Future, threading.Event] | None = None
         self._failed: list[BaseException] = []
         self._after_pending: list[Callable[[], None]] = []
@@ -248,22 +251,32 @@ class Checkpointer:
             return self._save_sharded(name)
         states = {"run": self.run, **{key: component.state_dict() for key, component in self.components.items()}}
         step, epoch = self.progress.step, self.progress.epoch
+        same_as = self._same_state_as()
 
         def write() -> Path:
-            written = storage.save_checkpoint(self.checkpoint_dir, name, states, step=step, epoch=epoch)
+            written = storage.save_checkpoint(self.checkpoint_dir, name, states, step=step, epoch=epoch,
+                                              same_as=same_as)
             self.notify(f"saved {written}")
             return written
 
+        self._last_save = (step, name)
         # the others wait without a collective timeout (a large checkpoint may take longer) and hear of an error
         return run_on_main(self.env, f"writing checkpoint {name}", write) or self.checkpoint_dir / name
 
+    def _same_state_as(self) -> Path | None:
+        """This process's last save when it was at this step (nothing trained since), else None."""
+        if self._last_save is not None and self._last_save[0] == self.progress.step:
+            return self.checkpoint_dir / self._last_save[1]
+        return None
+
     def _save_sharded(self, name: str) -> Path:
         self.wait()  # one save in flight at a time
+        same_as = self._same_state_as()  # its shards are this step's: linked, not written again
         shards: dict[str, Any] = {}
         others: dict[str, Any] = {"run": self.run}
         for key, component in self.components.items():  # every rank in the same order (some gather)
             if callable(getattr(component, "sharded_state_dict", None)):
-                shards[key] = component.sharded_state_dict()  # type: ignore[attr-defined]
+                shards[key] = component.sharded_state_dict() if same_as is None else None  # type: ignore[attr-defined]
             else:
                 others[key] = component.state_dict()
         # published later when asynchronous: a copy, not the live lists a component goes on appending to
@@ -271,17 +284,26 @@ class Checkpointer:
         step, epoch = self.progress.step, self.progress.epoch
         folder = self.checkpoint_dir / f".tmp-{name}-sharded"  # one writer per run: the same name on every rank
 
+        linked: dict[str, str | None] = {}
+
         def prepare() -> None:
             storage.staging_dir(self.checkpoint_dir, name, "sharded")  # removes an interrupted save's leftovers
             folder.mkdir()
+            if same_as is not None:
+                files = [path.name for path in same_as.iterdir()
+                         if path.name not in (storage.STATE_FILE, storage.META_FILE)]
+                linked.update(storage.link_files(same_as, folder, files))
 
         def publish() -> Path:
             written = sharded.finish(self.checkpoint_dir, name, folder, others, step=step, epoch=epoch,
-                                     sharded=list(shards))
+                                     sharded=list(shards), known=linked)
             self.notify(f"saved {written}")
             return written
 
+        self._last_save = (step, name)
         run_on_main(self.env, f"preparing checkpoint {name}", prepare)
+        if same_as is not None:
+            return run_on_main(self.env, f"writing checkpoint {name}", publish) or self.checkpoint_dir / name
         try:
             future = sharded.write_shards(shards, folder, process_group=self._group, asynchronous=self.async_save)
         except Exception:
@@ -385,3 +407,4 @@ class Checkpointer:
             else:
                 component.load_state_dict(states[key])
         self.last_step_saved = self.progress.step
+        self._last_save = None  # a loaded optimizer keeps this run's hyperparameters: not the checkpoint's files
