@@ -100,9 +100,12 @@ class RunSettings:
         "its model's architecture and weights only, a new run from step 0 with its own schedule"))
     # a name of LOSSES; None: the model's own (clip for tiny/small/base, siglip for SigLIP 2)
     loss: str | None = setting(None, rule=REFUSE, why="the loss", section=_MODEL, choices=sorted(LOSSES),
-                               also=(("--siglip",), {"action": "store_const", "const": "siglip",
-                                                     "default": argparse.SUPPRESS,
-                                                     "help": "OpenCLIP's name for --loss siglip"}),
+                               also=((("--siglip",), {"action": "store_const", "const": "siglip",
+                                                      "default": argparse.SUPPRESS,
+                                                      "help": "OpenCLIP's name for --loss siglip"}),
+                                     (("--no-siglip",), {"action": "store_const", "const": "clip",
+                                                         "default": argparse.SUPPRESS,
+                                                         "help": "OpenCLIP's --siglip off: --loss clip"})),
                                help="contrastive loss: clip (softmax) or siglip (sigmoid, the model gets a "
                                     "logit_bias); default: the model's own (clip for tiny, small and base; siglip for "
                                     "siglip2-*, SigLIP names and --pretrained SigLIP 2)")
@@ -132,6 +135,9 @@ class RunSettings:
         "scaler, CUDA)"))
     grad_clip_norm: float | None = setting(1.0, rule=APPLY, section=_OPTIMIZATION, openclip=None,
                                            convert=lambda clip: clip if clip is not None and clip > 0 else None,
+                                           also=((("--no-grad-clip-norm",), {
+                                               "action": "store_const", "const": None, "default": argparse.SUPPRESS,
+                                               "help": "no clipping (OpenCLIP's default)"}),),
                                            help="clip the window's gradient norm (0 or less: no clipping)")
     seed: int = setting(0, rule=APPLY, section=_OPTIMIZATION, openclip=0)
     # --logs-dir: torchrun (torch >= 2.9) rejects `--logs` after the script as ambiguous with its --logs-specs
