@@ -147,7 +147,8 @@ class RunSettings:
     name: str | None = setting(None, rule=IGNORE, section=_RUN, help="run name (default: date, model, lr, precision)")
     save_frequency: int = setting(1, rule=APPLY, section=_RUN, openclip=1,
                                   help="save a checkpoint every N epochs (0: never)")
-    save_every_n_steps: int | None = setting(None, rule=APPLY, section=_RUN, type=_optional_int)
+    save_every_n_steps: int | None = setting(None, rule=APPLY, section=_RUN, type=_optional_int,
+                                             help="save a checkpoint every N optimizer steps (0 or unset: never)")
     stop_after_steps: int | None = setting(None, rule=IGNORE, section=_RUN, type=_optional_int, help=(
         "save and stop after this many optimizer steps; the lr schedule still spans --epochs"))
     resume: str | None = setting(None, rule=IGNORE, section=_RUN, help=(
@@ -181,7 +182,7 @@ class RunSettings:
     # namespace (config_from_args tells a given one without zero-shot data)
     zeroshot_frequency: int = setting(2, rule=APPLY, section=_ZERO_SHOT, openclip=2, flag_default=argparse.SUPPRESS,
                                       help="classify --zeroshot-data every N epochs (also before training and at the "
-                                           "end); 0: never (default: 2)")
+                                           "end); 0: never, nor the built-in data's zero-shot tasks (default: 2)")
     imagenet_val: str | None = setting(None, rule=APPLY, section=_ZERO_SHOT, help=(
         "ImageNet's validation ImageFolder (1000 synset folders): zero-shot with OpenCLIP's class names and 80 "
         "templates, logged as zeroshot/imagenet-val/top1 and top5"))
