@@ -207,11 +207,17 @@ def _argparse_kwargs(d: Declared) -> dict[str, Any]:
 _GIVEN_AS = "_flags_given"
 
 
+def _stem(flag: str) -> str:
+    """`--x` of `--x` and of its `--no-x` form."""
+    return "--" + flag[len("--no-"):] if flag.startswith("--no-") else flag
+
+
 class _OneOfFlags(argparse.Action):
     """A flag of a destination that several flags set (--loss, --siglip and --no-siglip; --fsdp and --no-fsdp): it
-    stores its value (its `const` when it takes none). Two different flags of one destination that give different
-    values on one command line are refused in one line naming both: argparse would let the last one win, and the
-    order would decide silently. One flag given twice is argparse's override (the last value)."""
+    stores its value (its `const` when it takes none). Two flags of other names that give one destination different
+    values on one command line (--siglip --loss clip) are refused in one line naming both: argparse would let the
+    last one win, and the order would decide silently. A flag given again, or its `--no-` form after it, is an
+    override (the last one wins, as argparse's BooleanOptionalAction; a script appends `--no-x` to its flags)."""
 
     def value(self, values: Any, option_string: str | None) -> Any:
         return self.const if self.nargs == 0 else values
@@ -222,7 +228,7 @@ class _OneOfFlags(argparse.Action):
         shown = f"{option_string}{'' if self.nargs == 0 else ' ' + shown_value(values)}"
         given = namespace.__dict__.setdefault(_GIVEN_AS, {})
         earlier = given.get(self.dest)
-        if earlier is not None and earlier[0] != option_string and earlier[2] != value:
+        if earlier is not None and _stem(earlier[0]) != _stem(str(option_string)) and earlier[2] != value:
             parser.error(f"{earlier[1]} and {shown} contradict each other: give one of them")
         given[self.dest] = (option_string, shown, value)
         setattr(namespace, self.dest, value)
