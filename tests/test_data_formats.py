@@ -168,3 +168,24 @@ def test_val_num_samples_without_validation_data_is_said_to_change_nothing():
         "--val-num-samples 100: changes nothing without --val-data"]
     assert DataConfig(train_data="s/{0..1}.tar", val_data="v.csv", val_num_samples=100).unused_settings() == []
     assert DataConfig(val_num_samples=100).unused_settings() == []  # the built-in dataset's validation split
+
+
+def test_dataset_type_csv_reads_webdataset_validation_shards_as_shards(tmp_path):
+    """`--dataset-type csv` for a CSV --train-data with WebDataset --val-data: the shards' type is inferred from
+    their names (as `--dataset-type parquet` does for shards beside Parquet), not read as a table; a tar archive
+    named as a table is said to be no CSV, in one short line, not a line of its header's bytes."""
+    table = export_synthetic(str(tmp_path / "csv"), fmt="csv", count=8, image_format="png")[0]
+    shards = export_synthetic(str(tmp_path / "wds"), count=6, shard_size=3, split="val", image_format="png")
+    for val_data in (shards[0], shard_spec(shards)):
+        cfg = cfg_for(table, val_data=val_data, dataset_type="csv")
+        assert cfg.source("val") == ("webdataset", val_data)
+        val = build_loader(cfg, split="val", patch_size=PATCH, context_length=CONTEXT)
+        assert val.num_samples == (3 if val_data == shards[0] else 6)
+    named_as_table = tmp_path / "val.csv"
+    named_as_table.write_bytes(open(shards[0], "rb").read())
+    with pytest.raises(DataError) as error:
+        build_loader(cfg_for(table, val_data=str(named_as_table), dataset_type="csv"), split="val",
+                     patch_size=PATCH, context_length=CONTEXT)
+    message = str(error.value)
+    assert f"{named_as_table} is not a CSV/TSV table" in message and "tar archive" in message, message
+    assert len(message) < 300 and "\\x00" not in message and "\x00" not in message, message

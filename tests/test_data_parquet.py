@@ -3,6 +3,7 @@ workers and ranks, resumable; several captions per row; `::` mixtures with WebDa
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -133,3 +134,25 @@ def test_a_parquet_file_that_cannot_be_read_is_one_line_naming_it(tables: str, t
     (tmp_path / "part-1.parquet").write_bytes(b"not parquet")
     with pytest.raises(DataError, match=r"cannot read .*part-1\.parquet"):
         build_loader(config(tables), split="train", patch_size=PATCH, context_length=CONTEXT)
+
+
+@pytest.mark.parametrize(("column", "values", "named"), [
+    ("text", lambda rows: pa.array(list(range(rows))), "column 'text' (--text-key) is int64; expected a string"),
+    ("image", lambda rows: pa.array(list(range(rows))), "column 'image' (--image-key) is int64; expected binary"),
+    ("image", lambda rows: pa.array([str(i) for i in range(rows)]),
+     "column 'image' (--image-key) is string; expected binary"),
+])
+def test_a_column_of_the_wrong_type_is_one_line_naming_it_its_type_and_the_type_expected(
+        tmp_path: Path, capsys: pytest.CaptureFixture, column: str, values, named: str) -> None:
+    """Before: a TypeError or AttributeError mid-epoch (`object of type 'int' has no len()`) naming no column, or
+    every row skipped as a corrupt image. Now the file's schema is checked when it is opened."""
+    path = tmp_path / "bad.parquet"
+    write_table(path, 8)
+    table = pq.read_table(path)
+    pq.write_table(table.set_column(table.column_names.index(column), column, values(8)), path)
+    with pytest.raises(DataError, match=rf"{path}: {re.escape(named)}"):
+        build_loader(config(str(path)), split="train", patch_size=PATCH, context_length=CONTEXT)
+    code = main(["train", "--model", "tiny", "--device", "cpu", "--workers", "0", "--logs", str(tmp_path / "logs"),
+                 "--train-data", str(path), "--naflex-batch-divisor", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "Traceback" not in "\n".join(err) and named in err[-1], err

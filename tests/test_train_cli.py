@@ -151,3 +151,52 @@ def test_several_values_after_a_one_value_flag_say_how_to_give_them(capsys: pyte
         main(["train", "--lr", "0.1", "0.2"])
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "--lr takes one value" in line and "'::'" not in line, line
+
+
+@pytest.mark.parametrize(("argv", "first", "second"), [
+    (["--siglip", "--loss", "clip"], "--siglip", "--loss clip"),
+    (["--loss", "clip", "--siglip"], "--loss clip", "--siglip"),
+    (["--loss", "siglip", "--no-siglip"], "--loss siglip", "--no-siglip"),
+    (["--no-siglip", "--siglip", "--loss", "clip"], "--siglip", "--loss clip"),
+])
+def test_contradicting_flags_are_refused_in_one_line_naming_both(argv: list[str], first: str, second: str,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    """Two flags of one setting that say different things: the order decided silently which one trained (argparse's
+    last one wins); now neither, in one line naming both as given (a flag and its --no- form: test below)."""
+    with pytest.raises(SystemExit) as stopped:
+        main(["train", "--model", "tiny", "--epochs", "0", *argv])  # refused before --epochs is checked
+    assert stopped.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("naflexclip train: error:") and f"{first} and {second}" in line, line
+
+
+@pytest.mark.parametrize(("flags", "key", "value"), [
+    (["--siglip", "--loss", "siglip"], "loss", "siglip"),  # saying the same thing twice contradicts nothing
+    (["--loss", "clip", "--loss", "siglip"], "loss", "siglip"),  # one flag given again: the last, as argparse's
+    (["--model", "siglip2-base", "--no-siglip"], "loss", "clip"),
+    (["--siglip", "--no-siglip"], "loss", "clip"),  # a flag's --no- form after it: the last, as argparse's
+    (["--no-grad-clip-norm"], "grad_clip_norm", None),
+    (["--grad-clip-norm", "2", "--no-grad-clip-norm"], "grad_clip_norm", None),
+    (["--lock-image", "--no-lock-image"], "lock_image", False),
+])
+def test_agreeing_flags_and_the_no_forms_of_siglip_and_grad_clip_norm(flags: list[str], key: str, value) -> None:
+    """OpenCLIP's --siglip is a switch: --no-siglip trains the softmax CLIP loss; --no-grad-clip-norm clips nothing
+    (OpenCLIP's default, where the demo clips at 1). A flag's --no- form after it overrides it (a script appends it
+    to its base flags), as every switch's does."""
+    cfg = config_from_args(build_parser().parse_args(["train", *flags]))
+    assert getattr(cfg, key) == value
+
+
+@pytest.mark.parametrize(("argv", "hint"), [
+    (["train", "--model", "tiny", "--grad-clip-nrom", "1"], "did you mean --grad-clip-norm?"),
+    (["train", "--model", "tiny", "--no-sigilp"], "did you mean --no-siglip?"),
+    (["train", "--lock-imagee"], "did you mean --lock-image?"),
+    (["verify", "--accum-methd", "cache"], "did you mean --accum-method?"),
+])
+def test_an_unknown_flag_gets_the_nearest_real_flag_as_its_hint(argv: list[str], hint: str,
+                                                                capsys: pytest.CaptureFixture) -> None:
+    """Not "--model takes one value" (the flag before it takes one, but the unknown one is a flag, not a value)."""
+    with pytest.raises(SystemExit):
+        main(argv)
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert hint in line and "takes one value" not in line, line

@@ -225,3 +225,49 @@ def test_resume_latest_with_remote_sync_continues_the_backup_when_the_local_fold
     train(tiny_config(tmp_path / "node_a", "run", stop_after_steps=3, **flags))
     assert "at epoch 1, step 2" in capsys.readouterr().err
     assert _train_steps(node_a) == [1, 2, 3] and _train_steps(remote / "run") == [1, 2, 3]
+
+
+def _logs_error(argv: list[str], capsys: pytest.CaptureFixture) -> str:
+    from naflexclip.cli import main
+
+    code = main(["train", "--model", "tiny", "--device", "cpu", "--epochs", "1", "--synthetic-train-size", "32",
+                 "--synthetic-val-size", "8", "--workers", "0", "--no-plot", "--name", "run", *argv])
+    captured = capsys.readouterr()
+    assert code == 2 and not captured.out, captured
+    (line,) = captured.err.strip().splitlines()  # nothing before it: no model built, no data read
+    return line
+
+
+def test_logs_under_a_regular_file_is_one_line_before_any_work(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Not a traceback of the reporter's mkdir once the model is built and the data read."""
+    (tmp_path / "notes.txt").write_text("a file, not a folder")
+    logs = tmp_path / "notes.txt" / "logs"
+    line = _logs_error(["--logs", str(logs)], capsys)
+    assert line.startswith("naflexclip train: error: --logs") and str(logs) in line, line
+    assert f"{tmp_path / 'notes.txt'} is a file, not a directory" in line, line
+
+
+def test_a_read_only_logs_directory_is_one_line_before_any_work(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    logs.chmod(0o555)
+    try:
+        try:  # root (and some file systems) write regardless of the mode
+            (logs / "probe").write_text("")
+        except PermissionError:
+            pass
+        else:
+            pytest.skip("this user writes into a read-only directory (root): "
+                        "test_logs_under_a_regular_file_is_one_line_before_any_work covers the check")
+        line = _logs_error(["--logs", str(logs)], capsys)
+        assert line.startswith("naflexclip train: error: --logs") and f"{logs} is not writable" in line, line
+    finally:
+        logs.chmod(0o755)
+
+
+def test_save_every_n_steps_0_means_off(tmp_path: Path) -> None:
+    """0 is off, as for --save-frequency and the other frequencies (it was refused: must be >= 1)."""
+    cfg = config_from_args(build_parser().parse_args(["train", "--save-every-n-steps", "0"]))
+    assert not cfg.save_every_n_steps
+    train(tiny_config(tmp_path, "run", epochs=1, save_every_n_steps=0, val_frequency=0, plot=False))
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.is_dir()) == ["epoch_1"]

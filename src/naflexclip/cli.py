@@ -7,6 +7,7 @@ Each command module exposes `add_parser(subparsers)`, which registers its flags 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 from typing import NoReturn
@@ -41,6 +42,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _hint(command: argparse.ArgumentParser, argv: list[str], unrecognized: list[str]) -> str:
+    """For an unknown flag, the command's nearest real one (not one it refuses, which --help hides); for
+    unrecognized values, `_one_value_hint`."""
+    if unrecognized[0].startswith("--"):
+        flags = [flag for flag, action in command._option_string_actions.items()
+                 if flag.startswith("--") and action.help is not argparse.SUPPRESS]
+        nearest = difflib.get_close_matches(unrecognized[0].split("=", 1)[0], flags, n=1)
+        return f"; did you mean {nearest[0]}?" if nearest else ""
+    return _one_value_hint(command, argv, unrecognized)
+
+
 def _one_value_hint(command: argparse.ArgumentParser, argv: list[str], unrecognized: list[str]) -> str:
     """Where the unrecognized values follow the value of a flag that takes one (a shell glob, OpenCLIP's `1::2`
     typed as `1 2`): that the flag takes one value, and how its form joins several."""
@@ -63,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         command: argparse.ArgumentParser = parser
         while chosen := next((a for a in command._actions if isinstance(a, argparse._SubParsersAction)), None):
             command = chosen.choices[getattr(args, chosen.dest)]
-        command.error(f"unrecognized arguments: {' '.join(unrecognized)}{_one_value_hint(command, argv, unrecognized)}")
+        command.error(f"unrecognized arguments: {' '.join(unrecognized)}{_hint(command, argv, unrecognized)}")
     args.given = given_destinations(parser, argv)  # a resume keeps the run's saved value of every other setting
     return int(args.func(args) or 0)
 

@@ -70,7 +70,8 @@ class Setting:
     convert: Callable[[Any], Any] | None = None
     from_args: Callable[[argparse.Namespace], Any] | None = None
     reads: tuple[str, ...] = ()
-    also: tuple[Any, ...] = ()  # another flag for the same destination: (option strings, add_argument's kwargs)
+    # more flags for the same destination, each (option strings, add_argument's kwargs): `--siglip` of --loss
+    also: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = ()
     # why each rank of a job may have its own value (its device, its loader processes); "": every rank must agree,
     # checked before the first step (`train.rank_agreement.check_ranks_agree`)
     per_rank: str = ""
@@ -202,7 +203,38 @@ def _argparse_kwargs(d: Declared) -> dict[str, Any]:
     return kwargs
 
 
-class _Switch(argparse.Action):
+# the namespace's record of which flag gave each destination of several flags its value (`_OneOfFlags`)
+_GIVEN_AS = "_flags_given"
+
+
+def _stem(flag: str) -> str:
+    """`--x` of `--x` and of its `--no-x` form."""
+    return "--" + flag[len("--no-"):] if flag.startswith("--no-") else flag
+
+
+class _OneOfFlags(argparse.Action):
+    """A flag of a destination that several flags set (--loss, --siglip and --no-siglip; --fsdp and --no-fsdp): it
+    stores its value (its `const` when it takes none). Two flags of other names that give one destination different
+    values on one command line (--siglip --loss clip) are refused in one line naming both: argparse would let the
+    last one win, and the order would decide silently. A flag given again, or its `--no-` form after it, is an
+    override (the last one wins, as argparse's BooleanOptionalAction; a script appends `--no-x` to its flags)."""
+
+    def value(self, values: Any, option_string: str | None) -> Any:
+        return self.const if self.nargs == 0 else values
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        value = self.value(values, option_string)
+        shown = f"{option_string}{'' if self.nargs == 0 else ' ' + shown_value(values)}"
+        given = namespace.__dict__.setdefault(_GIVEN_AS, {})
+        earlier = given.get(self.dest)
+        if earlier is not None and _stem(earlier[0]) != _stem(str(option_string)) and earlier[2] != value:
+            parser.error(f"{earlier[1]} and {shown} contradict each other: give one of them")
+        given[self.dest] = (option_string, shown, value)
+        setattr(namespace, self.dest, value)
+
+
+class _Switch(_OneOfFlags):
     """A store_true flag with its generated `--no-` form: both set the destination, so a resume that is given
     `--no-<flag>` switches off what the run started with (a flag that can only be switched on could not be)."""
 
@@ -211,9 +243,8 @@ class _Switch(argparse.Action):
         super().__init__([*option_strings, negative], dest, nargs=0, default=default, help=help)
         self.negative = negative
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
-        setattr(namespace, self.dest, option_string != self.negative)
+    def value(self, values: Any, option_string: str | None) -> Any:
+        return option_string != self.negative
 
     def format_usage(self) -> str:
         return " | ".join(self.option_strings)
@@ -249,14 +280,16 @@ def add_arguments(parser: argparse.ArgumentParser, config: type, *, skip_section
             text = ((text + " ") if text else "") + (
                 f"(default: {shown_value(d.openclip)}, OpenCLIP's; on the built-in dataset: {shown_value(d.default)})")
         flag = d.setting.flag or d.flag
-        also_flags = d.setting.also[0] if d.setting.also else ()
+        also_flags = {f for flags, _ in d.setting.also for f in flags}
         negative = _negative_flag(flag, kwargs, {*parser._option_string_actions, *also_flags})
         if negative is not None:
             kwargs.update(action=_Switch, negative=negative)
+        elif d.setting.also and "action" not in kwargs:  # one of several flags (`_OneOfFlags`)
+            kwargs["action"] = _OneOfFlags
         groups[section].add_argument(flag, *d.setting.aliases, dest=d.dest, help=text, **kwargs)
-        if d.setting.also:
-            flags, more = d.setting.also
-            groups[section].add_argument(*flags, dest=d.dest, **more)
+        for flags, more in d.setting.also:
+            const = {"action": _OneOfFlags, "nargs": 0} if more.get("action") == "store_const" else {}
+            groups[section].add_argument(*flags, dest=d.dest, **{**more, **const})
 
 
 def switches_with_data(d: Declared) -> bool:
@@ -321,7 +354,7 @@ def given_destinations(parser: argparse.ArgumentParser, arg_strings: list[str]) 
             current._defaults.update(defaults)
             for action, default in zip(current._actions, action_defaults, strict=True):
                 action.default = default
-    return set(vars(namespace))
+    return set(vars(namespace)) - {_GIVEN_AS}
 
 
 def undeclared_destinations(parser: argparse.ArgumentParser, config: type,

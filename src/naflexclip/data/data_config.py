@@ -373,8 +373,12 @@ class DataConfig:
         path = self.train_data if split == "train" else self.val_data
         if path is None:
             return None
-        kind = infer_dataset_type(path) if self.dataset_type == "auto" else self.dataset_type
-        return (kind, path)
+        inferred = infer_dataset_type(path)
+        if self.dataset_type == "auto" or (self.dataset_type == "csv" and inferred in ("webdataset", "parquet")):
+            # a CSV --train-data beside shards or Parquet named as such: each read as what it is, as
+            # --dataset-type parquet reads the shards of a mixture
+            return (inferred, path)
+        return (self.dataset_type, path)
 
 
 def infer_dataset_type(path: str | None) -> str:

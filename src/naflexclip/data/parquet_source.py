@@ -49,6 +49,32 @@ def _column(names: list[str], wanted: tuple[str, ...] | None, defaults: tuple[st
     raise DataError(f"{url} has no column named by {asked}; its columns: {', '.join(names)}")
 
 
+def _checked_type(schema: Any, name: str, flag: str, url: str) -> None:
+    """The image column holds encoded files (binary, or the `datasets` library's struct `{bytes, path}`), the
+    caption column strings (or lists of them): otherwise one line naming the column, its type and the one expected,
+    now rather than a TypeError mid-epoch."""
+    import pyarrow as pa
+
+    def binary(t: Any) -> bool:
+        return pa.types.is_binary(t) or pa.types.is_large_binary(t)
+
+    def text(t: Any) -> bool:
+        if pa.types.is_dictionary(t):  # a categorical column
+            t = t.value_type
+        return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+    kind = schema.field(name).type
+    if flag == "--image-key":
+        ok = binary(kind) or (pa.types.is_struct(kind) and kind.get_field_index("bytes") >= 0
+                              and binary(kind.field("bytes").type))
+        expected = "binary (the encoded image file) or a struct {bytes, path}"
+    else:
+        ok = text(kind) or ((pa.types.is_list(kind) or pa.types.is_large_list(kind)) and text(kind.value_type))
+        expected = "a string or a list of strings (several captions)"
+    if not ok:
+        raise DataError(f"{url}: column {name!r} ({flag}) is {kind}; expected {expected}")
+
+
 def _footers(spec: str, urls: list[str]) -> list[Any]:
     """Each file's metadata (its footer), remote files 16 at a time; one line naming the file that cannot be read."""
     def footer(url: str) -> Any:
@@ -82,9 +108,11 @@ class ParquetSource:
         self.columns: list[tuple[str, str]] = []
         groups, sizes, first_rows = [], [], []
         for f, (url, meta) in enumerate(zip(urls, _footers(spec, urls), strict=True)):
-            names = meta.schema.to_arrow_schema().names
-            self.columns.append((_column(names, image_keys, IMAGE_COLUMNS, "--image-key", url),
-                                 _column(names, text_keys, TEXT_COLUMNS, "--text-key", url)))
+            schema = meta.schema.to_arrow_schema()
+            self.columns.append((_column(schema.names, image_keys, IMAGE_COLUMNS, "--image-key", url),
+                                 _column(schema.names, text_keys, TEXT_COLUMNS, "--text-key", url)))
+            for name, flag in zip(self.columns[-1], ("--image-key", "--text-key"), strict=True):
+                _checked_type(schema, name, flag, url)
             row = 0
             for g in range(meta.num_row_groups):
                 groups.append((f, g))

@@ -55,6 +55,19 @@ def _separator_hint(path: str, header: str, separator: str, wanted: tuple[str, s
     return ""
 
 
+def _not_a_table(path: str) -> str | None:
+    """What a file that holds binary data is (a table's text has no NUL byte), or None for text."""
+    with open(path, "rb") as f:
+        head = f.read(512)
+    if b"\x00" not in head:
+        return None
+    if head[257:262] == b"ustar":
+        return "a tar archive (WebDataset shards: --dataset-type webdataset or auto)"
+    if head.startswith(b"PAR1"):
+        return "a Parquet file (--dataset-type parquet or auto)"
+    return "binary data"
+
+
 class CsvSource:
     """Rows of a CSV/TSV file: image path column `img_key`, caption column `caption_key` (OpenCLIP names).
 
@@ -76,6 +89,9 @@ class CsvSource:
             raise DataError(f"CSV data file not found: {path}")
         if not separator:
             raise DataError("--csv-separator must not be empty")
+        binary = _not_a_table(path)
+        if binary is not None:
+            raise DataError(f"{path} is not a CSV/TSV table: it is {binary}")
         self.name = path
         self.root = os.path.dirname(os.path.abspath(path))
         self.index_skips: list[dict[str, Any]] = []

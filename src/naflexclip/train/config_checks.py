@@ -85,13 +85,13 @@ def check_counts(cfg: Any) -> None:
     ):
         if value < minimum:
             raise ValueError(f"{flag} must be >= {minimum}, got {value}")
-    for flag, optional in (
-        ("--save-every-n-steps", cfg.save_every_n_steps),
-        ("--stop-after-steps", cfg.stop_after_steps),
-        ("--batch-size", cfg.batch_size),
+    for flag, optional, minimum in (
+        ("--save-every-n-steps", cfg.save_every_n_steps, 0),  # 0: never, as --save-frequency 0
+        ("--stop-after-steps", cfg.stop_after_steps, 1),
+        ("--batch-size", cfg.batch_size, 1),
     ):
-        if optional is not None and optional < 1:
-            raise ValueError(f"{flag} must be >= 1, got {optional}")
+        if optional is not None and optional < minimum:
+            raise ValueError(f"{flag} must be >= {minimum}, got {optional}")
     if not cfg.lr > 0:
         raise ValueError(f"--lr must be > 0, got {cfg.lr}")
     if cfg.wd < 0:

@@ -300,8 +300,8 @@ def brief(metrics: dict[str, float]) -> str:
 
 class Evaluator:
     """Evaluation during training, built from the config: retrieval on the validation data, the LocCa decoder's
-    metrics (with the recipe's decoder) and, for a model trained on the built-in dataset, its zero-shot tasks and the
-    dense probe, every --val-frequency epochs (0: before training and
+    metrics (with the recipe's decoder) and, for a model trained on the built-in dataset, its zero-shot tasks (none
+    with --zeroshot-frequency 0) and the dense probe, every --val-frequency epochs (0: before training and
     at the end only); zero-shot classification of --zeroshot-data every --zeroshot-frequency epochs. Logs each
     evaluation and keeps the history (`state_dict`: the summary's "before" column survives a resume).
 
@@ -317,8 +317,10 @@ class Evaluator:
         if cfg.fsdp and unsharded:
             # greedy decoding and the probe's token features run modules outside the root forward FSDP gathers around
             reporter.message(f"{' and '.join(unsharded)} not evaluated under --fsdp (run outside the sharded forward)")
+        # --zeroshot-frequency 0: no zero-shot at all, as in OpenCLIP (the built-in data's shape/colour tasks too)
         self.tasks = evaluation_tasks(cfg.data, env.device, autocast,
-                                      zero_shot_samples=cfg.zero_shot_samples if builtin else 0,
+                                      zero_shot_samples=cfg.zero_shot_samples if builtin and cfg.zeroshot_frequency
+                                      else 0,
                                       frequency=cfg.val_frequency, dense_probe=builtin and not cfg.fsdp,
                                       decoder=decoder and not cfg.fsdp, notify=reporter.message)
         self.tasks += folder_zero_shot_tasks(cfg, env.device, autocast, reporter.message)

@@ -68,9 +68,24 @@ def report_to_names(text: str) -> list[str]:
 
 
 def refuse_existing_run(run_dir: Path, resuming: bool) -> None:
-    """OpenCLIP's rule: a new run does not write over another run's logs."""
+    """OpenCLIP's rule: a new run does not write over another run's logs. And the run folder can be written
+    (`check_writable`): both before the model is built or any data read."""
     if not resuming and (run_dir / METRICS_FILE).exists():
         raise ValueError(f"--name: run {str(run_dir)!r} already exists; pick another --name or pass --resume latest")
+    check_writable(run_dir)
+
+
+def check_writable(run_dir: Path) -> None:
+    """The run folder `{--logs}/{--name}` can be created and written: else one line naming the directory in the
+    way (a file, or one this user may not write), not a traceback at the first write."""
+    folder = run_dir
+    while not folder.exists() and folder != folder.parent:  # the nearest part that exists
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ValueError(f"--logs {run_dir.parent}: cannot create the run folder {run_dir}: {folder} is a file, "
+                         f"not a directory")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"--logs {run_dir.parent}: cannot write the run folder {run_dir}: {folder} is not writable")
 
 
 def run_exists(run_dir: Path) -> bool:

@@ -100,9 +100,12 @@ class RunSettings:
         "its model's architecture and weights only, a new run from step 0 with its own schedule"))
     # a name of LOSSES; None: the model's own (clip for tiny/small/base, siglip for SigLIP 2)
     loss: str | None = setting(None, rule=REFUSE, why="the loss", section=_MODEL, choices=sorted(LOSSES),
-                               also=(("--siglip",), {"action": "store_const", "const": "siglip",
-                                                     "default": argparse.SUPPRESS,
-                                                     "help": "OpenCLIP's name for --loss siglip"}),
+                               also=((("--siglip",), {"action": "store_const", "const": "siglip",
+                                                      "default": argparse.SUPPRESS,
+                                                      "help": "OpenCLIP's name for --loss siglip"}),
+                                     (("--no-siglip",), {"action": "store_const", "const": "clip",
+                                                         "default": argparse.SUPPRESS,
+                                                         "help": "OpenCLIP's --siglip off: --loss clip"})),
                                help="contrastive loss: clip (softmax) or siglip (sigmoid, the model gets a "
                                     "logit_bias); default: the model's own (clip for tiny, small and base; siglip for "
                                     "siglip2-*, SigLIP names and --pretrained SigLIP 2)")
@@ -132,6 +135,9 @@ class RunSettings:
         "scaler, CUDA)"))
     grad_clip_norm: float | None = setting(1.0, rule=APPLY, section=_OPTIMIZATION, openclip=None,
                                            convert=lambda clip: clip if clip is not None and clip > 0 else None,
+                                           also=((("--no-grad-clip-norm",), {
+                                               "action": "store_const", "const": None, "default": argparse.SUPPRESS,
+                                               "help": "no clipping (OpenCLIP's default)"}),),
                                            help="clip the window's gradient norm (0 or less: no clipping)")
     seed: int = setting(0, rule=APPLY, section=_OPTIMIZATION, openclip=0)
     # --logs-dir: torchrun (torch >= 2.9) rejects `--logs` after the script as ambiguous with its --logs-specs
@@ -141,7 +147,8 @@ class RunSettings:
     name: str | None = setting(None, rule=IGNORE, section=_RUN, help="run name (default: date, model, lr, precision)")
     save_frequency: int = setting(1, rule=APPLY, section=_RUN, openclip=1,
                                   help="save a checkpoint every N epochs (0: never)")
-    save_every_n_steps: int | None = setting(None, rule=APPLY, section=_RUN, type=_optional_int)
+    save_every_n_steps: int | None = setting(None, rule=APPLY, section=_RUN, type=_optional_int,
+                                             help="save a checkpoint every N optimizer steps (0 or unset: never)")
     stop_after_steps: int | None = setting(None, rule=IGNORE, section=_RUN, type=_optional_int, help=(
         "save and stop after this many optimizer steps; the lr schedule still spans --epochs"))
     resume: str | None = setting(None, rule=IGNORE, section=_RUN, help=(
@@ -175,7 +182,7 @@ class RunSettings:
     # namespace (config_from_args tells a given one without zero-shot data)
     zeroshot_frequency: int = setting(2, rule=APPLY, section=_ZERO_SHOT, openclip=2, flag_default=argparse.SUPPRESS,
                                       help="classify --zeroshot-data every N epochs (also before training and at the "
-                                           "end); 0: never (default: 2)")
+                                           "end); 0: never, nor the built-in data's zero-shot tasks (default: 2)")
     imagenet_val: str | None = setting(None, rule=APPLY, section=_ZERO_SHOT, help=(
         "ImageNet's validation ImageFolder (1000 synset folders): zero-shot with OpenCLIP's class names and 80 "
         "templates, logged as zeroshot/imagenet-val/top1 and top5"))
