@@ -396,7 +396,10 @@ class IndexedShardSource:
         if remote.is_remote(self.urls[shard_id]):
             return read_remote_sample(self.urls[shard_id], self.keys[index], self.offsets[index],
                                       version=self.versions[shard_id])
-        fd = self._fd(shard_id)
+        try:
+            fd = self._fd(shard_id)
+        except OSError as error:  # gone since it was indexed: as a shard that cannot be opened
+            raise SkipSample("missing_shard", f"{self.urls[shard_id]}: {error.strerror}") from None
         image = os.pread(fd, img_size, img_off)  # pread: no shared file position between threads or forks
         caption = os.pread(fd, cap_size, cap_off)
         regions = os.pread(fd, json_size, json_off) if json_off >= 0 else None
@@ -508,10 +511,13 @@ class SizedShardSource:
             raise SkipSample(reason, notes=notes)
         if remote.is_remote(url):
             return read_remote_sample(url, shard_index.keys[j], shard_index.offsets[j], notes, shard_index.version)
-        with open(url, "rb") as f:
-            image = os.pread(f.fileno(), img_size, img_off)
-            caption = os.pread(f.fileno(), cap_size, cap_off)
-            regions = os.pread(f.fileno(), json_size, json_off) if json_off >= 0 else None
+        try:
+            with open(url, "rb") as f:
+                image = os.pread(f.fileno(), img_size, img_off)
+                caption = os.pread(f.fileno(), cap_size, cap_off)
+                regions = os.pread(f.fileno(), json_size, json_off) if json_off >= 0 else None
+        except OSError as error:  # gone since it was indexed: as a shard that cannot be opened
+            raise SkipSample("missing_shard", f"{url}: {error.strerror}", notes=notes) from None
         return RawSample(image, caption, None, f"{url}:{shard_index.keys[j]}", regions, notes)
 
     def __getstate__(self) -> dict[str, Any]:
