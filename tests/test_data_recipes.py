@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from collections import Counter
 
 import pytest
@@ -461,3 +463,36 @@ def test_a_mixture_that_copies_a_source_says_in_one_line_that_copies_can_meet(tm
         build_loader(cfg_for(f"{a}::{b}", train_data_upsampling_factors="1::0.5"), split="train", patch_size=PATCH,
                      context_length=CONTEXT)
     assert not any("--train-data-upsampling-factors" in r.getMessage() for r in caplog.records)
+
+
+def test_a_local_shard_deleted_mid_epoch_skips_each_unread_sample_by_its_key_also_after_a_resume(tmp_path):
+    """Shards with a sizes.json; one goes after the epoch's first microbatch: each of its samples not yet read is
+    `missing_shard`, named by its key (never a crash, never `#j`), and a resume from that microbatch names the
+    samples it has not trained the same way."""
+    from naflexclip.data.dataset_export import export_synthetic
+
+    export_synthetic(str(tmp_path), count=40, shard_size=10, image_format="png")
+    cfg = cfg_for(str(tmp_path / "train-{00000..00003}.tar"), naflex_max_tokens_per_batch=128, seed=3)
+    kwargs = dict(split="train", patch_size=PATCH, context_length=CONTEXT)
+    gone = str(tmp_path / "train-00002.tar")
+    kept = gone + ".kept"
+    shutil.copy(gone, kept)
+    lost = {f"train{i:08d}" for i in range(20, 30)}
+    loader = build_loader(cfg, **kwargs)
+    batches = iter(loader)
+    head = [k.rsplit(":", 1)[-1] for k in next(batches)["keys"]]
+    state = loader.state_dict()
+    os.remove(gone)
+    rest = [k.rsplit(":", 1)[-1] for b in batches for k in b["keys"]]
+    skipped = [r for r in loader.skip_records if r["reason"] == "missing_shard"]
+    assert {r["reason"] for r in loader.skip_records} == {"missing_shard"}
+    assert len(skipped) == len({r["key"] for r in skipped}) == len(lost - set(head + rest)) > 0
+    assert {r["key"] for r in skipped} == lost - set(head + rest)
+    shutil.copy(kept, gone)  # as it was at the checkpoint
+    resumed = build_loader(DataConfig(**{**cfg.__dict__, "workers": 2}), **kwargs)
+    os.remove(gone)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(state["epoch"], state["position"])
+    after = [k.rsplit(":", 1)[-1] for b in resumed for k in b["keys"]]
+    again = [r for r in resumed.skip_records if r["reason"] == "missing_shard"]
+    assert {r["key"] for r in again} == lost - set(head + after) and len(again) == len(lost - set(head + after))

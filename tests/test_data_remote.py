@@ -344,3 +344,69 @@ def test_a_resume_that_finds_a_shard_rewritten_since_the_checkpoint_says_so_and_
     assert f"{prefix}/train-00002.tar" in said[0]
     assert all(int(k[-8:]) // 10 == int(k.split(".tar")[0][-1]) for k in head + rest)  # nothing of the new bytes
     assert resumed.skip_counts["shard_changed"] == 10 - sum("train-00002" in k for k in head)
+
+
+def _start_fault(kind: str, url: str, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch) -> list:
+    """Break the shard at `url` once the run's startup has pinned and indexed it, as its epoch starts reading:
+    `outage` (every request for it fails, past the retries) or `deleted` (the object is gone). Returns the list the
+    run's training loader is put in."""
+    from naflexclip.data.map_loader import MapLoader
+
+    dataloader, loaders = MapLoader._dataloader, []
+
+    def break_then_read(self: MapLoader, first: int):
+        loaders.append(self)
+        if kind == "outage":
+            proxy.down = url.split("://", 1)[1].split("/", 1)[1]
+        else:
+            import s3fs
+
+            s3fs.S3FileSystem(skip_instance_cache=True).rm_file(url)
+        return dataloader(self, first)
+
+    monkeypatch.setattr(MapLoader, "_dataloader", break_then_read)
+    return loaders
+
+
+def _skips_and_data(run_dir: Path) -> tuple[Counter, dict[str, int]]:
+    """(skip log records as (shard, key, reason), each once; the epoch's `data` record's skip counts)."""
+    from naflexclip.train.report import SKIP_LOG_FILE, read_skip_log
+    from naflexclip.train.sinks import METRICS_FILE, read_metrics
+
+    logged = Counter((r["source"].rpartition("/")[2], r["key"], r["reason"])
+                     for r in read_skip_log(run_dir / SKIP_LOG_FILE) if r["reason"] != "read_retry")
+    records = read_metrics(run_dir / METRICS_FILE)
+    (data,) = [r for r in records if r["kind"] == "data"]
+    counts = {k.rpartition("/")[2]: v for k, v in data.items() if k.startswith("data/skipped/")}
+    counts.pop("read_retry", None)  # retries depend on timing; the samples lost do not
+    return logged, counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, reason", [("outage", "unreachable_shard"), ("deleted", "missing_shard")])
+def test_a_shard_lost_mid_run_is_counted_once_per_sample_under_one_name_across_a_cut_and_resume(
+        bucket, tmp_path: Path, fast_retries, monkeypatch: pytest.MonkeyPatch, kind: str, reason: str) -> None:
+    """A shard that the run's startup read fine is lost as its epoch starts reading, for the rest of the run (an
+    outage past the retries, or the object deleted), with 2 workers: the run cut at step 2 and resumed skips what
+    the uninterrupted run skips, each of the shard's 10 samples once, by the same key and under one name."""
+    monkeypatch.setattr(remote, "RETRIES", 1)
+    prefix, lost = f"s3://data/lost-{kind}", "train-00002.tar"
+    runs = {}
+    for name, cuts in (("whole", [[]]), ("part", [["--stop-after-steps", "2", "--save-every-n-steps", "1"],
+                                                  ["--resume", "latest"]])):
+        monkeypatch.setenv("AWS_ENDPOINT_URL", bucket[0])
+        upload(str(bucket[1]), prefix)  # the shard back, at the version (ETag) it had
+        with FaultProxy(bucket[0], every=10**9, limit=0) as proxy:
+            monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+            for extra in cuts:
+                remote.forget_filesystems()
+                with monkeypatch.context() as fault:
+                    loaders = _start_fault(kind, f"{prefix}/{lost}", proxy, fault)
+                    flags = _train_flags(tmp_path, f"{prefix}/{LOCAL_SPEC}", workers=2)
+                    assert main(["train", *flags, "--name", name, *extra]) == 0
+        counted = Counter({r: n for r, n in loaders[-1].skip_counts.items() if r != "read_retry"})
+        runs[name] = (*_skips_and_data(tmp_path / name), counted)  # the loader's: since the run's start
+    logged, counts, counted = runs["whole"]
+    assert counts == counted == {reason: 10}
+    assert sorted(logged) == [(lost, f"train{i:08d}", reason) for i in range(20, 30)]
+    assert runs["part"] == runs["whole"]

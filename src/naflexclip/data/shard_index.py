@@ -49,7 +49,8 @@ class ShardIndex:
     `detail` says why), "changed" (a remote shard rewritten since its version was pinned) or "truncated" (ends
     early or is not a tar; the samples before the damage are kept). `version`: a remote shard's, as indexed.
     `cut`: the key of the sample a member of which the damage cut (left out of `keys`), or None when no member
-    was cut."""
+    was cut. A missing or unreachable shard's `keys`, where a `SizedShardSource` knows them (`known_keys`), are those
+    it held when it could be read: they name its skipped samples, nothing of it is read."""
 
     url: str
     status: str
@@ -237,6 +238,21 @@ def load_shard_index(url: str, cache_dir: str | None = None, keys: MemberKeys = 
     return index
 
 
+def known_keys(url: str, cache_dir: str | None, keys: MemberKeys, version: str | None) -> list[str]:
+    """The sample keys the shard's cached index holds, whatever the shard's state now: how the samples of a shard
+    that cannot be read are named, by the keys they had when it could. A remote shard's at `version` (its pinned
+    ETag) only; none when that is not known."""
+    stamp: dict[str, Any] = {"version": INDEX_VERSION, "image_key": list(keys.image),
+                             "caption_key": list(keys.caption)}
+    if remote.is_remote(url):
+        if version is None:
+            return []
+        stamp["etag"] = version
+    cached = _read_cache(_cache_path(url, cache_dir), stamp, whole=True)
+    found = cached.get("keys") if cached is not None else None
+    return found if isinstance(found, list) else []
+
+
 def held_count(url: str, cache_dir: str | None = None, keys: MemberKeys = DEFAULT_MEMBER_KEYS,
                pin: dict[str, Any] | None = None) -> int:
     """The samples the shard holds (0: it cannot be read): the first line of its cached index, else its index."""
@@ -280,14 +296,16 @@ def held_samples(urls: list[str], cache_dir: str | None, keys: MemberKeys, first
 def read_remote_sample(url: str, key: str, row: np.ndarray, notes: list[dict[str, Any]] | None = None,
                        version: str | None = None) -> RawSample:
     """A remote shard's sample: its members in one ranged request; a read failing for good skips it as
-    `unreachable_shard`, naming the URL and the error, and a shard no longer at its pinned `version` as
-    `shard_changed`. `notes`: as `RawSample.notes`."""
+    `unreachable_shard` (`missing_shard`: the object is gone), naming the URL and the error, and a shard no longer at
+    its pinned `version` as `shard_changed`: the names its index gives the same faults. `notes`: as
+    `RawSample.notes`."""
     img_off, img_size, cap_off, cap_size, json_off, json_size = (int(v) for v in row)
     try:
         image, caption, regions = remote.read_spans(url, [(img_off, img_size), (cap_off, cap_size),
                                                           (json_off, json_size)], version)
     except remote.Unreachable as error:
-        raise SkipSample("unreachable_shard", str(error), notes=notes) from None
+        reason = SHARD_STATUS_REASONS["missing" if error.missing else "unreachable"]
+        raise SkipSample(reason, str(error), notes=notes) from None
     except remote.Changed as error:
         raise SkipSample("shard_changed", str(error), notes=notes) from None
     return RawSample(image, caption, None, f"{url}:{key}", regions, notes or [])
@@ -378,7 +396,10 @@ class IndexedShardSource:
         if remote.is_remote(self.urls[shard_id]):
             return read_remote_sample(self.urls[shard_id], self.keys[index], self.offsets[index],
                                       version=self.versions[shard_id])
-        fd = self._fd(shard_id)
+        try:
+            fd = self._fd(shard_id)
+        except OSError as error:  # gone since it was indexed: as a shard that cannot be opened
+            raise SkipSample("missing_shard", f"{self.urls[shard_id]}: {error.strerror}") from None
         image = os.pread(fd, img_size, img_off)  # pread: no shared file position between threads or forks
         caption = os.pread(fd, cap_size, cap_off)
         regions = os.pread(fd, json_size, json_off) if json_off >= 0 else None
@@ -421,6 +442,7 @@ class SizedShardSource:
                         f"sizes.json lists {listed} samples, the shard holds {count}: all {count} are read")
             for url, listed, count in zip(urls, self.listed.tolist(), held.tolist(), strict=True) if count > listed]
         self.bounds = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+        self.saved_versions: dict[str, str] = {}  # a checkpoint's, also of shards not listed now
         self._indexes: collections.OrderedDict[int, ShardIndex] = collections.OrderedDict()
         # a microbatch's samples are read at once: their shards' indexes are loaded first, by `describe`
         self.parallel_reads = remote.PARALLEL_READS if any(remote.is_remote(u) for u in urls) else 1
@@ -435,6 +457,7 @@ class SizedShardSource:
     def pin_versions(self, saved: dict[str, str]) -> list[tuple[str, str, str | None]]:
         """As `IndexedShardSource.pin_versions`."""
         changed = []
+        self.saved_versions = dict(saved)
         for url in dict.fromkeys(self.urls):
             now = self.pins[url]["version"] if url in self.pins else None
             if url in saved and now not in (None, saved[url]):  # not listed now: missing_shard
@@ -447,7 +470,12 @@ class SizedShardSource:
         shard = int(np.searchsorted(self.bounds, index, side="right")) - 1
         if shard not in self._indexes:
             url = self.urls[shard]
-            self._indexes[shard] = load_shard_index(url, self.cache_dir, self.member_keys, self.pins.get(url))
+            found = load_shard_index(url, self.cache_dir, self.member_keys, self.pins.get(url))
+            if found.status in ("missing", "unreachable") and not found.keys:  # its samples named as when readable
+                version = self.pins[url]["version"] if url in self.pins else self.saved_versions.get(url)
+                found.keys = known_keys(url, self.cache_dir, self.member_keys, version)
+                found.offsets = np.full((len(found.keys), 6), -1, dtype=np.int64)  # never read: its status says why
+            self._indexes[shard] = found
             while len(self._indexes) > self.cached_shards:
                 self._indexes.popitem(last=False)
         self._indexes.move_to_end(shard)
@@ -460,10 +488,8 @@ class SizedShardSource:
     def load(self, index: int) -> RawSample:
         shard, j, shard_index = self._locate(index)
         url = self.urls[shard]
-        if shard_index.status == "missing":
-            raise SkipSample("missing_shard", url)
-        if shard_index.status in ("unreachable", "changed"):
-            raise SkipSample(SHARD_STATUS_REASONS[shard_index.status], shard_index.detail)
+        if shard_index.status in ("missing", "unreachable", "changed"):
+            raise SkipSample(SHARD_STATUS_REASONS[shard_index.status], shard_index.detail or url)
         listed, planned = int(self.listed[shard]), int(self.sizes[shard])
         if j >= len(shard_index):
             if shard_index.status == "truncated":
@@ -485,10 +511,13 @@ class SizedShardSource:
             raise SkipSample(reason, notes=notes)
         if remote.is_remote(url):
             return read_remote_sample(url, shard_index.keys[j], shard_index.offsets[j], notes, shard_index.version)
-        with open(url, "rb") as f:
-            image = os.pread(f.fileno(), img_size, img_off)
-            caption = os.pread(f.fileno(), cap_size, cap_off)
-            regions = os.pread(f.fileno(), json_size, json_off) if json_off >= 0 else None
+        try:
+            with open(url, "rb") as f:
+                image = os.pread(f.fileno(), img_size, img_off)
+                caption = os.pread(f.fileno(), cap_size, cap_off)
+                regions = os.pread(f.fileno(), json_size, json_off) if json_off >= 0 else None
+        except OSError as error:  # gone since it was indexed: as a shard that cannot be opened
+            raise SkipSample("missing_shard", f"{url}: {error.strerror}", notes=notes) from None
         return RawSample(image, caption, None, f"{url}:{shard_index.keys[j]}", regions, notes)
 
     def __getstate__(self) -> dict[str, Any]:
