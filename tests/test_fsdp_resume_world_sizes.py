@@ -102,12 +102,15 @@ def stopped_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _rewrite_optimizer_state(run: Path, change: Callable[[dict], None]) -> None:
+    """Change the optimizer state of the run's latest checkpoint (and the size and checksum recorded for it)."""
     folder = storage.find_latest(run / "checkpoints")
-    state = torch.load(folder / storage.STATE_FILE, weights_only=True)
-    change(state["optimizer"])
-    torch.save(state, folder / storage.STATE_FILE)
+    path = folder / "optimizer.pt"  # the full form keeps the optimizer in its own file
+    optimizer = torch.load(path, weights_only=True)
+    change(optimizer)
+    torch.save(optimizer, path)
     meta = json.loads((folder / storage.META_FILE).read_text())
-    meta["sizes"][storage.STATE_FILE] = (folder / storage.STATE_FILE).stat().st_size
+    meta["sizes"][path.name] = path.stat().st_size
+    meta["checksums"][path.name] = storage.file_checksum(path)
     (folder / storage.META_FILE).write_text(json.dumps(meta))
 
 
