@@ -5,7 +5,6 @@ tolerance: the two reduce gradients in another order)."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -17,6 +16,7 @@ import pytest
 import torch
 from test_checkpoint_sharded import SHARDED_LAUNCHER, _assert_same, _one_process, _states, _torchrun
 from test_train_loop import TINY_DATA_FLAGS
+from test_train_resume import _edit_state
 from test_train_torchrun import RUN_FLAGS
 
 from naflexclip.checkpoints import storage
@@ -102,16 +102,8 @@ def stopped_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _rewrite_optimizer_state(run: Path, change: Callable[[dict], None]) -> None:
-    """Change the optimizer state of the run's latest checkpoint (and the size and checksum recorded for it)."""
-    folder = storage.find_latest(run / "checkpoints")
-    path = folder / "optimizer.pt"  # the full form keeps the optimizer in its own file
-    optimizer = torch.load(path, weights_only=True)
-    change(optimizer)
-    torch.save(optimizer, path)
-    meta = json.loads((folder / storage.META_FILE).read_text())
-    meta["sizes"][path.name] = path.stat().st_size
-    meta["checksums"][path.name] = storage.file_checksum(path)
-    (folder / storage.META_FILE).write_text(json.dumps(meta))
+    """Change the optimizer state of the run's latest checkpoint (the full form keeps it in its own file)."""
+    _edit_state(storage.find_latest(run / "checkpoints"), change, file="optimizer.pt")
 
 
 def _other_shape(optimizer: dict) -> None:

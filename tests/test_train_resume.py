@@ -41,15 +41,16 @@ def _train_steps(run_dir: Path) -> list[int]:
     return [r["step"] for r in map(json.loads, lines) if r["kind"] == "train"]
 
 
-def _edit_state(directory: Path, edit) -> None:
-    """Rewrite a checkpoint's train_state.pt (and the size and checksum its checkpoint.json records)."""
-    path = directory / ckpt.STATE_FILE
+def _edit_state(directory: Path, edit, file: str = ckpt.STATE_FILE) -> None:
+    """Rewrite one of a checkpoint's state files, train_state.pt by default (and the size and checksum its
+    checkpoint.json records)."""
+    path = directory / file
     state = torch.load(path, weights_only=True)
     edit(state)
     torch.save(state, path)
     meta = json.loads((directory / ckpt.META_FILE).read_text())
-    meta["sizes"][ckpt.STATE_FILE] = path.stat().st_size
-    meta["checksums"][ckpt.STATE_FILE] = ckpt.file_checksum(path)
+    meta["sizes"][file] = path.stat().st_size
+    meta["checksums"][file] = ckpt.file_checksum(path)
     (directory / ckpt.META_FILE).write_text(json.dumps(meta))
 
 
