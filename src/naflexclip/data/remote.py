@@ -220,7 +220,8 @@ def with_retries(url: str, what: str, call: Callable[[], _T]) -> _T:
 
 
 def take_notes() -> list[dict[str, Any]]:
-    """The `read_retry` and `read_throttled` notes of this process since the last call (each given once, whatever thread asks)."""
+    """The `read_retry` and `read_throttled` notes of this process since the last call (each given once, whatever
+    thread asks)."""
     with _notes_lock:
         notes = list(_notes)
         _notes.clear()
