@@ -241,13 +241,19 @@ def info(url: str) -> dict[str, Any]:
     return _stamp(with_retries(url, "info", lambda: fs.info(path)))
 
 
-def pins(urls: Sequence[str]) -> dict[str, dict[str, Any]]:
+def pins(urls: Sequence[str], beside: str | None = None) -> dict[str, dict[str, Any]]:
     """Each remote URL's size and version as its folder's listing gives them (one listing per folder): what the
     epoch is planned from, and what every later read of it must still find (`read_range`). Left out: local paths,
-    objects not listed, folders that cannot be listed."""
+    objects not listed, folders that cannot be listed. `beside`: a suffix; where the listing also holds the object
+    `url + beside` (a shard's index), its pin has it as `"beside"` (size and version)."""
     wanted = [u for u in urls if is_remote(u)]
     found = list_objects(wanted) if wanted else {}
-    return {url: _stamp(found[url]) for url in wanted if url in found and found[url].get("type") != "directory"}
+    pinned = {url: _stamp(found[url]) for url in wanted if url in found and found[url].get("type") != "directory"}
+    if beside is not None:
+        for url, pin in pinned.items():
+            if url + beside in found:
+                pin["beside"] = _stamp(found[url + beside])
+    return pinned
 
 
 def _cat_range(fs: Any, path: str, url: str, start: int, end: int, version: str | None) -> bytes:
@@ -310,9 +316,15 @@ def read_spans(url: str, spans: Sequence[tuple[int, int]], version: str | None =
 
 
 def read_bytes(url: str) -> bytes:
-    """The whole object (small files: `sizes.json`), retried."""
+    """The whole object (small files: `sizes.json`, a shard's index), retried."""
     fs, path = filesystem(url)
     return with_retries(url, "read", lambda: fs.cat_file(path))
+
+
+def write_bytes(url: str, data: bytes) -> None:
+    """Write the whole object (a shard's index), retried."""
+    fs, path = filesystem(url)
+    with_retries(url, "write", lambda: fs.pipe_file(path, data))
 
 
 class RangedFile(io.RawIOBase):
