@@ -1,26 +1,35 @@
-"""Benchmark: samples/s of one training epoch read from object storage against the same data on local disk.
+"""Benchmark: one training epoch read from object storage against the same data on local disk.
 
-The built-in dataset is exported once as WebDataset shards (with `sizes.json`) and as Parquet files in the Hub's
-layout (the same samples), and uploaded to an S3 API on localhost (moto's server, in its own process). One epoch
-each, the same token budget, sequence lengths and patch size:
+Default (`--latency`): the latency table. The built-in dataset is exported as WebDataset shards (with `sizes.json`)
+and uploaded to an S3 API on localhost (moto's server, in its own process), reached through a proxy (the tests'
+`FaultProxy`) that adds a fixed delay to every request and counts requests and bytes. For each delay and each number
+of ranks (each rank its own process, `build_loader(rank=, world_size=)`, as torchrun's ranks call it, no process
+group), one epoch of the train split is read; reported per (delay, ranks): samples/s against the same shards on local
+disk (at the same ranks), object GETs per sample, bytes fetched ÷ the shards' bytes, client CPU per sample (every
+process of the reader: ranks and their workers), and time to the first batch (slowest rank, from `build_loader`).
+WebDataset's streaming of the same shards (`pipe:curl` through the proxy, shards split over ranks, then workers) is
+measured side by side, against its own local-disk rate. Each run starts with an empty index cache (startup included);
+`--indexed` runs `naflexclip data index` on the bucket first. `--reader-option NAME=VALUE` passes a `DataConfig`
+setting to the naflexclip reader (for readers still to come: `--reader-option fetch_chunk_mib=16`).
 
-- indexed shards on local disk and in the bucket (ranged reads), at 0, 2 and 4 `--workers`;
-- the same shards streamed from the bucket the WebDataset way (`pipe:curl --aws-sigv4`, `--train-num-samples` = all
-  samples);
-- Parquet against WebDataset on local disk and in the bucket, at 2 workers.
+    python benchmarks/remote_data.py --num-images 800 --shard-size 100 --workers 2 --ranks 1 2 4 --delays-ms 0 50 200
 
-Each row is build + one epoch (startup included: listing, `sizes.json`, indexing by ranged requests), the best of
-`--repeats`; ratios are to the local shards at the same workers. A localhost server has no network latency, so this
-measures the per-request overhead of the S3 path (HTTP, signing, the client), not a real store's.
+`--formats`: the older table: indexed shards on local disk and in the bucket at 0, 2 and 4 workers, WebDataset's
+streaming, and Parquet (local and in the bucket), the best of `--repeats` (no delay added):
 
-    python benchmarks/remote_data.py --num-images 400 --shard-size 50
+    python benchmarks/remote_data.py --formats --num-images 400 --shard-size 50 --repeats 2
+
+A localhost server shares the CPUs with the reader; the delay stands for a store's latency, not its bandwidth.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import json
 import logging
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -73,13 +82,8 @@ def epoch_rate(spec: str, workers: int, repeats: int, index_dir: str, **override
     return samples / best
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-images", type=int, default=400)
-    parser.add_argument("--shard-size", type=int, default=50)
-    parser.add_argument("--repeats", type=int, default=1)
-    args = parser.parse_args()
-    logging.getLogger("naflexclip.data").setLevel(logging.ERROR)
+def formats_table(args: argparse.Namespace) -> None:
+    """The `--formats` table (see the module's docstring)."""
     root = tempfile.mkdtemp(prefix="remote-bench-")
     wds = export_synthetic(os.path.join(root, "wds"), count=args.num_images, shard_size=args.shard_size)
     tables = export_synthetic(os.path.join(root, "parquet"), fmt="parquet", count=args.num_images,
@@ -92,8 +96,7 @@ def main() -> None:
     s3_pq = f"s3://bench/parquet/{os.path.basename(local_pq)}"
     # WebDataset's way to read a private bucket: a signed GET per shard, streamed (exit 23: the reader closed the
     # pipe before the shard's end, as a slot does when its share of the epoch is read)
-    piped = (f"pipe:curl -s --fail --aws-sigv4 aws:amz:us-east-1:s3 --user bench:bench "
-             f"{endpoint}/bench/wds/{os.path.basename(local_tar)} || test $? -eq 23")
+    piped = curl_spec(endpoint, local_tar)
     index = os.path.join(root, "index")
     epoch_rate(local_tar, 0, 1, index)  # warm-up: imports, the tokenizer, the page cache
     rows = []
@@ -115,6 +118,165 @@ def main() -> None:
     print("| data | samples/s | ÷ local shards (same workers) |\n| --- | --- | --- |")
     for name, rate, base in rows:
         print(f"| {name} | {rate:.1f} | {rate / base:.2f} |")
+
+
+def curl_spec(endpoint: str, local_spec: str, prefix: str = "bench/wds") -> str:
+    """The shards as WebDataset streams them from a private bucket: a signed GET per shard (`pipe:curl`)."""
+    return (f"pipe:curl -s --fail --aws-sigv4 aws:amz:us-east-1:s3 --user bench:bench "
+            f"{endpoint}/{prefix}/{os.path.basename(local_spec)} || test $? -eq 23")
+
+
+def reader_options(pairs: list[str]) -> dict[str, object]:
+    """`NAME=VALUE` pairs as DataConfig settings (values read as Python literals where they are one)."""
+    options: dict[str, object] = {}
+    for pair in pairs:
+        name, _, text = pair.partition("=")
+        try:
+            options[name.replace("-", "_")] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            options[name.replace("-", "_")] = text
+    return options
+
+
+def run_rank(job: dict) -> None:
+    """One rank's epoch (a process of its own); prints {"samples", "first_batch_s", "wall_s", "import_cpu_s"} as
+    JSON (`import_cpu_s`: the CPU spent before the reader starts, left out of the reader's)."""
+    logging.getLogger("naflexclip.data").setLevel(logging.ERROR)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    start = time.perf_counter()
+    first = None
+    samples = 0
+    if job["reader"] == "naflexclip":
+        cfg = DataConfig(train_data=job["spec"], naflex_seq_lens=(64,), naflex_max_tokens_per_batch=2048,
+                         workers=job["workers"], seed=0, shard_index_dir=job["index_dir"], **job["options"])
+        loader = build_loader(cfg, split="train", patch_size=16, context_length=32, rank=job["rank"],
+                              world_size=job["world_size"])
+        for batch in loader:
+            first = first if first is not None else time.perf_counter() - start
+            samples += len(batch["keys"])
+    else:  # WebDataset streaming: shards split over ranks (here by hand), then over workers; images decoded
+        import torch
+        import webdataset as wds
+
+        from naflexclip.data.shards import expand_shards
+
+        urls = expand_shards(job["spec"])[job["rank"]::job["world_size"]]
+        dataset = wds.WebDataset(urls, shardshuffle=False, nodesplitter=None, empty_check=False).decode("pil")
+        dataset = dataset.to_tuple("jpg;png", "txt").map(lambda s: (s[0].convert("RGB").resize((128, 128)), s[1]))
+        loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=job["workers"],
+                                             collate_fn=lambda s: s)
+        for _ in loader:
+            first = first if first is not None else time.perf_counter() - start
+            samples += 1
+    print(json.dumps({"samples": samples, "first_batch_s": first, "wall_s": time.perf_counter() - start,
+                      "import_cpu_s": usage.ru_utime + usage.ru_stime}))
+
+
+def run_epoch(reader: str, spec: str, ranks: int, workers: int, index_dir: str, options: dict,
+              env: dict[str, str]) -> dict[str, float]:
+    """One epoch over `ranks` processes at once: samples, wall time (slowest rank), time to the first batch (slowest
+    rank), CPU seconds of every process (ranks and their workers, collected when they end; the ranks' imports left
+    out)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    procs = []
+    for rank in range(ranks):
+        job = dict(reader=reader, spec=spec, rank=rank, world_size=ranks, workers=workers, index_dir=index_dir,
+                   options=options)
+        procs.append(subprocess.Popen([sys.executable, __file__, "--rank-job", json.dumps(job)], env=env,
+                                      stdout=subprocess.PIPE, text=True))
+    results = []
+    for proc in procs:
+        out, _ = proc.communicate()
+        if proc.returncode != 0:
+            raise SystemExit(f"a rank of {reader} {spec} failed ({proc.returncode})")
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime) - sum(
+        r["import_cpu_s"] for r in results)
+    return {"samples": sum(r["samples"] for r in results), "wall_s": max(r["wall_s"] for r in results),
+            "first_batch_s": max(r["first_batch_s"] or 0.0 for r in results), "cpu_s": cpu}
+
+
+def latency_table(args: argparse.Namespace) -> None:
+    """The latency table (see the module's docstring)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from s3_server import FaultProxy
+
+    from naflexclip.data.shard_index import index_shards
+
+    root = tempfile.mkdtemp(prefix="remote-bench-")
+    paths = export_synthetic(os.path.join(root, "wds"), count=args.num_images, shard_size=args.shard_size)
+    local = shard_spec(paths)
+    data_bytes = sum(os.path.getsize(p) for p in paths if p.endswith(".tar"))
+    server, endpoint = start_s3()
+    upload(os.path.join(root, "wds"), "bench/wds")
+    s3 = f"s3://bench/wds/{os.path.basename(local)}"
+    options = reader_options(args.reader_option)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    if args.indexed:
+        index_shards([f"s3://bench/wds/{os.path.basename(p)}" for p in paths if p.endswith(".tar")])
+    runs = 0
+
+    def fresh_index() -> str:
+        nonlocal runs
+        runs += 1
+        return os.path.join(root, "index", str(runs))
+
+    rows = []
+    for ranks in args.ranks:
+        base = {reader: run_epoch(reader, local, ranks, args.workers, fresh_index(), options, env)
+                for reader in ("naflexclip", "webdataset")}
+        for delay in args.delays_ms:
+            for reader in ("naflexclip", "webdataset"):
+                with FaultProxy(endpoint, delay_s=delay / 1000) as proxy:
+                    spec = s3 if reader == "naflexclip" else curl_spec(proxy.url, local)
+                    found = run_epoch(reader, spec, ranks, args.workers, fresh_index(), options,
+                                      {**env, "AWS_ENDPOINT_URL": proxy.url})
+                    gets = sum(n for (method, _), n in proxy.counts.items() if method == "GET")
+                    heads = sum(n for (method, _), n in proxy.counts.items() if method == "HEAD")
+                    sent = proxy.bytes_sent
+                rate, local_rate = found["samples"] / found["wall_s"], base[reader]["samples"] / base[reader]["wall_s"]
+                rows.append((reader, delay, ranks, rate, rate / local_rate, gets / found["samples"], heads,
+                             sent / data_bytes, 1000 * found["cpu_s"] / found["samples"],
+                             1000 * base[reader]["cpu_s"] / base[reader]["samples"], found["first_batch_s"],
+                             found["samples"]))
+                print("  " + " ".join(str(round(v, 3)) if isinstance(v, float) else str(v) for v in rows[-1]),
+                      file=sys.stderr, flush=True)
+    server.terminate()
+    server.wait()
+    print(f"{args.num_images} samples in shards of {args.shard_size} ({data_bytes / 2**20:.1f} MiB), "
+          f"{args.workers} workers per rank, one epoch each, a fresh index cache"
+          + (", indexes beside the shards (`naflexclip data index`)" if args.indexed else "")
+          + (f", reader options {options}" if options else "") + "\n")
+    print("| reader | delay per request | ranks | samples/s | ÷ local disk | GETs per sample | HEADs | bytes fetched ÷ "
+          "data | client CPU per sample (local) | first batch |\n" + "| --- " * 10 + "|")
+    for reader, delay, ranks, rate, ratio, gets, heads, fetched, cpu, cpu_local, first, _ in rows:
+        print(f"| {reader} | {delay} ms | {ranks} | {rate:.1f} | {ratio:.2f} | {gets:.3f} | {heads} | {fetched:.2f} "
+              f"| {cpu:.1f} ms ({cpu_local:.1f} ms) | {first:.2f} s |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-images", type=int, default=800)
+    parser.add_argument("--shard-size", type=int, default=100)
+    parser.add_argument("--formats", action="store_true", help="the older table of formats and workers")
+    parser.add_argument("--repeats", type=int, default=1, help="--formats: best of this many")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--delays-ms", type=int, nargs="+", default=[0, 50, 200])
+    parser.add_argument("--indexed", action="store_true", help="write the indexes beside the shards first")
+    parser.add_argument("--reader-option", action="append", default=[], metavar="NAME=VALUE",
+                        help="a DataConfig setting for the naflexclip reader (repeatable)")
+    parser.add_argument("--rank-job", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank_job:
+        run_rank(json.loads(args.rank_job))
+        return
+    logging.getLogger("naflexclip.data").setLevel(logging.ERROR)
+    if args.formats:
+        formats_table(args)
+    else:
+        latency_table(args)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from s3_server import FaultProxy, s3_environment, s3_server, upload
+from s3_server import FaultProxy, RangeServer, s3_environment, s3_server, upload
 
 from naflexclip.checkpoints import storage as ckpt
 from naflexclip.cli import main
@@ -146,7 +146,8 @@ def test_a_remote_epoch_resumed_mid_way_continues_exactly(bucket, tmp_path: Path
 def test_transient_faults_are_retried_and_counted_and_nothing_is_lost(bucket, tmp_path: Path, fast_retries,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Every third request fails (503 SlowDown, 500, a body cut half-way) up to 12 times: the epoch is the whole
-    data, each retry is a `read_retry` note. Teeth: without retries the same faults lose samples."""
+    data, each retry is a `read_retry` note (`read_throttled` for SlowDown). Teeth: without retries the same faults
+    lose samples."""
     endpoint = bucket[0]
     expected, _ = epoch_keys(config(f"s3://data/sized/{LOCAL_SPEC}", tmp_path / "clean"))
     for retries in (remote.RETRIES, 0):
@@ -159,7 +160,8 @@ def test_transient_faults_are_retried_and_counted_and_nothing_is_lost(bucket, tm
             if retries:
                 keys, skips = epoch_keys(cfg)
                 assert keys == expected and proxy.failed >= 6
-                assert set(skips) == {"read_retry"} and skips["read_retry"] >= 4
+                assert set(skips) == {"read_retry", "read_throttled"}
+                assert skips["read_retry"] + skips["read_throttled"] >= 4
             else:
                 try:
                     keys, skips = epoch_keys(cfg)
@@ -186,11 +188,12 @@ def test_retried_reads_are_reported_apart_from_skipped_samples(bucket, tmp_path:
             keys = [key for batch in loader for key in batch["keys"]]
     finally:
         proxy.close()
-    retried = loader.skip_counts["read_retry"]
-    assert len(set(keys)) == SAMPLES and retried >= 4 and set(loader.skip_counts) == {"read_retry"}
+    retried, throttled = loader.skip_counts["read_retry"], loader.skip_counts["read_throttled"]
+    assert len(set(keys)) == SAMPLES and retried >= 2 and throttled >= 2
+    assert set(loader.skip_counts) == {"read_retry", "read_throttled"}
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data train epoch 1")]
-    assert line.endswith(f"; skipped 0; {retried} reads retried"), line
-    assert loader.summary().endswith(f": no samples skipped; {retried} reads retried"), loader.summary()
+    assert line.endswith(f"; skipped 0; {retried} reads retried; {throttled} reads throttled"), line
+    assert loader.summary().endswith(f": no samples skipped; {retried} reads retried; {throttled} reads throttled")
 
 
 def test_a_shard_that_stays_unreachable_is_skipped_by_name_with_its_samples(bucket, tmp_path: Path, fast_retries,
@@ -265,9 +268,11 @@ def test_retried_reads_are_counted_once_the_same_in_the_epoch_line_and_the_run_s
     out = capsys.readouterr()
     console = out.out + out.err
     epoch_line = next(line for line in console.splitlines() if "data train epoch 1 rank 0" in line)
-    retried = int(epoch_line.rpartition("; ")[2].split()[0])
-    assert retried > 20 and epoch_line.endswith(f"; skipped 0; {retried} reads retried"), epoch_line
-    assert f"epoch 1: trained {SAMPLES} samples, skipped 0 bad; noted: read_retry={retried}" in console
+    retried, throttled = (int(part.split()[0]) for part in epoch_line.split("; ")[-2:])
+    assert retried + throttled > 20, epoch_line
+    assert epoch_line.endswith(f"; skipped 0; {retried} reads retried; {throttled} reads throttled"), epoch_line
+    assert (f"epoch 1: trained {SAMPLES} samples, skipped 0 bad; noted: read_retry={retried}, "
+            f"read_throttled={throttled}") in console
     assert "more skipped" not in console and "more notes (train)" in console
 
 
@@ -410,3 +415,160 @@ def test_a_shard_lost_mid_run_is_counted_once_per_sample_under_one_name_across_a
     assert counts == counted == {reason: 10}
     assert sorted(logged) == [(lost, f"train{i:08d}", reason) for i in range(20, 30)]
     assert runs["part"] == runs["whole"]
+
+
+def _startup_requests(proxy: FaultProxy) -> Counter:
+    """The proxy's requests so far by kind: listings, sizes.json, index objects, shard objects (HEAD and GET apart)."""
+    kinds: Counter = Counter()
+    for (method, path), n in proxy.counts.items():
+        name = path.rpartition("/")[2]
+        kind = ("index" if name.endswith(".naflexclip-index.json") else "sizes.json" if name == "sizes.json"
+                else "shard" if name.endswith(".tar") else "listing")
+        kinds[f"{method} {kind}"] += n
+    return kinds
+
+
+@pytest.mark.parametrize("folder", ["sized", "unsized"])
+def test_indexes_written_beside_remote_shards_make_startup_a_listing_and_one_read_per_index(
+        bucket, tmp_path: Path, folder: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """`naflexclip data index` writes each shard's index beside it; a run with an empty index cache then reads no
+    shard byte at startup, sends no HEAD, and trains what the shards hold."""
+    source = bucket[1] if folder == "sized" else bucket[2]
+    prefix = f"s3://data/indexed-{folder}"
+    upload(str(source), prefix)
+    expected, _ = epoch_keys(config(str(source / LOCAL_SPEC), tmp_path / "local"))
+    assert main(["data", "index", f"{prefix}/{LOCAL_SPEC}"]) == 0
+    assert "indexed 4 shards (40 samples)" in capsys.readouterr().out
+    with FaultProxy(bucket[0]) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        remote.forget_filesystems()
+        cfg = config(f"{prefix}/{LOCAL_SPEC}", tmp_path / "fresh")
+        loader = build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT)
+        startup = _startup_requests(proxy)
+        keys = [key.rpartition("/")[2] for batch in loader for key in batch["keys"]]
+    assert keys == expected and not loader.skip_counts
+    assert startup["GET index"] == 4 and "GET shard" not in startup and not any(k.startswith("HEAD") for k in startup)
+
+
+def test_a_stale_index_beside_a_shard_is_named_and_never_trusted(bucket, tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A shard rewritten after `naflexclip data index`: its index (another size and ETag) is named in one line and
+    the shard is indexed again from its headers; what trains is what it holds now."""
+    prefix = "s3://data/stale-index"
+    upload(str(bucket[2]), prefix)
+    assert main(["data", "index", f"{prefix}/{LOCAL_SPEC}"]) == 0
+    _rewrite(f"{prefix}/train-00002.tar", bucket[2] / "train-00000.tar")
+    with caplog.at_level("WARNING", logger="naflexclip.data"):
+        keys, skips = epoch_keys(config(f"{prefix}/{LOCAL_SPEC}", tmp_path))
+    said = [r.getMessage() for r in caplog.records if "stale" in r.getMessage()]
+    assert len(said) == 1 and f"{prefix}/train-00002.tar" in said[0], said
+    assert not skips
+    assert sorted(k for k in keys if k.startswith("train-00002")) == [f"train-00002.tar:train{i:08d}"
+                                                                       for i in range(10)]
+
+
+def test_indexing_without_an_index_reads_each_shard_once_for_all_ranks_and_workers(
+        bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No index beside the shards, a fresh cache: two ranks starting at once and their workers (which index a
+    shard where --trust-sizes-json left it to them) read each shard's headers once, not once per process."""
+    import threading
+
+    once = Counter()
+    with FaultProxy(bucket[0]) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        remote.forget_filesystems()
+        epoch_keys(config(f"s3://data/sized/{LOCAL_SPEC}", tmp_path / "one"))
+        once = _startup_requests(proxy)
+    for trusted in (False, True):
+        with FaultProxy(bucket[0]) as proxy:
+            monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+            remote.forget_filesystems()
+            cfg = config(f"s3://data/sized/{LOCAL_SPEC}", tmp_path / f"two-{trusted}", workers=2,
+                         trust_sizes_json=trusted)
+            found: list[list[str]] = [[], []]
+
+            def rank(r: int, cfg=cfg, found=found) -> None:
+                loader = build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT, rank=r,
+                                      world_size=2)
+                found[r] = [k for batch in loader for k in batch["keys"]]
+
+            threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            both = _startup_requests(proxy)
+        assert len(set(found[0] + found[1])) == SAMPLES
+        # the samples' own reads are the same; only header reads could be repeated
+        assert both["GET shard"] == once["GET shard"], (trusted, both, once)
+
+
+def test_throttled_reads_back_off_and_are_counted_apart(bucket, tmp_path: Path, fast_retries,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """503 SlowDown and 429: each retry is a `read_throttled` note (not `read_retry`), nothing is lost, and the
+    epoch's line says how many."""
+    expected, _ = epoch_keys(config(f"s3://data/sized/{LOCAL_SPEC}", tmp_path / "clean"))
+    for status in (503, 429):
+        with FaultProxy(bucket[0], every=3, limit=8, throttle=status) as proxy:
+            monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+            remote.forget_filesystems()
+            loader = build_loader(config(f"s3://data/sized/{LOCAL_SPEC}", tmp_path / f"{status}"), split="train",
+                                  patch_size=PATCH, context_length=CONTEXT)
+            keys = [key.rpartition("/")[2] for batch in loader for key in batch["keys"]]
+        assert keys == expected
+        assert set(loader.skip_counts) == {"read_throttled"}, (status, loader.skip_counts)
+        assert loader.summary().endswith(f"{loader.skip_counts['read_throttled']} reads throttled"), loader.summary()
+
+
+def test_a_dead_shard_is_given_up_once_and_skipped_at_once_by_every_worker(bucket, tmp_path: Path, fast_retries,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """train-00002.tar answers 503 to everything: its retries are spent once, by the first reader; every later reader
+    (the other worker, later samples) skips it without asking the store again."""
+    monkeypatch.setattr(remote, "RETRIES", 2)
+    for folder in ("sized", "unsized"):
+        with FaultProxy(bucket[0], down="train-00002.tar") as proxy:
+            monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+            remote.forget_filesystems()
+            keys, skips = epoch_keys(config(f"s3://data/{folder}/{LOCAL_SPEC}", tmp_path / folder, workers=2))
+            asked = sum(n for (method, path), n in proxy.counts.items() if path.endswith("train-00002.tar"))
+        assert len(keys) == 30 and skips["unreachable_shard"] == (10 if folder == "sized" else 1)
+        assert asked == remote.RETRIES + 1, (folder, asked)
+
+
+def test_a_resume_after_a_dead_shard_continues_exactly(bucket, tmp_path: Path, fast_retries,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(remote, "RETRIES", 1)
+    with FaultProxy(bucket[0], down="train-00001.tar") as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        remote.forget_filesystems()
+        cfg = config(f"s3://data/sized/{LOCAL_SPEC}", tmp_path)
+        whole = build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT)
+        expected = [batch["keys"] for batch in whole]
+        first = build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT)
+        head = []
+        for batch in first:
+            head.append(batch["keys"])
+            if len(head) == 3:
+                break
+        state = first.state_dict()
+        remote.forget_filesystems()
+        resumed = build_loader(config(f"s3://data/sized/{LOCAL_SPEC}", tmp_path, workers=2), split="train",
+                               patch_size=PATCH, context_length=CONTEXT)
+        resumed.load_state_dict(state)
+        resumed.set_epoch(state["epoch"], state["position"])
+        rest = [batch["keys"] for batch in resumed]
+    assert head + rest == expected and sum(len(k) for k in expected) == 30
+    assert resumed.skip_counts["unreachable_shard"] == whole.skip_counts["unreachable_shard"] == 10
+
+
+@pytest.mark.parametrize("folder", ["sized", "unsized"])
+def test_https_shards_from_a_plain_server_with_ranges_train_as_local_disk(bucket, tmp_path: Path, folder: str) -> None:
+    """`https://` data (here plain HTTP on loopback: a file server with byte ranges and no listing): every sample
+    once, in the local order, at 0 and 2 workers."""
+    source = bucket[1] if folder == "sized" else bucket[2]
+    local_keys, _ = epoch_keys(config(str(source / LOCAL_SPEC), tmp_path / "local"))
+    with RangeServer(str(source)) as server:
+        for workers in (0, 2):
+            keys, skips = epoch_keys(config(f"{server.url}/{LOCAL_SPEC}", tmp_path / f"{workers}", workers=workers))
+            assert keys == local_keys and not skips
+        assert any(method == "GET" and path.endswith(".tar") for method, path in server.counts)

@@ -287,6 +287,8 @@ def build_loader(
     if urls:
         check_shards(urls, path)
         remote.check_remote_shards([u for u in urls if is_indexable(u)], path)
+    if path is not None and any(remote.is_remote(part) for part in str(path).split("::")):
+        remote.share_dead_objects()  # before any worker starts: what one gives up, the others skip at once
     loader: NaFlexLoader
     if tables:
         assert path is not None
@@ -335,7 +337,7 @@ def build_loader(
     if epoch or start_batch:
         loader.set_epoch(epoch, start_batch)
     retried = remote.take_notes()  # startup's (listing, sizes.json, indexing): before any worker forks
-    if retried and rank == 0:
+    if retried and rank == 0:  # the throttled among them too
         logger.warning("data %s (%s): %d remote reads retried at startup, e.g. %s", split, path, len(retried),
                        retried[0]["detail"])
     return loader

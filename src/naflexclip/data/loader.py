@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from naflexclip.data.microbatch import MicrobatchBuilder, split_rows
 from naflexclip.data.readers import DataError
-from naflexclip.data.samples import NOTE_REASONS, reasons_line
+from naflexclip.data.samples import NOTE_REASONS, READ_NOTES, reasons_line
 from naflexclip.data.schedule import Schedule, TokenBudget
 
 logger = logging.getLogger("naflexclip.data")
@@ -42,12 +42,13 @@ END_HOLD = 4
 
 def _notes_apart(counts: Counter) -> tuple[Counter, str]:
     """The counts of samples not trained, and the notes (`NOTE_REASONS`, whose samples all trained) as
-    `; noted: reason=n, ...; N reads retried` (or "")."""
+    `; noted: reason=n, ...; N reads retried; N reads throttled` (or "")."""
     skipped = Counter({reason: n for reason, n in counts.items() if reason not in NOTE_REASONS})
-    noted = {reason: n for reason, n in counts.items() if reason in NOTE_REASONS and reason != "read_retry"}
-    retried = counts.get("read_retry", 0)
+    noted = {reason: n for reason, n in counts.items() if reason in NOTE_REASONS and reason not in READ_NOTES}
+    retried, throttled = counts.get("read_retry", 0), counts.get("read_throttled", 0)
     return skipped, ((f"; noted: {reasons_line(noted)}" if noted else "")
-                     + (f"; {retried} reads retried" if retried else ""))
+                     + (f"; {retried} reads retried" if retried else "")
+                     + (f"; {throttled} reads throttled" if throttled else ""))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,16 +2,21 @@
 
 Each URL's filesystem is fsspec's, with its backend's own credentials and endpoint; only the ranges a reader asks
 for are fetched, nothing is written to disk. A transient error is retried with backoff (`RETRIES`), each retry a
-`read_retry` note (`take_notes`); a read that still fails raises `Unreachable`, naming the URL and the last error;
-a missing or refused file, or a missing credential, is not retried. docs/data.md#data-in-object-storage.
+`read_retry` note (`read_throttled` when the store asked us to slow down: `take_notes`); a read that still fails
+raises `Unreachable`, naming the URL and the last error, and the object is given up for `DEAD_FOR_S` by every
+process of the run (`share_dead_objects`); a missing or refused file, or a missing credential, is not retried.
+docs/data.md#data-in-object-storage.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import io
 import os
 import random
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -24,6 +29,10 @@ BACKOFF_S = 0.25  # the first retry's wait; doubled each retry (with jitter), at
 MAX_BACKOFF_S = 8.0
 PARALLEL_READS = 16  # a microbatch's samples read at once, each a ranged request (latency, not bandwidth, bounds them)
 SCAN_BLOCK = 1 << 18  # bytes fetched per request while reading tar headers (several small members per request)
+DEAD_FOR_S = 300.0  # an object whose retries were all spent is given up this long, then tried again
+# the store asks the client to slow down: S3's 503 SlowDown (s3fs: EBUSY), HTTP 429, GCS's rate limits
+_THROTTLED_STATUS = (429, 503)
+_THROTTLED_WORDS = ("SlowDown", "TooManyRequests", "Throttl", "RequestLimitExceeded", "rateLimitExceeded")
 _T = TypeVar("_T")
 
 # not worth retrying: the object is not there, or we may not read it
@@ -38,6 +47,8 @@ _CREDENTIALS_HINT = {
 _notes: list[dict[str, Any]] = []  # appended by the reading threads, drained under `_notes_lock`
 _notes_lock = threading.Lock()
 _filesystems: dict[tuple[int, str], Any] = {}
+_dead: dict[str, tuple[float, str]] = {}  # url: (given up at, why), this process's
+_dead_dir: str | None = None  # where every process of the run marks what it gave up (`share_dead_objects`)
 
 
 class Unreachable(RuntimeError):
@@ -71,8 +82,15 @@ def is_remote(url: str) -> bool:
 
 def forget_filesystems() -> None:
     """Make the next read create its filesystems again (after the endpoint or credentials in the environment
-    changed)."""
+    changed), and forget the objects given up (they are asked again)."""
     _filesystems.clear()
+    _dead.clear()
+    if _dead_dir is not None:
+        for name in os.listdir(_dead_dir):
+            try:
+                os.remove(os.path.join(_dead_dir, name))
+            except OSError:
+                pass
 
 
 def filesystem(url: str) -> tuple[Any, str]:
@@ -108,8 +126,78 @@ def is_transient(error: BaseException) -> bool:
         ("aiohttp", "botocore", "requests", "urllib3", "huggingface_hub", "google"))
 
 
+def is_throttled(error: BaseException) -> bool:
+    """The store asked us to slow down (503 SlowDown, 429 Too Many Requests, a rate limit): retried like any
+    transient error, counted apart (`read_throttled`)."""
+    for cause in (error, error.__cause__):
+        if cause is None:
+            continue
+        status = getattr(cause, "status", None) or getattr(cause, "status_code", None)
+        if status in _THROTTLED_STATUS or (isinstance(cause, OSError) and cause.errno == errno.EBUSY):
+            return True
+        if any(word in str(cause) for word in _THROTTLED_WORDS):
+            return True
+    return False
+
+
+def share_dead_objects() -> None:
+    """Have every process started from this one from now on (a loader's workers) share the objects given up: the
+    first reader to spend its retries on one marks it, the others skip it at once. Called before workers start."""
+    global _dead_dir
+    if _dead_dir is None:
+        _dead_dir = tempfile.mkdtemp(prefix="naflexclip-dead-")
+        owner = os.getpid()
+        import atexit
+
+        atexit.register(lambda: os.getpid() == owner and shutil.rmtree(_dead_dir or "", ignore_errors=True))
+
+
+def _dead_marker(url: str) -> str | None:
+    return None if _dead_dir is None else os.path.join(_dead_dir, hashlib.sha1(url.encode()).hexdigest())
+
+
+def _give_up(url: str, error: Unreachable) -> None:
+    _dead[url] = (time.time(), str(error))
+    marker = _dead_marker(url)
+    if marker is not None:
+        try:
+            with open(f"{marker}.{os.getpid()}", "w") as f:
+                f.write(str(error))
+            os.replace(f"{marker}.{os.getpid()}", marker)
+        except OSError:
+            pass  # each process then finds out for itself
+
+
+def given_up(url: str) -> str | None:
+    """Why `url` was given up in the last `DEAD_FOR_S` by a process of this run (None: it was not)."""
+    now = time.time()
+    if url in _dead and now - _dead[url][0] < DEAD_FOR_S:
+        return _dead[url][1]
+    marker = _dead_marker(url)
+    try:
+        if marker is not None and now - os.path.getmtime(marker) < DEAD_FOR_S:
+            with open(marker) as f:
+                return f.read()
+    except OSError:
+        pass
+    return None
+
+
+class GivenUp(Unreachable):
+    """A read of an object that a process of this run gave up on moments ago: not asked again."""
+
+    def __init__(self, url: str, why: str) -> None:
+        RuntimeError.__init__(self, f"{why} (given up by another read of this run, not tried again)")
+        self.url, self.missing = url, False
+
+
 def with_retries(url: str, what: str, call: Callable[[], _T]) -> _T:
-    """`call()`, retried on transient errors with backoff; each retry is noted. Raises `Unreachable`."""
+    """`call()`, retried on transient errors with backoff; each retry is noted (`read_throttled` or `read_retry`).
+    Raises `Unreachable`: at once for an object given up in the last `DEAD_FOR_S`, which one that spends its
+    retries then is."""
+    why = given_up(url)
+    if why is not None:
+        raise GivenUp(url, why)
     for attempt in range(RETRIES + 1):
         try:
             return call()
@@ -117,8 +205,12 @@ def with_retries(url: str, what: str, call: Callable[[], _T]) -> _T:
             raise
         except Exception as error:  # noqa: BLE001 - classified below, re-raised as Unreachable
             if not is_transient(error) or attempt == RETRIES:
-                raise Unreachable(url, error, attempt + 1) from error
-            note = skip_record(url, None, None, "read_retry",
+                unreachable = Unreachable(url, error, attempt + 1)
+                if attempt == RETRIES and attempt > 0:
+                    _give_up(url, unreachable)
+                raise unreachable from error
+            reason = "read_throttled" if is_throttled(error) else "read_retry"
+            note = skip_record(url, None, None, reason,
                                f"{what}, attempt {attempt + 1}: {type(error).__name__}: {error}")
             with _notes_lock:
                 _notes.append(note)
@@ -128,7 +220,8 @@ def with_retries(url: str, what: str, call: Callable[[], _T]) -> _T:
 
 
 def take_notes() -> list[dict[str, Any]]:
-    """The `read_retry` notes of this process since the last call (each given once, whatever thread asks)."""
+    """The `read_retry` and `read_throttled` notes of this process since the last call (each given once, whatever
+    thread asks)."""
     with _notes_lock:
         notes = list(_notes)
         _notes.clear()
@@ -148,13 +241,19 @@ def info(url: str) -> dict[str, Any]:
     return _stamp(with_retries(url, "info", lambda: fs.info(path)))
 
 
-def pins(urls: Sequence[str]) -> dict[str, dict[str, Any]]:
+def pins(urls: Sequence[str], beside: str | None = None) -> dict[str, dict[str, Any]]:
     """Each remote URL's size and version as its folder's listing gives them (one listing per folder): what the
     epoch is planned from, and what every later read of it must still find (`read_range`). Left out: local paths,
-    objects not listed, folders that cannot be listed."""
+    objects not listed, folders that cannot be listed. `beside`: a suffix; where the listing also holds the object
+    `url + beside` (a shard's index), its pin has it as `"beside"` (size and version)."""
     wanted = [u for u in urls if is_remote(u)]
     found = list_objects(wanted) if wanted else {}
-    return {url: _stamp(found[url]) for url in wanted if url in found and found[url].get("type") != "directory"}
+    pinned = {url: _stamp(found[url]) for url in wanted if url in found and found[url].get("type") != "directory"}
+    if beside is not None:
+        for url, pin in pinned.items():
+            if url + beside in found:
+                pin["beside"] = _stamp(found[url + beside])
+    return pinned
 
 
 def _cat_range(fs: Any, path: str, url: str, start: int, end: int, version: str | None) -> bytes:
@@ -217,9 +316,15 @@ def read_spans(url: str, spans: Sequence[tuple[int, int]], version: str | None =
 
 
 def read_bytes(url: str) -> bytes:
-    """The whole object (small files: `sizes.json`), retried."""
+    """The whole object (small files: `sizes.json`, a shard's index), retried."""
     fs, path = filesystem(url)
     return with_retries(url, "read", lambda: fs.cat_file(path))
+
+
+def write_bytes(url: str, data: bytes) -> None:
+    """Write the whole object (a shard's index), retried."""
+    fs, path = filesystem(url)
+    with_retries(url, "write", lambda: fs.pipe_file(path, data))
 
 
 class RangedFile(io.RawIOBase):
@@ -259,19 +364,25 @@ def open_ranged(url: str, size: int, version: str | None = None) -> io.BufferedR
     return io.BufferedReader(RangedFile(url, size, version), buffer_size=SCAN_BLOCK)
 
 
+def _list_folder(folder: str) -> list[dict[str, Any]] | None:
+    """The entries of one folder's listing (retried); None: it cannot be listed (a plain `https://` server)."""
+    fs, path = filesystem(folder + "/")
+    if not hasattr(fs, "split_path") and folder.startswith(("http://", "https://")):
+        return None  # a web server's folder page, where there is one, is links, not a listing
+    try:
+        return with_retries(folder, "list", lambda: fs.ls(path, detail=True))
+    except Unreachable as error:
+        if error.missing or isinstance(error.__cause__, NotImplementedError):
+            return None
+        raise
+
+
 def list_objects(urls: Sequence[str]) -> dict[str, dict[str, Any]]:
     """The objects of the folders `urls` are in, by URL (one listing per folder, retried): which shards exist, and
     their sizes, before any worker reads. Folders that cannot be listed (plain `https://`) are left out."""
     found: dict[str, dict[str, Any]] = {}
     for folder in sorted({u.rpartition("/")[0] for u in urls}):
-        fs, path = filesystem(folder + "/")
-        try:
-            entries = with_retries(folder, "list", lambda fs=fs, path=path: fs.ls(path, detail=True))
-        except Unreachable as error:
-            if error.missing or isinstance(error.__cause__, NotImplementedError):
-                continue
-            raise
-        for entry in entries:
+        for entry in _list_folder(folder) or []:
             found[f"{folder}/{entry['name'].rstrip('/').rpartition('/')[2]}"] = entry
     return found
 
@@ -282,8 +393,13 @@ def check_remote_shards(urls: Sequence[str], spec: str) -> None:
     wanted = [u for u in urls if is_remote(u)]
     if not wanted:
         return
+    found: dict[str, dict[str, Any]] = {}
     try:
-        found = list_objects(wanted)
+        for folder in sorted({u.rpartition("/")[0] for u in wanted}):
+            entries = _list_folder(folder)
+            if entries is None:
+                return  # a folder that cannot be listed: its shards are known when read
+            found.update({f"{folder}/{e['name'].rstrip('/').rpartition('/')[2]}": e for e in entries})
     except Unreachable as error:
         raise DataError(f"{EITHER_DATA_FLAG} {spec!r}: cannot list its shards: {error}") from None
     if not any(u in found for u in wanted):

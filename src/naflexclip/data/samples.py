@@ -49,14 +49,17 @@ SKIP_REASONS = (
     "unreachable_shard",  # a remote shard whose reads kept failing after retries (each of its samples counted)
     "shard_changed",  # a remote shard rewritten since its version was pinned at startup (each sample read counted)
     "read_retry",  # a remote read that failed transiently and was retried: a note, nothing is lost
+    "read_throttled",  # a remote read the store throttled (503 SlowDown, 429), retried after a backoff: a note
     *REGION_REASONS,
 )
 # reasons about whole shards, the plan or the packing, reported apart from bad samples
 NOT_SAMPLE_REASONS = ("truncated_shard", "missing_shard", "epoch_remainder", "duplicate_key", "shard_size_mismatch",
-                      "shard_holds_more", "read_retry",
+                      "shard_holds_more", "read_retry", "read_throttled",
                       *REGION_REASONS)
 # notes, not skips: the samples they name all trained
-NOTE_REASONS = ("duplicate_key", "shard_holds_more", "read_retry")
+NOTE_REASONS = ("duplicate_key", "shard_holds_more", "read_retry", "read_throttled")
+# notes that name no sample: each is an event, counted every time (a read retried, a read throttled)
+READ_NOTES = ("read_retry", "read_throttled")
 
 
 def reasons_line(counts: Mapping[str, int]) -> str:

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import tarfile
+import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +37,8 @@ from naflexclip.data.shards import (
 from naflexclip.data.source import RawSample, skip_record
 
 INDEX_VERSION = 5  # 4: the .json member's offset and size (a sample's regions); 5: two lines, the count first
-INDEX_SUFFIX = ".naflexclip-index.json"
+INDEX_SUFFIX = ".naflexclip-index.json"  # a local shard's cache, and the index `naflexclip data index` writes
+logger = logging.getLogger("naflexclip.data")
 
 
 def is_indexable(url: str) -> bool:
@@ -202,10 +207,96 @@ def _read_cache(path: str, stamp: dict[str, Any], whole: bool) -> dict[str, Any]
         return None
 
 
+def _index_lines(stamp: dict[str, Any], index: ShardIndex) -> str:
+    """An index as its two lines: the stamp, status and count first (a count costs a short read), then the samples."""
+    return (json.dumps({**stamp, "status": index.status, "count": len(index)}) + "\n"
+            + json.dumps({"keys": index.keys, "offsets": index.offsets.tolist(), "cut": index.cut,
+                          "duplicates": index.duplicates}) + "\n")
+
+
+def _write_atomic(path: str, text: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)  # atomic: ranks (and threads) indexing the same shard at once each write a whole file
+
+
+@contextlib.contextmanager
+def _indexing(path: str) -> Iterator[None]:
+    """Held while one process indexes a shard into its cache `path`: another rank or worker of the node that needs
+    the same shard waits, then finds it cached, so its headers are read once, not once per process."""
+    # the lock files live in the node's temporary folder: none is left beside the shards or in a shared cache
+    folder = os.path.join(tempfile.gettempdir(), "naflexclip-index-locks")
+    try:
+        import fcntl
+
+        os.makedirs(folder, exist_ok=True)
+        lock = open(os.path.join(folder, hashlib.sha1(os.path.abspath(path).encode()).hexdigest()), "a")  # noqa: SIM115
+    except (ImportError, OSError):  # no locks here (or an unwritable cache): each process reads for itself
+        yield
+        return
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+    finally:
+        lock.close()  # releases the lock
+
+
+_named_stale: set[str] = set()  # indexes beside shards found stale, named once per process
+
+
+def _published(url: str, cache_dir: str | None, pin: dict[str, Any] | None) -> str | None:
+    """Where the shard's index written by `naflexclip data index` is (beside the shard), when it is there and is not
+    already the cache; None: there is none. A remote one is known from the listing (`pin["beside"]`): no request."""
+    published = url + INDEX_SUFFIX
+    if remote.is_remote(url):
+        return published if pin is not None and "beside" in pin else None
+    if os.path.abspath(published) == os.path.abspath(_cache_path(url, cache_dir)):
+        return None
+    return published if os.path.exists(published) else None
+
+
+def _read_published(url: str, published: str, stamp: dict[str, Any]) -> str | None:
+    """The index beside the shard, as text, when its stamp is the shard's now; a stale one (the shard changed since it
+    was written, or it was written for other member keys) is named in one line and left unused."""
+    try:
+        if remote.is_remote(published):
+            text = remote.read_bytes(published).decode()
+        else:
+            with open(published) as f:
+                text = f.read()
+        head = json.loads(text.partition("\n")[0])
+    except (OSError, ValueError, UnicodeDecodeError, remote.Unreachable):
+        return None  # unreadable: the shard is indexed from its headers, as without one
+    if not isinstance(head, dict):
+        return None
+    differs = [k for k, v in stamp.items() if head.get(k) != v]
+    if not differs:
+        return text
+    if published not in _named_stale:
+        _named_stale.add(published)
+        logger.warning("data: the index beside %s is stale (its %s: %s; the shard's now: %s): not used, the shard is "
+                       "indexed from its headers; run `naflexclip data index` again", url, ", ".join(differs),
+                       ", ".join(str(head.get(k)) for k in differs), ", ".join(str(stamp[k]) for k in differs))
+    return None
+
+
+def _from_cache(url: str, cached: dict[str, Any], version: str | None) -> ShardIndex | None:
+    try:
+        return ShardIndex(url, cached["status"], cached["keys"],
+                          np.asarray(cached["offsets"], dtype=np.int64).reshape(-1, 6), cached["cut"],
+                          cached["duplicates"], version=version)
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
 def load_shard_index(url: str, cache_dir: str | None = None, keys: MemberKeys = DEFAULT_MEMBER_KEYS,
                      pin: dict[str, Any] | None = None) -> ShardIndex:
-    """The shard's index: from its cache while the shard's size and mtime (and the member keys) match, else
-    scanned and cached. `pin`: a remote shard's size and version (`remote.pins`), which its reads must find."""
+    """The shard's index: from its cache while the shard's size and mtime (and the member keys) match, else from the
+    index beside it (`naflexclip data index`) when that matches, else scanned; then cached. Scanned once per node:
+    another process needing it meanwhile waits and reads the cache. `pin`: a remote shard's size and version
+    (`remote.pins`), which its reads must find."""
     try:
         stamp = _cache_stamp(url, keys, pin)
     except remote.Unreachable as error:
@@ -215,26 +306,28 @@ def load_shard_index(url: str, cache_dir: str | None = None, keys: MemberKeys = 
     version = stamp.get("etag")
     path = _cache_path(url, cache_dir)
     cached = _read_cache(path, stamp, whole=True)
-    try:
-        if cached is not None:
-            return ShardIndex(url, cached["status"], cached["keys"],
-                              np.asarray(cached["offsets"], dtype=np.int64).reshape(-1, 6), cached["cut"],
-                              cached["duplicates"], version=version)
-    except (KeyError, ValueError):
-        pass
-    index = scan_shard(url, keys, stamp["size"], version)
-    if index.status in ("missing", "unreachable", "changed"):
-        return index  # a fault of this moment, not the shard's content: never cached
-    try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-        with open(tmp, "w") as f:
-            f.write(json.dumps({**stamp, "status": index.status, "count": len(index)}) + "\n")
-            f.write(json.dumps({"keys": index.keys, "offsets": index.offsets.tolist(), "cut": index.cut,
-                                "duplicates": index.duplicates}) + "\n")
-        os.replace(tmp, path)  # atomic: ranks (and threads) indexing the same shard at once each write a whole file
-    except OSError:
-        pass  # an unwritable cache only costs a re-scan next time
+    index = None if cached is None else _from_cache(url, cached, version)
+    if index is not None:
+        return index
+    with _indexing(path):
+        cached = _read_cache(path, stamp, whole=True)  # another process may have indexed it while we waited
+        index = None if cached is None else _from_cache(url, cached, version)
+        if index is not None:
+            return index
+        published = _published(url, cache_dir, pin)
+        text = None if published is None else _read_published(url, published, stamp)
+        if text is not None:
+            lines = text.splitlines()
+            index = _from_cache(url, {**json.loads(lines[0]), **json.loads(lines[1])}, version)
+        if index is None:
+            index = scan_shard(url, keys, stamp["size"], version)
+            if index.status in ("missing", "unreachable", "changed"):
+                return index  # a fault of this moment, not the shard's content: never cached
+            text = _index_lines(stamp, index)
+        try:
+            _write_atomic(path, text)
+        except OSError:
+            pass  # an unwritable cache only costs a re-scan next time
     return index
 
 
@@ -251,6 +344,26 @@ def known_keys(url: str, cache_dir: str | None, keys: MemberKeys, version: str |
     cached = _read_cache(_cache_path(url, cache_dir), stamp, whole=True)
     found = cached.get("keys") if cached is not None else None
     return found if isinstance(found, list) else []
+
+
+def index_shards(urls: list[str], keys: MemberKeys = DEFAULT_MEMBER_KEYS,
+                 cache_dir: str | None = None) -> list[ShardIndex]:
+    """Write each shard's index beside it (`<shard>.naflexclip-index.json`, stamped with the shard's size and ETag,
+    or its mtime when local), so that a run's startup reads it instead of the shard's headers
+    (`naflexclip data index`). Shards already indexed in the cache are not read again."""
+    pins = _pins(urls)
+    indexes = load_shard_indexes(urls, cache_dir, keys, pins)
+    for url, index in zip(urls, indexes, strict=True):
+        if index.status in ("missing", "unreachable", "changed"):
+            continue
+        stamp = _cache_stamp(url, keys, pins.get(url))
+        assert stamp is not None
+        text = _index_lines(stamp, index)
+        if remote.is_remote(url):
+            remote.write_bytes(url + INDEX_SUFFIX, text.encode())
+        else:
+            _write_atomic(url + INDEX_SUFFIX, text)
+    return indexes
 
 
 def held_count(url: str, cache_dir: str | None = None, keys: MemberKeys = DEFAULT_MEMBER_KEYS,
@@ -315,7 +428,7 @@ def _pins(urls: list[str]) -> dict[str, dict[str, Any]]:
     """`remote.pins` of the remote shards; none (each shard's stamp asked for when indexed) where no listing can be
     had (the startup check named a store that cannot be listed)."""
     try:
-        return remote.pins(urls)
+        return remote.pins(urls, beside=INDEX_SUFFIX)
     except remote.Unreachable:
         return {}
 

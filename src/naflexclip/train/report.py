@@ -18,7 +18,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from naflexclip.data.samples import NOT_SAMPLE_REASONS, NOTE_REASONS
+from naflexclip.data.samples import NOT_SAMPLE_REASONS, NOTE_REASONS, READ_NOTES
 from naflexclip.train.sinks import (
     METRICS_FILE,
     JsonlSink,
@@ -342,7 +342,8 @@ def summary_table(first: dict[str, float], last: dict[str, float], counts: dict[
 
 def read_skip_log(path: Path) -> list[dict[str, Any]]:
     """The run's skipped samples, each once: a sample re-read after a resume is not counted twice. A retried read
-    (`read_retry`, naming no sample) is an event of its own, each one counted, as the loader counts them."""
+    (`read_retry`, `read_throttled`: naming no sample) is an event of its own, each one counted, as the loader counts
+    them."""
     if not path.exists():
         return []
     seen, records = set(), []
@@ -352,7 +353,7 @@ def read_skip_log(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue  # a line torn by a crash
         ident = tuple(str(record.get(k)) for k in ("split", "step", "epoch", "source", "key", "line", "reason"))
-        if record.get("reason") == "read_retry" or ident not in seen:
+        if record.get("reason") in READ_NOTES or ident not in seen:
             seen.add(ident)
             records.append(record)
     return records
