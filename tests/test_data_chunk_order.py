@@ -178,3 +178,11 @@ def test_shards_train_in_the_chunked_order_and_an_older_checkpoint_resumes_on_it
     resumed.set_epoch(0, 2)
     assert head + _keys(resumed) == old_keys
     assert resumed.state_dict()["order_version"] == 1
+
+
+def test_a_memory_budget_below_one_chunk_is_refused_in_one_line():
+    import pytest
+
+    with pytest.raises(ValueError, match=r"^--fetch-memory 4 MiB holds less than one chunk of --fetch-chunk-size 8"):
+        DataConfig(fetch_memory=4, fetch_chunk_size=8)
+    DataConfig(fetch_memory=4, fetch_chunk_size=0)  # no chunks: nothing to hold

@@ -119,7 +119,7 @@ def _chunked(cfg: DataConfig, recipe: ShardRecipe, source: Source, common: dict[
     if common["split"] != "train" or cfg.fetch_chunk_size == 0:
         return None
     chunks = shard_chunks(recipe.shards.sizes, source_shard_bytes(source), cfg.fetch_chunk_size << 20)
-    return ChunkedRecipe(recipe, chunks, cfg.fetch_streams)
+    return ChunkedRecipe(recipe, chunks, cfg.fetch_streams, cfg.fetch_memory << 20)
 
 
 def _listed_sizes(urls: list[str], path: str, common: dict[str, Any]) -> np.ndarray | None:

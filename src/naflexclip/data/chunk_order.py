@@ -165,10 +165,12 @@ class ChunkedRecipe:
     """How a shard source's epochs are chunked: its `recipe` (which slots an epoch draws), each shard's chunk count
     (`shard_chunks`) and the stream count C (`--fetch-streams`)."""
 
-    def __init__(self, recipe: ShardRecipe, chunks_per_shard: np.ndarray, streams: int) -> None:
+    def __init__(self, recipe: ShardRecipe, chunks_per_shard: np.ndarray, streams: int, memory: int = 0) -> None:
+        """`memory`: bytes a rank holds fetched chunks in (`chunk_fetch`; 0: samples are read one by one)."""
         if streams < 1:
             raise ValueError(f"--fetch-streams must be >= 1, got {streams}")
         self.recipe, self.chunks_per_shard, self.streams = recipe, np.asarray(chunks_per_shard, np.int64), streams
+        self.memory = memory
 
     def epoch_samples(self) -> int:
         return self.recipe.epoch_samples()

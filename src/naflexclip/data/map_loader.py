@@ -16,6 +16,7 @@ from typing import Any
 from torch.utils.data import DataLoader, Dataset
 
 from naflexclip.data import remote
+from naflexclip.data.chunk_fetch import ChunkFetcher, fetched_tasks
 from naflexclip.data.chunk_order import ORDER_VERSION, ChunkedRecipe
 from naflexclip.data.loader import NaFlexLoader, logger, shut_down_workers
 from naflexclip.data.microbatch import MicrobatchBuilder
@@ -57,11 +58,14 @@ class MapTasks(Dataset):
         raw.notes = raw.notes + remote.take_notes()  # object storage reads retried for it
         return raw
 
-    def __getitem__(self, task: Task) -> dict[str, Any]:
-        planned, indices, seed_key = task
+    def __getitem__(self, task: Task | tuple[ScheduledBatch, list[int], tuple[int, ...], list[Any]]
+                    ) -> dict[str, Any]:
+        planned, indices, seed_key = task[:3]
         try:
             where = [self.source.describe(i) for i in indices]  # (a shard's index is read here, once, first)
-            samples = list(zip(self._loads(indices), where, strict=True))
+            # read already from fetched chunks (`chunk_fetch`), or here
+            raws = task[3] if len(task) > 3 else self._loads(indices)  # type: ignore[misc]
+            samples = list(zip(raws, where, strict=True))
             notes = [note for raw, _ in samples for note in raw.notes]
             return self.builder.build(planned, samples, notes, seed_key)
         except Exception as exc:  # noqa: BLE001 - reported by the main process as one DataError
@@ -140,11 +144,19 @@ class MapLoader(NaFlexLoader):
     def _dataloader(self, first: int) -> DataLoader:
         if self._loader is None:
             self._tasks = EpochTasks()
-            self._loader = self.data_loader(MapTasks(self.source, self.builder), self._tasks, persistent=True)
+            self._map_tasks = MapTasks(self.source, self.builder)
+            self._loader = self.data_loader(self._map_tasks, self._tasks, persistent=True)
         order, key = self.order, (self.seed, self.epoch, self.rank)
-        self._tasks.tasks = ((b, order[b.offset: b.offset + b.batch_size * b.stride: b.stride].tolist(),
-                              (*key, b.index))
-                             for b in worker_batches(self.schedule, 0, 1, first))
+        batches = worker_batches(self.schedule, 0, 1, first)
+        tasks = ((b, order[b.offset: b.offset + b.batch_size * b.stride: b.stride].tolist(), (*key, b.index))
+                 for b in batches)
+        if self.is_chunked and self.chunked is not None and self.chunked.memory and \
+                getattr(self.source, "parallel_reads", 1) > 1:  # remote shards: read by chunk, here
+            batches = list(worker_batches(self.schedule, 0, 1, first))
+            fetcher = ChunkFetcher(self.source, order, batches, self.chunked.memory)
+            tasks = fetched_tasks(fetcher, ((b, order[b.offset: b.offset + b.batch_size * b.stride: b.stride]
+                                             .tolist(), (*key, b.index)) for b in batches), self._map_tasks._loads)
+        self._tasks.tasks = tasks
         return self._loader
 
     def _epoch_start_records(self) -> list[dict[str, Any]]:

@@ -38,6 +38,8 @@ _CREDENTIALS_HINT = {
 _notes: list[dict[str, Any]] = []  # appended by the reading threads, drained under `_notes_lock`
 _notes_lock = threading.Lock()
 _filesystems: dict[tuple[int, str], Any] = {}
+# ranges already fetched (`chunk_fetch.ChunkFetcher`): `get(url, version, start, end)` gives bytes or None
+range_cache: Any = None
 
 
 class Unreachable(RuntimeError):
@@ -211,8 +213,9 @@ def read_spans(url: str, spans: Sequence[tuple[int, int]], version: str | None =
     present = [(o, s) for o, s in spans if o >= 0]
     if not present:
         return [None] * len(spans)
-    start = min(o for o, _ in present)
-    data = read_range(url, start, max(o + s for o, s in present), version)
+    start, end = min(o for o, _ in present), max(o + s for o, s in present)
+    cached = range_cache.get(url, version, start, end) if range_cache is not None else None
+    data = cached if cached is not None else read_range(url, start, end, version)
     return [None if o < 0 else data[o - start: o - start + s] for o, s in spans]
 
 
