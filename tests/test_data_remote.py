@@ -67,6 +67,7 @@ def fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def config(spec: str, tmp_path: Path, **overrides) -> DataConfig:
+    # fetch_chunk_size=0 where a test counts faults per sample read (chunks: one read per shard here)
     values = dict(train_data=spec, naflex_seq_lens=(16, 32), naflex_max_tokens_per_batch=128, workers=0, seed=3,
                   shard_index_dir=str(tmp_path / "index"))
     values.update(overrides)
@@ -149,14 +150,14 @@ def test_transient_faults_are_retried_and_counted_and_nothing_is_lost(bucket, tm
     data, each retry is a `read_retry` note (`read_throttled` for SlowDown). Teeth: without retries the same faults
     lose samples."""
     endpoint = bucket[0]
-    expected, _ = epoch_keys(config(f"s3://data/sized/{LOCAL_SPEC}", tmp_path / "clean"))
+    expected, _ = epoch_keys(config(f"s3://data/sized/{LOCAL_SPEC}", tmp_path / "clean", fetch_chunk_size=0))
     for retries in (remote.RETRIES, 0):
         proxy = FaultProxy(endpoint, every=3, limit=12)
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         remote.forget_filesystems()
         monkeypatch.setattr(remote, "RETRIES", retries)
         try:
-            cfg = config(f"s3://data/sized/{LOCAL_SPEC}", tmp_path / f"faulty{retries}")
+            cfg = config(f"s3://data/sized/{LOCAL_SPEC}", tmp_path / f"faulty{retries}", fetch_chunk_size=0)
             if retries:
                 keys, skips = epoch_keys(cfg)
                 assert keys == expected and proxy.failed >= 6
@@ -182,8 +183,8 @@ def test_retried_reads_are_reported_apart_from_skipped_samples(bucket, tmp_path:
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
     remote.forget_filesystems()
     try:
-        loader = build_loader(config(f"s3://data/sized/{LOCAL_SPEC}", tmp_path), split="train", patch_size=PATCH,
-                              context_length=CONTEXT)
+        loader = build_loader(config(f"s3://data/sized/{LOCAL_SPEC}", tmp_path, fetch_chunk_size=0), split="train",
+                              patch_size=PATCH, context_length=CONTEXT)
         with caplog.at_level("INFO", logger="naflexclip.data"):
             keys = [key for batch in loader for key in batch["keys"]]
     finally:
@@ -264,7 +265,8 @@ def test_retried_reads_are_counted_once_the_same_in_the_epoch_line_and_the_run_s
     with FaultProxy(bucket[0], every=2, limit=60) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         remote.forget_filesystems()
-        assert main(["train", *_train_flags(tmp_path, f"s3://data/sized/{LOCAL_SPEC}"), "--name", "flaky"]) == 0
+        assert main(["train", *_train_flags(tmp_path, f"s3://data/sized/{LOCAL_SPEC}"), "--fetch-chunk-size", "0",
+                     "--name", "flaky"]) == 0
     out = capsys.readouterr()
     console = out.out + out.err
     epoch_line = next(line for line in console.splitlines() if "data train epoch 1 rank 0" in line)
@@ -308,8 +310,8 @@ def test_a_shard_rewritten_mid_epoch_is_a_named_fault_never_data(bucket, tmp_pat
     source = bucket[1] if folder == "sized" else bucket[2]
     prefix = f"s3://data/rewritten-{folder}"
     upload(str(source), prefix)
-    loader = build_loader(config(f"{prefix}/{LOCAL_SPEC}", tmp_path), split="train", patch_size=PATCH,
-                          context_length=CONTEXT)
+    loader = build_loader(config(f"{prefix}/{LOCAL_SPEC}", tmp_path, fetch_chunk_size=0), split="train",
+                          patch_size=PATCH, context_length=CONTEXT)
     batches = iter(loader)
     keys = list(next(batches)["keys"])
     _rewrite(f"{prefix}/train-00002.tar", source / "train-00000.tar")
@@ -572,3 +574,21 @@ def test_https_shards_from_a_plain_server_with_ranges_train_as_local_disk(bucket
             keys, skips = epoch_keys(config(f"{server.url}/{LOCAL_SPEC}", tmp_path / f"{workers}", workers=workers))
             assert keys == local_keys and not skips
         assert any(method == "GET" and path.endswith(".tar") for method, path in server.counts)
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_remote_shards_are_read_a_chunk_per_request_each_byte_once(bucket, tmp_path: Path, monkeypatch,
+                                                                   world_size: int) -> None:
+    """Each chunk (here a whole shard) is fetched in one ranged GET by the one rank that reads it, ahead of its use;
+    the samples are the local shards' in the same order."""
+    _, local, _, _ = bucket
+    cfg = config("s3://data/sized/train-{00000..00003}.tar", tmp_path)
+    epoch_keys(cfg)  # the shards' indexes cached
+    gets: list[int] = []
+    cat = remote._cat_range
+    monkeypatch.setattr(remote, "_cat_range", lambda *a: gets.append(a[4] - a[3]) or cat(*a))
+    keys, skips = epoch_keys(cfg, world_size)
+    assert sorted(keys) == sorted(epoch_keys(config(str(local / LOCAL_SPEC), tmp_path), world_size)[0])
+    assert keys == epoch_keys(config(str(local / LOCAL_SPEC), tmp_path), world_size)[0]
+    assert len(keys) == SAMPLES and not skips
+    shard_bytes = sum(os.path.getsize(local / f"train-{i:05d}.tar") for i in range(4))
+    assert len(gets) == 4 and sum(gets) <= shard_bytes

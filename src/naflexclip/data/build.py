@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from naflexclip.data import remote
+from naflexclip.data.chunk_order import ChunkedRecipe, shard_chunks, source_shard_bytes
 from naflexclip.data.data_config import DEFAULT_IMAGE_KEY, DataConfig, split_keys
 from naflexclip.data.joined_sources import JoinedSources
 from naflexclip.data.loader import NaFlexLoader
@@ -100,16 +101,25 @@ def _shard_loader(cfg: DataConfig, path: str, urls: list[str], ids: np.ndarray, 
     if requested is not None and requested > len(source) and not (resampled or factors is not None):
         raise _more_than_the_data(cfg, flag, requested, source)
     if sizes is None and not resampled and factors is None:
-        return MapLoader(source, samples_per_epoch=requested, **common)
+        chunked = _chunked(cfg, ShardRecipe(shards, None, False, requested), source, common)
+        return MapLoader(source, samples_per_epoch=requested, chunked=chunked, **common)
     try:
         recipe = ShardRecipe(shards, factors, resampled, requested)
         recipe.epoch_samples()
     except ValueError as error:
         raise DataError(str(error)) from None
-    loader = MapLoader(source, recipe=recipe, **common)
+    loader = MapLoader(source, recipe=recipe, chunked=_chunked(cfg, recipe, source, common), **common)
     if common["rank"] == 0:
         _announce_mixture(cfg, loader, recipe, common["split"])
     return loader
+
+
+def _chunked(cfg: DataConfig, recipe: ShardRecipe, source: Source, common: dict[str, Any]) -> ChunkedRecipe | None:
+    """The chunked order of a training shard source (`chunk_order`); None with --fetch-chunk-size 0."""
+    if common["split"] != "train" or cfg.fetch_chunk_size == 0:
+        return None
+    chunks = shard_chunks(recipe.shards.sizes, source_shard_bytes(source), cfg.fetch_chunk_size << 20)
+    return ChunkedRecipe(recipe, chunks, cfg.fetch_streams, cfg.fetch_memory << 20)
 
 
 def _listed_sizes(urls: list[str], path: str, common: dict[str, Any]) -> np.ndarray | None:
@@ -187,7 +197,7 @@ def _table_loader(cfg: DataConfig, path: str, requested: int | None, flag: str, 
         recipe.epoch_samples()
     except ValueError as error:
         raise DataError(str(error)) from None
-    loader = MapLoader(joined, recipe=recipe, **common)
+    loader = MapLoader(joined, recipe=recipe, chunked=_chunked(cfg, recipe, joined, common), **common)
     if common["rank"] == 0:
         _announce_mixture(cfg, loader, recipe, common["split"])
     return loader

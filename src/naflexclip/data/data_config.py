@@ -144,6 +144,15 @@ class DataConfig:
         "plan from sizes.json alone, reading no shard at startup (a first run over 100,000s of shards); a shard "
         "that holds more samples than sizes.json lists then has its surplus named (shard_size_mismatch), not "
         "trained"))
+    # shards read in chunks: the chunks make the epoch's order (docs/data.md#the-chunked-order)
+    fetch_chunk_size: int = setting(8, rule=REFUSE, why=_ORDER, section=_DATA, metavar="MIB", help=(
+        "training shards (.tar, local or in object storage) are read in chunks of about this many MiB, each in one "
+        "request, and an epoch's order is made of them (0: every sample shuffled over the epoch, read one by one)"))
+    fetch_streams: int = setting(64, rule=REFUSE, why=_ORDER, section=_DATA, help=(
+        "streams the chunked order deals its chunks to (a rank reads its own when the world size divides this; "
+        "each rank holds about this / world size chunks at once)"))
+    fetch_memory: int = setting(1024, rule=APPLY, section=_DATA, metavar="MIB", help=(
+        "memory a rank holds chunks of remote shards in, fetched ahead of their use and dropped at their last"))
     # OpenCLIP's WebDataset recipe flags (docs/data.md, "Data recipes")
     dataset_resampled: bool = setting(False, rule=REFUSE, why=_ORDER, section=_RECIPES, help=(
         "draw shards with replacement (weighted by --train-data-upsampling-factors); an epoch is "
@@ -251,6 +260,13 @@ class DataConfig:
                                  f"--train-num-samples {self.train_num_samples} (OpenCLIP takes one of them)")
         if not self.csv_separator:
             raise ValueError("--csv-separator must not be empty")
+        if self.fetch_chunk_size < 0:
+            raise ValueError(f"--fetch-chunk-size must be >= 0 (MiB; 0: no chunks), got {self.fetch_chunk_size}")
+        if self.fetch_chunk_size and self.fetch_memory < self.fetch_chunk_size:
+            raise ValueError(f"--fetch-memory {self.fetch_memory} MiB holds less than one chunk of --fetch-chunk-size "
+                             f"{self.fetch_chunk_size} MiB: raise it or lower --fetch-chunk-size")
+        if self.fetch_streams < 1:
+            raise ValueError(f"--fetch-streams must be >= 1, got {self.fetch_streams}")
         if self.shuffle_buffer < 0:
             raise ValueError(f"--shuffle-buffer must be >= 0, got {self.shuffle_buffer}")
         self._check_recipe()

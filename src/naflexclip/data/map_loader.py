@@ -16,6 +16,8 @@ from typing import Any
 from torch.utils.data import DataLoader, Dataset
 
 from naflexclip.data import remote
+from naflexclip.data.chunk_fetch import ChunkFetcher, fetched_tasks
+from naflexclip.data.chunk_order import ORDER_VERSION, ChunkedRecipe
 from naflexclip.data.loader import NaFlexLoader, logger, shut_down_workers
 from naflexclip.data.microbatch import MicrobatchBuilder
 from naflexclip.data.readers import RawSample, Source, skip_record
@@ -56,11 +58,14 @@ class MapTasks(Dataset):
         raw.notes = raw.notes + remote.take_notes()  # object storage reads retried for it
         return raw
 
-    def __getitem__(self, task: Task) -> dict[str, Any]:
-        planned, indices, seed_key = task
+    def __getitem__(self, task: Task | tuple[ScheduledBatch, list[int], tuple[int, ...], list[Any]]
+                    ) -> dict[str, Any]:
+        planned, indices, seed_key = task[:3]
         try:
             where = [self.source.describe(i) for i in indices]  # (a shard's index is read here, once, first)
-            samples = list(zip(self._loads(indices), where, strict=True))
+            # read already from fetched chunks (`chunk_fetch`), or here
+            raws = task[3] if len(task) > 3 else self._loads(indices)  # type: ignore[misc]
+            samples = list(zip(raws, where, strict=True))
             notes = [note for raw, _ in samples for note in raw.notes]
             return self.builder.build(planned, samples, notes, seed_key)
         except Exception as exc:  # noqa: BLE001 - reported by the main process as one DataError
@@ -81,15 +86,20 @@ class MapLoader(NaFlexLoader):
     """One rank's epochs of a map-style `source`: `samples_per_epoch` of its usable samples (a fresh
     random subset each epoch when fewer than all; default all). With a shard `recipe` (`shard_order`), the
     epoch's order is the recipe's: a mixture, resampled shards, or a shard set too large for one permutation.
-    The other arguments are `NaFlexLoader`'s."""
+    With a `chunked` recipe (shards read in chunks, `chunk_order`), a shuffled epoch is its chunked order, its
+    rows dealt to the ranks by stride; a checkpoint written before that order (no `order_version` in its state)
+    continues on the one it was written with. The other arguments are `NaFlexLoader`'s."""
 
     indexed = True
 
     def __init__(self, source: Source, *, samples_per_epoch: int | None = None, recipe: ShardRecipe | None = None,
-                 **kwargs: Any) -> None:
-        self.source, self.recipe = source, recipe
+                 chunked: ChunkedRecipe | None = None, **kwargs: Any) -> None:
+        self.source, self.recipe, self.chunked = source, recipe, chunked
+        self.order_version = ORDER_VERSION if chunked is not None else 1
         self._loader: DataLoader | None = None  # made at the first iteration; its workers serve every epoch
-        if recipe is not None:
+        if chunked is not None:
+            samples_per_epoch = chunked.epoch_samples()
+        elif recipe is not None:
             samples_per_epoch = recipe.epoch_samples()
         super().__init__(name=source.name, samples_per_epoch=samples_per_epoch or len(source), **kwargs)
 
@@ -100,8 +110,16 @@ class MapLoader(NaFlexLoader):
             return {}
         return self.order.source_counts()
 
+    @property
+    def is_chunked(self) -> bool:
+        """This epoch is read in chunks (`chunk_order`)."""
+        return self.chunked is not None and self.shuffle and self.order_version >= ORDER_VERSION
+
     def _plan(self, epoch: int, sample_position: int | None, start_batch: int) -> None:
-        if self.recipe is not None:
+        if self.is_chunked:
+            assert self.chunked is not None
+            self.order = self.chunked.order(seed=self.seed, epoch=epoch)
+        elif self.recipe is not None:
             self.order = self.recipe.order(seed=self.seed, epoch=epoch, shuffle=self.shuffle)
         else:
             order = epoch_order(len(self.source), seed=self.seed, epoch=epoch, shuffle=self.shuffle,
@@ -109,7 +127,8 @@ class MapLoader(NaFlexLoader):
             self.order = order[: self.samples_per_epoch]  # --train-num-samples below the usable count
         rest = sample_position is not None  # only the rest of the epoch, re-planned at another world size
         self.plan = build_global_plan(len(self.order), self.world_size, self.budget, seed=self.seed, epoch=epoch,
-                                      start_step=start_batch if rest else 0, start_sample=sample_position or 0)
+                                      start_step=start_batch if rest else 0, start_sample=sample_position or 0,
+                                      interleaved=self.is_chunked)
         self.schedule = self.plan.rank_batches(self.rank)
 
     @property
@@ -125,10 +144,19 @@ class MapLoader(NaFlexLoader):
     def _dataloader(self, first: int) -> DataLoader:
         if self._loader is None:
             self._tasks = EpochTasks()
-            self._loader = self.data_loader(MapTasks(self.source, self.builder), self._tasks, persistent=True)
+            self._map_tasks = MapTasks(self.source, self.builder)
+            self._loader = self.data_loader(self._map_tasks, self._tasks, persistent=True)
         order, key = self.order, (self.seed, self.epoch, self.rank)
-        self._tasks.tasks = ((b, order[b.offset: b.offset + b.batch_size].tolist(), (*key, b.index))
-                             for b in worker_batches(self.schedule, 0, 1, first))
+        batches = worker_batches(self.schedule, 0, 1, first)
+        tasks = ((b, order[b.offset: b.offset + b.batch_size * b.stride: b.stride].tolist(), (*key, b.index))
+                 for b in batches)
+        if self.is_chunked and self.chunked is not None and self.chunked.memory and \
+                getattr(self.source, "parallel_reads", 1) > 1:  # remote shards: read by chunk, here
+            batches = list(worker_batches(self.schedule, 0, 1, first))
+            fetcher = ChunkFetcher(self.source, order, batches, self.chunked.memory)
+            tasks = fetched_tasks(fetcher, ((b, order[b.offset: b.offset + b.batch_size * b.stride: b.stride]
+                                             .tolist(), (*key, b.index)) for b in batches), self._map_tasks._loads)
+        self._tasks.tasks = tasks
         return self._loader
 
     def _epoch_start_records(self) -> list[dict[str, Any]]:
@@ -142,6 +170,17 @@ class MapLoader(NaFlexLoader):
 
     def _sample_position_at(self, planned: int) -> int | None:
         return self.plan.step_start(planned)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "order_version": self.order_version}
+
+    def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """As `NaFlexLoader.load_state_dict`; the run continues on the order its state was written with (a state
+        from before chunked orders has no `order_version`: version 1)."""
+        first = state[0] if isinstance(state, list) else state
+        if self.chunked is not None:
+            self.order_version = min(ORDER_VERSION, int(first.get("order_version", 1)))
+        super().load_state_dict(state)
 
     def _shard_versions(self) -> dict[str, str]:
         versions: dict[str, str] = {}

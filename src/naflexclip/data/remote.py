@@ -49,6 +49,8 @@ _notes_lock = threading.Lock()
 _filesystems: dict[tuple[int, str], Any] = {}
 _dead: dict[str, tuple[float, str]] = {}  # url: (given up at, why), this process's
 _dead_dir: str | None = None  # where every process of the run marks what it gave up (`share_dead_objects`)
+# ranges already fetched (`chunk_fetch.ChunkFetcher`): `get(url, version, start, end)` gives bytes or None
+range_cache: Any = None
 
 
 class Unreachable(RuntimeError):
@@ -310,8 +312,9 @@ def read_spans(url: str, spans: Sequence[tuple[int, int]], version: str | None =
     present = [(o, s) for o, s in spans if o >= 0]
     if not present:
         return [None] * len(spans)
-    start = min(o for o, _ in present)
-    data = read_range(url, start, max(o + s for o, s in present), version)
+    start, end = min(o for o, _ in present), max(o + s for o, s in present)
+    cached = range_cache.get(url, version, start, end) if range_cache is not None else None
+    data = cached if cached is not None else read_range(url, start, end, version)
     return [None if o < 0 else data[o - start: o - start + s] for o, s in spans]
 
 

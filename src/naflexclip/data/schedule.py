@@ -123,13 +123,15 @@ class ScheduledBatch:
     """One planned microbatch: its index in the epoch's plan, patch budget per image and row count.
 
     `offset`: where its samples start in the epoch's sample order (the global order for a global plan,
-    this rank's share for a stream).
+    this rank's share for a stream); `stride`: how far apart its samples are there (an interleaved plan's: the
+    world size).
     """
 
     index: int
     seq_len: int
     batch_size: int
     offset: int
+    stride: int = 1
 
 
 def _rng(seed: int, epoch: int, tag: int, *more: int) -> np.random.Generator:
@@ -246,10 +248,13 @@ class _Steps:
 
 class Schedule(Sequence):
     """One rank's planned microbatches (index = `first_index` + position) as `ScheduledBatch` views of a plan's
-    compact steps: `rank`'s rows of each regular step, then the explicit `tail` (seq_len, size, offset) steps."""
+    compact steps: `rank`'s rows of each regular step, then the explicit `tail` (seq_len, size, offset) steps.
+    `stride` > 1 (an interleaved plan): a step's rows are dealt to the ranks by stride, not in contiguous runs."""
 
-    def __init__(self, first_index: int, steps: _Steps, rank: int, tail: list[tuple[int, int, int]]) -> None:
+    def __init__(self, first_index: int, steps: _Steps, rank: int, tail: list[tuple[int, int, int]],
+                 stride: int = 1) -> None:
         self.first_index, self.steps, self.rank, self.tail = first_index, steps, rank, tail
+        self.stride = stride
 
     def __len__(self) -> int:
         return len(self.steps) + len(self.tail)
@@ -264,10 +269,11 @@ class Schedule(Sequence):
         steps = self.steps
         if i >= len(steps):
             seq_len, size, offset = self.tail[i - len(steps)]
-            return ScheduledBatch(self.first_index + i, seq_len, size, offset)
+            return ScheduledBatch(self.first_index + i, seq_len, size, offset, self.stride)
         c = steps.choice[i]
         size = int(steps.rows[c])
-        return ScheduledBatch(self.first_index + i, int(steps.lens[c]), size, steps.offset(i) + self.rank * size)
+        first = self.rank if self.stride > 1 else self.rank * size
+        return ScheduledBatch(self.first_index + i, int(steps.lens[c]), size, steps.offset(i) + first, self.stride)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Sequence) and len(self) == len(other) and list(self) == list(other)
@@ -365,6 +371,7 @@ class GlobalPlan:
     start_sample: int
     dropped: int
     start_step: int = 0
+    interleaved: bool = False  # rank r takes a step's positions offset + r, offset + r + world_size, ...
 
     @property
     def num_steps(self) -> int:
@@ -383,7 +390,10 @@ class GlobalPlan:
         return tuple(out)
 
     def rank_batches(self, rank: int) -> Schedule:
-        """Rank `rank`'s microbatches; `offset` indexes the epoch's global order."""
+        """Rank `rank`'s microbatches; `offset` (and `stride`) index the epoch's global order."""
+        if self.interleaved:  # a step's sizes differ by at most one, larger first: the strides cover its positions
+            tail = [(seq_len, sizes[rank], offset + rank) for seq_len, sizes, offset in self.tail]
+            return Schedule(self.start_step, self.regular, rank, tail, self.world_size)
         tail = [(seq_len, sizes[rank], offset + sum(sizes[:rank])) for seq_len, sizes, offset in self.tail]
         return Schedule(self.start_step, self.regular, rank, tail)
 
@@ -411,6 +421,7 @@ def build_global_plan(
     epoch: int = 0,
     start_step: int = 0,
     start_sample: int = 0,
+    interleaved: bool = False,
 ) -> GlobalPlan:
     """Plan an epoch of `num_samples` samples (positions in one global order) over `world_size` ranks.
 
@@ -423,6 +434,8 @@ def build_global_plan(
     leave a sample out). Only fewer samples than ranks in all are left out, counted in `dropped`.
     `start_step`/`start_sample` plan the rest of an epoch resumed at that microbatch and position,
     at any world size: with the same world size the steps equal the uninterrupted plan's.
+    `interleaved`: each step's positions are dealt to the ranks by stride (rank r takes offset + r, offset + r + R,
+    ...), so a rank reads the positions of one residue mod R (`chunk_order`'s streams); else in contiguous runs.
     """
     if num_samples < 0 or not 0 <= start_sample <= num_samples:
         raise ValueError(f"need 0 <= start_sample <= num_samples, got {start_sample}, {num_samples}")
@@ -446,12 +459,16 @@ def build_global_plan(
         elif total >= 2 * world_size:
             parts = even_sizes(total, 2 * world_size)
             first = tuple(parts[0::2])
-            tail += [(prev_len, first, prev_offset), (prev_len, tuple(parts[1::2]), prev_offset + sum(first))]
+            if interleaved:  # a whole number of rows per rank first, so the next step keeps each rank's residue
+                first = (total // world_size // 2,) * world_size
+                parts = first + even_sizes(total - sum(first), world_size)
+            second = tuple(parts[world_size:]) if interleaved else tuple(parts[1::2])
+            tail += [(prev_len, first, prev_offset), (prev_len, second, prev_offset + sum(first))]
         else:  # every length allows one row only: the last step's first ranks take a second row
             tail.append((prev_len, even_sizes(total, world_size), prev_offset))
     elif rest:
         dropped = rest
-    return GlobalPlan(regular, tuple(tail), world_size, num_samples, start_sample, dropped, start_step)
+    return GlobalPlan(regular, tuple(tail), world_size, num_samples, start_sample, dropped, start_step, interleaved)
 
 
 def epoch_order(num_samples: int, *, seed: int, epoch: int, shuffle: bool, group_size: int = 1) -> np.ndarray:

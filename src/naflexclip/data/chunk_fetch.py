@@ -1,0 +1,147 @@
+"""Chunks of remote shards fetched ahead, in the order the rank's plan reads them, each in one ranged request.
+
+A rank's main process knows its microbatches of the epoch (`chunk_order.ChunkOrder`, the interleaved plan), so it
+knows which chunk each of its samples is in, when it is first needed and when for the last time. `ChunkFetcher`
+requests the chunks in first-use order, `IN_FLIGHT` at a time, while what it holds and has asked for stays within
+`--fetch-memory`; a chunk is dropped at its last use. A remote read of a shard's sample (`remote.read_spans`) that
+falls in a held chunk is served from it (`remote.range_cache`), so the samples are read in the main process and
+handed to the workers, which only decode. Every chunk read goes through `remote.read_range`: retries counted as
+`read_retry` notes, the pinned version checked, a failure raised to each of its samples' reads.
+docs/data.md#the-chunked-order.
+"""
+
+from __future__ import annotations
+
+import bisect
+import concurrent.futures
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from naflexclip.data import remote
+from naflexclip.data.chunk_order import ChunkOrder
+from naflexclip.data.schedule import ScheduledBatch
+
+IN_FLIGHT = 8  # chunk requests at once (latency, not bandwidth, bounds one request)
+
+
+def chunk_range(source: Any, order: ChunkOrder, c: int) -> tuple[str, str | None, int, int] | None:
+    """(url, pinned version, start, end) of the bytes chunk `c` spans in its shard; None when it is not a remote
+    tar shard's, or its shard cannot be read (its samples' reads say why)."""
+    shard, first, count = order.chunk_span(c)
+    if hasattr(source, "offsets") and hasattr(source, "shard_ids"):  # every shard indexed at startup
+        url, version = source.urls[shard], source.versions[shard]
+        ids = np.arange(count) + int(order.shards.starts[shard]) + first
+        rows = source.offsets[ids]
+    elif hasattr(source, "bounds") and hasattr(source, "_locate"):  # planned from sizes.json
+        url = source.urls[shard]
+        index = source._locate(int(source.bounds[shard]))[2]
+        if index.status != "ok" and index.status != "truncated":
+            return None
+        version, rows = index.version, index.offsets[first: first + count]
+    else:
+        return None
+    if not remote.is_remote(url) or not len(rows):
+        return None
+    starts, sizes = rows[:, 0::2], rows[:, 1::2]
+    present = starts >= 0
+    if not present.any():
+        return None
+    return url, version, int(starts[present].min()), int((starts + sizes)[present].max())
+
+
+class ChunkFetcher:
+    """The chunks of a rank's microbatches from some point on, fetched ahead within `memory` bytes (see the
+    module's docstring). Installed as `remote.range_cache` while the epoch's samples are read; `close()` ends it."""
+
+    def __init__(self, source: Any, order: ChunkOrder, batches: list[ScheduledBatch], memory: int) -> None:
+        self.source, self.order, self.memory = source, order, memory
+        self.batch_chunks = [np.unique(order.chunk_of(_positions(b))).tolist() for b in batches]
+        self.uses = Counter(c for chunks in self.batch_chunks for c in chunks)
+        self.first_use = list(dict.fromkeys(c for chunks in self.batch_chunks for c in chunks))
+        self.next = 0  # the next chunk of `first_use` to request
+        self.ranges: dict[int, tuple[str, str | None, int, int] | None] = {}
+        self.held: dict[int, concurrent.futures.Future] = {}
+        self.by_url: dict[tuple[str, str | None], list[tuple[int, int, int]]] = {}  # sorted (start, end, chunk)
+        self.bytes_held = 0
+        self.lock = threading.Lock()
+        self.pool = concurrent.futures.ThreadPoolExecutor(IN_FLIGHT)
+
+    def _request(self, c: int) -> None:
+        if c not in self.ranges:
+            self.ranges[c] = chunk_range(self.source, self.order, c)
+        span = self.ranges[c]
+        if span is None or c in self.held:
+            return
+        url, version, start, end = span
+        self.held[c] = self.pool.submit(remote.read_range, url, start, end, version)
+        bisect.insort(self.by_url.setdefault((url, version), []), (start, end, c))
+        self.bytes_held += end - start
+
+    def ahead(self, batch: int) -> None:
+        """Request batch `batch`'s chunks (whatever the budget: they are needed now), then the next ones by first
+        use while the budget allows."""
+        with self.lock:
+            for c in self.batch_chunks[batch]:
+                self._request(c)
+            while self.next < len(self.first_use):
+                c = self.first_use[self.next]
+                if c not in self.ranges:
+                    self.ranges[c] = chunk_range(self.source, self.order, c)
+                span = self.ranges[c]
+                size = 0 if span is None else span[3] - span[2]
+                if c not in self.held and self.bytes_held + size > self.memory:
+                    break
+                self._request(c)
+                self.next += 1
+
+    def done(self, batch: int) -> None:
+        """Batch `batch`'s samples are read: a chunk at its last use is dropped."""
+        with self.lock:
+            for c in self.batch_chunks[batch]:
+                self.uses[c] -= 1
+                if self.uses[c] == 0 and c in self.held:
+                    url, version, start, end = self.ranges[c]  # type: ignore[misc]
+                    self.by_url[(url, version)].remove((start, end, c))
+                    del self.held[c]
+                    self.bytes_held -= end - start
+
+    def get(self, url: str, version: str | None, start: int, end: int) -> bytes | None:
+        """Bytes [start, end) of `url` from a held chunk (waiting for its request), else None (read it alone).
+        A chunk whose request failed raises its error (`remote.Unreachable`, `remote.Changed`)."""
+        with self.lock:
+            spans = self.by_url.get((url, version), [])
+            i = bisect.bisect_right(spans, (start, float("inf"), 0)) - 1
+            if i < 0 or spans[i][1] < end:
+                return None
+            chunk_start, _, c = spans[i]
+            future = self.held[c]
+        data = future.result()
+        return data[start - chunk_start: end - chunk_start]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _positions(b: ScheduledBatch) -> np.ndarray:
+    return b.offset + b.stride * np.arange(b.batch_size, dtype=np.int64)
+
+
+def fetched_tasks(fetcher: ChunkFetcher, tasks: Iterator[tuple[ScheduledBatch, list[int], tuple[int, ...]]],
+                  load: Any) -> Iterator[tuple[ScheduledBatch, list[int], tuple[int, ...], list[Any]]]:
+    """`tasks` with their samples read (`load(indices)`) from the fetched chunks, in this process."""
+    previous = remote.range_cache
+    remote.range_cache = fetcher
+    try:
+        for k, (planned, indices, seed_key) in enumerate(tasks):
+            fetcher.ahead(k)
+            raws = load(indices)
+            fetcher.done(k)
+            yield planned, indices, seed_key, raws
+    finally:  # (an iteration dropped early may end after the next one began: that one's fetcher stays)
+        if remote.range_cache is fetcher:
+            remote.range_cache = previous
+        fetcher.close()
