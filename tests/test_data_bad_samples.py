@@ -196,3 +196,15 @@ def test_a_one_patch_wide_image_makes_no_numpy_warning(tmp_path):
         warnings.simplefilter("error")  # PyTorch's "The given NumPy array is not writable" fails the test
         assert keys_of(loader) == ["tall"]
     assert dict(loader.skip_counts) == {"degenerate_image": 1}
+
+
+def test_a_skipped_sample_crosses_to_a_loader_worker_whole() -> None:
+    """A chunk fetched by the main process that failed hands its samples' skips to the workers in their tasks."""
+    import pickle
+
+    from naflexclip.data.samples import SkipSample
+
+    sent = SkipSample("unreachable_shard", "s3://b/x.tar: OSError", [{"reason": "read_retry"}])
+    skip = pickle.loads(pickle.dumps(sent))
+    assert (skip.reason, str(skip), skip.notes) == ("unreachable_shard", "unreachable_shard: s3://b/x.tar: OSError",
+                                                    [{"reason": "read_retry"}])

@@ -76,7 +76,12 @@ class SkipSample(Exception):
     def __init__(self, reason: str, detail: str = "", notes: list[dict[str, Any]] | None = None) -> None:
         assert reason in SKIP_REASONS, reason
         super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason, self.notes = reason, notes or []
+        self.reason, self.detail, self.notes = reason, detail, notes or []
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # sent to a loader worker inside a task (a sample of a chunk fetched by the main process that failed):
+        # rebuilt from its parts, not from its message
+        return type(self), (self.reason, self.detail, self.notes)
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
