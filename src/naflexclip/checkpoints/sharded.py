@@ -40,6 +40,7 @@ def _one_process_quiet(no_dist: bool) -> Iterator[None]:
 
 
 def _no_process_group() -> bool:
+    """DCP then works in this process alone (as it decides for itself: `no_dist` is given only to `read_whole`)."""
     return not (dist.is_available() and dist.is_initialized())
 
 
@@ -67,9 +68,9 @@ def write_shards(states: dict[str, Any], folder: Path, *, process_group: dist.Pr
     no_dist = _no_process_group()
     with _one_process_quiet(no_dist):
         if not asynchronous:
-            dcp.save(states, storage_writer=writer, process_group=process_group, no_dist=no_dist)
+            dcp.save(states, storage_writer=writer, process_group=process_group)
             return None
-        response = dcp.async_save(states, storage_writer=writer, process_group=process_group, no_dist=no_dist)
+        response = dcp.async_save(states, storage_writer=writer, process_group=process_group)
         # staging is synchronous here (DCP's default): the tensors are copied aside when async_save returns. A
         # newer torch may answer with both futures (`AsyncSaveResponse`): the one of the written files is ours
         future: Future = getattr(response, "upload_completion", response)  # type: ignore[arg-type]
@@ -159,7 +160,7 @@ def load_into(directory: Path, states: dict[str, Any], *, partial: bool = False,
     no_dist = _no_process_group()
     with _one_process_quiet(no_dist):
         dcp.load(states, storage_reader=FileSystemReader(str(directory)), planner=_WeightsOnlyLoad(
-            allow_partial_load=partial), process_group=process_group, no_dist=no_dist)
+            allow_partial_load=partial), process_group=process_group)
 
 
 def read_whole(directory: Path, name: str) -> dict[str, Any]:
