@@ -22,10 +22,8 @@ def consolidate(source: Path, out: Path) -> Path:
     if not found.sharded:
         raise ValueError(f"{str(found.path)!r} is a full checkpoint already; nothing to consolidate")
     if out.suffix == ".safetensors":
-        from safetensors.torch import save_file
-
         out.parent.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in found.full_state(storage.MODEL).items()}, str(out))
+        storage.write_safetensors({k: v.contiguous() for k, v in found.full_state(storage.MODEL).items()}, out)
         return out
     if out.exists():
         raise FileExistsError(f"--out {str(out)!r} exists; name a new folder")

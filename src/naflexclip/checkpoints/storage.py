@@ -147,13 +147,33 @@ def write_full(folder: Path, states: Mapping[str, Any], *, step: int, epoch: int
     if MODEL_FILE not in reused:
         # safetensors refuses shared or non-contiguous storage: save plain contiguous copies
         tensors = {key: value.detach().contiguous() for key, value in states[MODEL].items()}
-        _write_fsynced(folder / MODEL_FILE, lambda p: save_file(tensors, str(p)))
+        _write_fsynced(folder / MODEL_FILE, lambda p: write_safetensors(tensors, p))
     for key in OWN_FILE_STATES:
         if key in states and f"{key}.pt" not in reused:
             _write_fsynced(folder / f"{key}.pt", lambda p, state=states[key]: torch.save(state, p))
     write_state_file(folder, {key: value for key, value in states.items()
                               if key != MODEL and key not in OWN_FILE_STATES})
     write_meta(folder, step, epoch, known=reused)
+
+
+def _new_file_mode() -> int:
+    """The mode `open()` gives a new file here: 0o666 less the process's umask (read, not changed, where Linux
+    says it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def write_safetensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
+    """`tensors` as a safetensors file with the mode of every other file written (safetensors makes it 0600)."""
+    save_file(dict(tensors), str(path))
+    os.chmod(path, _new_file_mode())
 
 
 def link_files(source: Path, folder: Path, files: list[str]) -> dict[str, str | None]:
