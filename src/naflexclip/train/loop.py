@@ -46,6 +46,7 @@ from naflexclip.train.components import (
     create_run_model,
     seed_everything,
 )
+from naflexclip.train.config_checks import unused_settings as unused_train_settings
 from naflexclip.train.evaluator import Evaluator
 from naflexclip.train.grouping import window_sizes
 from naflexclip.train.openclip_flags import first_lines
@@ -76,7 +77,8 @@ class Trainer:
         self.objectives = enabled_objectives(cfg)
         notes = [note for objective in self.objectives
                  for note in objective.prepare(model, image_locked=locks.image_fully_locked)]
-        notes += [f"warning: {line}" for line in [*unused_settings(cfg), *cfg.data.unused_settings()]]
+        notes += [f"warning: {line}" for line in [*unused_settings(cfg), *unused_train_settings(cfg),
+                                                  *cfg.data.unused_settings()]]
         unattached = unattached_heads(model)  # loaded with the model, attached by none of this run's objectives
         if unattached is not None:
             notes.append(f"--pretrained {cfg.pretrained}: {unattached}")
