@@ -3,7 +3,7 @@ one (`--fsdp-checkpoint sharded`: every rank writes its own shards through torch
 time a training step is blocked by a save with and without `--async-save`.
 
 R processes on CPU with gloo (default 2 and 4) train nothing: each builds `--model` (default `base`), shards it with
-FSDP2 as a run does, gives AdamW its state (one step), and saves it through the trainer's own `Checkpointer`
+FSDP2 as a run does, gives AdamW its state (one step), and saves it through the trainer's own `CheckpointManager`
 (`model`, `optimizer`, `progress`) in each form, alternating, `--repeats` times. Measured per rank: the seconds
 `save` takes (the step is blocked that long; asynchronous: until the shards are copied aside, then the seconds
 until they are written and published) and the peak resident memory above the rank's memory before the save
@@ -70,10 +70,11 @@ def _worker(rank: int, world_size: int, port: int, model_name: str, repeats: int
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
+    from naflexclip.checkpoints.manager import CheckpointManager
     from naflexclip.models.naflex_clip import PRESETS, NaFlexClip
     from naflexclip.parallel.process_group import init_distributed
     from naflexclip.parallel.wrapping import wrap_model
-    from naflexclip.train.components import Checkpointer, ModelState, OptimizerState, Progress
+    from naflexclip.train.components import ModelState, OptimizerState, Progress, checkpoint_ranks
 
     env = init_distributed("cpu", 600.0)
     torch.manual_seed(0)
@@ -88,8 +89,9 @@ def _worker(rank: int, world_size: int, port: int, model_name: str, repeats: int
     components = {"model": ModelState(model, env), "optimizer": OptimizerState(model, optimizer, env),
                   "progress": progress}
     root = Path(folder)
-    savers = {form: Checkpointer(root / form, components, {"world_size": world_size}, progress, env,
-                                 lambda line: None, sharded=form != "full", async_save=form == "async")
+    savers = {form: CheckpointManager(root / form, components, {"world_size": world_size}, progress,
+                                      checkpoint_ranks(env), lambda line: None, sharded=form != "full",
+                                      async_save=form == "async")
               for form in FORMS}
     results: dict[str, list[dict[str, float]]] = {form: [] for form in FORMS}
     sampler = PeakRss()

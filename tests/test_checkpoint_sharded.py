@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -20,12 +21,14 @@ from test_train_loop import TINY_DATA_FLAGS
 from test_train_torchrun import LAUNCHER, RUN_FLAGS, torchrun
 
 from naflexclip.checkpoints import storage
+from naflexclip.checkpoints.manager import CheckpointManager, Ranks
+from naflexclip.checkpoints.sharded import DCP_METADATA, read_whole, write_shards
 from naflexclip.cli import main
 from naflexclip.models.factory import create_model
 from naflexclip.models.naflex_clip import PRESETS, config_to_dict
 from naflexclip.models.run_weights import load_checkpoint_model
 from naflexclip.parallel.process_group import DistributedEnv
-from naflexclip.train.components import Checkpointer, ModelState, OptimizerState, Progress
+from naflexclip.train.components import ModelState, OptimizerState, Progress
 from naflexclip.train.remote_sync import RemoteSync, restore_from_backup
 
 FSDP = ["--fsdp", "--fsdp-checkpoint", "sharded"]
@@ -252,7 +255,7 @@ def two_sharded_saves(request: pytest.FixtureRequest, tmp_path_factory: pytest.T
     return logs
 
 
-@pytest.mark.parametrize("file", ["__0_0.distcp", storage.DCP_METADATA, storage.STATE_FILE])
+@pytest.mark.parametrize("file", ["__0_0.distcp", DCP_METADATA, storage.STATE_FILE])
 def test_a_sharded_file_with_bytes_changed_is_named_and_the_previous_checkpoint_is_used(
         two_sharded_saves: Path, tmp_path: Path, file: str) -> None:
     checkpoints = tmp_path / "checkpoints"
@@ -288,7 +291,7 @@ def test_resume_and_eval_of_a_sharded_checkpoint_with_bytes_changed_name_the_fil
 # ------------------------------------------------------------------------------ the saver alone (one process)
 
 
-def _saver(folder: Path, *, async_save: bool = False) -> tuple[Checkpointer, torch.nn.Module, Progress]:
+def _saver(folder: Path, *, async_save: bool = False) -> tuple[CheckpointManager, torch.nn.Module, Progress]:
     env = DistributedEnv(0, 1, 0, torch.device("cpu"), None)
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -297,8 +300,8 @@ def _saver(folder: Path, *, async_save: bool = False) -> tuple[Checkpointer, tor
     progress = Progress(step=1)
     components = {"model": ModelState(model, env), "optimizer": OptimizerState(model, optimizer, env),
                   "progress": progress}
-    saver = Checkpointer(folder, components, {"world_size": 1}, progress, env, lambda line: None, sharded=True,
-                         async_save=async_save)
+    saver = CheckpointManager(folder, components, {"world_size": 1}, progress, Ranks(), lambda line: None,
+                              sharded=True, async_save=async_save)
     return saver, model, progress
 
 
@@ -350,7 +353,7 @@ def test_a_second_name_at_the_same_step_links_the_shards(tmp_path: Path, async_s
     saver.save_epoch(1, last=True, frequency=1, most_recent=True)
     saver.wait()
     step, epoch = checkpoints / "step_00000001", checkpoints / "epoch_1"
-    for file in ("__0_0.distcp", storage.DCP_METADATA):
+    for file in ("__0_0.distcp", DCP_METADATA):
         assert (step / file).stat().st_ino == (epoch / file).stat().st_ino == (checkpoints / "epoch_latest" /
                                                                              file).stat().st_ino, file
     whole = storage.load_checkpoint(epoch).full_state(storage.MODEL)
@@ -363,3 +366,36 @@ def test_a_second_name_at_the_same_step_links_the_shards(tmp_path: Path, async_s
     fresh.mkdir(parents=True)
     assert restore_from_backup(fresh, str(tmp_path / "backup"), "fsspec", lambda line: None) == 1
     _assert_same(storage.load_checkpoint(fresh / "checkpoints").full_state(storage.MODEL), whole)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_save_in_one_process_warns_of_nothing_and_leaves_the_warning_filters(tmp_path: Path,
+                                                                              async_save: bool) -> None:
+    """DCP's note that it assumes one process (also from its writer's thread) is not said, and the process's
+    warning filters are the same after the save as before."""
+    saver, _, _ = _saver(tmp_path, async_save=async_save)
+    before = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        filters = list(warnings.filters)
+        saver.save("step_1")
+        saver.wait()
+        assert warnings.filters == filters
+        storage.load_checkpoint(tmp_path).full_state("optimizer")
+        assert warnings.filters == filters
+    assert not [str(w.message) for w in said if "torch.distributed is disabled" in str(w.message)]
+    assert warnings.filters == before
+
+
+def test_a_state_is_read_whole_as_it_was_nested(tmp_path: Path) -> None:
+    """`read_whole` rebuilds a state's dicts (keys with dots too), lists and non-tensor values from DCP's index, as
+    saved."""
+    state = {"state": {"visual.proj": {"exp_avg": torch.arange(6.0).reshape(2, 3), "step": torch.tensor(3.0)}},
+             "param_groups": [{"lr": 0.1, "params": ["visual.proj"], "betas": (0.9, 0.95)}],
+             "tensors": [torch.ones(2), torch.zeros(1)], "name": "adamw"}
+    write_shards({"optimizer": state, "other": {"x": torch.ones(1)}}, tmp_path / "shards")
+    whole = read_whole(tmp_path / "shards", "optimizer")
+    assert whole.keys() == state.keys() and whole["param_groups"] == state["param_groups"]
+    moments = whole["state"]["visual.proj"]
+    assert whole["name"] == "adamw" and torch.equal(moments["exp_avg"], state["state"]["visual.proj"]["exp_avg"])
+    assert all(torch.equal(a, b) for a, b in zip(whole["tensors"], state["tensors"], strict=True))

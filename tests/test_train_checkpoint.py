@@ -356,3 +356,12 @@ def test_one_state_saved_under_several_names_is_written_once(tmp_path: Path) -> 
     assert ckpt.remove_checkpoint(checkpoints, "epoch_2")  # and epoch_latest, its other name, stays whole
     assert ckpt.load_checkpoint(checkpoints).path.name == "epoch_latest"
     assert ckpt.load_checkpoint(checkpoints / "epoch_latest").step == 7
+
+
+def test_every_file_of_a_checkpoint_gets_the_mode_a_new_file_gets(tmp_path: Path) -> None:
+    """`model.safetensors` too (safetensors writes 0600 of its own)."""
+    path = ckpt.save_checkpoint(tmp_path / "checkpoints", "step_00000001", _large_states(1.0, 1), step=1, epoch=0)
+    (tmp_path / "plain").write_text("")
+    expected = (tmp_path / "plain").stat().st_mode & 0o777
+    modes = {file.name: oct(file.stat().st_mode & 0o777) for file in path.iterdir()}
+    assert set(modes.values()) == {oct(expected)}, modes

@@ -271,3 +271,14 @@ def test_save_every_n_steps_0_means_off(tmp_path: Path) -> None:
     assert not cfg.save_every_n_steps
     train(tiny_config(tmp_path, "run", epochs=1, save_every_n_steps=0, val_frequency=0, plot=False))
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.is_dir()) == ["epoch_1"]
+
+
+def test_accum_method_with_accum_freq_1_is_said_to_change_nothing() -> None:
+    """Each window is one microbatch: --accum-method has nothing to do, and the run's start says so."""
+    from naflexclip.train.config_checks import unused_settings
+    from naflexclip.train.train_config import TrainConfig
+
+    (said,) = unused_settings(TrainConfig(accum_freq=1, accum_method="replay"))
+    assert said.startswith("--accum-method replay: changes nothing with --accum-freq 1"), said
+    assert unused_settings(TrainConfig(accum_freq=2, accum_method="replay")) == []
+    assert unused_settings(TrainConfig(accum_freq=1)) == []

@@ -1,16 +1,20 @@
 """Sharded checkpoints (`--fsdp-checkpoint sharded`): every rank writes its own shards of the large named states
 (the model, the optimizer) through torch.distributed.checkpoint (DCP); no rank gathers them whole.
 
-The small states stay in rank 0's `train_state.pt`, and the folder is published as a full one (`storage.publish`).
+This module is DCP's side alone: the folder around the shards (the small states in rank 0's `train_state.pt`,
+`checkpoint.json` naming this `FORMAT`, publishing) is `checkpoints.storage`'s, which reads both forms.
 `load_into` fills live state dicts (DTensors at any world size, or plain tensors) from the pieces each rank needs;
-`read_whole` gathers one state whole in this process. docs/checkpoints.md#sharded-checkpoints---fsdp-checkpoint-sharded.
+`read_whole` gathers one state whole in this process. Only DCP's public API is used.
+docs/checkpoints.md#sharded-checkpoints---fsdp-checkpoint-sharded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
-import os
+import threading
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -19,16 +23,40 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from naflexclip.checkpoints import storage
+FORMAT = "sharded"  # `checkpoint.json`'s "format" of a sharded checkpoint
+DCP_METADATA = ".metadata"  # DCP's index of the shards
 
-FORMAT = "sharded"
+
+@contextlib.contextmanager
+def _one_process_quiet(no_dist: bool) -> Iterator[None]:
+    """DCP warns that it assumes one process when there is no process group, which is the case: not said."""
+    with warnings.catch_warnings():
+        if no_dist:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def _no_process_group() -> bool:
+    """DCP then works in this process alone (as it decides for itself: `no_dist` is given only to `read_whole`)."""
+    return not (dist.is_available() and dist.is_initialized())
 
 
 # ---------------------------------------------------------------------------------------------- write
+
+
+class _Writer(FileSystemWriter):
+    """DCP's file writer, telling when a save has begun writing (past DCP's one-process warning)."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(str(folder), sync_files=True)
+        self.started = threading.Event()
+
+    def set_up_storage_writer(self, *args: Any, **kwargs: Any) -> None:
+        self.started.set()
+        super().set_up_storage_writer(*args, **kwargs)
 
 
 def write_shards(states: dict[str, Any], folder: Path, *, process_group: dist.ProcessGroup | None = None,
@@ -36,74 +64,77 @@ def write_shards(states: dict[str, Any], folder: Path, *, process_group: dist.Pr
     """This rank's pieces of `states` (name -> state dict of tensors, DTensors or not) into `folder`; every rank
     must call it. Synchronous: returns once every rank's pieces and `.metadata` are written (None). Asynchronous:
     returns once this rank's tensors are copied aside (`dcp.async_save`); the future resolves when written."""
-    writer = FileSystemWriter(str(folder), sync_files=True)
-    no_dist = not (dist.is_available() and dist.is_initialized())
-    if no_dist:  # DCP warns (also from its writer's thread) that it assumes one process, which is the case
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-    if asynchronous:
-        response = dcp.async_save(states, storage_writer=writer, process_group=process_group, no_dist=no_dist)
-        # staging is synchronous here (DCP's default): the tensors are copied aside when async_save returns
-        return response.upload_completion if isinstance(response, AsyncSaveResponse) else response
-    dcp.save(states, storage_writer=writer, process_group=process_group, no_dist=no_dist)
-    return None
-
-
-def finish(checkpoint_dir: Path, name: str, folder: Path, other_states: dict[str, Any], *, step: int, epoch: int,
-           sharded: list[str], known: dict[str, str | None] | None = None) -> Path:
-    """On rank 0 once every rank's shards are in `folder`: `train_state.pt`, `checkpoint.json`, publish.
-    `known`: checksums recorded already (shards linked from a checkpoint of the same step)."""
-    try:
-        storage.write_state_file(folder, other_states)
-        storage.write_meta(folder, step, epoch, known=known, format=FORMAT, sharded=sorted(sharded))
-    except BaseException:
-        storage.discard(folder)
-        raise
-    return storage.publish(checkpoint_dir, name, folder)
+    writer = _Writer(folder)
+    no_dist = _no_process_group()
+    with _one_process_quiet(no_dist):
+        if not asynchronous:
+            dcp.save(states, storage_writer=writer, process_group=process_group)
+            return None
+        response = dcp.async_save(states, storage_writer=writer, process_group=process_group)
+        # staging is synchronous here (DCP's default): the tensors are copied aside when async_save returns. A
+        # newer torch may answer with both futures (`AsyncSaveResponse`): the one of the written files is ours
+        future: Future = getattr(response, "upload_completion", response)  # type: ignore[arg-type]
+        if no_dist:  # DCP's writer thread warns again as it starts: the filter stays until it has
+            while not writer.started.wait(0.01) and not future.done():
+                pass
+        return future
 
 
 # ----------------------------------------------------------------------------------------------- read
+
+
+def _set_path(root: dict[str, Any], path: tuple[str | int, ...], value: Any) -> None:
+    """`value` at `path` (a DCP planner's path of a flattened key: dict keys and list indices) inside `root`,
+    creating the dicts and lists on the way."""
+    container: Any = root
+    for key, following in zip(path[:-1], path[1:], strict=True):
+        empty: Any = [] if isinstance(following, int) else {}
+        if isinstance(container, list):
+            container.extend([None] * (int(key) + 1 - len(container)))
+            if container[int(key)] is None:
+                container[int(key)] = empty
+            container = container[int(key)]
+        else:
+            container = container.setdefault(key, empty)
+    last = path[-1]
+    if isinstance(container, list):
+        container.extend([None] * (int(last) + 1 - len(container)))
+        container[int(last)] = value
+    else:
+        container[last] = value
 
 
 class _WeightsOnlyLoad(DefaultLoadPlanner):
     """DCP's planner, reading non-tensor values back weights-only (DCP's own unpickles anything)."""
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        storage_key = self.mappings[read_item.dest_index.fqn] if self.flatten_state_dict else None
         loaded = torch.load(value, weights_only=True)
-        if storage_key is not None:
-            from torch.distributed.checkpoint._nested_dict import set_element
-
-            set_element(self.original_state_dict, storage_key, loaded)
+        if self.flatten_state_dict:  # into the nested state dict the caller handed over
+            _set_path(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
-
-
-class _WeightsOnlyWhole(_EmptyStateDictLoadPlanner):
-    """Rebuilds the named states whole from the metadata (`read_whole`), non-tensor values weights-only."""
-
-    load_bytes = _WeightsOnlyLoad.load_bytes
 
 
 def _metadata(directory: Path) -> Metadata:
     return FileSystemReader(str(directory)).read_metadata()
 
 
-def check_metadata(directory: Path, names: tuple[str, ...], damaged: str) -> None:
-    """`.metadata` readable, holding the states `checkpoint.json` names, every file it points to present;
-    else `storage.CheckpointError` (`damaged`: the message's start) naming the file."""
+def metadata_problem(directory: Path, names: tuple[str, ...]) -> str | None:
+    """What is wrong with the shards' index: `.metadata` unreadable, without a state of `names`, or pointing to a
+    missing file (`file: what`); None when it is whole."""
     try:
         metadata = _metadata(directory)
     except Exception as error:  # a torn or foreign file: unpickling errors of every kind
-        raise storage.CheckpointError(f"{damaged} ({storage.DCP_METADATA}: {type(error).__name__})") from None
+        return f"{DCP_METADATA}: {type(error).__name__}"
     present = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
     absent = sorted(set(names) - present)
     if absent:
-        raise storage.CheckpointError(f"{damaged} ({storage.DCP_METADATA}: holds no state {absent[0]!r}; written "
-                                      f"by another save?)")
+        return f"{DCP_METADATA}: holds no state {absent[0]!r}; written by another save?"
     files = sorted({item.relative_path for item in (metadata.storage_data or {}).values()})
     for file in files:
         if not (directory / file).is_file():
-            raise storage.CheckpointError(f"{damaged} ({file}: missing; {storage.DCP_METADATA} points to it)")
+            return f"{file}: missing; {DCP_METADATA} points to it"
+    return None
 
 
 def tensor_shapes(directory: Path, name: str) -> dict[str, torch.Tensor]:
@@ -126,48 +157,27 @@ def load_into(directory: Path, states: dict[str, Any], *, partial: bool = False,
     """Fill `states` (name -> a live state dict: DTensors at any world size, or plain tensors) in place from the
     checkpoint's shards; every rank must call it. `partial`: entries the checkpoint lacks keep their values
     (an optimizer state for a parameter without one yet)."""
-    no_dist = not (dist.is_available() and dist.is_initialized())
-    with warnings.catch_warnings():
-        if no_dist:  # DCP warns that it assumes one process, which is the case
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+    no_dist = _no_process_group()
+    with _one_process_quiet(no_dist):
         dcp.load(states, storage_reader=FileSystemReader(str(directory)), planner=_WeightsOnlyLoad(
-            allow_partial_load=partial), process_group=process_group, no_dist=no_dist)
+            allow_partial_load=partial), process_group=process_group)
 
 
 def read_whole(directory: Path, name: str) -> dict[str, Any]:
-    """State `name` of a sharded checkpoint, whole, in this process alone (no process group needed)."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict  # format_utils' way to read whole
-
+    """State `name` of a sharded checkpoint, whole, in this process alone (no process group needed): every entry
+    the index holds under `name`, built empty from it, read flat, then nested as it was saved."""
+    reader = FileSystemReader(str(directory))
+    metadata = reader.read_metadata()
+    paths = metadata.planner_data or {}
+    flat: dict[str, Any] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        if paths.get(key, (key,))[0] == name:  # a value DCP reads into in place, or one it replaces (bytes)
+            flat[key] = (torch.empty(entry.size, dtype=entry.properties.dtype)
+                         if isinstance(entry, TensorStorageMetadata) else None)
+    with _one_process_quiet(True):
+        dcp.load(flat, storage_reader=reader, planner=_WeightsOnlyLoad(flatten_state_dict=False,
+                                                                      flatten_sharded_tensors=False), no_dist=True)
     whole: dict[str, Any] = {}
-    _load_state_dict(whole, storage_reader=FileSystemReader(str(directory)), planner=_WeightsOnlyWhole(keys={name}),
-                     no_dist=True)
+    for key, value in flat.items():
+        _set_path(whole, tuple(paths.get(key, (key,))), value)
     return whole.get(name, {})
-
-
-def consolidate(source: Path, out: Path) -> Path:
-    """The full form of the sharded checkpoint `source` (`naflexclip checkpoint consolidate`): a checkpoint folder
-    `out` (`model.safetensors`, `train_state.pt` holding the other states whole, `checkpoint.json`) that every
-    reader of full checkpoints takes; a path ending in `.safetensors` gets the model's weights alone. One process
-    holds one state whole at a time."""
-    found = storage.load_checkpoint(source)
-    if not found.sharded:
-        raise ValueError(f"{str(found.path)!r} is a full checkpoint already; nothing to consolidate")
-    if out.suffix == ".safetensors":
-        from safetensors.torch import save_file
-
-        out.parent.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in found.full_state(storage.MODEL).items()}, str(out))
-        return out
-    if out.exists():
-        raise FileExistsError(f"--out {str(out)!r} exists; name a new folder")
-    states = {**found.states, **{name: found.full_state(name) for name in found.sharded}}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")  # renamed into place once complete
-    try:
-        tmp.mkdir()
-        storage.write_full(tmp, states, step=found.step, epoch=found.epoch)
-    except BaseException:
-        storage.discard(tmp)
-        raise
-    os.replace(tmp, out)
-    return out

@@ -2,8 +2,9 @@
 inside a state. The state "model" goes to `model.safetensors`, every other to `train_state.pt` (read back
 weights-only), then `checkpoint.json` (step, epoch, each file's size and checksum) marks the save complete and
 `latest` names it.
-It publishes, finds and checks full and sharded (`checkpoints.sharded`) saves alike, never losing the last complete
-one, and falls back by step past a damaged or missing one. docs/checkpoints.md#layout and #crash-safety.
+It publishes, finds and checks full and sharded saves alike (the shards themselves: `checkpoints.sharded`; the format
+field of `checkpoint.json` tells them apart), never losing the last complete one, and falls back by step past a
+damaged or missing one. docs/checkpoints.md#layout and #crash-safety.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from naflexclip.checkpoints import sharded
+
 MODEL = "model"  # the named state stored as safetensors
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "train_state.pt"
 # the large states besides the model, each in a file of its own (`{name}.pt`), so that a second name for the state
 # of one step (`epoch_K` saved at `step_N`'s step, `epoch_latest`) links these files instead of writing them again
 OWN_FILE_STATES = ("optimizer", "ema_teacher")
-DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a sharded checkpoint (`checkpoints.sharded`)
 META_FILE = "checkpoint.json"
 LATEST_FILE = "latest"
 # hidden leftovers of an interrupted save: the temp directory, the old copy swapped out, the pointer's temp file
@@ -63,8 +65,6 @@ class Checkpoint:
         """The named state whole, in this process: from `states`, or gathered from a sharded checkpoint's shards."""
         if name not in self.sharded:
             return self.states[name]
-        from naflexclip.checkpoints import sharded
-
         return sharded.read_whole(self.path, name)
 
 
@@ -147,13 +147,33 @@ def write_full(folder: Path, states: Mapping[str, Any], *, step: int, epoch: int
     if MODEL_FILE not in reused:
         # safetensors refuses shared or non-contiguous storage: save plain contiguous copies
         tensors = {key: value.detach().contiguous() for key, value in states[MODEL].items()}
-        _write_fsynced(folder / MODEL_FILE, lambda p: save_file(tensors, str(p)))
+        _write_fsynced(folder / MODEL_FILE, lambda p: write_safetensors(tensors, p))
     for key in OWN_FILE_STATES:
         if key in states and f"{key}.pt" not in reused:
             _write_fsynced(folder / f"{key}.pt", lambda p, state=states[key]: torch.save(state, p))
     write_state_file(folder, {key: value for key, value in states.items()
                               if key != MODEL and key not in OWN_FILE_STATES})
     write_meta(folder, step, epoch, known=reused)
+
+
+def _new_file_mode() -> int:
+    """The mode `open()` gives a new file here: 0o666 less the process's umask (read, not changed, where Linux
+    says it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def write_safetensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
+    """`tensors` as a safetensors file with the mode of every other file written (safetensors makes it 0600)."""
+    save_file(dict(tensors), str(path))
+    os.chmod(path, _new_file_mode())
 
 
 def link_files(source: Path, folder: Path, files: list[str]) -> dict[str, str | None]:
@@ -229,6 +249,20 @@ def publish(checkpoint_dir: Path, name: str, tmp: Path) -> Path:
     return final
 
 
+def publish_sharded(checkpoint_dir: Path, name: str, folder: Path, other_states: Mapping[str, Any], *, step: int,
+                    epoch: int, shards: list[str], known: Mapping[str, str | None] | None = None) -> Path:
+    """On rank 0 once every rank's shards of the states `shards` are in `folder` (`sharded.write_shards`):
+    `train_state.pt` of `other_states`, `checkpoint.json`, publish. `known`: checksums recorded already (shards
+    linked from a checkpoint of the same step)."""
+    try:
+        write_state_file(folder, other_states)
+        write_meta(folder, step, epoch, known=known, format=sharded.FORMAT, sharded=sorted(shards))
+    except BaseException:
+        discard(folder)
+        raise
+    return publish(checkpoint_dir, name, folder)
+
+
 def write_meta(folder: Path, step: int, epoch: int, *, known: Mapping[str, str | None] | None = None,
                **fields: Any) -> None:
     """`checkpoint.json`, the last file of a save: step, epoch, `fields`, and the size and checksum of every file
@@ -267,7 +301,7 @@ def is_complete(path: Path) -> bool:
     """`checkpoint.json` (written last, it marks a finished save) and the state files of its form are there: the
     full form's `model.safetensors`, or a sharded one's DCP `.metadata`, beside `train_state.pt`."""
     return (path.is_dir() and (path / META_FILE).is_file() and (path / STATE_FILE).is_file()
-            and ((path / MODEL_FILE).is_file() or (path / DCP_METADATA).is_file()))
+            and ((path / MODEL_FILE).is_file() or (path / sharded.DCP_METADATA).is_file()))
 
 
 def _read_meta(path: Path) -> dict[str, Any] | None:
@@ -354,11 +388,11 @@ def _read(directory: Path, device: str | torch.device) -> Checkpoint:
             train_state.update(state)
         else:
             train_state[file.removesuffix(".pt")] = state
-    if meta.get("format") == "sharded":
-        from naflexclip.checkpoints import sharded
-
+    if meta.get("format") == sharded.FORMAT:
         names = tuple(meta.get("sharded", ()))
-        sharded.check_metadata(directory, names, damaged)
+        problem = sharded.metadata_problem(directory, names)
+        if problem is not None:
+            raise CheckpointError(f"{damaged} ({problem})")
         _check_checksums(directory, meta, damaged)
         return Checkpoint(directory, int(meta["step"]), int(meta["epoch"]), train_state, names)
     try:

@@ -255,3 +255,13 @@ def check_model_overrides(cfg: Any) -> None:
                         ("--force-image-size", cfg.force_image_size)):
         if value is not None and cfg.pretrained:  # the checkpoint's position tables are fixed
             raise ValueError(f"{flag} changes a position table, which --pretrained brings; drop one of them")
+
+
+def unused_settings(cfg: Any) -> list[str]:
+    """A line for each training setting (beside the objectives' and the data's) other than its default where it
+    changes nothing; said at the run's start."""
+    lines = []
+    if cfg.accum_freq == 1 and cfg.accum_method != "cache":  # "cache": the default
+        lines.append(f"--accum-method {cfg.accum_method}: changes nothing with --accum-freq 1 (each window is "
+                     f"one microbatch: nothing to cache or replay)")
+    return lines

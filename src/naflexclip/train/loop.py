@@ -1,8 +1,8 @@
 """The training loop: it composes the run's components and asks them to act, epoch after epoch.
 
 `Trainer` builds the model, the window step (`train.step`), the loader, the evaluator (`train.evaluator`), the
-reporter (`train.report`) and the checkpointer (`train.components`), then resumes or evaluates first, trains every
-remaining epoch one window per optimizer step, evaluates and saves where due, and reports at the end; a signal
+reporter (`train.report`) and the checkpoint manager (`checkpoints.manager`), then resumes or evaluates first, trains
+every remaining epoch one window per optimizer step, evaluates and saves where due, and reports at the end; a signal
 ends it after the current step (`train.stop`). docs/training.md.
 """
 
@@ -17,6 +17,7 @@ from typing import Any
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from naflexclip.checkpoints import storage as ckpt
+from naflexclip.checkpoints.manager import CheckpointManager
 from naflexclip.data import build_loader
 from naflexclip.families import data_processing
 from naflexclip.loss import create_loss
@@ -36,15 +37,16 @@ from naflexclip.parallel.process_group import (
 )
 from naflexclip.parallel.wrapping import unwrap_model, wrap_model
 from naflexclip.train.components import (
-    Checkpointer,
     DataPosition,
     ModelState,
     OptimizerState,
     Progress,
     RngStreams,
+    checkpoint_ranks,
     create_run_model,
     seed_everything,
 )
+from naflexclip.train.config_checks import unused_settings as unused_train_settings
 from naflexclip.train.evaluator import Evaluator
 from naflexclip.train.grouping import window_sizes
 from naflexclip.train.openclip_flags import first_lines
@@ -75,7 +77,8 @@ class Trainer:
         self.objectives = enabled_objectives(cfg)
         notes = [note for objective in self.objectives
                  for note in objective.prepare(model, image_locked=locks.image_fully_locked)]
-        notes += [f"warning: {line}" for line in [*unused_settings(cfg), *cfg.data.unused_settings()]]
+        notes += [f"warning: {line}" for line in [*unused_settings(cfg), *unused_train_settings(cfg),
+                                                  *cfg.data.unused_settings()]]
         unattached = unattached_heads(model)  # loaded with the model, attached by none of this run's objectives
         if unattached is not None:
             notes.append(f"--pretrained {cfg.pretrained}: {unattached}")
@@ -145,9 +148,9 @@ class Trainer:
         run = {"config": cfg.to_dict(), "model_config": config_to_dict(self.module.config),
                "world_size": env.world_size,
                **{key: value for objective in self.objectives for key, value in objective.run_record().items()}}
-        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", components, run, self.progress, env,
-                                         self.reporter.message, sharded=cfg.fsdp_checkpoint == "sharded",
-                                         async_save=cfg.async_save)
+        self.checkpointer = CheckpointManager(self.run_dir / "checkpoints", components, run, self.progress,
+                                              checkpoint_ranks(env), self.reporter.message,
+                                              sharded=cfg.fsdp_checkpoint == "sharded", async_save=cfg.async_save)
         self.stop = StopSignals()
         # --remote-sync: the run folder's backup (main rank), started before training and closed after it
         self.remote_sync = (RemoteSync(self.run_dir, cfg.remote_sync, cfg.remote_sync_frequency,
@@ -221,7 +224,7 @@ class Trainer:
 
     def resume(self) -> bool:
         """Continue --resume's checkpoint (`train.resume`); True if one was loaded."""
-        return resume(self.cfg, self.checkpointer, self.reporter, self.module, self.schedule_plan)
+        return resume(self.cfg, self.checkpointer, self.reporter, self.module, self.schedule_plan, self.env)
 
     def fit(self) -> dict[str, float]:
         """Resume if asked, evaluate, train every remaining epoch, report; returns the last evaluation."""

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from naflexclip.checkpoints import sharded
 from naflexclip.checkpoints import storage as storage
 
 PROTOCOLS = ("s3", "fsspec")
@@ -27,7 +28,7 @@ def _visible_files(root: Path) -> list[Path]:
     checkpoint's DCP index `.metadata` is a file of its checkpoint, not hidden."""
     def hidden(parts: tuple[str, ...]) -> bool:
         return any(part.startswith(".") for part in parts[:-1]) or (
-            parts[-1].startswith(".") and parts[-1] != storage.DCP_METADATA)
+            parts[-1].startswith(".") and parts[-1] != sharded.DCP_METADATA)
 
     return sorted(path for path in root.rglob("*") if path.is_file() and not hidden(path.relative_to(root).parts))
 

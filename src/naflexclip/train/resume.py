@@ -15,13 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from naflexclip.checkpoints import sharded, storage
+from naflexclip.checkpoints.manager import CheckpointManager
 from naflexclip.models.naflex_clip import weights_mismatch
 from naflexclip.models.run_weights import architecture_changes
 from naflexclip.objectives.objective import Objective
 from naflexclip.objectives.registry import objectives_of
-from naflexclip.parallel.process_group import barrier, check_consistency, run_on_main
+from naflexclip.parallel.process_group import DistributedEnv, barrier, check_consistency, run_on_main
 from naflexclip.settings import APPLY, IGNORE, REFUSE, RESCHEDULE, default_with_data, switches_with_data
-from naflexclip.train.components import Checkpointer, Progress
+from naflexclip.train.components import Progress
 from naflexclip.train.openclip_defaults import flag_name, flat_config, shown_setting, shown_setting_value
 from naflexclip.train.optim import scheduled_lr
 from naflexclip.train.remote_sync import restore_from_backup
@@ -136,7 +137,7 @@ def architecture_error(model: str | None, saved: dict[str, Any], current: dict[s
     return f"--model {model}: the preset's architecture is not the checkpoint's (checkpoint -> preset: {shown})"
 
 
-def resume_error(states: dict[str, Any], checkpointer: Checkpointer, model: Any,
+def resume_error(states: dict[str, Any], checkpointer: CheckpointManager, model: Any,
                  weights: dict[str, Any] | None = None, objectives: Sequence[Objective] = ()) -> str | None:
     """Why this run cannot continue a checkpoint's `states` exactly (flags, what `objectives` were built from,
     architecture, weights, world size), or None. `model`: the plain (unwrapped) model this run built; `weights`: the
@@ -177,7 +178,8 @@ def reschedule(states: dict[str, Any], cfg: TrainConfig, world_size: int, progre
                     f"(lr at step {step}: {old_lr:.3g} -> {new_lr:.3g})"]
 
 
-def _start_fresh(cfg: TrainConfig, checkpointer: Checkpointer, reporter: Reporter) -> bool:
+def _start_fresh(cfg: TrainConfig, checkpointer: CheckpointManager, reporter: Reporter, env: DistributedEnv
+                 ) -> bool:
     """--resume latest without a usable checkpoint: a new run starts; an existing one stops unless
     --resume-fresh says to start it over."""
     checkpoint_dir = checkpointer.checkpoint_dir
@@ -192,28 +194,28 @@ def _start_fresh(cfg: TrainConfig, checkpointer: Checkpointer, reporter: Reporte
         reporter.start_over()
     else:
         reporter.message(f"--resume latest: no checkpoint in {checkpoint_dir}; starting fresh")
-    barrier(checkpointer.env)
+    barrier(env)
     return False
 
 
-def resume(cfg: TrainConfig, checkpointer: Checkpointer, reporter: Reporter, model: Any,
-           plan: Callable[[int, int, int], dict[str, Any]]) -> bool:
+def resume(cfg: TrainConfig, checkpointer: CheckpointManager, reporter: Reporter, model: Any,
+           plan: Callable[[int, int, int], dict[str, Any]], env: DistributedEnv) -> bool:
     """Load --resume (a path, or `latest` of this run when there is one) into every component; True if a
     checkpoint was loaded. Every rank reads the checkpoint, so every rank raises the same one-line error.
     `model`: the plain model (its weights are checked against the checkpoint's); `plan(epoch, next_batch, step)`:
     this run's lr schedule from that microbatch to the end of the run, as the loaded data position plans the epoch
-    (`reschedule`)."""
+    (`reschedule`); `env`: this process's place in the job."""
     if cfg.resume is None:
         return False
     if cfg.resume == "latest":
         if cfg.remote_sync:  # OpenCLIP looks for the latest checkpoint in the backup: restore it when it is ahead
             run_dir = checkpointer.checkpoint_dir.parent
-            run_on_main(checkpointer.env, "--remote-sync",
+            run_on_main(env, "--remote-sync",
                         lambda: restore_from_backup(run_dir, str(cfg.remote_sync), cfg.remote_sync_protocol,
                                                         reporter.message))
         found = storage.load_latest(checkpointer.checkpoint_dir, notify=reporter.message)
         if found is None:
-            return _start_fresh(cfg, checkpointer, reporter)
+            return _start_fresh(cfg, checkpointer, reporter, env)
     else:
         try:
             found = storage.load_checkpoint(cfg.resume, notify=reporter.message)
@@ -238,8 +240,8 @@ def resume(cfg: TrainConfig, checkpointer: Checkpointer, reporter: Reporter, mod
         reporter.load_state_dict(states["reporter"], progress.step)
     else:  # another run's (--resume DIR under a new --name): its counts go on in this run's folder
         reporter.continue_counts(states["reporter"])
-    barrier(checkpointer.env)
-    check_consistency(checkpointer.env, step=progress.step, epoch=progress.epoch, next_batch=progress.next_batch)
+    barrier(env)
+    check_consistency(env, step=progress.step, epoch=progress.epoch, next_batch=progress.next_batch)
     reporter.message(f"resumed from {found.path} at epoch {progress.epoch + 1}, step {progress.step}")
     if changes:
         reporter.message("resume applies changed flags: " + ", ".join(changes))
