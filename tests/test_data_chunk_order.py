@@ -160,10 +160,11 @@ def _keys(loader, n: int | None = None) -> list[list[str]]:
 
 
 def test_shards_train_in_the_chunked_order_and_an_older_checkpoint_resumes_on_its_own(tmp_path):
-    """Shard sources read in chunks by default (the state says which order); a checkpoint written before (no
-    `order_version`) continues on the order it was written with: the one --fetch-chunk-size 0 gives."""
+    """Shard sources read in chunks with --fetch-chunk-size (the state says which order); a checkpoint written
+    before (no `order_version`) continues on the order it was written with: the one --fetch-chunk-size 0 gives."""
     spec, usable, _ = write_wds_corpus(tmp_path)
-    cfg = DataConfig(train_data=spec, naflex_seq_lens=(16,), naflex_max_tokens_per_batch=48, workers=0, seed=3)
+    cfg = DataConfig(train_data=spec, naflex_seq_lens=(16,), naflex_max_tokens_per_batch=48, workers=0, seed=3,
+                     fetch_chunk_size=8)
     build = (lambda c: build_loader(c, split="train", patch_size=8, context_length=16))
     chunked, old = build(cfg), build(dataclasses.replace(cfg, fetch_chunk_size=0))
     assert chunked.state_dict()["order_version"] == 2 and old.state_dict()["order_version"] == 1

@@ -145,9 +145,11 @@ class DataConfig:
         "that holds more samples than sizes.json lists then has its surplus named (shard_size_mismatch), not "
         "trained"))
     # shards read in chunks: the chunks make the epoch's order (docs/data.md#the-chunked-order)
-    fetch_chunk_size: int = setting(8, rule=REFUSE, why=_ORDER, section=_DATA, metavar="MIB", help=(
-        "training shards (.tar, local or in object storage) are read in chunks of about this many MiB, each in one "
-        "request, and an epoch's order is made of them (0: every sample shuffled over the epoch, read one by one)"))
+    # off by default until a rank reads only its own streams with any token budget (docs/data.md, "The chunked order")
+    fetch_chunk_size: int = setting(0, rule=REFUSE, why=_ORDER, section=_DATA, metavar="MIB", help=(
+        "read training shards (.tar, local or in object storage) in chunks of about this many MiB (8 to 16 suits "
+        "object storage), each in one request, and make an epoch's order of them (0, the default: every sample "
+        "shuffled over the epoch, read one by one)"))
     fetch_streams: int = setting(64, rule=REFUSE, why=_ORDER, section=_DATA, help=(
         "streams the chunked order deals its chunks to (a rank reads its own when the world size divides this; "
         "each rank holds about this / world size chunks at once)"))
