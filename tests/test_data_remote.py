@@ -9,7 +9,9 @@ import json
 import os
 import shutil
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from s3_server import FaultProxy, RangeServer, s3_environment, s3_server, upload
@@ -127,7 +129,9 @@ def test_remote_parquet_and_a_mixture_with_remote_shards_read_as_local_files_do(
     assert len(set(keys)) == len(keys) and not skips
 
 
-def test_a_remote_epoch_resumed_mid_way_continues_exactly(bucket, tmp_path: Path) -> None:
+def _cut_and_resumed(tmp_path: Path, between: Callable[[], None] = lambda: None) -> tuple[Any, list, Any, list]:
+    """An uninterrupted epoch of the sized remote shards, and the same epoch cut after 3 microbatches and resumed
+    with 2 workers: (its loader, its microbatches' keys, the resumed loader, the keys before and after the cut)."""
     cfg = config(f"s3://data/sized/{LOCAL_SPEC}", tmp_path)
     whole = build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT)
     expected = [batch["keys"] for batch in whole]
@@ -138,11 +142,17 @@ def test_a_remote_epoch_resumed_mid_way_continues_exactly(bucket, tmp_path: Path
         if len(head) == 3:
             break
     state = first.state_dict()
+    between()
     resumed = build_loader(config(f"s3://data/sized/{LOCAL_SPEC}", tmp_path, workers=2), split="train",
                            patch_size=PATCH, context_length=CONTEXT)
     resumed.load_state_dict(state)
     resumed.set_epoch(state["epoch"], state["position"])
-    assert head + [batch["keys"] for batch in resumed] == expected
+    return whole, expected, resumed, head + [batch["keys"] for batch in resumed]
+
+
+def test_a_remote_epoch_resumed_mid_way_continues_exactly(bucket, tmp_path: Path) -> None:
+    _, expected, _, keys = _cut_and_resumed(tmp_path)
+    assert keys == expected
 
 
 def test_transient_faults_are_retried_and_counted_and_nothing_is_lost(bucket, tmp_path: Path, fast_retries,
@@ -545,23 +555,8 @@ def test_a_resume_after_a_dead_shard_continues_exactly(bucket, tmp_path: Path, f
     with FaultProxy(bucket[0], down="train-00001.tar") as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         remote.forget_filesystems()
-        cfg = config(f"s3://data/sized/{LOCAL_SPEC}", tmp_path)
-        whole = build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT)
-        expected = [batch["keys"] for batch in whole]
-        first = build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT)
-        head = []
-        for batch in first:
-            head.append(batch["keys"])
-            if len(head) == 3:
-                break
-        state = first.state_dict()
-        remote.forget_filesystems()
-        resumed = build_loader(config(f"s3://data/sized/{LOCAL_SPEC}", tmp_path, workers=2), split="train",
-                               patch_size=PATCH, context_length=CONTEXT)
-        resumed.load_state_dict(state)
-        resumed.set_epoch(state["epoch"], state["position"])
-        rest = [batch["keys"] for batch in resumed]
-    assert head + rest == expected and sum(len(k) for k in expected) == 30
+        whole, expected, resumed, keys = _cut_and_resumed(tmp_path, between=remote.forget_filesystems)
+    assert keys == expected and sum(len(k) for k in expected) == 30
     assert resumed.skip_counts["unreachable_shard"] == whole.skip_counts["unreachable_shard"] == 10
 
 
