@@ -174,3 +174,13 @@ def test_val_frequency_0_evaluates_before_training_and_at_the_end(tmp_path: Path
              if line.startswith(("val/", "zeroshot/"))}
     key = "val/image_to_text_median_rank"
     assert table[key] == [f"{evals[0][key]:.3f}", f"{evals[-1][key]:.3f}"]
+
+
+def test_the_run_folder_is_named_before_the_first_step(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A run without --name learns its folder at its start, not at its first save."""
+    assert main(["train", "--model", "tiny", *TINY_DATA_FLAGS, "--logs", str(tmp_path), "--epochs", "1",
+                 "--val-frequency", "0", "--zeroshot-frequency", "0", "--stop-after-steps", "1", "--no-plot"]) == 0
+    err = capsys.readouterr().err
+    (run,) = tmp_path.iterdir()
+    named = err.index(f"run folder: {run}")
+    assert named < err.index("epoch 1:") and named < err.index("saved ")

@@ -169,8 +169,9 @@ class Trainer:
 
     def announce(self) -> None:
         """The run's first lines, after the resume check (a refused resume is its one line): the settings that differ
-        from OpenCLIP's defaults and the built-in flags, then what the run was built with (`self.opening`)."""
-        for line in [*first_lines(self.cfg.to_dict()), *self.opening]:
+        from OpenCLIP's defaults and the built-in flags, what the run was built with (`self.opening`), and where its
+        outputs go (so a user can watch them from the start, not from the first save)."""
+        for line in [*first_lines(self.cfg.to_dict()), *self.opening, f"run folder: {self.run_dir}"]:
             self.reporter.message(line)
 
     def _plan_batches(self) -> list[int]:
