@@ -17,7 +17,7 @@ from naflexclip.data.folders import FolderSource
 from naflexclip.data.microbatch import MicrobatchBuilder
 from naflexclip.data.regions import CaptionTokens, DecoderExamples, parse_regions
 from naflexclip.data.schedule import ScheduledBatch
-from naflexclip.data.shard_index import IndexedShardSource
+from naflexclip.data.shard_sources import IndexedShardSource
 from naflexclip.data.source import RawSample
 from naflexclip.data.synthetic import COLOUR_RGB, COLOURS, SHAPES, _scene, synthetic_scene
 from naflexclip.data.tables import CsvSource

@@ -32,8 +32,9 @@ from naflexclip.data.readers import (
 )
 from naflexclip.data.regions import DecoderExamples
 from naflexclip.data.samples import reasons_line
-from naflexclip.data.shard_index import IndexedShardSource, SizedShardSource, is_indexable
+from naflexclip.data.shard_index import is_indexable
 from naflexclip.data.shard_order import ShardRecipe, ShardSet, mixture_counts
+from naflexclip.data.shard_sources import IndexedShardSource, SizedShardSource
 from naflexclip.data.source import EITHER_DATA_FLAG
 from naflexclip.data.stream_loader import StreamLoader
 from naflexclip.processing.naflex_transform import Processing, default_processing

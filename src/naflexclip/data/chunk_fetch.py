@@ -36,9 +36,9 @@ def chunk_range(source: Any, order: ChunkOrder, c: int) -> tuple[str, str | None
         url, version = source.urls[shard], source.versions[shard]
         ids = np.arange(count) + int(order.shards.starts[shard]) + first
         rows = source.offsets[ids]
-    elif hasattr(source, "bounds") and hasattr(source, "_locate"):  # planned from sizes.json
+    elif hasattr(source, "bounds") and hasattr(source, "locate"):  # planned from sizes.json
         url = source.urls[shard]
-        index = source._locate(int(source.bounds[shard]))[2]
+        index = source.locate(int(source.bounds[shard]))[2]
         if index.status != "ok" and index.status != "truncated":
             return None
         version, rows = index.version, index.offsets[first: first + count]
