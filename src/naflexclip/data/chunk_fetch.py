@@ -4,9 +4,9 @@ A rank's main process knows its microbatches of the epoch (`chunk_order.ChunkOrd
 knows which chunk each of its samples is in, when it is first needed and when for the last time. `ChunkFetcher`
 requests the chunks in first-use order, `IN_FLIGHT` at a time, while what it holds and has asked for stays within
 `--fetch-memory`; a chunk is dropped at its last use. A remote read of a shard's sample (`remote.read_spans`) that
-falls in a held chunk is served from it (`remote.range_cache`), so the samples are read in the main process and
-handed to the workers, which only decode. Every chunk read goes through `remote.read_range`: retries counted as
-`read_retry` notes, the pinned version checked, a failure raised to each of its samples' reads.
+falls in a held chunk is served from it (`remote.range_cache`, while the epoch is read), so the samples are read in
+the main process and handed to the workers, which only decode. Every chunk read goes through `remote.read_range`:
+retries counted as `read_retry` notes, the pinned version checked, a failure raised to each of its samples' reads.
 docs/data.md#the-chunked-order.
 """
 
@@ -32,10 +32,12 @@ def chunk_range(source: Any, order: ChunkOrder, c: int) -> tuple[str, str | None
     """(url, pinned version, start, end) of the bytes chunk `c` spans in its shard; None when it is not a remote
     tar shard's, or its shard cannot be read (its samples' reads say why)."""
     shard, first, count = order.chunk_span(c)
+    source, shard, first_id = _part(source, shard, int(order.shards.starts[shard]) + first)
     if hasattr(source, "offsets") and hasattr(source, "shard_ids"):  # every shard indexed at startup
+        if shard in source.changed:
+            return None
         url, version = source.urls[shard], source.versions[shard]
-        ids = np.arange(count) + int(order.shards.starts[shard]) + first
-        rows = source.offsets[ids]
+        rows = source.offsets[first_id: first_id + count]
     elif hasattr(source, "bounds") and hasattr(source, "locate"):  # planned from sizes.json
         url = source.urls[shard]
         index = source.locate(int(source.bounds[shard]))[2]
@@ -53,9 +55,22 @@ def chunk_range(source: Any, order: ChunkOrder, c: int) -> tuple[str, str | None
     return url, version, int(starts[present].min()), int((starts + sizes)[present].max())
 
 
+def _part(source: Any, shard: int, sample: int) -> tuple[Any, int, int]:
+    """The source (a part of a `::` join, or `source`) shard `shard` of the join is in, the shard's number and the
+    sample id `sample`'s there."""
+    if not hasattr(source, "sources"):
+        return source, shard, sample
+    for k, part in enumerate(source.sources):
+        shards = len(part.group_sizes) if hasattr(part, "group_sizes") else len(part.urls)  # Parquet: row groups
+        if shard < shards:
+            return part, shard, sample - int(source.starts[k])
+        shard -= shards
+    raise IndexError(shard)
+
+
 class ChunkFetcher:
     """The chunks of a rank's microbatches from some point on, fetched ahead within `memory` bytes (see the
-    module's docstring). Installed as `remote.range_cache` while the epoch's samples are read; `close()` ends it."""
+    module's docstring). Opened as a `remote.range_cache` while the epoch's samples are read; `close()` ends it."""
 
     def __init__(self, source: Any, order: ChunkOrder, batches: list[ScheduledBatch], memory: int) -> None:
         self.source, self.order, self.memory = source, order, memory
@@ -133,15 +148,12 @@ def _positions(b: ScheduledBatch) -> np.ndarray:
 def fetched_tasks(fetcher: ChunkFetcher, tasks: Iterator[tuple[ScheduledBatch, list[int], tuple[int, ...]]],
                   load: Any) -> Iterator[tuple[ScheduledBatch, list[int], tuple[int, ...], list[Any]]]:
     """`tasks` with their samples read (`load(indices)`) from the fetched chunks, in this process."""
-    previous = remote.range_cache
-    remote.range_cache = fetcher
     try:
-        for k, (planned, indices, seed_key) in enumerate(tasks):
-            fetcher.ahead(k)
-            raws = load(indices)
-            fetcher.done(k)
-            yield planned, indices, seed_key, raws
-    finally:  # (an iteration dropped early may end after the next one began: that one's fetcher stays)
-        if remote.range_cache is fetcher:
-            remote.range_cache = previous
+        with remote.range_cache(fetcher):
+            for k, (planned, indices, seed_key) in enumerate(tasks):
+                fetcher.ahead(k)
+                raws = load(indices)
+                fetcher.done(k)
+                yield planned, indices, seed_key, raws
+    finally:
         fetcher.close()

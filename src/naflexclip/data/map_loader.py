@@ -137,9 +137,21 @@ class MapLoader(NaFlexLoader):
 
     def close(self) -> None:
         super().close()
+        self._end_tasks()
         loader, self._loader = self._loader, None
         if loader is not None:
             shut_down_workers(loader)
+
+    def _fetch(self, first: int) -> Iterator[dict[str, Any]]:
+        try:
+            yield from super()._fetch(first)
+        finally:  # an iteration that stops early lets go of what was read ahead for it (fetched chunks)
+            self._end_tasks()
+
+    def _end_tasks(self) -> None:
+        tasks = getattr(self, "_tasks", None)
+        if tasks is not None and hasattr(tasks.tasks, "close"):
+            tasks.tasks.close()
 
     def _dataloader(self, first: int) -> DataLoader:
         if self._loader is None:

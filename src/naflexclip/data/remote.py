@@ -10,6 +10,7 @@ docs/data.md#data-in-object-storage.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import io
@@ -19,7 +20,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from naflexclip.data.source import EITHER_DATA_FLAG, DataError, skip_record
@@ -49,8 +50,9 @@ _notes_lock = threading.Lock()
 _filesystems: dict[tuple[int, str], Any] = {}
 _dead: dict[str, tuple[float, str]] = {}  # url: (given up at, why), this process's
 _dead_dir: str | None = None  # where every process of the run marks what it gave up (`share_dead_objects`)
-# ranges already fetched (`chunk_fetch.ChunkFetcher`): `get(url, version, start, end)` gives bytes or None
-range_cache: Any = None
+# the open caches of fetched ranges (`chunk_fetch.ChunkFetcher`s, one per loader reading its epoch: two loaders of
+# one process each find theirs): `get(url, version, start, end)` gives bytes or None
+_range_caches: list[Any] = []
 
 
 class Unreachable(RuntimeError):
@@ -313,9 +315,28 @@ def read_spans(url: str, spans: Sequence[tuple[int, int]], version: str | None =
     if not present:
         return [None] * len(spans)
     start, end = min(o for o, _ in present), max(o + s for o, s in present)
-    cached = range_cache.get(url, version, start, end) if range_cache is not None else None
-    data = cached if cached is not None else read_range(url, start, end, version)
+    data = _cached_range(url, version, start, end)
+    if data is None:
+        data = read_range(url, start, end, version)
     return [None if o < 0 else data[o - start: o - start + s] for o, s in spans]
+
+
+@contextlib.contextmanager
+def range_cache(cache: Any) -> Iterator[None]:
+    """While open, reads of ranges `cache` holds are served from it (`cache.get(url, version, start, end)`)."""
+    _range_caches.append(cache)
+    try:
+        yield
+    finally:
+        _range_caches.remove(cache)
+
+
+def _cached_range(url: str, version: str | None, start: int, end: int) -> bytes | None:
+    for cache in list(_range_caches):
+        data = cache.get(url, version, start, end)
+        if data is not None:
+            return data
+    return None
 
 
 def read_bytes(url: str) -> bytes:

@@ -89,6 +89,8 @@ class IndexedShardSource:
         self._fds: dict[int, int] = {}
         self._pid = -1
         self.parallel_reads = remote.PARALLEL_READS if any(remote.is_remote(u) for u in urls) else 1
+        # shards changed since a checkpoint (`pin_versions`): the offsets are the new bytes', never read at the old
+        self.changed: dict[int, str] = {}
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -104,6 +106,8 @@ class IndexedShardSource:
         for shard_id, url in enumerate(self.urls):
             if url in saved and self.versions[shard_id] not in (None, saved[url]):  # not listed now: missing_shard
                 changed.append((url, saved[url], self.versions[shard_id]))
+                self.changed[shard_id] = (f"{url}: changed since the checkpoint (version {saved[url]}, now "
+                                          f"{self.versions[shard_id]})")
                 self.versions[shard_id] = saved[url]
         return changed
 
@@ -120,6 +124,8 @@ class IndexedShardSource:
     def load(self, index: int) -> RawSample:
         shard_id = int(self.shard_ids[index])
         img_off, img_size, cap_off, cap_size, json_off, json_size = (int(v) for v in self.offsets[index])
+        if shard_id in self.changed:
+            raise SkipSample("shard_changed", self.changed[shard_id])
         if remote.is_remote(self.urls[shard_id]):
             return read_remote_sample(self.urls[shard_id], self.keys[index], self.offsets[index],
                                       version=self.versions[shard_id])
