@@ -635,3 +635,31 @@ def test_an_epoch_stopped_early_lets_go_of_its_fetched_chunks(bucket, tmp_path: 
         if read >= 8:
             break
     assert read < SAMPLES and remote._range_caches == []
+
+
+def test_a_fetch_memory_below_what_the_order_keeps_in_use_is_never_exceeded(bucket, tmp_path: Path, monkeypatch,
+                                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """Four streams each keep a chunk (a shard here) in use at once; a budget of about two chunks holds at most two,
+    reads the others' samples one by one (every sample once, no byte fetched twice) and says so at the epoch's start
+    with the budget the order needs."""
+    from naflexclip.data import chunk_fetch
+
+    cfg = config("s3://data/sized/train-{00000..00003}.tar", tmp_path, fetch_chunk_size=8)
+    expected, _ = epoch_keys(cfg)  # (also caches the shards' indexes)
+    shard_bytes = [os.path.getsize(bucket[1] / f"train-{i:05d}.tar") for i in range(4)]
+    fetchers: list = []
+    monkeypatch.setattr(chunk_fetch.ChunkFetcher, "__init__", lambda self, *a, _init=chunk_fetch.ChunkFetcher.__init__:
+                        fetchers.append(self) or _init(self, *a))
+    fetched: list[int] = []
+    cat = remote._cat_range
+    monkeypatch.setattr(remote, "_cat_range", lambda *a: fetched.append(a[4] - a[3]) or cat(*a))
+    loader = build_loader(cfg, split="train", patch_size=PATCH, context_length=CONTEXT)
+    budget = sorted(shard_bytes)[1] * 2
+    loader.chunked.memory = budget
+    with caplog.at_level("WARNING", logger="naflexclip.data"):
+        keys = [key.rpartition("/")[2] for batch in loader for key in batch["keys"]]
+    assert keys == expected
+    assert max(f.most_held for f in fetchers) <= budget
+    assert 4 < len(fetched) and sum(fetched) <= sum(shard_bytes)
+    said = [r.getMessage() for r in caplog.records if "--fetch-memory" in r.getMessage()]
+    assert len(said) == 1 and "sample by sample" in said[0], said

@@ -77,40 +77,41 @@ class ChunkFetcher:
         self.batch_chunks = [np.unique(order.chunk_of(_positions(b))).tolist() for b in batches]
         self.uses = Counter(c for chunks in self.batch_chunks for c in chunks)
         self.first_use = list(dict.fromkeys(c for chunks in self.batch_chunks for c in chunks))
+        self.ranges = {c: chunk_range(source, order, c) for c in self.first_use}
+        self.peak = _peak_bytes(self.batch_chunks, {c: _size(span) for c, span in self.ranges.items()})
         self.next = 0  # the next chunk of `first_use` to request
-        self.ranges: dict[int, tuple[str, str | None, int, int] | None] = {}
         self.held: dict[int, concurrent.futures.Future] = {}
+        self.by_sample: set[int] = set()  # needed when the budget was full: their samples are read one by one
         self.by_url: dict[tuple[str, str | None], list[tuple[int, int, int]]] = {}  # sorted (start, end, chunk)
-        self.bytes_held = 0
+        self.bytes_held = self.most_held = 0
         self.lock = threading.Lock()
         self.pool = concurrent.futures.ThreadPoolExecutor(IN_FLIGHT)
 
-    def _request(self, c: int) -> None:
-        if c not in self.ranges:
-            self.ranges[c] = chunk_range(self.source, self.order, c)
+    def _request(self, c: int) -> bool:
+        """Request chunk `c` if the budget allows (True: it is held or asked for, or has no range to fetch)."""
         span = self.ranges[c]
         if span is None or c in self.held:
-            return
+            return True
         url, version, start, end = span
+        if self.bytes_held + end - start > self.memory:
+            return False
         self.held[c] = self.pool.submit(remote.read_range, url, start, end, version)
         bisect.insort(self.by_url.setdefault((url, version), []), (start, end, c))
         self.bytes_held += end - start
+        self.most_held = max(self.most_held, self.bytes_held)
+        return True
 
     def ahead(self, batch: int) -> None:
-        """Request batch `batch`'s chunks (whatever the budget: they are needed now), then the next ones by first
-        use while the budget allows."""
+        """Request batch `batch`'s chunks (one that does not fit the budget now is read sample by sample for the
+        rest of the epoch: no byte is fetched twice), then the next ones by first use while the budget allows."""
         with self.lock:
             for c in self.batch_chunks[batch]:
-                self._request(c)
+                if c not in self.by_sample and not self._request(c):
+                    self.by_sample.add(c)
             while self.next < len(self.first_use):
                 c = self.first_use[self.next]
-                if c not in self.ranges:
-                    self.ranges[c] = chunk_range(self.source, self.order, c)
-                span = self.ranges[c]
-                size = 0 if span is None else span[3] - span[2]
-                if c not in self.held and self.bytes_held + size > self.memory:
+                if c not in self.by_sample and self.uses[c] > 0 and not self._request(c):
                     break
-                self._request(c)
                 self.next += 1
 
     def done(self, batch: int) -> None:
@@ -139,6 +140,25 @@ class ChunkFetcher:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _size(span: tuple[str, str | None, int, int] | None) -> int:
+    return 0 if span is None else span[3] - span[2]
+
+
+def _peak_bytes(batch_chunks: list[list[int]], sizes: dict[int, int]) -> int:
+    """The most bytes of chunks in use at once (from a chunk's first batch to its last) over the batches."""
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for k, chunks in enumerate(batch_chunks):
+        for c in chunks:
+            first.setdefault(c, k)
+            last[c] = k
+    change = np.zeros(len(batch_chunks) + 1, np.int64)
+    for c, k in first.items():
+        change[k] += sizes[c]
+        change[last[c] + 1] -= sizes[c]
+    return int(np.cumsum(change).max(initial=0))
 
 
 def _positions(b: ScheduledBatch) -> np.ndarray:

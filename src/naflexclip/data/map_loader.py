@@ -166,6 +166,12 @@ class MapLoader(NaFlexLoader):
                 getattr(self.source, "parallel_reads", 1) > 1:  # remote shards: read by chunk, here
             batches = list(worker_batches(self.schedule, 0, 1, first))
             fetcher = ChunkFetcher(self.source, order, batches, self.chunked.memory)
+            if fetcher.peak > fetcher.memory:
+                logger.warning("data %s (%s) epoch %d rank %d: the chunked order keeps up to %d MiB of chunks in use "
+                               "at once, over --fetch-memory %d MiB: a chunk that does not fit is read sample by "
+                               "sample (a request each); raise --fetch-memory to %d", self.split, self.name,
+                               self.epoch + 1, self.rank, -(-fetcher.peak >> 20), fetcher.memory >> 20,
+                               -(-fetcher.peak >> 20))
             tasks = fetched_tasks(fetcher, ((b, order[b.offset: b.offset + b.batch_size * b.stride: b.stride]
                                              .tolist(), (*key, b.index)) for b in batches), self._map_tasks._loads)
         self._tasks.tasks = tasks
