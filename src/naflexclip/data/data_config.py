@@ -145,16 +145,16 @@ class DataConfig:
         "that holds more samples than sizes.json lists then has its surplus named (shard_size_mismatch), not "
         "trained"))
     # shards read in chunks: the chunks make the epoch's order (docs/data.md#the-chunked-order)
-    # off by default until a rank reads only its own streams with any token budget (docs/data.md, "The chunked order")
-    fetch_chunk_size: int = setting(0, rule=REFUSE, why=_ORDER, section=_DATA, metavar="MIB", help=(
-        "read training shards (.tar, local or in object storage) in chunks of about this many MiB (8 to 16 suits "
-        "object storage), each in one request, and make an epoch's order of them (0, the default: every sample "
-        "shuffled over the epoch, read one by one)"))
+    fetch_chunk_size: int = setting(8, rule=REFUSE, why=_ORDER, section=_DATA, metavar="MIB", help=(
+        "read training shards (.tar and Parquet, local or in object storage) in chunks of about this many MiB, "
+        "each remote one in one request, and make an epoch's order of them (0: every sample shuffled over the "
+        "epoch, read one by one)"))
     fetch_streams: int = setting(64, rule=REFUSE, why=_ORDER, section=_DATA, help=(
         "streams the chunked order deals its chunks to (a rank reads its own when the world size divides this; "
         "each rank holds about this / world size chunks at once)"))
-    fetch_memory: int = setting(1024, rule=APPLY, section=_DATA, metavar="MIB", help=(
-        "memory a rank holds chunks of remote shards in, fetched ahead of their use and dropped at their last"))
+    fetch_memory: int = setting(4096, rule=APPLY, section=_DATA, metavar="MIB", help=(
+        "at most this much memory a rank holds chunks of remote shards in, fetched ahead of their use and dropped "
+        "at their last (the epoch's start says when the order needs more)"))
     # OpenCLIP's WebDataset recipe flags (docs/data.md, "Data recipes")
     dataset_resampled: bool = setting(False, rule=REFUSE, why=_ORDER, section=_RECIPES, help=(
         "draw shards with replacement (weighted by --train-data-upsampling-factors); an epoch is "
