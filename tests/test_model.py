@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from window_cases import naflex_window, tiny_model
 
 from naflexclip import create_loss, create_model
-from naflexclip.audit.verify_command import verify_window
+from naflexclip.audit.gradient_audit import verify_window
 from naflexclip.batch import concat_microbatches
 from naflexclip.data import tokenize
 

@@ -185,7 +185,7 @@ def test_a_wrong_position_table_or_ln_pre_mapping_is_caught(tmp_path: Path) -> N
 def test_other_grids_run_as_naflex(name: str) -> None:
     """Non-square grids and padded rows: each image's embedding equals that image alone (no leak through padding),
     and differs from the native grid's (the table is resampled per grid)."""
-    from naflexclip.audit.verify_command import random_naflex_batch
+    from naflexclip.audit.random_windows import random_naflex_batch
 
     model = family.build(tiny_name(name)).eval()
     batch = random_naflex_batch(4, patch_size=model.image_patch_size, context_length=model.context_length,
