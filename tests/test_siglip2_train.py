@@ -17,7 +17,7 @@ from naflexclip.cli import main
 from naflexclip.data.synthetic import SHAPES, zero_shot_sample
 from naflexclip.evaluation.zero_shot import zero_shot_classify
 from naflexclip.families import data_processing, siglip2
-from naflexclip.train.components import load_checkpoint_model
+from naflexclip.models.run_weights import load_checkpoint_model
 
 transformers = pytest.importorskip("transformers")
 
