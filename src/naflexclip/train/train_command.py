@@ -17,7 +17,8 @@ import torch
 from naflexclip.data import DataConfig, DataError
 from naflexclip.evaluation.evaluated_model import evaluated_model
 from naflexclip.models.precision import check_precision
-from naflexclip.parallel.process_group import DistributedFault, check_device, launched_world_size
+from naflexclip.parallel.launchers import launched_world_size
+from naflexclip.parallel.process_group import DistributedFault, check_device
 
 from .flags import (  # re-exported: the flags' public names stay importable from here
     AUG_CFG_KEYS,

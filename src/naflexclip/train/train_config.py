@@ -22,7 +22,8 @@ from naflexclip.models.lock import Locks
 from naflexclip.models.naflex_clip import PRESETS
 from naflexclip.models.precision import PRECISIONS
 from naflexclip.objectives.registry import ObjectiveFlags, objectives_of
-from naflexclip.parallel.process_group import DEVICE_CHOICES, check_backend, check_dist_url
+from naflexclip.parallel.launchers import check_backend, check_dist_url
+from naflexclip.parallel.process_group import DEVICE_CHOICES
 from naflexclip.settings import (
     APPLY,
     IGNORE,
