@@ -18,8 +18,8 @@ from naflexclip.models.lock import Locks
 from naflexclip.objectives.distillation import Distill
 from naflexclip.objectives.siglip2_recipe import Recipe
 from naflexclip.settings import RULES, declared, setting, settings_of, undeclared_destinations
+from naflexclip.train.flags import config_from_args
 from naflexclip.train.resume import POLICY, changed_flags, refusal
-from naflexclip.train.train_command import config_from_args
 from naflexclip.train.train_config import TrainConfig, flat_config
 
 # what `train` reads itself besides the settings: the refused OpenCLIP flags (the first one stops the run)

@@ -11,9 +11,9 @@ import pytest
 
 from naflexclip.cli import build_parser, main
 from naflexclip.data.data_config import DataConfig
+from naflexclip.train.flags import config_from_args
 from naflexclip.train.openclip_flags import BUILT_IN, OPENCLIP_FLAGS, first_lines, status
 from naflexclip.train.resume import POLICY, changed_flags
-from naflexclip.train.train_command import config_from_args
 from naflexclip.train.train_config import (
     DEMO_DEFAULTS,
     OPENCLIP_DEFAULTS,
@@ -289,7 +289,7 @@ def test_every_data_setting_is_shown_with_a_flag_train_accepts() -> None:
         flag = flag_name(f"data.{field.name}")
         assert flag.split(" ")[0] in accepted, (field.name, flag)
         if flag.endswith("="):  # an --aug-cfg item: the key train reads
-            from naflexclip.train.train_command import AUG_CFG_KEYS
+            from naflexclip.data.data_config import AUG_CFG_KEYS
             assert flag.split(" ")[1][:-1] in AUG_CFG_KEYS, (field.name, flag)
 
 
