@@ -17,10 +17,10 @@ from naflexclip.data.data_config import DataConfig
 from naflexclip.models.lock import Locks
 from naflexclip.objectives.distillation import Distill
 from naflexclip.objectives.siglip2_recipe import Recipe
-from naflexclip.settings import RULES, declared, setting, settings_of, undeclared_destinations
+from naflexclip.settings import RULES, declared, flat_config, setting, settings_of, undeclared_destinations
 from naflexclip.train.flags import config_from_args
 from naflexclip.train.resume import POLICY, changed_flags, refusal
-from naflexclip.train.train_config import TrainConfig, flat_config
+from naflexclip.train.train_config import TrainConfig
 
 # what `train` reads itself besides the settings: the refused OpenCLIP flags (the first one stops the run)
 COMMAND_DESTINATIONS = ("openclip_refused",)
