@@ -11,9 +11,9 @@ from naflexclip.data.data_config import DataConfig, add_data_args, data_config_f
 from naflexclip.data.loader import NaFlexLoader
 from naflexclip.data.map_loader import MapLoader
 from naflexclip.data.microbatch import TeacherInputs
-from naflexclip.data.readers import DataError, Source
 from naflexclip.data.samples import SKIP_REASONS
 from naflexclip.data.schedule import TokenBudget, build_schedule
+from naflexclip.data.source import DataError, Source
 from naflexclip.data.stream_loader import StreamLoader
 from naflexclip.processing.naflex_transform import Processing, default_processing, tokenize
 
