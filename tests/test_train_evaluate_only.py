@@ -11,7 +11,8 @@ import torch
 from PIL import Image
 
 from naflexclip.cli import build_parser, main
-from naflexclip.train.evaluate_only import create_run_model, evaluation_only
+from naflexclip.train.components import create_run_model
+from naflexclip.train.evaluate_only import evaluation_only
 from naflexclip.train.evaluator import evaluate
 from naflexclip.train.flags import config_from_args
 

@@ -159,9 +159,9 @@ def test_force_flags_override_the_model_as_openclip(tmp_path) -> None:
     import torch
     from test_train_loop import tiny_config
 
+    from naflexclip.models.run_weights import architecture_changes
     from naflexclip.parallel.process_group import init_distributed
     from naflexclip.train.loop import Trainer
-    from naflexclip.train.resume import architecture_changes
 
     cfg = tiny_config(tmp_path, force_context_length=12, force_patch_dropout=0.5, force_image_size=(64, 96))
     assert cfg.model_overrides(8) == {"context_length": 12, "patch_drop_rate": 0.5, "pos_embed_grid_size": (8, 12)}
