@@ -20,7 +20,8 @@ from naflexclip.audit.random_windows import random_naflex_batch
 from naflexclip.batch import split_batch, to_device
 from naflexclip.checkpoints.storage import find_latest, load_checkpoint
 from naflexclip.cli import main
-from naflexclip.window import RngState, accumulate_gradients
+from naflexclip.rng import RngState
+from naflexclip.window import accumulate_gradients
 
 pytestmark = pytest.mark.gpu
 
