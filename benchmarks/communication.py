@@ -169,7 +169,7 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out_
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from naflexclip.audit.verify_command import random_naflex_batch
+    from naflexclip.audit.random_windows import random_naflex_batch
     from naflexclip.batch import split_batch
     from naflexclip.loss import create_loss
     from naflexclip.models.factory import create_model

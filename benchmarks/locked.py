@@ -22,7 +22,7 @@ import torch
 from measure import alternating_medians, in_subprocess, window_memory
 
 from naflexclip import accumulate_gradients, create_loss, create_model
-from naflexclip.audit.verify_command import random_naflex_batch
+from naflexclip.audit.random_windows import random_naflex_batch
 from naflexclip.batch import split_batch, to_device
 from naflexclip.models.precision import create_precision
 

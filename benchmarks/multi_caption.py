@@ -18,8 +18,8 @@ import argparse
 import torch
 
 from naflexclip.data.synthetic import synthetic_captions
+from naflexclip.models.run_weights import load_checkpoint_model
 from naflexclip.processing.naflex_transform import default_processing
-from naflexclip.train.components import load_checkpoint_model
 
 
 @torch.no_grad()

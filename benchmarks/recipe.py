@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from measure import alternating_medians, in_subprocess
 
 from naflexclip import accumulate_gradients, create_loss
-from naflexclip.audit.verify_command import random_naflex_batch
+from naflexclip.audit.random_windows import random_naflex_batch
 from naflexclip.batch import EXAMPLE_INPUTS, split_batch, to_device
 from naflexclip.models.naflex_clip import NaFlexClip, model_config
 from naflexclip.models.precision import create_precision

@@ -39,7 +39,7 @@ from torch._dynamo.utils import counters
 from torch.utils.flop_counter import FlopCounterMode
 
 from naflexclip import accumulate_gradients, create_loss
-from naflexclip.audit.verify_command import random_naflex_batch
+from naflexclip.audit.random_windows import random_naflex_batch
 from naflexclip.batch import split_batch, to_device
 from naflexclip.models.factory import create_model
 from naflexclip.models.naflex_clip import NaFlexClip

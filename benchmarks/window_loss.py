@@ -87,7 +87,7 @@ def _reference_loss(kind: str, image: torch.Tensor, text: torch.Tensor, scale: f
 def _window_step(kind: str, n: int, microbatch: int, threads: int) -> dict[str, float]:
     """A whole window through the public API in this (fresh) process."""
     from naflexclip import accumulate_gradients, create_loss, create_model
-    from naflexclip.audit.verify_command import random_naflex_batch
+    from naflexclip.audit.random_windows import random_naflex_batch
     from naflexclip.batch import split_batch
 
     torch.set_num_threads(threads)
@@ -140,7 +140,7 @@ def _flops_worker(rank: int, world: int, port: int, n: int, kind: str, sharded: 
     from torch.utils.flop_counter import FlopCounterMode
 
     from naflexclip import accumulate_gradients, create_loss, create_model
-    from naflexclip.audit.verify_command import random_naflex_batch
+    from naflexclip.audit.random_windows import random_naflex_batch
     from naflexclip.batch import split_batch
     from naflexclip.parallel.feature_exchange import window_exchange
     from naflexclip.parallel.process_group import cleanup, init_distributed

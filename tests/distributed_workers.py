@@ -169,7 +169,7 @@ def _gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _errors(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> dict[str, float]:
     """Worst relative error of pos_embed and of every other parameter (docs/accumulation.md, Tolerances)."""
-    from naflexclip.audit.verify_command import relative_error
+    from naflexclip.audit.gradient_audit import relative_error
 
     worst = {"params": 0.0, "pos_embed": 0.0, "missing": 0.0}
     for name in reference.keys() | grads.keys():
@@ -285,7 +285,8 @@ def _configs(world: int, fsdp: bool) -> list[tuple[int, str, str]]:
 
 
 def scenario_exact(env: Any) -> dict[str, Any]:
-    from naflexclip.audit.verify_command import full_batch_gradients, random_naflex_batch
+    from naflexclip.audit.gradient_audit import full_batch_gradients
+    from naflexclip.audit.random_windows import random_naflex_batch
     from naflexclip.batch import concat_microbatches, split_batch
     from naflexclip.loss import create_loss
     from naflexclip.models.factory import create_model
@@ -484,7 +485,7 @@ def _consistency(env: Any, check_consistency: Any) -> dict[str, Any]:
 
 def scenario_fault(env: Any, how: str) -> dict[str, Any]:
     """Rank 1 dies or raises inside the second microbatch's replay forward; rank 0 must name it."""
-    from naflexclip.audit.verify_command import random_naflex_batch
+    from naflexclip.audit.random_windows import random_naflex_batch
     from naflexclip.loss import create_loss
     from naflexclip.models.factory import create_model
     from naflexclip.parallel.feature_exchange import window_exchange
@@ -526,7 +527,7 @@ def _is_fsdp_model(model: Any) -> bool:
 
 def scenario_agree(env: Any, out_dir: Path) -> dict[str, Any]:
     """Every case meets in one size exchange; each rank records what it raised and how long it took."""
-    from naflexclip.audit.verify_command import random_naflex_batch
+    from naflexclip.audit.random_windows import random_naflex_batch
     from naflexclip.data import DataConfig
     from naflexclip.loss import create_loss
     from naflexclip.models.factory import create_model
@@ -660,7 +661,8 @@ class _ExchangeVariant:
 
 
 def scenario_shard(env: Any) -> dict[str, Any]:
-    from naflexclip.audit.verify_command import full_batch_gradients, random_naflex_batch
+    from naflexclip.audit.gradient_audit import full_batch_gradients
+    from naflexclip.audit.random_windows import random_naflex_batch
     from naflexclip.batch import concat_microbatches, split_batch
     from naflexclip.loss import clip_loss_dense, create_loss, siglip_loss_dense
     from naflexclip.models.factory import create_model
@@ -837,7 +839,7 @@ def scenario_loop(env: Any, out_dir: Path, counts: dict[str, int]) -> dict[str, 
 
 def scenario_fsdp_uneven(env: Any) -> dict[str, Any]:
     """Every rank records what the window raised (or None) and how long it took."""
-    from naflexclip.audit.verify_command import random_naflex_batch
+    from naflexclip.audit.random_windows import random_naflex_batch
     from naflexclip.batch import split_batch
     from naflexclip.loss import create_loss
     from naflexclip.models.factory import create_model
@@ -867,7 +869,8 @@ LOCKS = {"image": ({"lock_image": True}, "clip"),
 
 
 def scenario_locked(env: Any) -> dict[str, Any]:
-    from naflexclip.audit.verify_command import full_batch_gradients, random_naflex_batch
+    from naflexclip.audit.gradient_audit import full_batch_gradients
+    from naflexclip.audit.random_windows import random_naflex_batch
     from naflexclip.batch import concat_microbatches, split_batch
     from naflexclip.loss import create_loss
     from naflexclip.models.factory import create_model
@@ -912,7 +915,8 @@ def scenario_locked(env: Any) -> dict[str, Any]:
 
 
 def scenario_distill(env: Any) -> dict[str, Any]:
-    from naflexclip.audit.verify_command import full_batch_gradients, random_naflex_batch
+    from naflexclip.audit.gradient_audit import full_batch_gradients
+    from naflexclip.audit.random_windows import random_naflex_batch
     from naflexclip.batch import TEACHER_INPUTS, concat_microbatches, split_batch
     from naflexclip.loss import DistillLoss, create_loss
     from naflexclip.models.factory import create_model
@@ -970,7 +974,8 @@ def scenario_distill(env: Any) -> dict[str, Any]:
 def scenario_self_distill(env: Any) -> dict[str, Any]:
     """SigLIP 2's self-distillation and masked prediction under DDP: the EMA teacher runs once per local microbatch,
     the terms are normalised by the window's examples on every rank (Z counted over ranks)."""
-    from naflexclip.audit.verify_command import full_batch_gradients, random_naflex_batch
+    from naflexclip.audit.gradient_audit import full_batch_gradients
+    from naflexclip.audit.random_windows import random_naflex_batch
     from naflexclip.batch import EXAMPLE_INPUTS, concat_microbatches, split_batch
     from naflexclip.loss import create_loss
     from naflexclip.models.naflex_clip import NaFlexClip, model_config
@@ -1086,7 +1091,8 @@ def scenario_self_distill_train(env: Any, out_dir: Path) -> dict[str, Any]:
 
 
 def scenario_multi_positive(env: Any) -> dict[str, Any]:
-    from naflexclip.audit.verify_command import full_batch_gradients, random_grouped_batch
+    from naflexclip.audit.gradient_audit import full_batch_gradients
+    from naflexclip.audit.random_windows import random_grouped_batch
     from naflexclip.batch import concat_microbatches, split_batch
     from naflexclip.loss import MultiPositiveDistillLoss, MultiPositiveLoss
     from naflexclip.models.factory import create_model

@@ -89,7 +89,7 @@ def tiny_name(name: str) -> str:
 
 
 def _shipped(name: str) -> dict:
-    from naflexclip.families.openclip import openclip_config
+    from naflexclip.families.openclip_names import openclip_config
 
     return openclip_config(name)
 

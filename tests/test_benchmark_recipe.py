@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from naflexclip.audit.verify_command import random_naflex_batch
+from naflexclip.audit.random_windows import random_naflex_batch
 from naflexclip.models.naflex_clip import NaFlexClip, model_config
 from naflexclip.objectives.self_distillation import SELF_DISTILL, EmaTeacher, attach_heads, head_config, student_terms
 

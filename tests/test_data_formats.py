@@ -9,9 +9,10 @@ import torch
 from conftest_data import image_bytes, write_tar
 
 from naflexclip.cli import main as cli_main
-from naflexclip.data import DataConfig, DataError, build_loader, tokenize
+from naflexclip.data import DataConfig, DataError, build_loader
 from naflexclip.data.dataset_export import export_synthetic, shard_spec
 from naflexclip.data.synthetic import synthetic_sample
+from naflexclip.processing.naflex_transform import tokenize
 
 PATCH, CONTEXT = 8, 24
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import naflexclip.data
-from naflexclip.data import DataConfig, build_loader, default_processing
+from naflexclip.data import DataConfig, build_loader
+from naflexclip.processing.naflex_transform import default_processing
 
 DATA_DIR = Path(naflexclip.data.__file__).parent
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from timm.models.naflexvit import NaFlexVit
 
-from naflexclip.data import DataConfig, build_loader, build_zero_shot_loader, tokenize
+from naflexclip.data import DataConfig, build_loader, build_zero_shot_loader
 from naflexclip.data.synthetic import (
     COLOURS,
     SHAPES,
@@ -19,6 +19,7 @@ from naflexclip.data.synthetic import (
     zero_shot_prompt_ensemble,
     zero_shot_prompts,
 )
+from naflexclip.processing.naflex_transform import tokenize
 
 PATCH, CONTEXT = 8, 16
 

@@ -15,10 +15,11 @@ import torch
 from conftest_data import image_bytes
 from test_train_loop import tiny_config
 
-from naflexclip.data import DataConfig, build_loader, tokenize
+from naflexclip.data import DataConfig, build_loader
 from naflexclip.data.microbatch import group_id, split_rows
 from naflexclip.data.samples import JsonCaption, one_caption
 from naflexclip.data.synthetic import synthetic_captions, synthetic_sample
+from naflexclip.processing.naflex_transform import tokenize
 from naflexclip.train.loop import train
 
 DATA = dict(synthetic_train_size=24, synthetic_val_size=8, naflex_seq_lens=(16,), naflex_max_tokens_per_batch=128,

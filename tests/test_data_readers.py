@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from naflexclip.cli import main as cli_main
-from naflexclip.data import DataConfig, DataError, build_loader, tokenize
+from naflexclip.data import DataConfig, DataError, build_loader
 from naflexclip.data.samples import to_rgb
 from naflexclip.data.tables import CsvSource, split_row
+from naflexclip.processing.naflex_transform import tokenize
 
 PATCH, CONTEXT = 8, 24
 

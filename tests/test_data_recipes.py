@@ -10,7 +10,8 @@ from collections import Counter
 import pytest
 from conftest_data import image_bytes, write_tar
 
-from naflexclip.data import DataConfig, build_loader, tokenize
+from naflexclip.data import DataConfig, build_loader
+from naflexclip.processing.naflex_transform import tokenize
 
 PATCH, CONTEXT = 8, 16
 

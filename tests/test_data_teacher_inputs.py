@@ -13,11 +13,12 @@ import torch
 
 from naflexclip import create_model
 from naflexclip.batch import TEACHER_INPUTS
-from naflexclip.data import DataConfig, TeacherInputs, build_loader, default_processing, tokenize
+from naflexclip.data import DataConfig, TeacherInputs, build_loader
 from naflexclip.data.microbatch import split_rows
 from naflexclip.data.samples import SkipSample
 from naflexclip.data.synthetic import synthetic_sample
 from naflexclip.objectives.distillation import teacher_inputs
+from naflexclip.processing.naflex_transform import default_processing, tokenize
 
 DATA = dict(synthetic_train_size=24, synthetic_val_size=8, naflex_seq_lens=(16, 36), naflex_max_tokens_per_batch=144,
             workers=0, synthetic_shape_group_size=1)  # single scenes: the test reads them with synthetic_sample

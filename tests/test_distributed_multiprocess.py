@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from distributed_workers import SHARD_SPLITS, SPLITS, TIMEOUT_S, launch, launch_results
 
-from naflexclip.audit.verify_command import FLOAT64_TOLERANCE, POS_EMBED_TOLERANCE
+from naflexclip.audit.gradient_audit import FLOAT64_TOLERANCE, POS_EMBED_TOLERANCE
 
 pytestmark = pytest.mark.slow
 

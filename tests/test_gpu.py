@@ -15,11 +15,13 @@ import torch
 from test_train_loop import TINY_DATA_FLAGS
 
 from naflexclip import create_loss, create_model
-from naflexclip.audit.verify_command import random_naflex_batch, verify_window
+from naflexclip.audit.gradient_audit import verify_window
+from naflexclip.audit.random_windows import random_naflex_batch
 from naflexclip.batch import split_batch, to_device
 from naflexclip.checkpoints.storage import find_latest, load_checkpoint
 from naflexclip.cli import main
-from naflexclip.window import RngState, accumulate_gradients
+from naflexclip.rng import RngState
+from naflexclip.window import accumulate_gradients
 
 pytestmark = pytest.mark.gpu
 

@@ -4,14 +4,8 @@ image tokens and (in causal mode) the future, boxes that survive quantisation.""
 import pytest
 import torch
 
-from naflexclip.objectives.locca_decoder import (
-    DECODER_SIZES,
-    IGNORE,
-    LoccaDecoder,
-    Vocabulary,
-    collate_decoder,
-    decoder_example,
-)
+from naflexclip.objectives.locca_decoder import DECODER_SIZES, LoccaDecoder
+from naflexclip.processing.decoder_tokens import IGNORE, Vocabulary, collate_decoder, decoder_example
 
 VOCAB = 100
 

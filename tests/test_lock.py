@@ -13,7 +13,7 @@ from window_cases import failures, full_batch_gradients, loss_for, naflex_window
 
 from naflexclip import accumulate_gradients, create_model, window_loss_scale
 from naflexclip.audit.openclip_rule import per_microbatch_scale_gradients
-from naflexclip.audit.verify_command import random_split_sizes
+from naflexclip.audit.random_windows import random_split_sizes
 from naflexclip.batch import split_batch
 from naflexclip.cli import main
 from naflexclip.parallel.process_group import init_distributed

@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from window_cases import naflex_window, tiny_model
 
 from naflexclip import create_loss, create_model
-from naflexclip.audit.verify_command import verify_window
+from naflexclip.audit.gradient_audit import verify_window
 from naflexclip.batch import concat_microbatches
-from naflexclip.data import tokenize
+from naflexclip.processing.naflex_transform import tokenize
 
 
 def test_output_dict_and_attributes():

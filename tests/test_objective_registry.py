@@ -113,7 +113,7 @@ def test_an_objectives_setting_without_the_flag_that_turns_it_on_is_said_to_chan
     ]
     parser = build_parser()
     for flags, line in cases:
-        from naflexclip.train.train_command import config_from_args
+        from naflexclip.train.flags import config_from_args
 
         (said,) = registry.unused_settings(config_from_args(parser.parse_args(["train", *flags])))
         assert said.startswith(line), said

@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 from naflexclip import create_model
 from naflexclip.families import data_processing, openclip_sources
 from naflexclip.families import openclip as family
-from naflexclip.families.openclip import OpenClipError
+from naflexclip.families.openclip_names import OpenClipError
+from naflexclip.families.openclip_weights import import_state_dict
 from naflexclip.models.naflex_clip import NaFlexClip
 
 FLOAT32_ATOL = 1e-5  # the issue's bar for normalised embeddings and logits in float32
@@ -93,7 +94,7 @@ def test_native_grid_embeddings_equal_open_clip_float64(name: str, tmp_path: Pat
     tiny = tiny_name(name)
     theirs = openclip_model(tiny, seed=2)
     ours = family.build(tiny)
-    ours.load_state_dict(family.import_state_dict(ours, theirs.state_dict(), "test"))
+    ours.load_state_dict(import_state_dict(ours, theirs.state_dict(), "test"))
     errors = _compare(theirs, ours, torch.float64)
     assert max(errors.values()) <= FLOAT64_ATOL, errors
 
@@ -112,7 +113,7 @@ def test_every_file_form_loads_the_same_weights(tmp_path: Path) -> None:
         torch.save(content, tmp_path / filename)
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "weights.safetensors"))
     reference = family.build(tiny)
-    reference.load_state_dict(family.import_state_dict(reference, state, "test"))
+    reference.load_state_dict(import_state_dict(reference, state, "test"))
     for filename in [*forms, "weights.safetensors"]:
         loaded = create_model(tiny, pretrained=str(tmp_path / filename))
         for key, value in reference.state_dict().items():
@@ -170,12 +171,12 @@ def test_a_wrong_position_table_or_ln_pre_mapping_is_caught(tmp_path: Path) -> N
     tiny = tiny_name("ViT-B-32-quickgelu")
     theirs = openclip_model(tiny, seed=5)
     ours = family.build(tiny)
-    ours.load_state_dict(family.import_state_dict(ours, theirs.state_dict(), "test"))
+    ours.load_state_dict(import_state_dict(ours, theirs.state_dict(), "test"))
     assert max(_compare(theirs, ours, torch.float64).values()) <= FLOAT64_ATOL
     with torch.no_grad():
         ours.visual.embeds.pos_embed.copy_(ours.visual.embeds.pos_embed.transpose(1, 2).clone())
     assert max(_compare(theirs, ours, torch.float64).values()) > 1e-3
-    ours.load_state_dict(family.import_state_dict(ours, theirs.state_dict(), "test"))
+    ours.load_state_dict(import_state_dict(ours, theirs.state_dict(), "test"))
     with torch.no_grad():
         ours.visual.norm_pre.weight.fill_(1.0), ours.visual.norm_pre.bias.zero_()
     assert max(_compare(theirs, ours, torch.float64).values()) > 1e-3
@@ -185,7 +186,7 @@ def test_a_wrong_position_table_or_ln_pre_mapping_is_caught(tmp_path: Path) -> N
 def test_other_grids_run_as_naflex(name: str) -> None:
     """Non-square grids and padded rows: each image's embedding equals that image alone (no leak through padding),
     and differs from the native grid's (the table is resampled per grid)."""
-    from naflexclip.audit.verify_command import random_naflex_batch
+    from naflexclip.audit.random_windows import random_naflex_batch
 
     model = family.build(tiny_name(name)).eval()
     batch = random_naflex_batch(4, patch_size=model.image_patch_size, context_length=model.context_length,

@@ -15,7 +15,7 @@ from openclip_cases import openclip_model, tiny_name
 from naflexclip import create_model
 from naflexclip.cli import main
 from naflexclip.models.lock import image_groups
-from naflexclip.train.components import load_checkpoint_model
+from naflexclip.models.run_weights import load_checkpoint_model
 
 TRAIN_FLAGS = ["--epochs", "1", "--lr", "1e-4", "--warmup", "1", "--synthetic-train-size", "32",
                "--synthetic-val-size", "8", "--naflex-seq-lens", "9", "16", "--naflex-max-tokens-per-batch", "96",

@@ -27,7 +27,7 @@ LAYERS: dict[str, set[str]] = {
     "train": {"audit", "evaluation"},
     "cli": {"train"},
 }
-CORE = ("batch", "rng", "checkpoints", "processing", "old_import_paths", "settings")
+CORE = ("batch", "rng", "checkpoints", "processing", "settings")
 
 
 def layer_of(module: str) -> str:
@@ -97,7 +97,7 @@ GRAPH = {name: imports(path) for name, path in MODULES.items()}
 def test_no_import_goes_up_a_layer():
     upward = [f"{name} ({layer_of(name)}) imports {target} ({layer_of(target)})"
               for name, targets in GRAPH.items() for target, _ in targets
-              if layer_of(target) not in allowed(layer_of(name)) and name != "naflexclip.old_import_paths"]
+              if layer_of(target) not in allowed(layer_of(name))]
     assert not upward, "\n".join(sorted(set(upward)))
 
 

@@ -17,10 +17,10 @@ from naflexclip.data.data_config import DataConfig
 from naflexclip.models.lock import Locks
 from naflexclip.objectives.distillation import Distill
 from naflexclip.objectives.siglip2_recipe import Recipe
-from naflexclip.settings import RULES, declared, setting, settings_of, undeclared_destinations
+from naflexclip.settings import RULES, declared, flat_config, setting, settings_of, undeclared_destinations
+from naflexclip.train.flags import config_from_args
 from naflexclip.train.resume import POLICY, changed_flags, refusal
-from naflexclip.train.train_command import config_from_args
-from naflexclip.train.train_config import TrainConfig, flat_config
+from naflexclip.train.train_config import TrainConfig
 
 # what `train` reads itself besides the settings: the refused OpenCLIP flags (the first one stops the run)
 COMMAND_DESTINATIONS = ("openclip_refused",)
@@ -147,3 +147,11 @@ def test_a_resume_cannot_change_trust_sizes_json() -> None:
     message = refusal(saved, trusted)
     assert message is not None and "--trust-sizes-json: the checkpoint has off, this run on" in message
     assert refusal(trusted, trusted) is None
+
+
+def test_the_code_maps_example_declaration_is_train_configs_own() -> None:
+    """docs/code_map.md shows how a flag is declared with a field of `TrainConfig`: that field, as it is written."""
+    root = Path(__file__).resolve().parents[1]
+    example = (root / "docs" / "code_map.md").read_text().split("```python\n")[1].split("```")[0]
+    source = (root / "src" / "naflexclip" / "train" / "train_config.py").read_text()
+    assert "".join(example.split()) in "".join(source.split()), example

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from siglip2_cases import CONFIGS, hf_features, make_checkpoint
 
 from naflexclip import create_model, export_model
-from naflexclip.audit.verify_command import random_naflex_batch
+from naflexclip.audit.random_windows import random_naflex_batch
 from naflexclip.families import siglip2
 from naflexclip.families.siglip2 import Siglip2Error, config_to_transformers
 from naflexclip.families.siglip2_processing import siglip2_tokenize

@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 from siglip2_cases import hf_features, make_checkpoint
 
-from naflexclip.audit.verify_command import random_naflex_batch
+from naflexclip.audit.random_windows import random_naflex_batch
 from naflexclip.cli import main
 from naflexclip.data.synthetic import SHAPES, zero_shot_sample
 from naflexclip.evaluation.zero_shot import zero_shot_classify
 from naflexclip.families import data_processing, siglip2
-from naflexclip.train.components import load_checkpoint_model
+from naflexclip.models.run_weights import load_checkpoint_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 from window_cases import failures, naflex_window
 
 from naflexclip import accumulate_gradients, create_loss, create_model
-from naflexclip.audit.verify_command import collect_gradients
+from naflexclip.audit.gradient_audit import collect_gradients
 from naflexclip.batch import split_batch
 from naflexclip.cli import main
 from naflexclip.parallel.process_group import init_distributed

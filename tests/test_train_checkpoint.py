@@ -20,7 +20,8 @@ from test_train_loop import TINY_DATA_FLAGS, tiny_config
 from naflexclip.checkpoints import storage as ckpt
 from naflexclip.cli import main
 from naflexclip.models.naflex_clip import PRESETS
-from naflexclip.train.components import load_checkpoint_model, rng_state, set_rng_state
+from naflexclip.models.run_weights import load_checkpoint_model
+from naflexclip.train.components import rng_state, set_rng_state
 from naflexclip.train.loop import train
 
 # The child trains 2 steps saving each one; during the second save it writes the weights file, says so, and

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from naflexclip.checkpoints.storage import find_latest, load_checkpoint
 from naflexclip.cli import main
 from naflexclip.data import DataConfig
+from naflexclip.models.run_weights import load_checkpoint_model
 from naflexclip.parallel.process_group import init_distributed
-from naflexclip.train.components import load_checkpoint_model
 from naflexclip.train.loop import Trainer, train
 from naflexclip.train.step import windows
 from naflexclip.train.stop import TrainingStopped

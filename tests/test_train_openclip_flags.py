@@ -11,17 +11,12 @@ import pytest
 
 from naflexclip.cli import build_parser, main
 from naflexclip.data.data_config import DataConfig
+from naflexclip.settings import flat_config
+from naflexclip.train.flags import config_from_args
+from naflexclip.train.openclip_defaults import openclip_differences
 from naflexclip.train.openclip_flags import BUILT_IN, OPENCLIP_FLAGS, first_lines, status
 from naflexclip.train.resume import POLICY, changed_flags
-from naflexclip.train.train_command import config_from_args
-from naflexclip.train.train_config import (
-    DEMO_DEFAULTS,
-    OPENCLIP_DEFAULTS,
-    TrainConfig,
-    flag_name,
-    flat_config,
-    openclip_differences,
-)
+from naflexclip.train.train_config import DEMO_DEFAULTS, OPENCLIP_DEFAULTS, TrainConfig, flag_name
 
 
 def _train_parser() -> argparse.ArgumentParser:
@@ -164,9 +159,9 @@ def test_force_flags_override_the_model_as_openclip(tmp_path) -> None:
     import torch
     from test_train_loop import tiny_config
 
+    from naflexclip.models.run_weights import architecture_changes
     from naflexclip.parallel.process_group import init_distributed
     from naflexclip.train.loop import Trainer
-    from naflexclip.train.resume import architecture_changes
 
     cfg = tiny_config(tmp_path, force_context_length=12, force_patch_dropout=0.5, force_image_size=(64, 96))
     assert cfg.model_overrides(8) == {"context_length": 12, "patch_drop_rate": 0.5, "pos_embed_grid_size": (8, 12)}
@@ -289,7 +284,7 @@ def test_every_data_setting_is_shown_with_a_flag_train_accepts() -> None:
         flag = flag_name(f"data.{field.name}")
         assert flag.split(" ")[0] in accepted, (field.name, flag)
         if flag.endswith("="):  # an --aug-cfg item: the key train reads
-            from naflexclip.train.train_command import AUG_CFG_KEYS
+            from naflexclip.data.data_config import AUG_CFG_KEYS
             assert flag.split(" ")[1][:-1] in AUG_CFG_KEYS, (field.name, flag)
 
 

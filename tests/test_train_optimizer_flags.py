@@ -14,10 +14,10 @@ from test_train_loop import tiny_config
 from naflexclip.cli import build_parser
 from naflexclip.models.factory import create_model
 from naflexclip.models.lock import image_groups, text_groups
+from naflexclip.train.flags import config_from_args
 from naflexclip.train.loop import train
 from naflexclip.train.optim import LrSchedule, create_optimizer, scheduled_lr
 from naflexclip.train.resume import refusal
-from naflexclip.train.train_command import config_from_args
 from naflexclip.train.train_config import TrainConfig
 
 BETAS = (0.9, 0.98)

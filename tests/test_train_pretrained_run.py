@@ -12,8 +12,8 @@ from test_train_loop import TINY_DATA_FLAGS, tiny_config
 
 from naflexclip import create_model
 from naflexclip.cli import main
+from naflexclip.models.run_weights import load_checkpoint_model
 from naflexclip.parallel.process_group import init_distributed
-from naflexclip.train.components import load_checkpoint_model
 from naflexclip.train.loop import Trainer, train
 
 

@@ -15,11 +15,11 @@ from test_train_loop import tiny_config
 
 from naflexclip.checkpoints import storage as ckpt
 from naflexclip.cli import build_parser
+from naflexclip.train.flags import config_from_args
 from naflexclip.train.loop import train
 from naflexclip.train.remote_sync import RemoteSync, restore_from_backup, sync_fsspec
 from naflexclip.train.resume import POLICY
 from naflexclip.train.sinks import read_metrics
-from naflexclip.train.train_command import config_from_args
 
 
 def _files(root: Path) -> dict[str, bytes]:

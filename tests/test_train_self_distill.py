@@ -113,7 +113,7 @@ def test_the_centre_is_the_whole_windows_over_ranks() -> None:
     """A rank's teacher whose update adds the other rank's logit sums gets the centre of one teacher that saw both
     ranks' microbatches; without the sum it would follow its own rows."""
 
-    from naflexclip.audit.verify_command import random_naflex_batch
+    from naflexclip.audit.random_windows import random_naflex_batch
     from naflexclip.models.naflex_clip import NaFlexClip, model_config
     from naflexclip.objectives.self_distillation import attach_heads, head_config
 
@@ -205,7 +205,7 @@ def test_under_fsdp2_the_teacher_is_sharded_like_the_student_and_trains_as_under
 
 
 def test_the_teacher_is_built_at_the_switch_and_a_skipped_step_leaves_it_as_it_was() -> None:
-    from naflexclip.audit.verify_command import random_naflex_batch
+    from naflexclip.audit.random_windows import random_naflex_batch
     from naflexclip.models.naflex_clip import NaFlexClip, model_config
     from naflexclip.objectives.self_distill_schedule import SelfDistillation
     from naflexclip.objectives.siglip2_recipe import Recipe
@@ -310,7 +310,7 @@ def test_patch_dropout_with_masked_prediction_is_refused_in_one_line(tmp_path: P
 def test_the_masked_pass_refuses_a_tower_that_drops_patch_tokens() -> None:
     import dataclasses
 
-    from naflexclip.audit.verify_command import random_naflex_batch
+    from naflexclip.audit.random_windows import random_naflex_batch
     from naflexclip.models.naflex_clip import NaFlexClip, model_config
     from naflexclip.objectives.self_distillation import attach_heads, head_config, student_terms
 
@@ -424,7 +424,7 @@ def test_a_resume_that_moves_the_switch_later_drops_the_teacher_and_builds_it_ag
     """A checkpoint taken after the switch, resumed with a later --self-distill-start: the steps before the new
     switch train no self-distillation, so the saved teacher is dropped (one line naming the flag and the step; before:
     it kept following the student by EMA through them) and built again from the student at the new switch."""
-    from naflexclip.audit.verify_command import random_naflex_batch
+    from naflexclip.audit.random_windows import random_naflex_batch
     from naflexclip.models.naflex_clip import NaFlexClip, model_config
     from naflexclip.objectives.self_distill_schedule import SelfDistillation
     from naflexclip.objectives.siglip2_recipe import Recipe

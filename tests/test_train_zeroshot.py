@@ -274,8 +274,8 @@ def test_zeroshot_frequency_without_anything_to_classify_is_accepted_with_one_li
     """OpenCLIP's README drops --imagenet-val to skip ImageNet zero-shot and keeps --zeroshot-frequency; OpenCLIP then
     classifies nothing. Here too: the flag is saved as given and the run's first lines say zero-shot does not run."""
     from naflexclip.cli import build_parser
+    from naflexclip.train.flags import config_from_args
     from naflexclip.train.openclip_flags import first_lines
-    from naflexclip.train.train_command import config_from_args
 
     args = build_parser().parse_args(["train", "--model", "tiny", "--zeroshot-frequency", frequency])
     cfg = config_from_args(args)
@@ -291,7 +291,7 @@ def test_zeroshot_frequency_without_anything_to_classify_is_accepted_with_one_li
 def test_zeroshot_frequency_0_without_zeroshot_data_is_accepted() -> None:
     """Turning zero-shot off is consistent with having no zero-shot data (an OpenCLIP command may say it)."""
     from naflexclip.cli import build_parser
-    from naflexclip.train.train_command import config_from_args
+    from naflexclip.train.flags import config_from_args
 
     args = build_parser().parse_args(["train", "--model", "tiny", "--zeroshot-frequency", "0"])
     assert config_from_args(args).zeroshot_frequency == 0

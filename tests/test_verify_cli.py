@@ -6,7 +6,6 @@ from pathlib import Path
 import pytest
 
 import naflexclip.audit.gradient_audit as window_audit
-import naflexclip.audit.verify_command as verify
 from naflexclip.audit.openclip_rule import per_microbatch_scale_gradients
 from naflexclip.cli import main
 
@@ -27,7 +26,7 @@ def test_the_page_verify_cites_states_its_tolerances():
     page = (Path(__file__).parents[1] / "docs" / "accumulation.md").read_text()
     assert "\n## Tolerances\n" in page
     section = page.split("\n## Tolerances\n")[1].split("\n## ")[0]
-    for tolerance in (verify.FLOAT64_TOLERANCE, verify.POS_EMBED_TOLERANCE, verify.FLOAT32_TOLERANCE):
+    for tolerance in (window_audit.FLOAT64_TOLERANCE, window_audit.POS_EMBED_TOLERANCE, window_audit.FLOAT32_TOLERANCE):
         assert f"| 1e{round(math.log10(tolerance))} |" in section, tolerance
 
 

@@ -14,7 +14,7 @@ from window_cases import failures, full_batch_gradients, naflex_window, tiny_mod
 
 from naflexclip import DistillLoss, accumulate_gradients, create_loss, create_model, window_loss_scale
 from naflexclip.audit.openclip_rule import per_microbatch_scale_gradients
-from naflexclip.audit.verify_command import random_grouped_batch, random_naflex_batch, random_split_sizes
+from naflexclip.audit.random_windows import random_grouped_batch, random_naflex_batch, random_split_sizes
 from naflexclip.batch import TEACHER_INPUTS, split_batch
 from naflexclip.loss import MultiPositiveDistillLoss
 from naflexclip.window import TeacherFeatures

@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from naflexclip.audit.verify_command import collect_gradients, random_naflex_batch, random_split_sizes
+from naflexclip.audit.gradient_audit import collect_gradients
+from naflexclip.audit.random_windows import random_naflex_batch, random_split_sizes
 from naflexclip.batch import EXAMPLE_INPUTS, concat_microbatches, split_batch
 from naflexclip.loss import create_loss
 from naflexclip.models.naflex_clip import NaFlexClip, model_config

@@ -7,7 +7,7 @@ import torch
 from window_cases import failures, full_batch_gradients, loss_for, naflex_window, tiny_model
 
 from naflexclip import accumulate_gradients, create_loss, create_model
-from naflexclip.audit.verify_command import collect_gradients, relative_error
+from naflexclip.audit.gradient_audit import collect_gradients, relative_error
 from naflexclip.batch import concat_microbatches, split_batch, to_device
 
 

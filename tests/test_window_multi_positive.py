@@ -12,7 +12,7 @@ from window_cases import failures, full_batch_gradients, tiny_model
 
 from naflexclip import MultiPositiveLoss, accumulate_gradients, create_loss, window_loss_scale
 from naflexclip.audit.openclip_rule import per_microbatch_scale_gradients
-from naflexclip.audit.verify_command import random_grouped_batch
+from naflexclip.audit.random_windows import random_grouped_batch
 from naflexclip.batch import batch_size, split_batch, text_rows
 from naflexclip.loss import MultiPositiveDistillLoss
 from naflexclip.window import TeacherFeatures

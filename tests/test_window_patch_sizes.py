@@ -9,8 +9,9 @@ import torch
 from window_cases import failures, loss_for
 
 from naflexclip import accumulate_gradients, create_model
+from naflexclip.audit.gradient_audit import collect_gradients, gradient_errors, tolerance_for
 from naflexclip.audit.openclip_rule import per_microbatch_scale_gradients
-from naflexclip.audit.verify_command import collect_gradients, gradient_errors, random_naflex_batch, tolerance_for
+from naflexclip.audit.random_windows import random_naflex_batch
 from naflexclip.window import output_dict, window_loss_scale
 
 

@@ -16,7 +16,7 @@ from window_cases import failures, full_batch_gradients, loss_for, naflex_window
 
 from naflexclip import accumulate_gradients, window_loss_scale
 from naflexclip.audit.openclip_rule import per_microbatch_scale_gradients
-from naflexclip.audit.verify_command import random_split_sizes
+from naflexclip.audit.random_windows import random_split_sizes
 from naflexclip.batch import split_batch
 
 windows = st.fixed_dictionaries({

@@ -10,8 +10,9 @@ import torch
 from window_cases import failures, full_batch_gradients, loss_for, tiny_model
 
 from naflexclip import accumulate_gradients
+from naflexclip.audit.gradient_audit import collect_gradients
 from naflexclip.audit.openclip_rule import per_microbatch_scale_gradients
-from naflexclip.audit.verify_command import collect_gradients, random_naflex_batch
+from naflexclip.audit.random_windows import random_naflex_batch
 from naflexclip.batch import concat_microbatches, split_batch
 
 REFERENCE_BATCH_SIZE = 3

@@ -9,13 +9,9 @@ import random
 import pytest
 import torch
 
+from naflexclip.audit.gradient_audit import collect_gradients, full_batch_gradients
 from naflexclip.audit.openclip_rule import per_microbatch_scale_gradients
-from naflexclip.audit.verify_command import (
-    collect_gradients,
-    full_batch_gradients,
-    random_naflex_batch,
-    random_split_sizes,
-)
+from naflexclip.audit.random_windows import random_naflex_batch, random_split_sizes
 from naflexclip.batch import EXAMPLE_INPUTS, batch_size, concat_microbatches, split_batch
 from naflexclip.loss import create_loss
 from naflexclip.models.naflex_clip import NaFlexClip, model_config
@@ -201,7 +197,7 @@ def test_the_recipe_switches_the_terms_on_at_self_distill_start():
 def test_train_takes_the_recipe_flags_and_refuses_what_it_cannot_combine_in_one_line(capsys):
     # failed before the TrainConfig fields: every `naflexclip train` stopped on TrainConfig(**Recipe.as_dict())
     from naflexclip.cli import build_parser, main
-    from naflexclip.train.train_command import config_from_args, with_defaults
+    from naflexclip.train.flags import config_from_args, with_defaults
     from naflexclip.train.train_config import TrainConfig
 
     config = config_from_args(with_defaults(build_parser().parse_args(["train", "--model", "tiny", "--recipe",

@@ -7,13 +7,8 @@ import functools
 import torch
 
 from naflexclip import create_loss, create_model
-from naflexclip.audit.verify_command import (
-    collect_gradients,
-    full_batch_gradients,
-    gradient_errors,
-    random_naflex_batch,
-    tolerance_for,
-)
+from naflexclip.audit.gradient_audit import collect_gradients, full_batch_gradients, gradient_errors, tolerance_for
+from naflexclip.audit.random_windows import random_naflex_batch
 
 
 @functools.cache

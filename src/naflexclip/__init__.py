@@ -1,12 +1,9 @@
 """naflexclip: CLIP/SigLIP training with NaFlex ViT image towers and exact gradient accumulation."""
 
-from naflexclip import old_import_paths
 from naflexclip.loss import ClipLoss, DistillLoss, MultiPositiveLoss, SigLipLoss, create_loss
 from naflexclip.models.factory import create_model, export_model
 from naflexclip.models.naflex_clip import NaFlexClip, model_config
 from naflexclip.window import WindowStats, accumulate_gradients, window_loss_scale
-
-old_import_paths.install()
 
 __all__ = [
     "ClipLoss",

@@ -21,20 +21,10 @@ import torch
 from torch import nn
 
 from naflexclip.audit.gradient_audit import (
-    FLOAT32_TOLERANCE,
-    FLOAT64_TOLERANCE,
-    POS_EMBED_TOLERANCE,
-    GroupResult,
     VerifyResult,
-    collect_gradients,
-    full_batch_gradients,
-    gradient_errors,
-    parameter_group,
-    relative_error,
-    tolerance_for,
     verify_window,
 )
-from naflexclip.audit.random_windows import random_grouped_batch, random_naflex_batch, random_split_sizes
+from naflexclip.audit.random_windows import random_naflex_batch
 from naflexclip.batch import EXAMPLE_INPUTS, batch_size, concat_microbatches, to_device
 from naflexclip.data import DataError, add_data_args, build_loader, data_config_from_args
 from naflexclip.data.data_config import VERIFY_DATA_DEFAULTS
@@ -49,12 +39,6 @@ from naflexclip.objectives.objective import BuildContext, Objective
 from naflexclip.parallel.process_group import DEVICE_CHOICES, check_device
 from naflexclip.settings import add_arguments
 from naflexclip.window import METHODS, SCALE_MODES
-
-# re-exported: the random windows and the audit were this module's, and tests and benchmarks import them from here
-__all__ = ["FLOAT32_TOLERANCE", "FLOAT64_TOLERANCE", "POS_EMBED_TOLERANCE", "GroupResult", "VerifyResult",
-           "add_parser", "collect_gradients", "format_table", "full_batch_gradients", "gradient_errors",
-           "parameter_group", "random_grouped_batch", "random_naflex_batch", "random_split_sizes", "relative_error",
-           "run", "tolerance_for", "verify_window"]
 
 
 def format_table(result: VerifyResult) -> str:

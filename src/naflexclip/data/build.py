@@ -13,30 +13,22 @@ import numpy as np
 from naflexclip.data import remote
 from naflexclip.data.chunk_order import ChunkedRecipe, shard_chunks, source_shard_bytes
 from naflexclip.data.data_config import DEFAULT_IMAGE_KEY, DataConfig, split_keys
+from naflexclip.data.folders import FolderSource
 from naflexclip.data.joined_sources import JoinedSources
 from naflexclip.data.loader import NaFlexLoader
 from naflexclip.data.map_loader import MapLoader
 from naflexclip.data.microbatch import MicrobatchBuilder, TeacherInputs
 from naflexclip.data.parquet_source import BLOCK_ROW_GROUPS, ParquetSource, is_parquet
-from naflexclip.data.readers import (
-    CsvSource,
-    DataError,
-    FolderSource,
-    Source,
-    SyntheticSource,
-    ZeroShotSource,
-    check_shards,
-    count_shard_samples,
-    expand_shards,
-    read_sizes,
-)
+from naflexclip.data.readers import SyntheticSource, ZeroShotSource
 from naflexclip.data.regions import DecoderExamples
 from naflexclip.data.samples import reasons_line
 from naflexclip.data.shard_index import is_indexable
 from naflexclip.data.shard_order import ShardRecipe, ShardSet, mixture_counts
 from naflexclip.data.shard_sources import IndexedShardSource, SizedShardSource
-from naflexclip.data.source import EITHER_DATA_FLAG
+from naflexclip.data.shards import check_shards, count_shard_samples, expand_shards, read_sizes
+from naflexclip.data.source import EITHER_DATA_FLAG, DataError, Source
 from naflexclip.data.stream_loader import StreamLoader
+from naflexclip.data.tables import CsvSource
 from naflexclip.processing.naflex_transform import Processing, default_processing
 from naflexclip.settings import settings_of
 

@@ -13,9 +13,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from naflexclip.data.readers import MemberKeys
 from naflexclip.data.samples import JsonCaption
 from naflexclip.data.schedule import PatchSizes, TokenBudget, samples_for_image_tokens
+from naflexclip.data.shards import MemberKeys
 from naflexclip.data.synthetic import SHAPES
 from naflexclip.settings import (
     APPLY,

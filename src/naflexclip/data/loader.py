@@ -28,9 +28,9 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from naflexclip.data.microbatch import MicrobatchBuilder, split_rows
-from naflexclip.data.readers import DataError
 from naflexclip.data.samples import NOTE_REASONS, READ_NOTES, reasons_line
 from naflexclip.data.schedule import Schedule, TokenBudget
+from naflexclip.data.source import DataError
 
 logger = logging.getLogger("naflexclip.data")
 # a planned microbatch is emitted once the one this many places later has arrived, so an empty one can be

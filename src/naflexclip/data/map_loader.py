@@ -20,10 +20,10 @@ from naflexclip.data.chunk_fetch import ChunkFetcher, fetched_tasks
 from naflexclip.data.chunk_order import ORDER_VERSION, ChunkedRecipe
 from naflexclip.data.loader import NaFlexLoader, logger, shut_down_workers
 from naflexclip.data.microbatch import MicrobatchBuilder
-from naflexclip.data.readers import RawSample, Source, skip_record
 from naflexclip.data.samples import SkipSample
 from naflexclip.data.schedule import ScheduledBatch, build_global_plan, epoch_order, worker_batches
 from naflexclip.data.shard_order import ShardRecipe
+from naflexclip.data.source import RawSample, Source, skip_record
 
 # what a worker is sent for one planned microbatch: the plan's entry, its samples' indices, its seed key
 Task = tuple[ScheduledBatch, list[int], tuple[int, ...]]

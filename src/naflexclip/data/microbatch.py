@@ -17,10 +17,10 @@ import torch
 from PIL import Image
 
 from naflexclip.batch import EXAMPLE_INPUTS, TEACHER_INPUTS
-from naflexclip.data.readers import RawSample, skip_record
 from naflexclip.data.regions import DecoderExamples, Region, parse_regions
 from naflexclip.data.samples import JsonCaption, SkipSample, decode_captions, decode_image, one_caption
 from naflexclip.data.schedule import PatchSizes, ScheduledBatch, even_sizes
+from naflexclip.data.source import RawSample, skip_record
 from naflexclip.processing.naflex_transform import Processing
 from naflexclip.processing.view_seeds import VIEW_SEED, sample_view_seed
 

@@ -1,7 +1,7 @@
-"""Data sources: the built-in synthetic splits here; CSV/TSV tables (`tables`), image+.txt folders (`folders`) and
-WebDataset streams (`shards`), re-exported (the reader interface: `source`).
+"""Data sources: the built-in synthetic splits here; CSV/TSV tables are in `tables`, image+.txt folders in `folders`,
+WebDataset streams in `shards` (the reader interface: `source`).
 
-Map-style sources (synthetic, CSV, folder; local shards in `shard_index`) are `Source`s. Shards that
+Map-style sources (synthetic, CSV, folder; indexed shards in `shard_sources`) are `Source`s. Shards that
 cannot be indexed are read as a stream by `shard_samples`, one shard at a time so that a truncated shard
 costs only its unread tail.
 """
@@ -10,32 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from naflexclip.data.folders import FolderSource, sidecar_regions, walk_folder
-from naflexclip.data.shards import (
-    DEFAULT_MEMBER_KEYS,
-    DUPLICATE_DETAIL,
-    KEY_SUFFIXES,
-    MemberKeys,
-    ShardReadLog,
-    check_shards,
-    count_shard_samples,
-    expand_shards,
-    member_key,
-    new_sample,
-    read_sizes,
-    same_sample,
-    shard_samples,
-)
-from naflexclip.data.source import CAPTION_EXTENSIONS, DataError, RawSample, Source, skip_record
+from naflexclip.data.source import RawSample
 from naflexclip.data.synthetic import synthetic_scene, zero_shot_sample
-from naflexclip.data.tables import CsvSource, split_row
-
-__all__ = [
-    "CAPTION_EXTENSIONS", "DEFAULT_MEMBER_KEYS", "DUPLICATE_DETAIL", "KEY_SUFFIXES", "CsvSource", "DataError",
-    "FolderSource", "MemberKeys", "RawSample", "ShardReadLog", "Source", "SyntheticSource", "ZeroShotSource",
-    "check_shards", "count_shard_samples", "expand_shards", "member_key", "new_sample", "read_sizes", "same_sample",
-    "shard_samples", "sidecar_regions", "skip_record", "split_row", "walk_folder",
-]
 
 
 class _GeneratedSource:

@@ -5,7 +5,9 @@ each indexed when first read). The indexes themselves: `shard_index`."""
 from __future__ import annotations
 
 import collections
+import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,21 +31,42 @@ from naflexclip.data.shards import (
 from naflexclip.data.source import RawSample, skip_record
 
 
-def read_remote_sample(url: str, key: str, row: np.ndarray, notes: list[dict[str, Any]] | None = None,
-                       version: str | None = None) -> RawSample:
-    """A remote shard's sample: its members in one ranged request; a read failing for good skips it as
+def unusable_reason(row: np.ndarray) -> str | None:
+    """Why an index row's sample cannot train (no image, a zero-byte image, no caption), None when it can."""
+    return ("missing_image" if row[0] < 0 else "empty_image" if row[1] == 0
+            else "missing_caption" if row[2] < 0 else None)
+
+
+def read_sample(url: str, key: str, row: np.ndarray, version: str | None = None,
+                notes: list[dict[str, Any]] | None = None, shard_fd: Callable[[], int] | None = None) -> RawSample:
+    """An indexed shard's sample by its index row (image, caption and .json member offset and size): a remote
+    shard's members in one ranged request, a local shard's by `pread`. A local shard gone since it was indexed skips
+    the sample as `missing_shard`, as a shard that cannot be opened; a remote read failing for good as
     `unreachable_shard` (`missing_shard`: the object is gone), naming the URL and the error, and a shard no longer at
     its pinned `version` as `shard_changed`: the names its index gives the same faults. `notes`: as
-    `RawSample.notes`."""
+    `RawSample.notes`; `shard_fd`: the local shard's open descriptor, kept by the caller (else opened for this read)."""
     img_off, img_size, cap_off, cap_size, json_off, json_size = (int(v) for v in row)
+    if remote.is_remote(url):
+        try:
+            image, caption, regions = remote.read_spans(url, [(img_off, img_size), (cap_off, cap_size),
+                                                              (json_off, json_size)], version)
+        except remote.Unreachable as error:
+            reason = SHARD_STATUS_REASONS["missing" if error.missing else "unreachable"]
+            raise SkipSample(reason, str(error), notes=notes) from None
+        except remote.Changed as error:
+            raise SkipSample("shard_changed", str(error), notes=notes) from None
+        return RawSample(image, caption, None, f"{url}:{key}", regions, notes or [])
     try:
-        image, caption, regions = remote.read_spans(url, [(img_off, img_size), (cap_off, cap_size),
-                                                          (json_off, json_size)], version)
-    except remote.Unreachable as error:
-        reason = SHARD_STATUS_REASONS["missing" if error.missing else "unreachable"]
-        raise SkipSample(reason, str(error), notes=notes) from None
-    except remote.Changed as error:
-        raise SkipSample("shard_changed", str(error), notes=notes) from None
+        fd = shard_fd() if shard_fd is not None else os.open(url, os.O_RDONLY)
+        try:
+            image = os.pread(fd, img_size, img_off)  # pread: no shared file position between threads or forks
+            caption = os.pread(fd, cap_size, cap_off)
+            regions = os.pread(fd, json_size, json_off) if json_off >= 0 else None
+        finally:
+            if shard_fd is None:
+                os.close(fd)
+    except OSError as error:
+        raise SkipSample("missing_shard", f"{url}: {error.strerror}", notes=notes) from None
     return RawSample(image, caption, None, f"{url}:{key}", regions, notes or [])
 
 
@@ -75,8 +98,7 @@ class IndexedShardSource:
                 self.index_skips.append(skip_record(url, index.cut, None, "truncated_sample",
                                                     "the shard ends inside this sample's data"))
             for key, row in zip(index.keys, index.offsets, strict=True):
-                reason = ("missing_image" if row[0] < 0 else "empty_image" if row[1] == 0
-                          else "missing_caption" if row[2] < 0 else None)
+                reason = unusable_reason(row)
                 if reason is not None:
                     self.index_skips.append(skip_record(url, key, None, reason))
                     continue
@@ -123,20 +145,10 @@ class IndexedShardSource:
 
     def load(self, index: int) -> RawSample:
         shard_id = int(self.shard_ids[index])
-        img_off, img_size, cap_off, cap_size, json_off, json_size = (int(v) for v in self.offsets[index])
         if shard_id in self.changed:
             raise SkipSample("shard_changed", self.changed[shard_id])
-        if remote.is_remote(self.urls[shard_id]):
-            return read_remote_sample(self.urls[shard_id], self.keys[index], self.offsets[index],
-                                      version=self.versions[shard_id])
-        try:
-            fd = self._fd(shard_id)
-        except OSError as error:  # gone since it was indexed: as a shard that cannot be opened
-            raise SkipSample("missing_shard", f"{self.urls[shard_id]}: {error.strerror}") from None
-        image = os.pread(fd, img_size, img_off)  # pread: no shared file position between threads or forks
-        caption = os.pread(fd, cap_size, cap_off)
-        regions = os.pread(fd, json_size, json_off) if json_off >= 0 else None
-        return RawSample(image, caption, None, f"{self.urls[shard_id]}:{self.keys[index]}", regions)
+        return read_sample(self.urls[shard_id], self.keys[index], self.offsets[index], self.versions[shard_id],
+                           shard_fd=functools.partial(self._fd, shard_id))
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_fds": {}, "_pid": -1}
@@ -238,21 +250,10 @@ class SizedShardSource:
                         + (f"--trust-sizes-json plans the first {planned}" if self.trusted else
                            f"the epoch was planned for {planned} (it could not be read at startup, or changed since)"))
             for key in shard_index.keys[planned:]]
-        img_off, img_size, cap_off, cap_size, json_off, json_size = (int(v) for v in shard_index.offsets[j])
-        reason = ("missing_image" if img_off < 0 else "empty_image" if img_size == 0
-                  else "missing_caption" if cap_off < 0 else None)
+        reason = unusable_reason(shard_index.offsets[j])
         if reason is not None:
             raise SkipSample(reason, notes=notes)
-        if remote.is_remote(url):
-            return read_remote_sample(url, shard_index.keys[j], shard_index.offsets[j], notes, shard_index.version)
-        try:
-            with open(url, "rb") as f:
-                image = os.pread(f.fileno(), img_size, img_off)
-                caption = os.pread(f.fileno(), cap_size, cap_off)
-                regions = os.pread(f.fileno(), json_size, json_off) if json_off >= 0 else None
-        except OSError as error:  # gone since it was indexed: as a shard that cannot be opened
-            raise SkipSample("missing_shard", f"{url}: {error.strerror}", notes=notes) from None
-        return RawSample(image, caption, None, f"{url}:{shard_index.keys[j]}", regions, notes)
+        return read_sample(url, shard_index.keys[j], shard_index.offsets[j], shard_index.version, notes)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_indexes": collections.OrderedDict()}

@@ -16,8 +16,9 @@ import webdataset as wds
 from torch.utils.data import DataLoader
 
 from naflexclip.data.loader import NaFlexLoader, WorkerEpoch
-from naflexclip.data.readers import DEFAULT_MEMBER_KEYS, DataError, MemberKeys, RawSample, ShardReadLog, shard_samples
 from naflexclip.data.schedule import build_schedule, samples_per_rank
+from naflexclip.data.shards import DEFAULT_MEMBER_KEYS, MemberKeys, ShardReadLog, shard_samples
+from naflexclip.data.source import DataError, RawSample
 
 _RESAMPLED = 0x2E5A
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from naflexclip.families.openclip_names import OpenClipError, claims_name, model_config, model_names, openclip_config
+from naflexclip.families.openclip_names import OpenClipError, claims_name, model_config, openclip_config
 from naflexclip.families.openclip_sources import (
     SHIPPED_TAGS,
     find_in_hf_cache,
@@ -29,9 +29,8 @@ from naflexclip.models.naflex_clip import ModelConfig, NaFlexClip
 from naflexclip.processing.naflex_transform import NaFlexTransform, Processing, collate, tokenize
 
 __all__ = [
-    "EXPORT_FORMAT", "LOSS", "NAME", "OpenClipError", "build", "check", "check_pretrained", "claims_name", "detect",
-    "export", "export_notes", "export_state_dict", "import_state_dict", "load", "model_config", "model_names",
-    "openclip_config", "patch_budget", "preprocess_cfg", "processing", "processor_spec", "read_state_dict",
+    "EXPORT_FORMAT", "LOSS", "NAME", "build", "check", "check_pretrained", "claims_name", "detect", "export",
+    "export_notes", "load", "model_config", "patch_budget", "preprocess_cfg", "processing", "processor_spec",
     "resolve_pretrained", "tokenizer_dir",
 ]
 

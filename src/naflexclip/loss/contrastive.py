@@ -14,14 +14,14 @@ from torch import nn
 
 from naflexclip.loss.tiling import (
     DEFAULT_TILE_SIZE,
-    _check_shapes,
-    _check_tile_size,
-    _diagonal_sum,
-    _identity,
-    _logits,
-    _scalars,
-    _tiled_gradients,
-    _tiles,
+    check_shapes,
+    check_tile_size,
+    diagonal_sum,
+    logit_block,
+    no_reduction,
+    scalar_values,
+    tile_ranges,
+    tiled_gradients,
 )
 
 
@@ -77,16 +77,16 @@ class _TiledClip(torch.autograd.Function):
         ctx: Any, image_rows: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor,
         logit_bias: torch.Tensor | None, row_offset: int, tile: int, reduce_column_lse: Callable[..., torch.Tensor],
     ) -> torch.Tensor:
-        scale, bias = _scalars(logit_scale, logit_bias)
+        scale, bias = scalar_values(logit_scale, logit_bias)
         num_rows, num_all = image_rows.shape[0], text_features.shape[0]
         row_lse = image_rows.new_empty(num_rows)
         column_lse = image_rows.new_full((num_all,), float("-inf"))
         diagonal = image_rows.new_zeros(())  # Σ z_ii, taken from the same blocks as the log-sum-exps
-        for i0, i1 in _tiles(num_rows, tile):
+        for i0, i1 in tile_ranges(num_rows, tile):
             x, lse = image_rows[i0:i1], None
-            for j0, j1 in _tiles(num_all, tile):
-                z = _logits(x, text_features[j0:j1], scale, bias)
-                diagonal += _diagonal_sum(z, row_offset + i0, j0)
+            for j0, j1 in tile_ranges(num_all, tile):
+                z = logit_block(x, text_features[j0:j1], scale, bias)
+                diagonal += diagonal_sum(z, row_offset + i0, j0)
                 # online log-sum-exp: rows across column tiles, columns across row tiles
                 block_rows = torch.logsumexp(z, dim=1)
                 lse = block_rows if lse is None else torch.logaddexp(lse, block_rows)
@@ -102,16 +102,16 @@ class _TiledClip(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         image_rows, text_features, logit_scale, logit_bias, row_lse, column_lse = ctx.saved_tensors
-        scale, bias = _scalars(logit_scale, logit_bias)
+        scale, bias = scalar_values(logit_scale, logit_bias)
 
         def block_dz(x: torch.Tensor, y: torch.Tensor, rows: slice, columns: slice) -> torch.Tensor:
-            u = _logits(x, y, scale, (bias - row_lse[rows])[:, None])  # z − row_lse
+            u = logit_block(x, y, scale, (bias - row_lse[rows])[:, None])  # z − row_lse
             probs = u.exp()  # P
             # z − column_lse, then Q; P + Q is dz without the diagonal and the 1/2N
             return probs.add_(u.add_(row_lse[rows, None]).sub_(column_lse[None, columns]).exp_())
 
         # the matching pairs: −1 in each direction
-        grads = _tiled_gradients(ctx, grad_out, block_dz, diagonal=2, norm=2 * text_features.shape[0])
+        grads = tiled_gradients(ctx, grad_out, block_dz, diagonal=2, norm=2 * text_features.shape[0])
         return (*grads, None, None, None)
 
 
@@ -128,14 +128,14 @@ class _TiledSigLip(torch.autograd.Function):
         ctx: Any, image_rows: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor,
         logit_bias: torch.Tensor | None, row_offset: int, tile: int,
     ) -> torch.Tensor:
-        scale, bias = _scalars(logit_scale, logit_bias)
+        scale, bias = scalar_values(logit_scale, logit_bias)
         num_rows, num_all = image_rows.shape[0], text_features.shape[0]
         total = image_rows.new_zeros(())
         negative_diagonal = image_rows.new_zeros(())
-        for i0, i1 in _tiles(num_rows, tile):
-            for j0, j1 in _tiles(num_all, tile):
-                negative_z = _logits(image_rows[i0:i1], text_features[j0:j1], -scale, -bias)
-                negative_diagonal += _diagonal_sum(negative_z, row_offset + i0, j0)
+        for i0, i1 in tile_ranges(num_rows, tile):
+            for j0, j1 in tile_ranges(num_all, tile):
+                negative_z = logit_block(image_rows[i0:i1], text_features[j0:j1], -scale, -bias)
+                negative_diagonal += diagonal_sum(negative_z, row_offset + i0, j0)
                 # softplus(z) = −log σ(−z), exact for every z (torch's softplus switches to z above 20)
                 total -= F.logsigmoid(negative_z).sum()
         ctx.save_for_backward(image_rows, text_features, logit_scale, logit_bias)
@@ -144,8 +144,8 @@ class _TiledSigLip(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
-        scale, bias = _scalars(*ctx.saved_tensors[2:4])
-        grads = _tiled_gradients(ctx, grad_out, lambda x, y, rows, columns: _logits(x, y, scale, bias).sigmoid_(),
+        scale, bias = scalar_values(*ctx.saved_tensors[2:4])
+        grads = tiled_gradients(ctx, grad_out, lambda x, y, rows, columns: logit_block(x, y, scale, bias).sigmoid_(),
                                  diagonal=1, norm=ctx.saved_tensors[1].shape[0])
         return (*grads, None, None)
 
@@ -162,7 +162,7 @@ class ShardedLoss(Protocol):
         logit_bias: torch.Tensor | None = None,
         *,
         row_offset: int,
-        reduce_column_lse: Callable[[torch.Tensor], torch.Tensor] = _identity,
+        reduce_column_lse: Callable[[torch.Tensor], torch.Tensor] = no_reduction,
     ) -> torch.Tensor: ...
 
 
@@ -173,7 +173,7 @@ class _TiledLoss(nn.Module):
 
     def __init__(self, tile_size: int = DEFAULT_TILE_SIZE) -> None:
         super().__init__()
-        self.tile_size = _check_tile_size(tile_size)
+        self.tile_size = check_tile_size(tile_size)
 
     def forward(
         self,
@@ -195,12 +195,12 @@ class _TiledLoss(nn.Module):
         logit_bias: torch.Tensor | None = None,
         *,
         row_offset: int,
-        reduce_column_lse: Callable[[torch.Tensor], torch.Tensor] = _identity,
+        reduce_column_lse: Callable[[torch.Tensor], torch.Tensor] = no_reduction,
     ) -> torch.Tensor:
         """This rank's part of L: image_rows `[n, D]` are rows `[row_offset, row_offset + n)` of the window,
         text_features `[N, D]` all of its texts; reduce_column_lse maps this rank's `[N]` partial column
         log-sum-exps to the log-sum-exp over all ranks (identity in one process)."""
-        _check_shapes(image_rows, text_features, row_offset)
+        check_shapes(image_rows, text_features, row_offset)
         return self._tiled(image_rows, text_features, logit_scale, logit_bias, row_offset, reduce_column_lse)
 
     def _tiled(

@@ -14,14 +14,14 @@ from torch import nn
 from naflexclip.loss.contrastive import clip_loss_dense, loss_choice, pairwise_logits, siglip_loss_dense
 from naflexclip.loss.tiling import (
     DEFAULT_TILE_SIZE,
-    _check_shapes,
-    _check_tile_size,
-    _diagonal_sum,
-    _identity,
-    _logits,
-    _scalars,
-    _tiled_gradients,
-    _tiles,
+    check_shapes,
+    check_tile_size,
+    diagonal_sum,
+    logit_block,
+    no_reduction,
+    scalar_values,
+    tile_ranges,
+    tiled_gradients,
 )
 
 
@@ -104,7 +104,7 @@ class _TiledDistillClip(torch.autograd.Function):
         teacher_logit_scale: torch.Tensor, weight: float, row_offset: int, tile: int,
         reduce_column_lse: Callable[..., torch.Tensor], num_images: int, text_rows: tuple[int, int],
     ) -> torch.Tensor:
-        scale, bias = _scalars(logit_scale, logit_bias)
+        scale, bias = scalar_values(logit_scale, logit_bias)
         teacher_scale = float(teacher_logit_scale.detach())
         num_rows, num_all = image_rows.shape[0], text_features.shape[0]
         column_weight = num_images / num_all  # N/M: the text→image terms are a mean over M texts
@@ -112,15 +112,15 @@ class _TiledDistillClip(torch.autograd.Function):
         row_lse = image_rows.new_empty((2, num_rows))
         column_lse = image_rows.new_full((2, num_all), float("-inf"))
         diagonal = image_rows.new_zeros(())
-        for i0, i1 in _tiles(num_rows, tile):
+        for i0, i1 in tile_ranges(num_rows, tile):
             lse = None
-            for j0, j1 in _tiles(num_all, tile):
+            for j0, j1 in tile_ranges(num_all, tile):
                 # one model's block at a time: the student's statistics, then the teacher's
-                z = _logits(image_rows[i0:i1], text_features[j0:j1], scale, bias)
-                diagonal += _diagonal_sum(z, row_offset + i0, j0)
+                z = logit_block(image_rows[i0:i1], text_features[j0:j1], scale, bias)
+                diagonal += diagonal_sum(z, row_offset + i0, j0)
                 student_rows, student_columns = z.logsumexp(dim=1), z.logsumexp(dim=0)
                 del z
-                w = _logits(teacher_image_rows[i0:i1], teacher_text_features[j0:j1], teacher_scale, 0.0)
+                w = logit_block(teacher_image_rows[i0:i1], teacher_text_features[j0:j1], teacher_scale, 0.0)
                 block_rows = torch.stack([student_rows, w.logsumexp(dim=1)])
                 lse = block_rows if lse is None else torch.logaddexp(lse, block_rows)
                 column_lse[:, j0:j1] = torch.logaddexp(column_lse[:, j0:j1],
@@ -130,11 +130,11 @@ class _TiledDistillClip(torch.autograd.Function):
             row_lse[:, i0:i1] = lse
         column_lse = reduce_column_lse(column_lse)
         weighted = image_rows.new_zeros(())  # Σ (P' + Q') ⊙ z over the block
-        for i0, i1 in _tiles(num_rows, tile):
-            for j0, j1 in _tiles(num_all, tile):
+        for i0, i1 in tile_ranges(num_rows, tile):
+            for j0, j1 in tile_ranges(num_all, tile):
                 targets = _teacher_softmaxes(teacher_image_rows[i0:i1], teacher_text_features[j0:j1], teacher_scale,
                                              row_lse[1, i0:i1], column_lse[1, j0:j1], column_weight)
-                z = _logits(image_rows[i0:i1], text_features[j0:j1], scale, bias)
+                z = logit_block(image_rows[i0:i1], text_features[j0:j1], scale, bias)
                 weighted += torch.dot(targets.view(-1), z.view(-1))  # no third block
                 del targets, z
         normalisers = row_lse[0].sum() + column_weight * column_lse[0, text_rows[0] : text_rows[1]].sum()
@@ -149,7 +149,7 @@ class _TiledDistillClip(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         _, text_features, logit_scale, logit_bias, teacher_image_rows, teacher_text_features, row_lse, column_lse = \
             ctx.saved_tensors
-        scale, bias = _scalars(logit_scale, logit_bias)
+        scale, bias = scalar_values(logit_scale, logit_bias)
         contrastive, distill = float(grad_out[0]), ctx.weight * float(grad_out[1])
 
         def block_dz(x: torch.Tensor, y: torch.Tensor, rows: slice, columns: slice) -> torch.Tensor:
@@ -157,13 +157,13 @@ class _TiledDistillClip(torch.autograd.Function):
             # P + Q, Q in z's own buffer
             targets = _teacher_softmaxes(teacher_image_rows[rows], teacher_text_features[columns], ctx.teacher_scale,
                                          row_lse[1, rows], column_lse[1, columns], ctx.column_weight)
-            z = _logits(x, y, scale, bias)
+            z = logit_block(x, y, scale, bias)
             # P + (N/M)·Q: Q in z's own buffer
             student = (z - row_lse[0, rows, None]).exp_().add_(z.sub_(column_lse[0, None, columns]).exp_(),
                                                                alpha=ctx.column_weight)
             return student.mul_(contrastive + distill).sub_(targets, alpha=distill)  # 2N·dz off the diagonal
 
-        grads = _tiled_gradients(ctx, grad_out.new_ones(()), block_dz, diagonal=2 * contrastive,
+        grads = tiled_gradients(ctx, grad_out.new_ones(()), block_dz, diagonal=2 * contrastive,
                                  norm=2 * ctx.num_images)
         return (*grads, None, None, None, None, None, None, None, None, None)
 
@@ -172,7 +172,7 @@ def _teacher_softmaxes(u: torch.Tensor, v: torch.Tensor, teacher_scale: float, r
                        column_lse: torch.Tensor, column_weight: float) -> torch.Tensor:
     """`P' + c·Q'` of one block: the teacher's row softmax plus `column_weight` times its column softmax, from their
     log-sum-exps."""
-    w = _logits(u, v, teacher_scale, 0.0)
+    w = logit_block(u, v, teacher_scale, 0.0)
     return (w - row_lse[:, None]).exp_().add_(w.sub_(column_lse[None, :]).exp_(), alpha=column_weight)
 
 
@@ -192,16 +192,16 @@ class _TiledDistillSigLip(torch.autograd.Function):
         teacher_logit_scale: torch.Tensor, teacher_logit_bias: torch.Tensor, weight: float, row_offset: int,
         tile: int, num_images: int,
     ) -> torch.Tensor:
-        scale, bias = _scalars(logit_scale, logit_bias)
-        teacher_scale, teacher_bias = _scalars(teacher_logit_scale, teacher_logit_bias)
+        scale, bias = scalar_values(logit_scale, logit_bias)
+        teacher_scale, teacher_bias = scalar_values(teacher_logit_scale, teacher_logit_bias)
         num_rows, num_all = image_rows.shape[0], text_features.shape[0]
         softplus, diagonal, weighted = (image_rows.new_zeros(()) for _ in range(3))
-        for i0, i1 in _tiles(num_rows, tile):
-            for j0, j1 in _tiles(num_all, tile):
-                z = _logits(image_rows[i0:i1], text_features[j0:j1], scale, bias)
-                p = _logits(teacher_image_rows[i0:i1], teacher_text_features[j0:j1], teacher_scale,
+        for i0, i1 in tile_ranges(num_rows, tile):
+            for j0, j1 in tile_ranges(num_all, tile):
+                z = logit_block(image_rows[i0:i1], text_features[j0:j1], scale, bias)
+                p = logit_block(teacher_image_rows[i0:i1], teacher_text_features[j0:j1], teacher_scale,
                             teacher_bias).sigmoid_()
-                diagonal += _diagonal_sum(z, row_offset + i0, j0)
+                diagonal += diagonal_sum(z, row_offset + i0, j0)
                 weighted += torch.dot(p.view(-1), z.view(-1))
                 del p  # two blocks at most, as the plain loss: not held beside softplus's
                 softplus -= F.logsigmoid(z.neg_()).sum()  # exact for every z (see _TiledSigLip); z's buffer
@@ -216,14 +216,14 @@ class _TiledDistillSigLip(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         _, text_features, logit_scale, logit_bias, teacher_image_rows, teacher_text_features = ctx.saved_tensors
-        scale, bias = _scalars(logit_scale, logit_bias)
+        scale, bias = scalar_values(logit_scale, logit_bias)
         siglip, distill = float(grad_out[0]), ctx.weight * float(grad_out[1])
 
         def block_dz(x: torch.Tensor, y: torch.Tensor, rows: slice, columns: slice) -> torch.Tensor:
-            p = _logits(teacher_image_rows[rows], teacher_text_features[columns], *ctx.teacher).sigmoid_()
-            return _logits(x, y, scale, bias).sigmoid_().mul_(siglip + distill).sub_(p, alpha=distill)
+            p = logit_block(teacher_image_rows[rows], teacher_text_features[columns], *ctx.teacher).sigmoid_()
+            return logit_block(x, y, scale, bias).sigmoid_().mul_(siglip + distill).sub_(p, alpha=distill)
 
-        grads = _tiled_gradients(ctx, grad_out.new_ones(()), block_dz, diagonal=siglip, norm=ctx.num_images)
+        grads = tiled_gradients(ctx, grad_out.new_ones(()), block_dz, diagonal=siglip, norm=ctx.num_images)
         return (*grads, None, None, None, None, None, None, None, None)
 
 
@@ -248,7 +248,7 @@ class DistillLoss(nn.Module):
         loss_choice(kind)
         if not math.isfinite(weight) or weight < 0:
             raise ValueError(f"--distill-loss-weight must be a finite number >= 0, got {weight!r}")
-        self.kind, self.weight, self.tile_size = kind, float(weight), _check_tile_size(tile_size)
+        self.kind, self.weight, self.tile_size = kind, float(weight), check_tile_size(tile_size)
 
     def forward(
         self, image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor,
@@ -265,14 +265,14 @@ class DistillLoss(nn.Module):
         self, image_rows: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor,
         logit_bias: torch.Tensor | None, teacher_image_rows: torch.Tensor, teacher_text_features: torch.Tensor,
         teacher_logit_scale: torch.Tensor, teacher_logit_bias: torch.Tensor | None = None, *, row_offset: int,
-        reduce_column_lse: Callable[[torch.Tensor], torch.Tensor] = _identity, num_images: int | None = None,
+        reduce_column_lse: Callable[[torch.Tensor], torch.Tensor] = no_reduction, num_images: int | None = None,
         text_rows: tuple[int, int] | None = None,
     ) -> torch.Tensor:
         """This rank's part: its image rows (student and teacher) against every text (student and teacher);
         `reduce_column_lse` maps a `[2, M]` partial (student, teacher) to the log-sum-exps over all ranks.
         `num_images` / `text_rows`: the window's `N` images and the `[start, end)` of this rank's texts when they
         are not the texts' (several captions per image; then only the distill term is meaningful)."""
-        _check_shapes(image_rows, text_features, row_offset)
+        check_shapes(image_rows, text_features, row_offset)
         _check_teacher(image_rows, text_features, teacher_image_rows, teacher_text_features)
         num_images = text_features.shape[0] if num_images is None else num_images
         text_rows = ((row_offset, row_offset + image_rows.shape[0]) if text_rows is None

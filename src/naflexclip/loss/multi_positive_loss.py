@@ -14,12 +14,12 @@ from naflexclip.loss.contrastive import loss_choice, pairwise_logits
 from naflexclip.loss.distill_loss import DistillLoss
 from naflexclip.loss.tiling import (
     DEFAULT_TILE_SIZE,
-    _check_tile_size,
-    _identity,
-    _logits,
-    _scalars,
-    _tiled_gradients,
-    _tiles,
+    check_tile_size,
+    logit_block,
+    no_reduction,
+    scalar_values,
+    tile_ranges,
+    tiled_gradients,
 )
 
 MULTI_POSITIVE_WEIGHTINGS = {"symmetric": (0.5, 0.5), "asymmetric": (1.0, 0.0), "soft": (0.5, 0.5)}
@@ -97,7 +97,7 @@ class _TiledMultiPositive(torch.autograd.Function):
         row_offset: int, text_rows: tuple[int, int], kind: str, weighting: str, tile: int,
         reduce_column_lse: Callable[..., torch.Tensor],
     ) -> torch.Tensor:
-        scale, bias = _scalars(logit_scale, logit_bias)
+        scale, bias = scalar_values(logit_scale, logit_bias)
         num_rows, num_texts, num_images = image_rows.shape[0], text_features.shape[0], image_groups.shape[0]
         per_image, per_text = (c.to(image_rows.dtype) for c in positive_counts(image_groups, text_groups))
         groups = image_groups[row_offset : row_offset + num_rows]
@@ -109,10 +109,10 @@ class _TiledMultiPositive(torch.autograd.Function):
         if kind == "clip":
             row_lse = image_rows.new_empty(num_rows)
             column_lse = image_rows.new_full((num_texts,), float("-inf"))
-            for i0, i1 in _tiles(num_rows, tile):
+            for i0, i1 in tile_ranges(num_rows, tile):
                 lse = None
-                for j0, j1 in _tiles(num_texts, tile):
-                    z = _logits(image_rows[i0:i1], text_features[j0:j1], scale, bias)
+                for j0, j1 in tile_ranges(num_texts, tile):
+                    z = logit_block(image_rows[i0:i1], text_features[j0:j1], scale, bias)
                     block_rows = torch.logsumexp(z, dim=1)
                     lse = block_rows if lse is None else torch.logaddexp(lse, block_rows)
                     column_lse[j0:j1] = torch.logaddexp(column_lse[j0:j1], torch.logsumexp(z, dim=0))
@@ -129,10 +129,10 @@ class _TiledMultiPositive(torch.autograd.Function):
                                   inverse_image, inverse_text, pair_rows, pair_texts, row_lse, column_lse)
             return loss
         total = image_rows.new_zeros(())
-        for i0, i1 in _tiles(num_rows, tile):
-            for j0, j1 in _tiles(num_texts, tile):
+        for i0, i1 in tile_ranges(num_rows, tile):
+            for j0, j1 in tile_ranges(num_texts, tile):
                 # every pair as a negative first: softplus(z) = −log σ(−z), exact for every z (see _TiledSigLip)
-                total -= F.logsigmoid(_logits(image_rows[i0:i1], text_features[j0:j1], -scale, -bias)).sum()
+                total -= F.logsigmoid(logit_block(image_rows[i0:i1], text_features[j0:j1], -scale, -bias)).sum()
         w = _pair_weights(kind, weighting, inverse_image, inverse_text, pair_rows, pair_texts, ctx.sizes)
         if weighting == "soft":  # softplus(z) − Y w z
             total -= (w * z_pairs).sum()
@@ -146,26 +146,26 @@ class _TiledMultiPositive(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         image_rows, text_features, logit_scale, logit_bias, _, _, inverse_image, inverse_text, pair_rows, \
             pair_texts = ctx.saved_tensors[:10]
-        scale, bias = _scalars(logit_scale, logit_bias)
+        scale, bias = scalar_values(logit_scale, logit_bias)
         num_images, num_texts = ctx.sizes
         w = _pair_weights(ctx.kind, ctx.weighting, inverse_image, inverse_text, pair_rows, pair_texts, ctx.sizes)
         if ctx.kind == "clip":
             row_lse, column_lse = ctx.saved_tensors[10:]
 
             def block_dz(x: torch.Tensor, y: torch.Tensor, rows: slice, columns: slice) -> torch.Tensor:
-                z = _logits(x, y, scale, bias)
+                z = logit_block(x, y, scale, bias)
                 dz = (z - row_lse[rows, None]).exp_().div_(2 * num_images)  # P / 2N
                 return dz.add_(z.sub_(column_lse[None, columns]).exp_(), alpha=1 / (2 * num_texts))  # + Q / 2M
 
             pair_dz = -w  # − Y/(2N k_i) − Y/(2M k'_j)
         else:
             def block_dz(x: torch.Tensor, y: torch.Tensor, rows: slice, columns: slice) -> torch.Tensor:
-                return _logits(x, y, scale, bias).sigmoid_().div_(num_images)  # every pair as a negative
+                return logit_block(x, y, scale, bias).sigmoid_().div_(num_images)  # every pair as a negative
 
             z_pairs = scale * (image_rows[pair_rows] * text_features[pair_texts]).sum(-1) + bias
             # a positive's dz: soft σ − w, else w (σ − 1); less the negative's σ counted in the blocks
             pair_dz = (-w if ctx.weighting == "soft" else (w - 1) * z_pairs.sigmoid() - w) / num_images
-        grads = _tiled_gradients(ctx, grad_out, block_dz, diagonal=0, norm=1.0, pairs=(pair_rows, pair_texts, pair_dz))
+        grads = tiled_gradients(ctx, grad_out, block_dz, diagonal=0, norm=1.0, pairs=(pair_rows, pair_texts, pair_dz))
         return (*grads, None, None, None, None, None, None, None, None)
 
 
@@ -211,7 +211,7 @@ class MultiPositiveLoss(nn.Module):
         if weighting not in MULTI_POSITIVE_WEIGHTINGS:
             raise ValueError(f"--multi-positive-weighting: {weighting!r} is not one of "
                              f"{sorted(MULTI_POSITIVE_WEIGHTINGS)}")
-        self.kind, self.weighting, self.tile_size = kind, weighting, _check_tile_size(tile_size)
+        self.kind, self.weighting, self.tile_size = kind, weighting, check_tile_size(tile_size)
 
     def forward(self, image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor,
                 logit_bias: torch.Tensor | None, image_groups: torch.Tensor, text_groups: torch.Tensor
@@ -223,7 +223,7 @@ class MultiPositiveLoss(nn.Module):
     def sharded(self, image_rows: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor,
                 logit_bias: torch.Tensor | None, image_groups: torch.Tensor, text_groups: torch.Tensor, *,
                 row_offset: int, text_rows: tuple[int, int] | None = None,
-                reduce_column_lse: Callable[[torch.Tensor], torch.Tensor] = _identity) -> torch.Tensor:
+                reduce_column_lse: Callable[[torch.Tensor], torch.Tensor] = no_reduction) -> torch.Tensor:
         """This rank's part: image rows `[row_offset, row_offset + n)` of the window's `N` (`image_groups`: all
         `N` ids) against all `M` texts (`text_groups`: their ids); `text_rows`: the `[start, end)` of the texts
         this rank owns (their text→image terms; default the same range as its images)."""
@@ -273,7 +273,7 @@ class MultiPositiveDistillLoss(nn.Module):
                 teacher_text_features: torch.Tensor, teacher_logit_scale: torch.Tensor,
                 teacher_logit_bias: torch.Tensor | None, image_groups: torch.Tensor, text_groups: torch.Tensor, *,
                 row_offset: int, text_rows: tuple[int, int] | None = None,
-                reduce_column_lse: Callable[[torch.Tensor], torch.Tensor] = _identity) -> torch.Tensor:
+                reduce_column_lse: Callable[[torch.Tensor], torch.Tensor] = no_reduction) -> torch.Tensor:
         """This rank's part, as `MultiPositiveLoss.sharded` (its image rows, every text, its texts `text_rows`)."""
         text_rows = text_rows if text_rows is not None else (row_offset, row_offset + image_rows.shape[0])
         contrastive = self.contrastive.sharded(image_rows, text_features, logit_scale, logit_bias, image_groups,

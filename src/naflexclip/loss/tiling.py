@@ -1,5 +1,5 @@
 """What every tiled loss shares: the tile size, the input checks, one logit block in one GEMM, and the
-backward's walk over the blocks (`_tiled_gradients`)."""
+backward's walk over the blocks (`tiled_gradients`)."""
 
 from __future__ import annotations
 
@@ -13,17 +13,20 @@ import torch
 DEFAULT_TILE_SIZE = 1024
 
 
-def _identity(column_lse: torch.Tensor) -> torch.Tensor:
+def no_reduction(column_lse: torch.Tensor) -> torch.Tensor:
+    """A loss's default `reduce_column_lse`: one process's column log-sum-exps are already the window's."""
     return column_lse
 
 
-def _check_tile_size(tile_size: int) -> int:
+def check_tile_size(tile_size: int) -> int:
+    """`tile_size`, or a one-line ValueError naming --loss-tile-size when it is not a positive integer."""
     if isinstance(tile_size, bool) or not isinstance(tile_size, int) or tile_size < 1:
         raise ValueError(f"--loss-tile-size / tile_size must be a positive integer, got {tile_size!r}")
     return tile_size
 
 
-def _check_shapes(image_rows: torch.Tensor, text_features: torch.Tensor, row_offset: int) -> None:
+def check_shapes(image_rows: torch.Tensor, text_features: torch.Tensor, row_offset: int) -> None:
+    """`image_rows` `[rows, D]` are a non-empty part, from `row_offset`, of the window's `[N, D]` texts."""
     if image_rows.dim() != 2 or text_features.dim() != 2 or image_rows.shape[1] != text_features.shape[1]:
         raise ValueError(
             f"features must be [rows, D] with one D, got image {tuple(image_rows.shape)} "
@@ -36,23 +39,25 @@ def _check_shapes(image_rows: torch.Tensor, text_features: torch.Tensor, row_off
         )
 
 
-def _scalars(logit_scale: torch.Tensor, logit_bias: torch.Tensor | None) -> tuple[float, float]:
+def scalar_values(logit_scale: torch.Tensor, logit_bias: torch.Tensor | None) -> tuple[float, float]:
+    """`(t, b)` as Python numbers (`b` 0 without a bias)."""
     # Python numbers go into addmm's alpha/beta-free form below (one host sync per call, not per tile)
     return float(logit_scale.detach()), 0.0 if logit_bias is None else float(logit_bias.detach())
 
 
-def _tiles(num: int, tile: int) -> list[tuple[int, int]]:
+def tile_ranges(num: int, tile: int) -> list[tuple[int, int]]:
+    """`[start, end)` of each block of `tile` rows out of `num`."""
     return [(start, min(start + tile, num)) for start in range(0, num, tile)]
 
 
-def _logits(x: torch.Tensor, y: torch.Tensor, scale: float, shift: torch.Tensor | float) -> torch.Tensor:
+def logit_block(x: torch.Tensor, y: torch.Tensor, scale: float, shift: torch.Tensor | float) -> torch.Tensor:
     """One block `scale · x yᵀ + shift` in one GEMM (`shift`: a number, or a row/column vector view)."""
     if not isinstance(shift, torch.Tensor):
         shift = x.new_tensor(shift)
     return torch.addmm(shift, x, y.T, alpha=scale)
 
 
-def _diagonal_sum(block: torch.Tensor, first_row: int, first_column: int) -> torch.Tensor:
+def diagonal_sum(block: torch.Tensor, first_row: int, first_column: int) -> torch.Tensor:
     """Σ of the block's entries on the window's diagonal (global row == global column); 0 if it misses it."""
     offset = first_row - first_column  # local column − local row of a diagonal entry
     if not -block.shape[0] < offset < block.shape[1]:
@@ -80,7 +85,7 @@ def _scalar_grads(
     )
 
 
-def _tiled_gradients(
+def tiled_gradients(
     ctx: Any, grad_out: torch.Tensor, block_dz: Callable[[torch.Tensor, torch.Tensor, slice, slice], torch.Tensor],
     diagonal: float, norm: float, pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
@@ -93,9 +98,9 @@ def _tiled_gradients(
     image_rows, text_features, logit_scale, logit_bias = ctx.saved_tensors[:4]
     grad_x, grad_y = torch.zeros_like(image_rows), torch.zeros_like(text_features)
     bias_sum = image_rows.new_zeros(())
-    for i0, i1 in _tiles(image_rows.shape[0], ctx.tile):
+    for i0, i1 in tile_ranges(image_rows.shape[0], ctx.tile):
         x = image_rows[i0:i1]
-        for j0, j1 in _tiles(text_features.shape[0], ctx.tile):
+        for j0, j1 in tile_ranges(text_features.shape[0], ctx.tile):
             y = text_features[j0:j1]
             dz = block_dz(x, y, slice(i0, i1), slice(j0, j1))
             grad_x[i0:i1].addmm_(dz, y)
@@ -113,5 +118,5 @@ def _tiled_gradients(
         grad_x.index_add_(0, rows, values[:, None] * text_features[columns])
         grad_y.index_add_(0, columns, values[:, None] * image_rows[rows])
         bias_sum += values.sum()
-    scale, _ = _scalars(logit_scale, logit_bias)
+    scale, _ = scalar_values(logit_scale, logit_bias)
     return _scalar_grads(ctx, grad_out, grad_x, grad_y, bias_sum, image_rows, logit_scale, logit_bias, scale, norm)

@@ -7,7 +7,6 @@ from the student's reads its own (`TeacherInputs`). docs/distillation.md.
 
 from __future__ import annotations
 
-import argparse
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -26,7 +25,7 @@ from naflexclip.models.factory import create_model
 from naflexclip.models.naflex_clip import PRESETS
 from naflexclip.models.run_weights import is_run_checkpoint, weights_digest
 from naflexclip.objectives.objective import BuildContext, Objective
-from naflexclip.settings import APPLY, add_arguments, setting
+from naflexclip.settings import APPLY, setting
 from naflexclip.window import TeacherFeatures, Term
 
 _DISTILL = "distillation"
@@ -220,11 +219,6 @@ def teacher_inputs(teacher: nn.Module, teacher_processor: str | None, student: n
         raise ValueError(f"--distill-model {name!r}: the teacher reads its own inputs, which its processing "
                          f"cannot give here: {error}") from None
     return TeacherInputs(processing, teacher.image_patch_size, teacher.context_length)
-
-
-def add_distill_args(parser: argparse.ArgumentParser) -> None:
-    """OpenCLIP's distillation flags (`Distill`'s declarations)."""
-    add_arguments(parser, DistillFlags)
 
 
 class Distillation(Objective):

@@ -8,7 +8,6 @@ objective: docs/accumulation.md#the-window-objective-per-example-terms-siglip-2s
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 from collections.abc import Callable
@@ -31,7 +30,7 @@ from naflexclip.objectives.self_distillation import (
     head_config,
 )
 from naflexclip.processing.naflex_transform import Processing
-from naflexclip.settings import APPLY, REFUSE, add_arguments, setting
+from naflexclip.settings import APPLY, REFUSE, setting
 from naflexclip.window import Term
 
 # the values `--recipe` sets, each with its source
@@ -235,11 +234,6 @@ def decoder_config(config: ModelConfig) -> DecoderConfig:
     text = config.text
     return DecoderConfig(width=text.width, layers=max(1, text.layers // 2), heads=text.heads,
                          max_length=text.context_length + 8)
-
-
-def add_recipe_args(parser: argparse.ArgumentParser) -> None:
-    """SigLIP 2's recipe flags (`Recipe`'s declarations)."""
-    add_arguments(parser, RecipeFlags)
 
 
 def decoder_examples(model: NaFlexClip, processing: Processing) -> DecoderExamples:

@@ -32,7 +32,6 @@ from naflexclip.parallel.launchers import (
     check_dist_url,
     read_launch,
 )
-from naflexclip.parallel.launchers import launched_world_size as launched_world_size  # re-exported: the CLI asks here
 
 # rendezvous-store keys used to say which rank failed and which are still alive
 _STORE_PREFIX = "naflexclip/fault"

@@ -21,7 +21,6 @@ from torch import nn
 from naflexclip.checkpoints import sharded
 from naflexclip.checkpoints.manager import Ranks
 from naflexclip.models.factory import create_model
-from naflexclip.models.run_weights import load_checkpoint_model as load_checkpoint_model  # its old import path
 from naflexclip.parallel.process_group import (
     DistributedEnv,
     DistributedFault,

@@ -1,6 +1,7 @@
-"""OpenCLIP's evaluation-only command: `train --val-data ... --pretrained ...` without `--train-data` evaluates the
-model once (retrieval on the validation data; zero-shot of --zeroshot-data / --imagenet-val / --imagenet-v2) and
-exits, as `open_clip_train.main` does when it has no training data. Nothing is trained or saved."""
+"""OpenCLIP's evaluation-only command: `train --val-data ...` (with `--model`/`--pretrained`) without `--train-data`
+evaluates the starting model once, in one process (retrieval on the validation data; zero-shot of --zeroshot-data /
+--imagenet-val / --imagenet-v2) and exits, as `open_clip_train.main` does when it has no training data. Nothing is
+trained or saved. `naflexclip eval` of a saved checkpoint is `train_command.run_eval`."""
 
 from __future__ import annotations
 

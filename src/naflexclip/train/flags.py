@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import argparse
 
-from naflexclip.data.data_config import AUG_CFG_IMPLIED, AUG_CFG_KEYS
 from naflexclip.parallel.process_group import check_device
 from naflexclip.settings import add_arguments, resolve_defaults, values_from_args
 
 from .openclip_flags import refused_message
 from .resume import resumed_settings
-from .train_config import DEMO_DEFAULTS, OPENCLIP_DEFAULTS, TrainConfig
+from .train_config import TrainConfig
 
-__all__ = ["AUG_CFG_IMPLIED", "AUG_CFG_KEYS", "DEMO_DEFAULTS", "OPENCLIP_DEFAULTS", "add_train_args",
-           "config_from_args", "with_defaults"]
+__all__ = ["add_train_args", "config_from_args", "with_defaults"]
 
 
 def add_train_args(parser: argparse.ArgumentParser) -> None:

@@ -1,17 +1,16 @@
 """How a setting is shown: its value as typed (`shown_setting`), the settings that differ from OpenCLIP's defaults
-(`openclip_differences`); with the declarations' tables (`OPENCLIP_DEFAULTS`, `DEMO_DEFAULTS`, `flag_name`,
-generated from `TrainConfig` in `train.train_config`) re-exported here.
+(`openclip_differences`). The declarations' tables (`OPENCLIP_DEFAULTS`, `DEMO_DEFAULTS`, `flag_name`) are generated
+from `TrainConfig` in `train.train_config`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from naflexclip.settings import flat_config, parse_kwargs, shown_value
-from naflexclip.train.train_config import DEMO_DEFAULTS, FLAG_NAMES, OPENCLIP_DEFAULTS, SETTINGS, flag_name
+from naflexclip.settings import flat_config, shown_value
+from naflexclip.train.train_config import OPENCLIP_DEFAULTS, SETTINGS, flag_name
 
-__all__ = ["DEMO_DEFAULTS", "FLAG_NAMES", "OPENCLIP_DEFAULTS", "flag_name", "flat_config", "openclip_differences",
-           "parse_kwargs", "shown_setting", "shown_setting_value", "shown_value"]
+__all__ = ["openclip_differences", "shown_setting", "shown_setting_value"]
 
 
 def shown_setting_value(key: str, value: Any) -> str:

@@ -16,19 +16,14 @@ import torch
 
 from naflexclip.data import DataConfig, DataError
 from naflexclip.evaluation.evaluated_model import evaluated_model
-from naflexclip.models.precision import check_precision
-from naflexclip.parallel.process_group import DistributedFault, check_device, launched_world_size
+from naflexclip.models.precision import PRECISIONS, check_precision
+from naflexclip.parallel.launchers import launched_world_size
+from naflexclip.parallel.process_group import DistributedFault, check_device
 
-from .flags import (  # re-exported: the flags' public names stay importable from here
-    AUG_CFG_KEYS,
-    add_train_args,
-    config_from_args,
-    with_defaults,
-)
+from .flags import add_train_args, config_from_args
 from .openclip_flags import HelpFormatter, add_openclip_flags, group_by_origin
-from .train_config import PRECISIONS
 
-__all__ = ["AUG_CFG_KEYS", "add_parser", "config_from_args", "run_eval", "run_train", "with_defaults"]
+__all__ = ["add_parser", "run_eval", "run_train"]
 
 DEFAULT_ZERO_SHOT_OUTPUT = "zeroshot_results.json"
 

@@ -22,7 +22,8 @@ from naflexclip.models.lock import Locks
 from naflexclip.models.naflex_clip import PRESETS
 from naflexclip.models.precision import PRECISIONS
 from naflexclip.objectives.registry import ObjectiveFlags, objectives_of
-from naflexclip.parallel.process_group import DEVICE_CHOICES, check_backend, check_dist_url
+from naflexclip.parallel.launchers import check_backend, check_dist_url
+from naflexclip.parallel.process_group import DEVICE_CHOICES
 from naflexclip.settings import (
     APPLY,
     IGNORE,
@@ -30,20 +31,17 @@ from naflexclip.settings import (
     NOT_OPENCLIP,
     REFUSE,
     RESCHEDULE,
-    flat_config,
     nested,
     parse_kwargs,
     same_as,
     setting,
     settings_of,
-    shown_value,
     switches_with_data,
 )
 from naflexclip.train import config_checks
 from naflexclip.window import METHODS, SCALE_MODES
 
-__all__ = ["DEFAULT_MODEL", "DEMO_DEFAULTS", "FLAG_NAMES", "OPENCLIP_DEFAULTS", "PRECISIONS", "SETTINGS", "TrainConfig",
-           "flag_name", "flat_config", "parse_kwargs", "shown_value"]
+__all__ = ["DEFAULT_MODEL", "DEMO_DEFAULTS", "FLAG_NAMES", "OPENCLIP_DEFAULTS", "SETTINGS", "TrainConfig", "flag_name"]
 
 DEFAULT_MODEL = "small"
 
@@ -394,16 +392,3 @@ def flag_name(key: str) -> str:
     `--aug-cfg scale=`)."""
     return FLAG_NAMES.get(key) or "--" + key.rsplit(".", 1)[-1].replace("_", "-")
 
-
-def __getattr__(name: str) -> Any:
-    """Names importable from here as before: how a setting is shown (`train.openclip_defaults`) and the ranks'
-    agreement (`train.rank_agreement`), imported when asked for (both import this module)."""
-    if name in ("openclip_differences", "shown_setting", "shown_setting_value"):
-        from naflexclip.train import openclip_defaults
-
-        return getattr(openclip_defaults, name)
-    if name in ("check_ranks_agree", "settings_every_rank_shares"):
-        from naflexclip.train import rank_agreement
-
-        return getattr(rank_agreement, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

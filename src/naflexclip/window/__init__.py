@@ -6,7 +6,6 @@ logging, process groups or which objectives exist: exchange comes in as a `Windo
 suppression as a `no_sync` factory, objectives as terms. docs/accumulation.md#the-contract; parts: docs/code_map.md.
 """
 
-from naflexclip.rng import RngState
 from naflexclip.window.accumulate import METHODS, WindowStats, accumulate_gradients
 from naflexclip.window.outputs import (
     FEATURE_KEYS,
@@ -30,7 +29,6 @@ __all__ = [
     "TOWER_FEATURES",
     "TUPLE_OUTPUT_KEYS",
     "LocalExchange",
-    "RngState",
     "TeacherFeatures",
     "Term",
     "TermCoefficients",

@@ -4,7 +4,6 @@ it; `WindowStats`, what the window did."""
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from naflexclip.window.outputs import FEATURE_KEYS, TOWER_FEATURES, feature_sour
 from naflexclip.window.replay_method import run_replay
 from naflexclip.window.scale import window_loss_scale
 from naflexclip.window.state import LocalExchange, Window, WindowExchange, total
-from naflexclip.window.terms import TeacherFeatures, Term, TermCoefficients
+from naflexclip.window.terms import Term, TermCoefficients
 
 METHODS = ("cache", "replay")
 PAIR_TERM = "contrastive"  # the name of a pair loss of one term among the objective's terms (OpenCLIP's)
@@ -96,7 +95,6 @@ def accumulate_gradients(
     no_sync: Callable[[], ContextManager[Any]] | None = None,
     autocast: Callable[[], ContextManager[Any]] | None = None,
     grad_scaler: Any = None,
-    teacher: nn.Module | None = None,
 ) -> WindowStats:
     """Add `s(W)·∇θ J(W)` for this window to the parameters' `.grad` (no optimizer step), `J(W)` the pair loss over
     the window's rows plus its terms (docs/accumulation.md).
@@ -119,13 +117,8 @@ def accumulate_gradients(
         and backward of every microbatch but the window's last, so gradients sync once per window.
     autocast: context factory for the tower forwards (mixed precision); the loss runs in ≥ fp32.
     grad_scaler: a `torch.amp.GradScaler` for fp16; it scales the backward, not `s(W)`.
-    teacher: deprecated, `terms=[TeacherFeatures(teacher)]`.
     """
     terms = tuple(terms)
-    if teacher is not None:
-        warnings.warn("accumulate_gradients(teacher=) is deprecated: pass terms=[naflexclip.window.TeacherFeatures("
-                      "teacher)]", DeprecationWarning, stacklevel=2)
-        terms = (TeacherFeatures(teacher), *terms)
     if method not in METHODS:
         raise ValueError(f"unknown accumulation method {method!r}; choose one of {METHODS}")
     takes_teacher = bool(getattr(loss_fn, "takes_teacher", False))
