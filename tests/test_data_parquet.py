@@ -156,3 +156,27 @@ def test_a_column_of_the_wrong_type_is_one_line_naming_it_its_type_and_the_type_
                  "--train-data", str(path), "--naflex-batch-divisor", "1"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and "Traceback" not in "\n".join(err) and named in err[-1], err
+
+
+def test_each_row_group_is_read_once_per_epoch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """40 row groups of 4 rows: an epoch reads each once (a row group is the large request Parquet is read by),
+    alone and in a mixture with shards; it is not re-read for each row the order takes from it."""
+    from naflexclip.data import parquet_source
+
+    for n in range(4):
+        write_table(tmp_path / f"big-{n}.parquet", 40, 40 * n)
+    export_synthetic(str(tmp_path / "shards"), count=40, shard_size=10, image_format="png")
+    reads: Counter = Counter()
+    read = parquet_source.ParquetSource._table
+
+    def counted(self, g):  # noqa: ANN001, ANN202
+        reads[g] += g not in self._tables or self._pid != parquet_source.os.getpid()
+        return read(self, g)
+
+    monkeypatch.setattr(parquet_source.ParquetSource, "_table", counted)
+    tables = str(tmp_path / "big-{0..3}.parquet")
+    for spec in (tables, f"{tmp_path / 'shards' / 'train-{00000..00003}.tar'}::{tables}"):
+        reads.clear()
+        keys, _ = epoch(config(spec))
+        assert len(keys) == 160 + 40 * ("::" in spec)
+        assert sorted(reads.values()) == [1] * 40, spec

@@ -108,7 +108,7 @@ def _shard_loader(cfg: DataConfig, path: str, urls: list[str], ids: np.ndarray, 
 
 
 def _chunked(cfg: DataConfig, recipe: ShardRecipe, source: Source, common: dict[str, Any]) -> ChunkedRecipe | None:
-    """The chunked order of a training shard source (`chunk_order`); None with --fetch-chunk-size 0."""
+    """The chunked order of a training source of tar shards (`chunk_order`); None with --fetch-chunk-size 0."""
     if common["split"] != "train" or cfg.fetch_chunk_size == 0:
         return None
     chunks = shard_chunks(recipe.shards.sizes, source_shard_bytes(source), cfg.fetch_chunk_size << 20)
@@ -190,7 +190,9 @@ def _table_loader(cfg: DataConfig, path: str, requested: int | None, flag: str, 
         recipe.epoch_samples()
     except ValueError as error:
         raise DataError(str(error)) from None
-    loader = MapLoader(joined, recipe=recipe, chunked=_chunked(cfg, recipe, joined, common), **common)
+    # Parquet keeps its order of row-group blocks: a row group is already one large read, which a worker keeps
+    # while the block is read; chunks dealt to streams would take each row group's rows far apart, read again
+    loader = MapLoader(joined, recipe=recipe, **common)
     if common["rank"] == 0:
         _announce_mixture(cfg, loader, recipe, common["split"])
     return loader

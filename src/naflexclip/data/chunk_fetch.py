@@ -32,7 +32,7 @@ def chunk_range(source: Any, order: ChunkOrder, c: int) -> tuple[str, str | None
     """(url, pinned version, start, end) of the bytes chunk `c` spans in its shard; None when it is not a remote
     tar shard's, or its shard cannot be read (its samples' reads say why)."""
     shard, first, count = order.chunk_span(c)
-    source, shard, first_id = _part(source, shard, int(order.shards.starts[shard]) + first)
+    first_id = int(order.shards.starts[shard]) + first
     if hasattr(source, "offsets") and hasattr(source, "shard_ids"):  # every shard indexed at startup
         if shard in source.changed:
             return None
@@ -53,19 +53,6 @@ def chunk_range(source: Any, order: ChunkOrder, c: int) -> tuple[str, str | None
     if not present.any():
         return None
     return url, version, int(starts[present].min()), int((starts + sizes)[present].max())
-
-
-def _part(source: Any, shard: int, sample: int) -> tuple[Any, int, int]:
-    """The source (a part of a `::` join, or `source`) shard `shard` of the join is in, the shard's number and the
-    sample id `sample`'s there."""
-    if not hasattr(source, "sources"):
-        return source, shard, sample
-    for k, part in enumerate(source.sources):
-        shards = len(part.group_sizes) if hasattr(part, "group_sizes") else len(part.urls)  # Parquet: row groups
-        if shard < shards:
-            return part, shard, sample - int(source.starts[k])
-        shard -= shards
-    raise IndexError(shard)
 
 
 class ChunkFetcher:

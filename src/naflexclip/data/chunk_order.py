@@ -1,9 +1,8 @@
 """Chunked epoch orders over shards: an epoch's samples in an order that reads each shard in large pieces.
 
-A *chunk* is a run of consecutive samples of one shard (a tar's samples, a Parquet row group), about
-`--fetch-chunk-size` bytes: a shard of B bytes and S samples is cut into n = clip(ceil(B / size), 1, S) chunks of
-S/n samples (rounded: `shard_chunks`). The epoch's slots (a `ShardRecipe`'s: plain, a mixture, resampled) become
-chunks, and then, from (seed, epoch) alone:
+A *chunk* is a run of consecutive samples of one tar shard, about `--fetch-chunk-size` bytes: a shard of B bytes
+and S samples is cut into n = clip(ceil(B / size), 1, S) chunks of S/n samples (rounded: `shard_chunks`). The
+epoch's slots (a `ShardRecipe`'s: plain, a mixture, resampled) become chunks, and then, from (seed, epoch) alone:
 
 1. the chunks are permuted;
 2. their samples, in that order, are cut into C = min(--fetch-streams, chunks) *streams* of N/C samples (a chunk
@@ -194,25 +193,17 @@ def stride_positions(offset: int, size: int, stride: int) -> np.ndarray:
     return offset + stride * np.arange(size, dtype=np.int64)
 
 
-
-
 def source_shard_bytes(source: Any) -> np.ndarray:
-    """Bytes of each shard of a shard source (of each part of a `::` join, in order), as chunks are cut from them:
-    an indexed shard's up to its last sample's data, a listed one's size (the listing's, or the file's), -1 where
-    unknown (Parquet row groups: one chunk each)."""
-    out = []
-    for part in getattr(source, "sources", [source]):
-        if hasattr(part, "offsets") and hasattr(part, "shard_ids"):  # every shard indexed at startup
-            starts, sizes = part.offsets[:, 0::2], part.offsets[:, 1::2]
-            ends = np.where(starts >= 0, starts + sizes, 0).max(axis=1, initial=0)
-            found = np.full(len(part.urls), -1, np.int64)
-            np.maximum.at(found, part.shard_ids, ends)
-            out.append(found)
-        elif hasattr(part, "pins") and hasattr(part, "urls"):  # planned from sizes.json
-            out.append(np.asarray([_listed_bytes(url, part.pins) for url in part.urls], np.int64))
-        else:
-            out.append(np.full(len(part.group_sizes), -1, np.int64))
-    return np.concatenate(out) if out else np.zeros(0, np.int64)
+    """Bytes of each shard of a tar shard source, as chunks are cut from them: an indexed shard's up to its last
+    sample's data, a listed one's size (the listing's, or the file's), -1 where unknown."""
+    if hasattr(source, "offsets") and hasattr(source, "shard_ids"):  # every shard indexed at startup
+        starts, sizes = source.offsets[:, 0::2], source.offsets[:, 1::2]
+        ends = np.where(starts >= 0, starts + sizes, 0).max(axis=1, initial=0)
+        found = np.full(len(source.urls), -1, np.int64)
+        np.maximum.at(found, source.shard_ids, ends)
+        return found
+    # planned from sizes.json
+    return np.asarray([_listed_bytes(url, source.pins) for url in source.urls], np.int64)
 
 
 def _listed_bytes(url: str, pins: dict[str, dict[str, Any]]) -> int:

@@ -146,7 +146,7 @@ class DataConfig:
         "trained"))
     # shards read in chunks: the chunks make the epoch's order (docs/data.md#the-chunked-order)
     fetch_chunk_size: int = setting(8, rule=REFUSE, why=_ORDER, section=_DATA, metavar="MIB", help=(
-        "read training shards (.tar and Parquet, local or in object storage) in chunks of about this many MiB, "
+        "read training shards (.tar, local or in object storage) in chunks of about this many MiB, "
         "each remote one in one request, and make an epoch's order of them (0: every sample shuffled over the "
         "epoch, read one by one)"))
     fetch_streams: int = setting(64, rule=REFUSE, why=_ORDER, section=_DATA, help=(
