@@ -118,3 +118,35 @@ def test_verify_checks_a_checkpoints_model_on_a_random_multi_caption_window(tmp_
     assert main(["verify", "--multi-positive", "--dataset-type", "synthetic"]) == 2
     line = capsys.readouterr().out.strip()
     assert line.count("\n") == 0 and "--dataset-type synthetic" in line and "random window" in line, line
+
+
+@pytest.mark.parametrize(("argv", "first", "second"), [
+    (["--siglip", "--loss", "clip"], "--siglip", "--loss clip"),
+    (["--loss", "clip", "--siglip"], "--loss clip", "--siglip"),
+])
+def test_verify_refuses_contradicting_loss_flags_in_one_line_as_train_does(argv, first, second, capsys):
+    """`--siglip --loss clip`: the order decided silently which loss was audited; now neither, in train's line."""
+    with pytest.raises(SystemExit) as stopped:
+        main(["verify", "--splits", "1", *argv])
+    assert stopped.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("naflexclip verify: error:") and f"{first} and {second}" in line, line
+
+
+def test_verify_takes_trains_declarations_of_the_flags_they_share():
+    """One declaration per flag: each flag verify shares with train has train's help text and choices; verify's own
+    defaults are the ones `VERIFY_DEFAULTS` names (and says why)."""
+    from naflexclip.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    train = commands["train"]._option_string_actions
+    own = ("--checkpoint", "--splits", "--num-examples", "--dtype", "-h", "--help")
+    shared = [flag for flag in commands["verify"]._option_string_actions if flag not in own]
+    assert {"--model", "--loss", "--siglip", "--accum-freq", "--device", "--seed", "--lock-image"} <= set(shared)
+    for flag in shared:
+        action, trained = commands["verify"]._option_string_actions[flag], train[flag]
+        declared = (trained.help or "").split("(default: ")[0].strip()  # each command says its default after it
+        assert action.dest == trained.dest and (action.help or "").startswith(declared), flag
+        if flag != "--accum-method":  # verify's `all`: every method against one reference
+            assert action.choices == trained.choices, flag
+    assert set(verify.VERIFY_DEFAULTS) <= {action.dest for action in commands["verify"]._actions}
