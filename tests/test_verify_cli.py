@@ -150,3 +150,16 @@ def test_verify_takes_trains_declarations_of_the_flags_they_share():
         if flag != "--accum-method":  # verify's `all`: every method against one reference
             assert action.choices == trained.choices, flag
     assert set(verify.VERIFY_DEFAULTS) <= {action.dest for action in commands["verify"]._actions}
+
+
+def test_verify_prints_the_same_report_on_every_run(capsys):
+    """`--seed` decides the model's initialisation too, not only the window and its splits: the README's report is
+    what the command prints, whatever the process drew before."""
+    import torch
+
+    reports = []
+    for state in (1, 2):
+        torch.manual_seed(state)  # what the process drew before
+        assert main(["verify", "--splits", "1", "--accum-freq", "2", "--batch-size", "3"]) == 0
+        reports.append(capsys.readouterr().out)
+    assert reports[0] == reports[1]

@@ -220,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_device(args.device)
         device = torch.device(args.device)
+        torch.manual_seed(args.seed)  # the model's initialisation and the objectives' modules: the same every run
         setup = _setup(args)
         loss_fn = create_loss(setup.loss, tile_size=args.loss_tile_size)
         dtype = torch.float64 if args.dtype == "float64" else torch.float32
@@ -235,7 +236,6 @@ def run(args: argparse.Namespace) -> int:
                                device=device, dtype=dtype)
         for objective in setup.objectives:
             objective.build(context)
-        torch.manual_seed(args.seed)
         # eval: dropout would make the full batch and the splits draw different masks
         model = setup.model.to(device, dtype).eval()
         # every objective's terms of a window after all of its switches (the recipe's EMA teacher as at the switch)
