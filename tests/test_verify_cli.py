@@ -1,6 +1,7 @@
 """`naflexclip verify` passes every method × loss × mode, and fails (exit 1) when the rule is wrong."""
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -163,3 +164,13 @@ def test_verify_prints_the_same_report_on_every_run(capsys):
         assert main(["verify", "--splits", "1", "--accum-freq", "2", "--batch-size", "3"]) == 0
         reports.append(capsys.readouterr().out)
     assert reports[0] == reports[1]
+
+
+def test_the_readmes_report_is_what_verify_prints(capsys):
+    """The README's `naflexclip verify` block is the command's report, line for line (a float64 round-off error, which
+    the machine's thread count moves, compared to its order of magnitude)."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    block = readme.split("$ naflexclip verify ")[1].split("\n", 1)[1].split("```")[0]
+    assert main(["verify"]) == 0
+    round_off = re.compile(r"\d\.\d\de-1[0-9]")
+    assert round_off.sub("<1e-9", capsys.readouterr().out) == round_off.sub("<1e-9", block)
