@@ -279,6 +279,7 @@ def _negative_flag(flag: str, kwargs: dict[str, Any], taken: Any) -> str | None:
 
 
 def _with(text: str | None, more: str) -> str:
+    """A help text with `more` after it."""
     return ((text + " ") if text else "") + more
 
 

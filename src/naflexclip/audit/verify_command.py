@@ -73,16 +73,16 @@ def format_table(result: VerifyResult) -> str:
     return "\n".join(lines)
 
 
-# verify's window where neither a flag nor a --checkpoint's run sets it: several microbatches and a reference batch
-# size, so that the scale s(W) is not 1 and is audited too
+# verify's window where neither a flag nor a --checkpoint's run sets it: several microbatches, and the scale policy
+# on (computed from the window's sizes and B_ref, not 1 by definition) so that it is audited too
 WINDOW_FALLBACKS: dict[str, Any] = {"accum_freq": 4, "batch_size": 4, "naflex_loss_scale": "linear"}
 # verify's own defaults of the settings it shares with train (declared once, in their groups), and why
 VERIFY_DEFAULTS: dict[str, CommandDefault] = {
     "model": CommandDefault("tiny", "the float64 audit of the smallest preset takes seconds on a CPU"),
     "accum_method": CommandDefault("all", "each method against the same full-batch reference", more_choices=("all",)),
-    "device": CommandDefault("cpu", "float64, the same numbers on every machine"),
-    **{key: CommandDefault(None, "several microbatches scaled by s(W) ≠ 1 audit the scale too",
-                           shown=f"a --checkpoint's, else {fallback}")
+    "device": CommandDefault("cpu", "float64 is slow on most GPUs, and every machine has a CPU"),
+    **{key: CommandDefault(None, "a trained model is audited as it was trained; else several microbatches, with "
+                                 "the scale policy on", shown=f"a --checkpoint's, else {fallback}")
        for key, fallback in WINDOW_FALLBACKS.items()},
 }
 
@@ -102,7 +102,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     own.add_argument("--splits", type=int, default=3, help="random splits of the window to check")
     own.add_argument("--num-examples", type=int, default=None,
                      help="random window: examples in it (default: accum-freq × batch-size)")
-    own.add_argument("--dtype", default="float64", choices=("float64", "float32"))
+    own.add_argument("--dtype", default="float64", choices=("float64", "float32"),
+                     help="the audit's precision (its tolerances: docs/accumulation.md)")
     add_lock_args(parser)
     for objective in registry.OBJECTIVES:  # every registered objective's flags
         add_arguments(parser, objective.flags)
