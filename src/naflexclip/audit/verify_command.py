@@ -41,7 +41,7 @@ from naflexclip.data.data_config import VERIFY_DATA_DEFAULTS
 from naflexclip.families import data_processing
 from naflexclip.loss import create_loss
 from naflexclip.models.factory import ModelSettings, create_model
-from naflexclip.models.lock import Locks, add_lock_args, lock_summary
+from naflexclip.models.lock import Locks, lock_summary
 from naflexclip.models.run_weights import load_checkpoint_model
 from naflexclip.objectives import registry
 from naflexclip.objectives.objective import BuildContext, Objective
@@ -84,6 +84,9 @@ VERIFY_DEFAULTS: dict[str, CommandDefault] = {
     **{key: CommandDefault(None, "a trained model is audited as it was trained; else several microbatches, with "
                                  "the scale policy on", shown=f"a --checkpoint's, else {fallback}")
        for key, fallback in WINDOW_FALLBACKS.items()},
+    # the locks of a --checkpoint's run (`_setup`)
+    **{key: CommandDefault(None, "a trained model is audited as it was trained", shown=f"a --checkpoint's, else {off}")
+       for key, off in Locks().as_dict().items()},
 }
 
 
@@ -104,11 +107,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                      help="random window: examples in it (default: accum-freq × batch-size)")
     own.add_argument("--dtype", default="float64", choices=("float64", "float32"),
                      help="the audit's precision (its tolerances: docs/accumulation.md)")
-    add_lock_args(parser)
+    add_arguments(parser, Locks, defaults=VERIFY_DEFAULTS)
     for objective in registry.OBJECTIVES:  # every registered objective's flags
         add_arguments(parser, objective.flags)
-    # unset lock flags take a --checkpoint's own (see _setup)
-    parser.set_defaults(**dict.fromkeys(Locks().as_dict()))
     # a real window: the first --accum-freq batches the loader yields (with --train-data, --checkpoint,
     # or --dataset-type synthetic); its own split is checked first, then random re-splits
     add_data_args(parser, defaults=VERIFY_DATA_DEFAULTS)
