@@ -53,7 +53,7 @@ from naflexclip.objectives.self_distillation import (
     local_crops,
     teacher_distribution,
 )
-from naflexclip.objectives.siglip2_recipe import Recipe
+from naflexclip.objectives.siglip2_recipe import RECIPES, Recipe
 from naflexclip.processing.view_seeds import VIEW_SEED
 
 ROWS = ("sigmoid only", "+ LocCa decoder", "+ EMA teacher", "+ local crops", "+ masked pass")
@@ -154,7 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-examples", type=int, default=8, help="pairs in the window")
     parser.add_argument("--splits", type=int, default=2, help="microbatches per window")
     parser.add_argument("--seq-len", type=int, default=64, help="patches per image (a full grid)")
-    parser.add_argument("--local-crops", type=int, default=8, help="student crops per image (the recipe's 8)")
+    parser.add_argument("--local-crops", type=int, default=RECIPES["siglip2"]["local_crops"],
+                        help="student crops per image (default: the recipe's)")
     parser.add_argument("--method", default="cache", choices=("cache", "replay"))
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())

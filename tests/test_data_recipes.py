@@ -434,6 +434,24 @@ def test_trust_sizes_json_without_a_sizes_json_to_trust_says_so_in_one_line(tmp_
     assert not any("--trust-sizes-json" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("trusted", ["validation", "training"])
+def test_the_trust_sizes_json_notice_names_the_validation_data_too(tmp_path, caplog, trusted):
+    """The flag plans --val-data shards from their sizes.json as well: its one line at the start names what it
+    changes nothing for, training or validation data, and the validation data it trusts."""
+    shards, csv = _shards(tmp_path / "s", "s", 2, 4), _tiny_csv(tmp_path / "c")
+    train, val = (csv, shards) if trusted == "validation" else (shards, csv)
+    with caplog.at_level("WARNING", logger="naflexclip.data"):
+        build_loader(cfg_for(train, val_data=val, trust_sizes_json=True), split="train", patch_size=PATCH,
+                     context_length=CONTEXT)
+    (line,) = [r.getMessage() for r in caplog.records if "--trust-sizes-json" in r.getMessage()]
+    if trusted == "validation":
+        assert f"the training data {csv!r}" in line and "changes nothing for it" in line, line
+        assert f"the validation data {shards!r} from its sizes.json" in line, line
+    else:
+        assert f"the validation data {csv!r}" in line and "changes nothing for it" in line, line
+        assert "training data" not in line, line
+
+
 def test_a_shard_listed_with_0_samples_trains_what_it_holds_and_is_named(tmp_path):
     spec = _shards(tmp_path / "s", "s", 3, 4)
     (tmp_path / "s" / "sizes.json").write_text(json.dumps({"s-0.tar": 4, "s-1.tar": 0, "s-2.tar": 4}))

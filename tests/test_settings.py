@@ -14,13 +14,17 @@ import pytest
 
 from naflexclip.cli import build_parser
 from naflexclip.data.data_config import DataConfig
+from naflexclip.models.factory import ModelSettings
 from naflexclip.models.lock import Locks
 from naflexclip.objectives.distillation import Distill
 from naflexclip.objectives.siglip2_recipe import Recipe
+from naflexclip.parallel.process_group import DeviceSettings
+from naflexclip.rng import Seed
 from naflexclip.settings import RULES, declared, flat_config, setting, settings_of, undeclared_destinations
 from naflexclip.train.flags import config_from_args
 from naflexclip.train.resume import POLICY, changed_flags, refusal
 from naflexclip.train.train_config import TrainConfig
+from naflexclip.window.window_settings import WindowSettings
 
 # what `train` reads itself besides the settings: the refused OpenCLIP flags (the first one stops the run)
 COMMAND_DESTINATIONS = ("openclip_refused",)
@@ -65,10 +69,10 @@ def test_a_field_without_a_declaration_or_a_rule_is_refused() -> None:
         setting(False)  # type: ignore[call-arg]
 
 
-@pytest.mark.parametrize("group", [Locks, Distill, Recipe])
+@pytest.mark.parametrize("group", [ModelSettings, WindowSettings, DeviceSettings, Seed, Locks, Distill, Recipe])
 def test_the_shared_groups_are_kept_flat_in_the_train_config_as_declared(group: type) -> None:
-    """Verify takes the lock, distillation and recipe flags too: TrainConfig keeps each of their fields with the
-    group's own annotation, default and declaration."""
+    """Verify takes the model, window, device, seed, lock, distillation and recipe flags too: TrainConfig keeps each
+    of their fields with the group's own annotation, default and declaration."""
     train = {f.name: f for f in dataclasses.fields(TrainConfig)}
     for f in dataclasses.fields(group):
         assert (train[f.name].type, train[f.name].default, train[f.name].metadata) == (f.type, f.default, f.metadata)

@@ -17,7 +17,7 @@ from naflexclip.families import export_family
 from naflexclip.models.factory import create_model
 from naflexclip.models.naflex_clip import config_to_dict
 from naflexclip.models.run_weights import load_checkpoint_model, load_run_model
-from naflexclip.objectives.siglip2_recipe import Recipe
+from naflexclip.objectives.siglip2_recipe import RECIPES, Recipe
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -233,3 +233,13 @@ def test_the_loss_plot_draws_the_objective_and_each_term_beside_it(tmp_path: Pat
     assert list(curves) == ["objective (train/loss)", "contrastive", "locca", "self_distill"]
     assert curves["objective (train/loss)"] == ([1, 2, 3], [2.0, 1.0, 2.5])
     assert curves["self_distill"] == ([3], [0.5])  # a term from its switch on
+
+
+def test_the_recipe_page_states_the_recipes_values() -> None:
+    """SigLIP 2's values are written once (`RECIPES`); the page's table of them states the same."""
+    page = (Path(__file__).parents[1] / "docs" / "siglip2_recipe.md").read_text()
+    rows = {line.split("|")[1].strip(" `"): line.split("|")[2].strip() for line in page.splitlines()
+            if line.startswith("| `--")}
+    values = {f"--{key.replace('_', '-')}": f"{value:g}" for key, value in RECIPES["siglip2"].items()}
+    assert rows == {flag: value for flag, value in values.items() if flag != "--locca-loss-weight"}
+    assert f"(the recipe's is {values['--locca-loss-weight']};" in page

@@ -1,11 +1,13 @@
 """`naflexclip verify` passes every method × loss × mode, and fails (exit 1) when the rule is wrong."""
 
 import math
+import re
 from pathlib import Path
 
 import pytest
 
 import naflexclip.audit.gradient_audit as window_audit
+import naflexclip.audit.verify_command as verify
 from naflexclip.audit.openclip_rule import per_microbatch_scale_gradients
 from naflexclip.cli import main
 
@@ -117,3 +119,58 @@ def test_verify_checks_a_checkpoints_model_on_a_random_multi_caption_window(tmp_
     assert main(["verify", "--multi-positive", "--dataset-type", "synthetic"]) == 2
     line = capsys.readouterr().out.strip()
     assert line.count("\n") == 0 and "--dataset-type synthetic" in line and "random window" in line, line
+
+
+@pytest.mark.parametrize(("argv", "first", "second"), [
+    (["--siglip", "--loss", "clip"], "--siglip", "--loss clip"),
+    (["--loss", "clip", "--siglip"], "--loss clip", "--siglip"),
+])
+def test_verify_refuses_contradicting_loss_flags_in_one_line_as_train_does(argv, first, second, capsys):
+    """`--siglip --loss clip`: the order decided silently which loss was audited; now neither, in train's line."""
+    with pytest.raises(SystemExit) as stopped:
+        main(["verify", "--splits", "1", *argv])
+    assert stopped.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("naflexclip verify: error:") and f"{first} and {second}" in line, line
+
+
+def test_verify_takes_trains_declarations_of_the_flags_they_share():
+    """One declaration per flag: each flag verify shares with train has train's help text and choices; verify's own
+    defaults are the ones `VERIFY_DEFAULTS` names (and says why)."""
+    from naflexclip.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    train = commands["train"]._option_string_actions
+    own = ("--checkpoint", "--splits", "--num-examples", "--dtype", "-h", "--help")
+    shared = [flag for flag in commands["verify"]._option_string_actions if flag not in own]
+    assert {"--model", "--loss", "--siglip", "--accum-freq", "--device", "--seed", "--lock-image"} <= set(shared)
+    for flag in shared:
+        action, trained = commands["verify"]._option_string_actions[flag], train[flag]
+        declared = (trained.help or "").split("(default: ")[0].strip()  # each command says its default after it
+        assert action.dest == trained.dest and (action.help or "").startswith(declared), flag
+        if flag != "--accum-method":  # verify's `all`: every method against one reference
+            assert action.choices == trained.choices, flag
+    assert set(verify.VERIFY_DEFAULTS) <= {action.dest for action in commands["verify"]._actions}
+
+
+def test_verify_prints_the_same_report_on_every_run(capsys):
+    """`--seed` decides the model's initialisation too, not only the window and its splits: the README's report is
+    what the command prints, whatever the process drew before."""
+    import torch
+
+    reports = []
+    for state in (1, 2):
+        torch.manual_seed(state)  # what the process drew before
+        assert main(["verify", "--splits", "1", "--accum-freq", "2", "--batch-size", "3"]) == 0
+        reports.append(capsys.readouterr().out)
+    assert reports[0] == reports[1]
+
+
+def test_the_readmes_report_is_what_verify_prints(capsys):
+    """The README's `naflexclip verify` block is the command's report, line for line (a float64 round-off error, which
+    the machine's thread count moves, compared to its order of magnitude)."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    block = readme.split("$ naflexclip verify ")[1].split("\n", 1)[1].split("```")[0]
+    assert main(["verify"]) == 0
+    round_off = re.compile(r"\d\.\d\de-1[0-9]")
+    assert round_off.sub("<1e-9", capsys.readouterr().out) == round_off.sub("<1e-9", block)

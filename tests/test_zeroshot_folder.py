@@ -95,7 +95,7 @@ def test_one_non_empty_class_is_a_flag_error(checkpoint: Path, tmp_path: Path, c
     (root / "b").mkdir()
     assert _eval(checkpoint, root, tmp_path / "zs.json") == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--zero-shot-data" in err[0] and "'b'" in err[0]
+    assert len(err) == 1 and "--zeroshot-data" in err[0] and "'b'" in err[0]
 
 
 def test_zero_shot_output_keeps_its_old_name(checkpoint: Path, tmp_path: Path) -> None:
@@ -136,3 +136,20 @@ def test_output_also_takes_the_retrieval_metrics(checkpoint: Path, tmp_path: Pat
                  str(tmp_path / "m.json"), "--device", "cpu"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert json.loads((tmp_path / "m.json").read_text()) == printed and printed["val/num_samples"] == 4
+
+
+@pytest.mark.parametrize("spelling", ["zeroshot", "zero-shot"])
+def test_eval_takes_trains_zeroshot_flags_and_their_first_spelling(checkpoint: Path, tmp_path: Path,
+                                                                   spelling: str) -> None:
+    """`eval --zeroshot-data` as `train` spells it (one declaration); eval's first spelling `--zero-shot-data` (and
+    its `-classnames`, `-templates`) still works."""
+    root = tmp_path / "folder"
+    _images(root / "a", 2)
+    _images(root / "b", 2, seed=5)
+    (tmp_path / "names.txt").write_text("alpha\nbeta\n")
+    (tmp_path / "templates.txt").write_text("a photo of {}.\n")
+    assert main(["eval", "--checkpoint", str(checkpoint), f"--{spelling}-data", str(root), f"--{spelling}-classnames",
+                 str(tmp_path / "names.txt"), f"--{spelling}-templates", str(tmp_path / "templates.txt"),
+                 "--output", str(tmp_path / "zs.json"), "--zero-shot-seq-len", "16", "--device", "cpu"]) == 0
+    results = json.loads((tmp_path / "zs.json").read_text())
+    assert results["num_samples"] == 4 and list(results["per_class_top1"]) == ["alpha", "beta"]

@@ -1,12 +1,24 @@
-"""The random-number state a window's replay restores, so a grad forward draws what its cached forward drew."""
+"""The random-number state a window's replay restores, so a grad forward draws what its cached forward drew; the
+`--seed` setting."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from naflexclip.settings import APPLY, OPTIMIZATION_SECTION, setting
+
+
+@dataclass(frozen=True)
+class Seed:
+    """`--seed`, as `naflexclip train` and `naflexclip verify` take it (a setting, `naflexclip.settings`)."""
+
+    seed: int = setting(0, rule=APPLY, section=OPTIMIZATION_SECTION, openclip=0,
+                        help="seed of the random draws (initialisation, data order; verify's window and splits)")
 
 
 class RngState:

@@ -39,6 +39,11 @@ NOT_OPENCLIP = _Marker("NOT_OPENCLIP")  # naflexclip's own setting: no OpenCLIP 
 FIELD_DEFAULT = _Marker("FIELD_DEFAULT")  # the parser's default is the field's
 NO_FLAG = _Marker("NO_FLAG")  # the setting has no flag of its own (another flag, or the config's checks, set it)
 
+# --help's sections of the settings several commands share (each group declared where its concept lives)
+MODEL_SECTION = "model and window"
+OPTIMIZATION_SECTION = "optimization"
+DEVICES_SECTION = "devices"
+
 _METADATA_KEY = "naflexclip.setting"
 _NESTED_KEY = "naflexclip.nested"
 
@@ -78,6 +83,8 @@ class Setting:
     # how this job runs on its hardware, not what it trains (--fsdp: exact either way): a resume takes the command
     # line's value, not the run's saved one (a flag that is only switched on could not be switched off)
     runtime: bool = False
+    # how --help states the default where the flag's default does not (None resolved later): "(default: ...)"
+    default_help: str = ""
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
@@ -203,6 +210,18 @@ def _argparse_kwargs(d: Declared) -> dict[str, Any]:
     return kwargs
 
 
+@dataclass(frozen=True)
+class CommandDefault:
+    """A command's own default for a setting it shares with another (verify's `tiny` model), and why that command
+    needs it; --help says both. `shown`: how --help names a default the command resolves later (None: a
+    checkpoint's value, else ...); `more_choices`: values only this command takes (verify's `--accum-method all`)."""
+
+    value: Any
+    why: str
+    shown: str = ""
+    more_choices: tuple[Any, ...] = ()
+
+
 # the namespace's record of which flag gave each destination of several flags its value (`_OneOfFlags`)
 _GIVEN_AS = "_flags_given"
 
@@ -259,26 +278,44 @@ def _negative_flag(flag: str, kwargs: dict[str, Any], taken: Any) -> str | None:
     return negative
 
 
-def add_arguments(parser: argparse.ArgumentParser, config: type, *, skip_sections: tuple[str, ...] = (),
-                  defaults: Mapping[str, Any] | None = None, openclip_with_data: bool = False) -> None:
-    """Add `config`'s flags to `parser`, one argument group per section in declaration order. `defaults`: another
-    parser default per key (a command with its own sizes). `openclip_with_data`: a flag whose OpenCLIP default
-    differs from the built-in dataset's gets no parser default (`resolve_defaults` fills it) and says both."""
+def _with(text: str | None, more: str) -> str:
+    """A help text with `more` after it."""
+    return ((text + " ") if text else "") + more
+
+
+def add_arguments(parser: argparse.ArgumentParser, config: type, *, keys: tuple[str, ...] | None = None,
+                  skip_sections: tuple[str, ...] = (), defaults: Mapping[str, Any] | None = None,
+                  openclip_with_data: bool = False) -> dict[str, argparse._ArgumentGroup]:
+    """Add `config`'s flags to `parser` (`keys`: only these settings), one argument group per section in
+    declaration order (the parser's group of that title where it has one: several configs share a section); the
+    groups by section. `defaults`: another parser default per key (a command with its own
+    sizes), a `CommandDefault` where --help should say it and why. `openclip_with_data`: a flag whose OpenCLIP
+    default differs from the built-in dataset's gets no parser default (`resolve_defaults` fills it) and says both."""
     groups: dict[str, argparse._ArgumentGroup] = {}
     for d in declared(config):
-        if not d.has_flag or d.setting.section in skip_sections:
+        if not d.has_flag or d.setting.section in skip_sections or (keys is not None and d.key not in keys):
             continue
         section = d.setting.section
         if section not in groups:
-            groups[section] = parser.add_argument_group(section) if section else parser.add_argument_group()
+            titled = [group for group in parser._action_groups if section and group.title == section]
+            groups[section] = titled[0] if titled else (
+                parser.add_argument_group(section) if section else parser.add_argument_group())
         kwargs = _argparse_kwargs(d)
         text = d.setting.help
-        if defaults and d.key in defaults:
-            kwargs["default"] = list(defaults[d.key]) if isinstance(defaults[d.key], tuple) else defaults[d.key]
+        own = defaults.get(d.key) if defaults else None
+        if isinstance(own, CommandDefault):
+            kwargs["default"] = list(own.value) if isinstance(own.value, tuple) else own.value
+            if own.more_choices:
+                kwargs["choices"] = (*kwargs["choices"], *own.more_choices)
+            text = _with(text, f"(default: {own.shown or shown_value(own.value)}: {own.why})")
+        elif defaults and d.key in defaults:
+            kwargs["default"] = list(own) if isinstance(own, tuple) else own
         elif openclip_with_data and switches_with_data(d):
             kwargs["default"] = argparse.SUPPRESS
-            text = ((text + " ") if text else "") + (
-                f"(default: {shown_value(d.openclip)}, OpenCLIP's; on the built-in dataset: {shown_value(d.default)})")
+            text = _with(text, f"(default: {shown_value(d.openclip)}, OpenCLIP's; on the built-in dataset: "
+                               f"{shown_value(d.default)})")
+        elif d.setting.default_help:
+            text = _with(text, f"(default: {d.setting.default_help})")
         flag = d.setting.flag or d.flag
         also_flags = {f for flags, _ in d.setting.also for f in flags}
         negative = _negative_flag(flag, kwargs, {*parser._option_string_actions, *also_flags})
@@ -290,6 +327,7 @@ def add_arguments(parser: argparse.ArgumentParser, config: type, *, skip_section
         for flags, more in d.setting.also:
             const = {"action": _OneOfFlags, "nargs": 0} if more.get("action") == "store_const" else {}
             groups[section].add_argument(*flags, dest=d.dest, **{**more, **const})
+    return groups
 
 
 def switches_with_data(d: Declared) -> bool:

@@ -29,16 +29,17 @@ from naflexclip.batch import EXAMPLE_INPUTS, batch_size, concat_microbatches, to
 from naflexclip.data import DataError, add_data_args, build_loader, data_config_from_args
 from naflexclip.data.data_config import VERIFY_DATA_DEFAULTS
 from naflexclip.families import data_processing
-from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES, create_loss
-from naflexclip.models.factory import create_model
-from naflexclip.models.lock import Locks, add_lock_args, lock_summary
-from naflexclip.models.naflex_clip import PRESETS
+from naflexclip.loss import create_loss
+from naflexclip.models.factory import ModelSettings, create_model
+from naflexclip.models.lock import Locks, lock_summary
 from naflexclip.models.run_weights import load_checkpoint_model
 from naflexclip.objectives import registry
 from naflexclip.objectives.objective import BuildContext, Objective
-from naflexclip.parallel.process_group import DEVICE_CHOICES, check_device
-from naflexclip.settings import add_arguments
-from naflexclip.window import METHODS, SCALE_MODES
+from naflexclip.parallel.process_group import DeviceSettings, check_device
+from naflexclip.rng import Seed
+from naflexclip.settings import CommandDefault, add_arguments
+from naflexclip.window import METHODS
+from naflexclip.window.window_settings import WindowSettings
 
 
 def format_table(result: VerifyResult) -> str:
@@ -56,44 +57,43 @@ def format_table(result: VerifyResult) -> str:
     return "\n".join(lines)
 
 
+# verify's window where neither a flag nor a --checkpoint's run sets it: several microbatches, and the scale policy
+# on (computed from the window's sizes and B_ref, not 1 by definition) so that it is audited too
+WINDOW_FALLBACKS: dict[str, Any] = {"accum_freq": 4, "batch_size": 4, "naflex_loss_scale": "linear"}
+# verify's own defaults of the settings it shares with train (declared once, in their groups), and why
+VERIFY_DEFAULTS: dict[str, CommandDefault] = {
+    "model": CommandDefault("tiny", "the float64 audit of the smallest preset takes seconds on a CPU"),
+    "accum_method": CommandDefault("all", "each method against the same full-batch reference", more_choices=("all",)),
+    "device": CommandDefault("cpu", "float64 is slow on most GPUs, and every machine has a CPU"),
+    **{key: CommandDefault(None, "a trained model is audited as it was trained; else several microbatches, with "
+                                 "the scale policy on", shown=f"a --checkpoint's, else {fallback}")
+       for key, fallback in WINDOW_FALLBACKS.items()},
+    # the locks of a --checkpoint's run (`_setup`)
+    **{key: CommandDefault(None, "a trained model is audited as it was trained", shown=f"a --checkpoint's, else {off}")
+       for key, off in Locks().as_dict().items()},
+}
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "verify",
         help="check that accumulated gradients equal the full-batch gradient",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
-    parser.add_argument("--model", default="tiny",
-                        help=f"model preset, one of {sorted(PRESETS)}, or an OpenCLIP model name (docs/openclip.md)")
-    parser.add_argument("--pretrained", default=None,
-                        help="with an OpenCLIP --model name: its weights (a checkpoint file, a tag or hf-hub:org/name "
-                             "in a local cache)")
-    parser.add_argument("--cache-dir", default=None, help="where --pretrained tags are looked up")
-    parser.add_argument("--checkpoint", default=None,
-                        help="audit a trained model: a checkpoint directory, or a run's checkpoints/ (latest)")
-    parser.add_argument("--loss", default=None, choices=sorted(LOSSES),
-                        help="clip or siglip (default: the model's own; a checkpoint's is the one it was trained with)")
-    parser.add_argument("--siglip", dest="loss", action="store_const", const="siglip", default=argparse.SUPPRESS,
-                        help="OpenCLIP's name for --loss siglip")
-    parser.add_argument("--accum-freq", type=int, default=None, help="microbatches per window (default 4)")
-    parser.add_argument("--batch-size", type=int, default=None, help="reference batch size B_ref (default 4)")
-    parser.add_argument("--naflex-loss-scale", default=None, choices=SCALE_MODES, help="default: linear")
-    parser.add_argument("--accum-method", default="all", choices=(*METHODS, "all"))
-    parser.add_argument("--loss-tile-size", type=int, default=DEFAULT_TILE_SIZE,
-                        help="rows/columns of one block of the tiled loss (speed only)")
-    parser.add_argument("--splits", type=int, default=3, help="random splits of the window to check")
-    parser.add_argument("--num-examples", type=int, default=None,
-                        help="random window: examples in it (default: accum-freq × batch-size)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="float64", choices=("float64", "float32"))
-    parser.add_argument("--device", default="cpu",
-                        help=f"where the model and the window run: {', '.join(DEVICE_CHOICES)}")
-    parser.add_argument("--grad-checkpointing", action="store_true",
-                        help="accumulate with activation checkpointing in both towers (the reference without)")
-    add_lock_args(parser)
+    # the flags verify shares with train, each declared once in its group; verify's own defaults: VERIFY_DEFAULTS
+    for group in (ModelSettings, WindowSettings, DeviceSettings, Seed):
+        add_arguments(parser, group, defaults=VERIFY_DEFAULTS)
+    own = parser.add_argument_group("verify")
+    own.add_argument("--checkpoint", default=None,
+                     help="audit a trained model: a checkpoint directory, or a run's checkpoints/ (latest)")
+    own.add_argument("--splits", type=int, default=3, help="random splits of the window to check")
+    own.add_argument("--num-examples", type=int, default=None,
+                     help="random window: examples in it (default: accum-freq × batch-size)")
+    own.add_argument("--dtype", default="float64", choices=("float64", "float32"),
+                     help="the audit's precision (its tolerances: docs/accumulation.md)")
+    add_arguments(parser, Locks, defaults=VERIFY_DEFAULTS)
     for objective in registry.OBJECTIVES:  # every registered objective's flags
         add_arguments(parser, objective.flags)
-    # unset lock flags take a --checkpoint's own (see _setup)
-    parser.set_defaults(**dict.fromkeys(Locks().as_dict()))
     # a real window: the first --accum-freq batches the loader yields (with --train-data, --checkpoint,
     # or --dataset-type synthetic); its own split is checked first, then random re-splits
     add_data_args(parser, defaults=VERIFY_DATA_DEFAULTS)
@@ -146,8 +146,9 @@ def _setup(args: argparse.Namespace) -> VerifySetup:
         from naflexclip.families import openclip
 
         processor = openclip.processor_spec(name, openclip.tokenizer_dir(name, args.pretrained, args.cache_dir))
-    setup = VerifySetup(model, loss, pick(args.accum_freq, "accum_freq", 4), pick(args.batch_size, "batch_size", 4),
-                        pick(args.naflex_loss_scale, "naflex_loss_scale", "linear"), processor, objectives)
+    window = {key: pick(getattr(args, key), key, fallback) for key, fallback in WINDOW_FALLBACKS.items()}
+    setup = VerifySetup(model, loss, window["accum_freq"], window["batch_size"], window["naflex_loss_scale"], processor,
+                        objectives)
     # what the objectives train beside the towers (a decoder, heads), after the locks: as the checkpoint's run had it
     setup.notes = [note for objective in objectives
                    for note in objective.prepare(model, image_locked=locks.image_fully_locked)]
@@ -205,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_device(args.device)
         device = torch.device(args.device)
+        torch.manual_seed(args.seed)  # the model's initialisation and the objectives' modules: the same every run
         setup = _setup(args)
         loss_fn = create_loss(setup.loss, tile_size=args.loss_tile_size)
         dtype = torch.float64 if args.dtype == "float64" else torch.float32
@@ -220,7 +222,6 @@ def run(args: argparse.Namespace) -> int:
                                device=device, dtype=dtype)
         for objective in setup.objectives:
             objective.build(context)
-        torch.manual_seed(args.seed)
         # eval: dropout would make the full batch and the splits draw different masks
         model = setup.model.to(device, dtype).eval()
         # every objective's terms of a window after all of its switches (the recipe's EMA teacher as at the switch)
@@ -230,7 +231,8 @@ def run(args: argparse.Namespace) -> int:
             batch, first_split = loader_window(args, setup)
             batch = to_device(batch, device, dtype)
         else:
-            num_examples = args.num_examples or setup.accum_freq * (setup.reference_batch_size or 4)
+            num_examples = args.num_examples or setup.accum_freq * (setup.reference_batch_size
+                                                                    or WINDOW_FALLBACKS["batch_size"])
             draw = functools.partial(random_naflex_batch, patch_size=model.image_patch_size,
                                      context_length=model.context_length, dtype=dtype, vocab_size=model.vocab_size)
             generator = torch.Generator().manual_seed(args.seed)

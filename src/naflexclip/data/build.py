@@ -328,9 +328,9 @@ def build_loader(
         loader = MapLoader(source, samples_per_epoch=requested, **common)
     if train:
         _check_trainable(loader, world_size)
-        if cfg.trust_sizes_json and rank == 0 and not _planned_from_sizes_json(loader):
-            logger.warning("--trust-sizes-json: the training data %r is not indexable .tar shards beside a sizes.json "
-                           "listing each of them; the flag changes nothing for it", path or "the built-in dataset")
+        if cfg.trust_sizes_json and rank == 0 and (
+                notice := _trust_sizes_json_notice(cfg, path, _planned_from_sizes_json(loader))):
+            logger.warning("%s", notice)
         if cfg.shuffle_buffer != _DEFAULT_SHUFFLE_BUFFER and rank == 0 and not isinstance(loader, StreamLoader):
             logger.warning("--shuffle-buffer %d: the training data %r is not streamed (its samples are shuffled over "
                            "the whole epoch); the flag changes nothing for it", cfg.shuffle_buffer,
@@ -346,6 +346,35 @@ def build_loader(
         logger.warning("data %s (%s): %d remote reads retried at startup, e.g. %s", split, path, len(retried),
                        retried[0]["detail"])
     return loader
+
+
+def _trust_sizes_json_notice(cfg: DataConfig, train_path: str | None, train_trusted: bool) -> str | None:
+    """--trust-sizes-json's line at the start: the training and validation data it changes nothing for, and the
+    validation shards it plans from their sizes.json beside training data it does not; None where it applies to all
+    the data given."""
+    val_trusted = cfg.val_data is not None and _listed_shards(cfg, "val")
+    untouched = [] if train_trusted else [f"the training data {train_path or 'the built-in dataset'!r}"]
+    if cfg.val_data is not None and not val_trusted:
+        untouched.append(f"the validation data {cfg.val_data!r}")
+    if not untouched:
+        return None
+    one = len(untouched) == 1
+    return (f"--trust-sizes-json: {' and '.join(untouched)} {'is' if one else 'are'} not indexable .tar shards beside "
+            f"a sizes.json listing each of them; the flag changes nothing for {'it' if one else 'them'}"
+            + (f", and plans the validation data {cfg.val_data!r} from its sizes.json alone" if val_trusted else ""))
+
+
+def _listed_shards(cfg: DataConfig, split: str) -> bool:
+    """Whether `split`'s data holds .tar shards its loader plans from a sizes.json listing each of them (what
+    --trust-sizes-json applies to), found without building the loader: a local or remote `sizes.json` is read."""
+    resolved = cfg.source(split)
+    if resolved is None or resolved[0] not in ("webdataset", "parquet") or resolved[1] is None:
+        return False
+    parts = [expand_shards(part) for part in resolved[1].split("::") if not is_parquet(part)]
+    mixed_in_tables = any(is_parquet(part) for part in resolved[1].split("::"))
+    if not mixed_in_tables and not all(is_indexable(url) for urls in parts for url in urls):
+        return False  # streamed
+    return any(urls and all(is_indexable(url) for url in urls) and read_sizes(urls) is not None for urls in parts)
 
 
 def _planned_from_sizes_json(loader: NaFlexLoader) -> bool:

@@ -58,7 +58,7 @@ class ImageFolder:
         return [name for name in self.folders if name not in self.empty]
 
 
-def read_image_folder(root: str | Path, flag: str = "--zero-shot-data") -> ImageFolder:
+def read_image_folder(root: str | Path, flag: str = "--zeroshot-data") -> ImageFolder:
     """The class folders (one sub-folder per class; hidden ones left out) and their images, found as training
     finds a folder's (`walk_folder`: links to folders followed, each real folder once)."""
     root = Path(root)
@@ -108,7 +108,7 @@ def read_lines(path: str | Path, flag: str) -> list[str]:
     return [line for line in lines if line]
 
 
-def read_classnames(path: str | Path, folders: list[str], flag: str = "--zero-shot-classnames") -> list[str]:
+def read_classnames(path: str | Path, folders: list[str], flag: str = "--zeroshot-classnames") -> list[str]:
     """One display name per class folder, in sorted-folder order."""
     names = read_lines(path, flag)
     if len(names) != len(folders):
@@ -117,7 +117,7 @@ def read_classnames(path: str | Path, folders: list[str], flag: str = "--zero-sh
     return names
 
 
-def read_templates(path: str | Path, flag: str = "--zero-shot-templates") -> list[str]:
+def read_templates(path: str | Path, flag: str = "--zeroshot-templates") -> list[str]:
     """Prompt templates, one per line, each with `{}` (or `{c}`) where the class name goes."""
     templates = [t.replace("{c}", "{}") for t in read_lines(path, flag)]
     for template in templates:

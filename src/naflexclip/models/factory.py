@@ -4,13 +4,59 @@ registry, `naflexclip.families`; a run's checkpoint is read by `naflexclip.model
 
 from __future__ import annotations
 
+import argparse
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from naflexclip.families import DIRECTORY_FAMILIES, export_family, family_of, find_family, named_family
+from naflexclip.loss import LOSSES
 from naflexclip.models.naflex_clip import PRESETS, NaFlexClip, model_config
 from naflexclip.models.run_weights import is_run_checkpoint, load_run_model
+from naflexclip.settings import IGNORE, MODEL_SECTION, REFUSE, setting
+
+DEFAULT_MODEL = "small"  # `naflexclip train`'s model without --model (the demo's)
+_THE_MODEL = "the model"
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """The model a command builds (`create_model`'s name, weights, loss and caches), as `naflexclip train` and
+    `naflexclip verify` take them; each field a setting (`naflexclip.settings`)."""
+
+    # None: DEFAULT_MODEL, or with --pretrained a naflexclip checkpoint that checkpoint's model
+    model: str | None = setting(None, rule=REFUSE, why=_THE_MODEL, section=MODEL_SECTION, help=(
+        f"model preset ({', '.join(sorted(PRESETS))}) or an OpenCLIP model name (ViT-B-16, ViT-B-16-SigLIP2, "
+        "naflex_ViT-B-16, ...: open_clip.list_models(); docs/openclip.md)"),
+        default_help=f"{DEFAULT_MODEL}, or with --pretrained a naflexclip checkpoint that checkpoint's model")
+    # a transformers SigLIP 2 directory (architecture, weights, tokenizer, patching), or with an OpenCLIP --model
+    # name that model's weights: a checkpoint file, a pretrained tag or hf-hub:org/name in a local cache; or a
+    # naflexclip checkpoint (a run's checkpoints/ or one step_N/epoch_N in it: its architecture and weights only,
+    # `naflexclip.models.run_weights`)
+    pretrained: str | None = setting(None, rule=REFUSE, why=_THE_MODEL, section=MODEL_SECTION, help=(
+        "with an OpenCLIP --model name: its weights, an open_clip checkpoint (.pt, .bin, .safetensors, an "
+        "open_clip_train epoch_N.pt), a pretrained tag (laion2b_s34b_b79k) or hf-hub:org/name found in a local cache; "
+        "otherwise a transformers SigLIP 2 directory, whose architecture replaces --model and whose tokenizer and "
+        "patching the data's; or a naflexclip run's checkpoint (logs/RUN/checkpoints, or one step_N/epoch_N in it): "
+        "its model's architecture and weights only (train: a new run from step 0 with its own schedule)"))
+    # a name of LOSSES; None: the model's own (clip for tiny/small/base, siglip for SigLIP 2)
+    loss: str | None = setting(None, rule=REFUSE, why="the loss", section=MODEL_SECTION, choices=sorted(LOSSES),
+                               also=((("--siglip",), {"action": "store_const", "const": "siglip",
+                                                      "default": argparse.SUPPRESS,
+                                                      "help": "OpenCLIP's name for --loss siglip"}),
+                                     (("--no-siglip",), {"action": "store_const", "const": "clip",
+                                                         "default": argparse.SUPPRESS,
+                                                         "help": "OpenCLIP's --siglip off: --loss clip"})),
+                               help="contrastive loss: clip (softmax) or siglip (sigmoid, the model gets a "
+                                    "logit_bias)",
+                               default_help="the model's own (clip for tiny, small and base; siglip for siglip2-*, "
+                                            "SigLIP names and --pretrained SigLIP 2; a checkpoint's, the one it was "
+                                            "trained with)")
+    # OpenCLIP's --cache-dir: where pretrained tags are looked up (besides HF's cache)
+    cache_dir: str | None = setting(None, rule=IGNORE, section=MODEL_SECTION, help=(
+        "where --pretrained tags and hf-hub: names are looked up (a Hugging Face hub cache or open_clip's download "
+        "folder), besides the default caches; nothing is downloaded"))
 
 
 def _looks_like_path(name: str) -> bool:

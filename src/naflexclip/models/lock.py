@@ -9,7 +9,6 @@ optimizer, the modes and the window: docs/finetuning.md.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 from timm.models import group_parameters
 from torch import nn
 
-from naflexclip.settings import REFUSE, add_arguments, setting
+from naflexclip.settings import REFUSE, setting
 
 TOWERS = ("image", "text")
 
@@ -179,8 +178,3 @@ class Locks:
         if self.lock_text:
             towers.lock_text_tower(unlocked_layers=self.lock_text_unlocked_layers,
                                   freeze_layer_norm=self.lock_text_freeze_layer_norm)
-
-
-def add_lock_args(parser: argparse.ArgumentParser) -> None:
-    """OpenCLIP's lock flags (`Locks`' declarations)."""
-    add_arguments(parser, Locks)

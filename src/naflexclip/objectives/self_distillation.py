@@ -42,10 +42,11 @@ MASK_STREAM = 1_000_003  # the mask's generator is seeded with view_seed + this:
 
 @dataclass(frozen=True)
 class SelfDistillConfig:
-    """The heads' size and the views: `local_crops` student views per image, `mask_ratio` of its patches masked."""
+    """The heads' size and the views: `local_crops` student views per image, `mask_ratio` of its patches masked
+    (the recipe's flags: `objectives.siglip2_recipe`)."""
 
-    local_crops: int = 8
-    mask_ratio: float = 0.5
+    local_crops: int
+    mask_ratio: float
     hidden: int = 2048  # DINO's head: 3-layer MLP of width 2048, bottleneck 256, 65536 prototypes
     bottleneck: int = 256
     prototypes: int = 65536

@@ -45,6 +45,7 @@ RECIPES: dict[str, dict[str, Any]] = {
     "siglip2": {"locca_loss_weight": 1.0, "self_distill_loss_weight": 1.0, "masked_prediction_loss_weight": 0.25,
                 "local_crops": 8, "mask_ratio": 0.5, "ema_momentum": 0.996, "self_distill_start": 0.8},
 }
+_SIGLIP2 = RECIPES["siglip2"]  # the values written once: the flags' help, DEFAULTS and docs/siglip2_recipe.md read them
 # SigLIP 2 sec. 2.3 re-weights both terms by a further 0.25 / 0.5 / 1.0 / 0.5 for the B / L / So400m / g models: the
 # recipe's self-distillation weights times the factor of the model's size, told apart by the image
 # tower's (width, depth) as the paper's towers are (timm's vit_{base,large,so400m,giantopt}_patch16_siglip_*, which
@@ -55,10 +56,8 @@ SELF_DISTILL_WEIGHTS = ("self_distill_loss_weight", "masked_prediction_loss_weig
 # the pair loss a recipe trains with when --loss is not given (a model built from scratch; pretrained weights keep
 # their own): SigLIP 2 is a sigmoid-loss model
 RECIPE_LOSS: dict[str, str] = {"siglip2": "siglip"}
-# without --recipe: no self-distillation terms; the views and teacher flags take these
-DEFAULTS: dict[str, Any] = {"locca_loss_weight": 0.0, "self_distill_loss_weight": 0.0,
-                            "masked_prediction_loss_weight": 0.0, "local_crops": 8, "mask_ratio": 0.5,
-                            "ema_momentum": 0.996, "self_distill_start": 0.8}
+# without --recipe: no decoder and no self-distillation terms; the views and teacher flags take SigLIP 2's values
+DEFAULTS: dict[str, Any] = {**_SIGLIP2, **dict.fromkeys(("locca_loss_weight", *SELF_DISTILL_WEIGHTS), 0.0)}
 
 
 _RECIPE = "SigLIP 2's recipe"
@@ -82,18 +81,19 @@ class RecipeFlags:
     # None: the recipe's value, else DEFAULTS
     self_distill_loss_weight: float | None = setting(None, rule=APPLY, section=_RECIPE, help=(
         "λ of the self-distillation term (SILC: local crops vs the EMA teacher's full image), per window example "
-        "(default: the recipe's, siglip2: 1, else 0)"))
+        f"(default: the recipe's, siglip2: {_SIGLIP2['self_distill_loss_weight']:g}, else 0)"))
     masked_prediction_loss_weight: float | None = setting(None, rule=APPLY, section=_RECIPE, help=(
         "λ of the masked-prediction term (TIPS: masked patches vs the EMA teacher's), per window example (default: "
-        "the recipe's, siglip2: 0.25, else 0)"))
+        f"the recipe's, siglip2: {_SIGLIP2['masked_prediction_loss_weight']:g}, else 0)"))
     local_crops: int | None = setting(None, rule=APPLY, section=_RECIPE,
-                                      help="student local crops per image (default 8)")
+                                      help=f"student local crops per image (default {DEFAULTS['local_crops']})")
     mask_ratio: float | None = setting(None, rule=APPLY, section=_RECIPE, help=(
-        "fraction of each image's patches masked for masked prediction (default 0.5)"))
+        f"fraction of each image's patches masked for masked prediction (default {DEFAULTS['mask_ratio']:g})"))
     ema_momentum: float | None = setting(None, rule=APPLY, section=_RECIPE, help=(
-        "the EMA teacher's momentum, fixed (default 0.996; SigLIP 2 does not state it)"))
+        f"the EMA teacher's momentum, fixed (default {DEFAULTS['ema_momentum']:g}; SigLIP 2 does not state it)"))
     self_distill_start: float | None = setting(None, rule=APPLY, section=_RECIPE, help=(
-        "fraction of training after which the self-distillation terms are on (default 0.8)"))
+        "fraction of training after which the self-distillation terms are on (default "
+        f"{DEFAULTS['self_distill_start']:g})"))
 
 
 @dataclass

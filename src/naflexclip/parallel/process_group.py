@@ -32,6 +32,7 @@ from naflexclip.parallel.launchers import (
     check_dist_url,
     read_launch,
 )
+from naflexclip.settings import APPLY, DEVICES_SECTION, IGNORE, setting
 
 # rendezvous-store keys used to say which rank failed and which are still alive
 _STORE_PREFIX = "naflexclip/fault"
@@ -67,6 +68,20 @@ class RankFailed(DistributedFault):
 
 
 DEVICE_CHOICES = ("cpu", "cuda", "cuda:N")
+
+
+@dataclass(frozen=True)
+class DeviceSettings:
+    """Where and how a command runs its model (`--device`, `--grad-checkpointing`), as `naflexclip train` and
+    `naflexclip verify` take them; each field a setting (`naflexclip.settings`)."""
+
+    device: str | None = setting(None, rule=IGNORE, section=DEVICES_SECTION,
+                                 per_rank="each process its own GPU (cuda:<local rank>)",
+                                 help=", ".join(DEVICE_CHOICES),
+                                 default_help="cuda if available; cuda:<local rank> in a job")
+    # recompute block activations in backward (both towers)
+    grad_checkpointing: bool = setting(False, rule=APPLY, section=DEVICES_SECTION, openclip=False, runtime=True, help=(
+        "recompute each tower block's activations in backward: less memory, ~1.3x time; stays exact"))
 
 
 def check_device(device: str | None) -> None:

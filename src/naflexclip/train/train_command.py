@@ -19,13 +19,17 @@ from naflexclip.evaluation.evaluated_model import evaluated_model
 from naflexclip.models.precision import PRECISIONS, check_precision
 from naflexclip.parallel.launchers import launched_world_size
 from naflexclip.parallel.process_group import DistributedFault, check_device
+from naflexclip.settings import add_arguments
 
 from .flags import add_train_args, config_from_args
 from .openclip_flags import HelpFormatter, add_openclip_flags, group_by_origin
+from .train_config import TrainConfig
 
 __all__ = ["add_parser", "run_eval", "run_train"]
 
 DEFAULT_ZERO_SHOT_OUTPUT = "zeroshot_results.json"
+# the settings `eval` shares with `train`: an ImageFolder classified zero-shot
+ZERO_SHOT_KEYS = ("zeroshot_data", "zeroshot_classnames", "zeroshot_templates")
 
 
 def _say(line: str) -> None:
@@ -89,7 +93,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 def run_zero_shot(args: argparse.Namespace, model: torch.nn.Module, config: dict, device: torch.device,
                   autocast: object, output: Path) -> int:
-    """`eval --zero-shot-data DIR`: classify the ImageFolder DIR, print the results, write them as JSON."""
+    """`eval --zeroshot-data DIR`: classify the ImageFolder DIR, print the results, write them as JSON."""
     from naflexclip.evaluation.zero_shot import (
         format_results,
         read_classnames,
@@ -101,11 +105,11 @@ def run_zero_shot(args: argparse.Namespace, model: torch.nn.Module, config: dict
 
     data = config["data"]
     seq_len = args.zero_shot_seq_len or max(data["naflex_seq_lens"])
-    folders = read_image_folder(args.zero_shot_data).folders
-    classnames = read_classnames(args.zero_shot_classnames, folders) if args.zero_shot_classnames else None
-    templates = read_templates(args.zero_shot_templates) if args.zero_shot_templates else None
+    folders = read_image_folder(args.zeroshot_data).folders
+    classnames = read_classnames(args.zeroshot_classnames, folders) if args.zeroshot_classnames else None
+    templates = read_templates(args.zeroshot_templates) if args.zeroshot_templates else None
     overrides = DataConfig(**data).image_overrides()  # the run's --image-mean/--image-std/--image-interpolation
-    results = zero_shot_classify(model, args.zero_shot_data, seq_len=seq_len, hf_processor=data.get("hf_processor"),
+    results = zero_shot_classify(model, args.zeroshot_data, seq_len=seq_len, hf_processor=data.get("hf_processor"),
                                  classnames=classnames, templates=templates, device=device, autocast=autocast,
                                  image_overrides=overrides)
     results["seq_len"] = seq_len
@@ -117,7 +121,7 @@ def run_zero_shot(args: argparse.Namespace, model: torch.nn.Module, config: dict
 
 def run_eval(args: argparse.Namespace) -> int:
     """Handler of `naflexclip eval`: the training run's evaluation on a checkpoint (with the built-in tasks, the dense
-    probe; with a LocCa decoder, its metrics), printed as JSON (or, with --zero-shot-data, zero-shot classification
+    probe; with a LocCa decoder, its metrics), printed as JSON (or, with --zeroshot-data, zero-shot classification
     of an ImageFolder)."""
     from naflexclip.evaluation.zero_shot import check_output
     from naflexclip.models.precision import create_precision
@@ -128,14 +132,14 @@ def run_eval(args: argparse.Namespace) -> int:
         check_device(args.device)
         if args.precision is not None:
             args.precision = check_precision(args.precision)
-        output = args.output or (DEFAULT_ZERO_SHOT_OUTPUT if args.zero_shot_data is not None else None)
+        output = args.output or (DEFAULT_ZERO_SHOT_OUTPUT if args.zeroshot_data is not None else None)
         output = check_output(output) if output is not None else None
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         try:
             model, config = evaluated_model(args.checkpoint, device)
         except (ValueError, FileNotFoundError) as error:
             return _error("eval", f"--checkpoint {args.checkpoint}: {str(error).splitlines()[0]}")
-        if args.zero_shot_data is not None:
+        if args.zeroshot_data is not None:
             precision = create_precision(args.precision or config["precision"], device)
             return run_zero_shot(args, model, config, device, precision.autocast, output)
         data = DataConfig(**config["data"])
@@ -181,15 +185,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--precision", default=None, metavar="{" + ",".join(PRECISIONS) + "}",
                           help="default: the run's (OpenCLIP's amp_bfloat16 is amp_bf16)")
     evaluate.add_argument("--device", default=None)
-    z = evaluate.add_argument_group("zero-shot classification of your own ImageFolder")
-    z.add_argument("--zero-shot-data", default=None, help="an ImageFolder: one sub-folder of images per class")
-    z.add_argument("--zero-shot-classnames", default=None,
-                   help="text file, one class name per line in sorted folder order (default: the folder names)")
-    z.add_argument("--zero-shot-templates", default=None,
-                   help="text file, one prompt template per line with {} for the class name (default: a short set)")
+    # train's declarations of them (`--zeroshot-data`; eval's first spelling `--zero-shot-data` an alias)
+    (z,) = add_arguments(evaluate, TrainConfig, keys=ZERO_SHOT_KEYS).values()
     z.add_argument("--zero-shot-seq-len", type=int, default=None,
                    help="patch budget per image (default: the run's largest --naflex-seq-lens)")
     evaluate.add_argument("--output", "--zero-shot-output", dest="output", default=None,
-                          help="where the results JSON goes (checked before evaluating; with --zero-shot-data "
+                          help="where the results JSON goes (checked before evaluating; with --zeroshot-data "
                                f"default {DEFAULT_ZERO_SHOT_OUTPUT}, otherwise the metrics are only printed)")
     evaluate.set_defaults(func=run_eval)

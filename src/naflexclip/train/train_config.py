@@ -17,18 +17,21 @@ from typing import Any
 
 from naflexclip.data import DataConfig
 from naflexclip.families import family_of, named_family
-from naflexclip.loss import DEFAULT_TILE_SIZE, LOSSES
+from naflexclip.models.factory import DEFAULT_MODEL, ModelSettings
 from naflexclip.models.lock import Locks
 from naflexclip.models.naflex_clip import PRESETS
 from naflexclip.models.precision import PRECISIONS
 from naflexclip.objectives.registry import ObjectiveFlags, objectives_of
 from naflexclip.parallel.launchers import check_backend, check_dist_url
-from naflexclip.parallel.process_group import DEVICE_CHOICES
+from naflexclip.parallel.process_group import DeviceSettings
+from naflexclip.rng import Seed
 from naflexclip.settings import (
     APPLY,
+    DEVICES_SECTION,
     IGNORE,
     NO_FLAG,
     NOT_OPENCLIP,
+    OPTIMIZATION_SECTION,
     REFUSE,
     RESCHEDULE,
     nested,
@@ -39,21 +42,18 @@ from naflexclip.settings import (
     switches_with_data,
 )
 from naflexclip.train import config_checks
-from naflexclip.window import METHODS, SCALE_MODES
+from naflexclip.window.window_settings import WindowSettings
 
-__all__ = ["DEFAULT_MODEL", "DEMO_DEFAULTS", "FLAG_NAMES", "OPENCLIP_DEFAULTS", "SETTINGS", "TrainConfig", "flag_name"]
-
-DEFAULT_MODEL = "small"
+__all__ = ["DEMO_DEFAULTS", "FLAG_NAMES", "OPENCLIP_DEFAULTS", "SETTINGS", "TrainConfig", "flag_name"]
 
 # --help's sections
-_MODEL = "model and window"
-_OPTIMIZATION = "optimization"
+_OPTIMIZATION = OPTIMIZATION_SECTION
 _OPTIMIZER = "optimizer and lr schedule"
 _BACKUP = "checkpoints, backup and logs"
 _OVERRIDES = "model overrides"
 _RUN = "run, logs and checkpoints"
-_ZERO_SHOT = "zero-shot classification of your own ImageFolder during training"
-_DEVICES = "devices"
+_ZERO_SHOT = "zero-shot classification of your own ImageFolder"  # eval's too
+_DEVICES = DEVICES_SECTION
 _LAUNCHER = "launcher (torchrun, srun, mpirun)"
 # what a refused change would change
 _THE_MODEL = "the model"
@@ -79,44 +79,16 @@ class RunSettings:
     """The settings of a run besides its objectives' (`TrainConfig`'s first fields)."""
 
     data: DataConfig = nested(DataConfig)
-    # None: `small`, or with --pretrained a naflexclip checkpoint that checkpoint's model
-    model: str | None = setting(None, rule=REFUSE, why=_THE_MODEL, section=_MODEL, help=(
-        f"model preset ({', '.join(sorted(PRESETS))}) or an OpenCLIP model name (ViT-B-16, ViT-B-16-SigLIP2, "
-        f"naflex_ViT-B-16, ...: open_clip.list_models(); docs/openclip.md); default: {DEFAULT_MODEL}, or with "
-        "--pretrained a naflexclip checkpoint that checkpoint's model"))
-    # declared right after --model: a resume names a different model or pretrained source before what follows
-    # from it (the loss)
-    # a transformers SigLIP 2 directory (architecture, weights, tokenizer, patching), or with an OpenCLIP --model
-    # name that model's weights: a checkpoint file, a pretrained tag or hf-hub:org/name in a local cache; or a
-    # naflexclip checkpoint (a run's checkpoints/ or one step_N/epoch_N in it: its architecture and weights only,
-    # `naflexclip.models.run_weights`)
-    pretrained: str | None = setting(None, rule=REFUSE, why=_THE_MODEL, section=_MODEL, help=(
-        "with an OpenCLIP --model name: its weights, an open_clip checkpoint (.pt, .bin, .safetensors, an "
-        "open_clip_train epoch_N.pt), a pretrained tag (laion2b_s34b_b79k) or hf-hub:org/name found in a local cache; "
-        "otherwise a transformers SigLIP 2 directory, whose architecture replaces --model and whose tokenizer and "
-        "patching the data's; or a naflexclip run's checkpoint (logs/RUN/checkpoints, or one step_N/epoch_N in it): "
-        "its model's architecture and weights only, a new run from step 0 with its own schedule"))
-    # a name of LOSSES; None: the model's own (clip for tiny/small/base, siglip for SigLIP 2)
-    loss: str | None = setting(None, rule=REFUSE, why="the loss", section=_MODEL, choices=sorted(LOSSES),
-                               also=((("--siglip",), {"action": "store_const", "const": "siglip",
-                                                      "default": argparse.SUPPRESS,
-                                                      "help": "OpenCLIP's name for --loss siglip"}),
-                                     (("--no-siglip",), {"action": "store_const", "const": "clip",
-                                                         "default": argparse.SUPPRESS,
-                                                         "help": "OpenCLIP's --siglip off: --loss clip"})),
-                               help="contrastive loss: clip (softmax) or siglip (sigmoid, the model gets a "
-                                    "logit_bias); default: the model's own (clip for tiny, small and base; siglip for "
-                                    "siglip2-*, SigLIP names and --pretrained SigLIP 2)")
-    batch_size: int | None = setting(None, rule=APPLY, section=_MODEL, openclip=64, help=(
-        "reference batch size B_ref of --naflex-loss-scale, without which it has no effect (not OpenCLIP's rows "
-        "per batch: the rows of each microbatch come from the token budget --naflex-max-tokens-per-batch)"))
-    accum_freq: int = setting(2, rule=RESCHEDULE, section=_MODEL, openclip=1, help=(
-        "microbatches per optimizer step (one window; every example is a negative for every other)"))
-    accum_method: str = setting("cache", rule=APPLY, section=_MODEL, choices=METHODS)
-    loss_tile_size: int = setting(DEFAULT_TILE_SIZE, rule=APPLY, section=_MODEL, help=(
-        "rows/columns of one block of the tiled loss (speed only; memory O(N·D + tile²))"))
-    naflex_loss_scale: str = setting("none", rule=APPLY, section=_MODEL, openclip="none",
-                                     choices=SCALE_MODES)
+    # declared in their groups, which verify takes too; --pretrained right after --model: a resume names a different
+    # model or pretrained source before what follows from it (the loss)
+    model: str | None = same_as(ModelSettings, "model")
+    pretrained: str | None = same_as(ModelSettings, "pretrained")
+    loss: str | None = same_as(ModelSettings, "loss")
+    batch_size: int | None = same_as(WindowSettings, "batch_size")
+    accum_freq: int = same_as(WindowSettings, "accum_freq")
+    accum_method: str = same_as(WindowSettings, "accum_method")
+    loss_tile_size: int = same_as(WindowSettings, "loss_tile_size")
+    naflex_loss_scale: str = same_as(WindowSettings, "naflex_loss_scale")
     lr: float = setting(1e-3, rule=RESCHEDULE, section=_OPTIMIZATION, openclip=5e-4, help="peak learning rate")
     wd: float = setting(0.1, rule=APPLY, section=_OPTIMIZATION, openclip=0.2,
                         help="AdamW weight decay (matrices only)")
@@ -137,7 +109,7 @@ class RunSettings:
                                                "action": "store_const", "const": None, "default": argparse.SUPPRESS,
                                                "help": "no clipping (OpenCLIP's default)"}),),
                                            help="clip the window's gradient norm (0 or less: no clipping)")
-    seed: int = setting(0, rule=APPLY, section=_OPTIMIZATION, openclip=0)
+    seed: int = same_as(Seed, "seed")
     # --logs-dir: torchrun (torch >= 2.9) rejects `--logs` after the script as ambiguous with its --logs-specs
     logs: str = setting("./logs", rule=IGNORE, section=_RUN, aliases=("--logs-dir",),
                         help="runs go to {logs}/{name}/ (under torchrun spell it --logs-dir)")
@@ -170,11 +142,15 @@ class RunSettings:
     zero_shot_samples: int = setting(300, rule=APPLY, section=_RUN, help=(
         "built-in single-object images for the zero-shot shape/colour evaluation"))
     # an ImageFolder classified zero-shot during training (`zeroshot/<name>/...`)
-    zeroshot_data: str | None = setting(None, rule=APPLY, section=_ZERO_SHOT, help=(
-        "an ImageFolder (one sub-folder of images per class), logged as zeroshot/<folder name>/top1 and top5"))
-    zeroshot_classnames: str | None = setting(None, rule=APPLY, section=_ZERO_SHOT, help=(
+    # these three are eval's too (`--zero-shot-data`: eval's first spelling)
+    zeroshot_data: str | None = setting(None, rule=APPLY, section=_ZERO_SHOT, aliases=("--zero-shot-data",), help=(
+        "an ImageFolder (one sub-folder of images per class); its top-1 and top-5 (in training logged as "
+        "zeroshot/<folder name>/top1 and top5)"))
+    zeroshot_classnames: str | None = setting(None, rule=APPLY, section=_ZERO_SHOT,
+                                              aliases=("--zero-shot-classnames",), help=(
         "text file, one class name per line in sorted folder order (default: the folder names)"))
-    zeroshot_templates: str | None = setting(None, rule=APPLY, section=_ZERO_SHOT, help=(
+    zeroshot_templates: str | None = setting(None, rule=APPLY, section=_ZERO_SHOT,
+                                             aliases=("--zero-shot-templates",), help=(
         "text file, one prompt template per line with {} for the class name (default: a short set)"))
     # OpenCLIP's: every N epochs (before training and at the end too); 0: never. Not given: absent from the
     # namespace (config_from_args tells a given one without zero-shot data)
@@ -187,9 +163,7 @@ class RunSettings:
     imagenet_v2: str | None = setting(None, rule=APPLY, section=_ZERO_SHOT, help=(
         "ImageNetV2 (imagenetv2_pytorch's folder: ImageNetV2-matched-frequency/0..999), likewise "
         "zeroshot/imagenet-v2/..."))
-    device: str | None = setting(None, rule=IGNORE, section=_DEVICES,
-                                 per_rank="each process its own GPU (cuda:<local rank>)", help=(
-        f"{', '.join(DEVICE_CHOICES)} (default: cuda if available; cuda:<local rank> in a job)"))
+    device: str | None = same_as(DeviceSettings, "device")
     max_skipped_steps: int = setting(10, rule=APPLY, section=_OPTIMIZATION, help=(
         "stop after this many consecutive steps with a non-finite loss or gradient"))
     fsdp: bool = setting(False, rule=APPLY, section=_DEVICES, openclip=False, runtime=True, help=(
@@ -204,9 +178,7 @@ class RunSettings:
     async_save: bool = setting(False, rule=APPLY, section=_DEVICES, help=(
         "with --fsdp-checkpoint sharded: training continues while the shards are written (DCP's async_save); the "
         "next save waits for the previous one"))
-    # recompute block activations in backward (both towers)
-    grad_checkpointing: bool = setting(False, rule=APPLY, section=_DEVICES, openclip=False, runtime=True, help=(
-        "recompute each tower block's activations in backward: less memory, ~1.3x time; stays exact"))
+    grad_checkpointing: bool = same_as(DeviceSettings, "grad_checkpointing")
     # torch.compile the towers' blocks (dynamic shapes)
     torchcompile: bool = setting(False, rule=APPLY, section=_DEVICES, openclip=False, runtime=True, help=(
         "torch.compile the towers (dynamic shapes: one graph per grad mode, not one per batch shape)"))
@@ -216,10 +188,7 @@ class RunSettings:
     plot: bool = setting(True, rule=IGNORE, section=_RUN, flag="--no-plot", dest="no_plot",
                          action="store_true", flag_default=False, convert=lambda no_plot: not no_plot,
                          help="do not write curves.png")
-    # OpenCLIP's --cache-dir: where pretrained tags are looked up (besides HF's cache)
-    cache_dir: str | None = setting(None, rule=IGNORE, section=_MODEL, help=(
-        "where --pretrained tags and hf-hub: names are looked up (a Hugging Face hub cache or open_clip's download "
-        "folder), besides the default caches; nothing is downloaded"))
+    cache_dir: str | None = same_as(ModelSettings, "cache_dir")
     # the locked towers (OpenCLIP's flags), declared in `naflexclip.models.lock.Locks`, which verify takes too
     lock_image: bool = same_as(Locks, "lock_image")
     lock_image_unlocked_groups: int = same_as(Locks, "lock_image_unlocked_groups")
