@@ -25,7 +25,7 @@ from naflexclip.data import remote
 from naflexclip.data.chunk_order import ChunkOrder
 from naflexclip.data.schedule import ScheduledBatch
 
-IN_FLIGHT = 8  # chunk requests at once (latency, not bandwidth, bounds one request)
+IN_FLIGHT = 32  # chunk requests at once: an epoch starts with a chunk of each stream (64), latency bounds each
 
 
 def chunk_range(source: Any, order: ChunkOrder, c: int) -> tuple[str, str | None, int, int] | None:
