@@ -17,6 +17,7 @@ import torch
 from naflexclip.data import DataConfig, DataError
 from naflexclip.evaluation.evaluated_model import evaluated_model
 from naflexclip.models.precision import check_precision
+from naflexclip.objectives.registry import saved_objectives
 from naflexclip.parallel.process_group import DistributedFault, check_device, launched_world_size
 
 from .flags import (  # re-exported: the flags' public names stay importable from here
@@ -153,7 +154,7 @@ def run_eval(args: argparse.Namespace) -> int:
                                   "--val-data (or --zero-shot for the built-in zero-shot tasks)")
         metrics = evaluate(model, data, device, precision.autocast,
                            zero_shot_samples=config["zero_shot_samples"] if on_builtin else 0, dense_probe=on_builtin,
-                           decoder=getattr(model, "decoder", None) is not None,
+                           objectives=saved_objectives(config),
                            notify=lambda line: _say(f"naflexclip eval: {line}"))
     except (ValueError, DataError, FileNotFoundError) as error:
         return _error("eval", str(error).splitlines()[0])
