@@ -263,7 +263,7 @@ def decoder_metrics(model: nn.Module, data: DataConfig, device: torch.device,
         seen = 0
         examples = DecoderExamples(decoder.vocab, decoder.config.max_length, tokens, task=task)
         with build_loader(data, split="val", patch_size=model.image_patch_size, context_length=model.context_length,
-                          processing=processing, decoder=examples) as val:
+                          processing=processing, inputs=[examples]) as val:
             for batch in val:
                 if seen >= limit:
                     break
