@@ -106,7 +106,7 @@ def _loader(epoch: int, workers: int) -> list[dict]:
     cfg = DataConfig(dataset_type="synthetic", synthetic_train_size=24, naflex_seq_lens=(64,),
                      naflex_max_tokens_per_batch=64 * 8, workers=workers)
     loader = build_loader(cfg, split="train", patch_size=16, context_length=CONTEXT, epoch=epoch,
-                          decoder=_decoder_examples())
+                          inputs=[_decoder_examples()])
     return list(loader)
 
 
@@ -131,7 +131,7 @@ def test_the_loader_builds_each_samples_decoder_example_into_its_microbatch():
 
 def test_a_bad_region_is_a_named_skip_and_its_sample_trains():
     builder = MicrobatchBuilder(patch_size=16, context_length=CONTEXT, processing=default_processing(16),
-                                decoder=_decoder_examples())
+                                inputs=[_decoder_examples()])
     image = Image.new("RGB", (64, 32), (200, 10, 10))
     raw = RawSample(image, "a red image", None, "k0",
                     json.dumps({"regions": [{"bbox": [0, 0, 65, 10], "caption": "too wide"}]}).encode())
@@ -145,7 +145,7 @@ def test_a_bad_region_is_a_named_skip_and_its_sample_trains():
 def test_a_locca_term_refuses_crop_augmentation():
     with pytest.raises(ValueError, match="--augment"):
         MicrobatchBuilder(patch_size=16, context_length=CONTEXT, processing=default_processing(16, augment=True),
-                          augment=True, decoder=_decoder_examples())
+                          augment=True, inputs=[_decoder_examples()])
 
 
 @pytest.mark.parametrize("fmt", ["webdataset", "csv", "folder"])
@@ -178,7 +178,7 @@ def test_a_tokenizer_without_start_or_end_tokens_ends_targets_with_its_padding()
 @pytest.mark.parametrize("meta", [[{"bbox": [0, 0, 5, 5], "caption": "a box"}], "a string", 7, None])
 def test_a_region_json_that_is_not_an_object_is_a_named_skip_and_its_sample_trains(meta):
     builder = MicrobatchBuilder(patch_size=16, context_length=CONTEXT, processing=default_processing(16),
-                                decoder=_decoder_examples())
+                                inputs=[_decoder_examples()])
     raw = RawSample(Image.new("RGB", (64, 32), (200, 10, 10)), "a red image", None, "k0", json.dumps(meta).encode())
     item = builder.build(ScheduledBatch(index=0, seq_len=64, batch_size=1, offset=0), [(raw, ("src", "k0", None))],
                          [], (0, 0, 0))

@@ -39,7 +39,7 @@ def _pixels(image: dict[str, torch.Tensor], patch: int) -> torch.Tensor:
 def test_the_teachers_inputs_are_the_same_samples_on_its_own_patch_grid(augment: bool) -> None:
     teacher = TeacherInputs(default_processing(16, augment), patch_size=16, context_length=32)
     loader = build_loader(DataConfig(**DATA, augment=augment), split="train", patch_size=4, context_length=16,
-                          teacher=teacher)
+                          inputs=[teacher])
     rows = 0
     for item in loader:
         own = item[TEACHER_INPUTS]
@@ -101,7 +101,7 @@ def test_with_a_patch_size_drawn_per_microbatch_the_teacher_reads_its_own_inputs
     assert teacher_inputs(create_model("tiny"), None, student, None, "tiny", own=True) is not None
     teacher = TeacherInputs(default_processing(4), patch_size=4, context_length=16)
     loader = build_loader(DataConfig(**DATA, naflex_patch_sizes=(4, 8)), split="train", patch_size=4,
-                          context_length=16, teacher=teacher)
+                          context_length=16, inputs=[teacher])
     sizes = set()
     for item in loader:
         sizes.add(item["patch_size"])
@@ -116,7 +116,7 @@ def test_with_a_patch_size_drawn_per_microbatch_the_teacher_reads_its_own_inputs
 def test_with_several_captions_per_image_the_teacher_gets_every_caption() -> None:
     teacher = TeacherInputs(default_processing(16), patch_size=16, context_length=32)
     data = DataConfig(**DATA, synthetic_multi_caption=True, multi_caption=True)
-    for item in build_loader(data, split="train", patch_size=4, context_length=16, teacher=teacher):
+    for item in build_loader(data, split="train", patch_size=4, context_length=16, inputs=[teacher]):
         own = item[TEACHER_INPUTS]
         assert own["image"]["patches"].shape[0] == len(item["keys"]) < own["text"].shape[0] == item["text"].shape[0]
         pieces = split_rows(item, 2)
@@ -139,7 +139,7 @@ def test_a_sample_the_teachers_transform_skips_is_left_out_of_both_inputs() -> N
 
     processing = dataclasses.replace(default_processing(16), transform=SkipsEveryOther())
     loader = build_loader(DataConfig(**DATA), split="train", patch_size=4, context_length=16,
-                          teacher=TeacherInputs(processing, patch_size=16, context_length=32))
+                          inputs=[TeacherInputs(processing, patch_size=16, context_length=32)])
     rows = 0
     for item in loader:
         own = item[TEACHER_INPUTS]

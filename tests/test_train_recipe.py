@@ -151,7 +151,7 @@ def test_decoder_eval_scores_a_perfect_decoder_1_and_a_shifted_box_0(monkeypatch
     from contextlib import nullcontext
 
     from naflexclip.data.data_config import DataConfig
-    from naflexclip.train.evaluator import box_iou, decoder_metrics
+    from naflexclip.objectives.locca_decoder import box_iou, decoder_metrics
 
     assert box_iou((0, 0, 1, 1), (0, 0, 1, 1)) == 1 and box_iou((0, 0, 0.5, 1), (0.5, 0, 1, 1)) == 0
     assert box_iou((0, 0, 1, 1), (0, 0, 0.5, 1)) == 0.5
@@ -171,7 +171,8 @@ def test_decoder_eval_scores_a_perfect_decoder_1_and_a_shifted_box_0(monkeypatch
 
     def recording_loader(*args, **kwargs):  # keep each example's target for the oracle
         loader = original(*args, **kwargs)
-        task = kwargs["decoder"].task
+        (examples,) = kwargs["inputs"]
+        task = examples.task
         from naflexclip.processing.decoder_tokens import IGNORE
         seen[task] = [[[t for t in row.tolist() if t != IGNORE]
                        for row, ids in zip(item["example_inputs"]["decoder_labels"],

@@ -17,7 +17,7 @@ import torch
 from test_train_loop import tiny_config
 
 from naflexclip.data import DataConfig, build_loader
-from naflexclip.objectives.self_distillation import MASKED_PREDICTION, SELF_DISTILL, EmaTeacher
+from naflexclip.objectives.self_distillation import MASKED_PREDICTION, SELF_DISTILL, EmaTeacher, ViewSeeds
 from naflexclip.parallel.process_group import init_distributed
 from naflexclip.processing.view_seeds import VIEW_SEED
 from naflexclip.train.loop import Trainer
@@ -145,7 +145,7 @@ def test_view_seeds_are_a_function_of_seed_epoch_and_sample(tmp_path: Path) -> N
                       naflex_max_tokens_per_batch=64, workers=0)
 
     def seeds(epoch: int, start_batch: int = 0, world_size: int = 1, rank: int = 0) -> dict[str, int]:
-        loader = build_loader(data, split="train", patch_size=16, context_length=16, view_seeds=True,
+        loader = build_loader(data, split="train", patch_size=16, context_length=16, inputs=[ViewSeeds()],
                               rank=rank, world_size=world_size)
         loader.set_epoch(epoch, start_batch=start_batch)
         return {key: int(seed) for item in loader for key, seed in zip(item["keys"],

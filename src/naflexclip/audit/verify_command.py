@@ -194,8 +194,8 @@ def loader_window(args: argparse.Namespace, setup: VerifySetup) -> tuple[dict[st
     processing = data_processing(cfg.hf_processor, setup.model.image_patch_size, cfg.augment)
     with build_loader(cfg, split="train", patch_size=setup.model.image_patch_size,
                       context_length=setup.model.context_length, processing=processing,
-                      **{key: value for objective in setup.objectives
-                         for key, value in objective.loader_inputs(setup.model, processing).items()}) as loader:
+                      inputs=[inputs for objective in setup.objectives
+                              for inputs in objective.loader_inputs(setup.model, processing)]) as loader:
         microbatches = list(itertools.islice(iter(loader), setup.accum_freq))
     if len(microbatches) < setup.accum_freq:
         raise ValueError(f"--accum-freq {setup.accum_freq}: the data yields only {len(microbatches)} batches")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,10 +17,10 @@ from naflexclip.data.folders import FolderSource
 from naflexclip.data.joined_sources import JoinedSources
 from naflexclip.data.loader import NaFlexLoader
 from naflexclip.data.map_loader import MapLoader
-from naflexclip.data.microbatch import MicrobatchBuilder, TeacherInputs
+from naflexclip.data.microbatch import MicrobatchBuilder
 from naflexclip.data.parquet_source import BLOCK_ROW_GROUPS, ParquetSource, is_parquet
 from naflexclip.data.readers import SyntheticSource, ZeroShotSource
-from naflexclip.data.regions import DecoderExamples
+from naflexclip.data.sample_inputs import SampleInputs
 from naflexclip.data.samples import reasons_line
 from naflexclip.data.shard_index import is_indexable
 from naflexclip.data.shard_order import ShardRecipe, ShardSet, mixture_counts
@@ -246,9 +246,7 @@ def build_loader(
     start_batch: int = 0,
     device_pin: bool = False,
     processing: Processing | None = None,
-    decoder: DecoderExamples | None = None,
-    teacher: TeacherInputs | None = None,
-    view_seeds: bool = False,
+    inputs: Sequence[SampleInputs] = (),
 ) -> NaFlexLoader:
     """The loader for `split` ("train": sequence lengths drawn per step, shuffled, optional augment;
     "val": every microbatch at max(--naflex-seq-lens), source order, deterministic eval transform). `patch_size`:
@@ -257,12 +255,9 @@ def build_loader(
     `start_batch` resumes mid-epoch: the loader yields exactly the microbatches from that position on that
     an uninterrupted epoch would have yielded. `processing`: the model's transform, collation and tokenizer for
     this split (an augmenting one for "train" with `cfg.augment`), handed in by the model's family
-    (`naflexclip.families.data_processing`); None: our own (`default_processing`). `decoder`: a run with a LocCa
-    term builds each sample's decoder example into its microbatch's `example_inputs` (`naflexclip.data.regions`).
-    `teacher`: a distillation teacher reading other inputs than the student's gets its own of the same samples in
-    each training microbatch's `teacher_inputs` (`naflexclip.objectives.distillation.Distill.teacher` says which
-    teacher does).
-    `view_seeds`: a run with self-distillation adds each sample's `view_seed` there (its crops and mask).
+    (`naflexclip.families.data_processing`); None: our own (`default_processing`). `inputs`: what the objectives'
+    examples need besides, built per sample into each microbatch (`naflexclip.data.sample_inputs.SampleInputs`,
+    handed in by `naflexclip.objectives.objective.Objective.loader_inputs`).
     """
     resolved = cfg.source(split)
     if resolved is None:
@@ -280,9 +275,7 @@ def build_loader(
                                   augment=cfg.augment and train, json_caption=cfg.json_caption(),
                                   max_image_pixels=cfg.max_image_pixels, multi_caption=cfg.multi_caption and train,
                                   caption_per_line=cfg.caption_per_line,
-                                  decoder=decoder, teacher=teacher if train else None,
-                                  patch_sizes=cfg.patch_sizes(patch_size) if train else None,
-                                  view_seeds=view_seeds and train),
+                                  patch_sizes=cfg.patch_sizes(patch_size) if train else None, inputs=inputs),
         seed=cfg.seed, shuffle=train, workers=cfg.workers, rank=rank, world_size=world_size, pin_memory=device_pin,
     )
     # Parquet, alone or in a `::` mixture with shards

@@ -7,9 +7,9 @@ microbatch whose samples are all bad comes back as an empty item, covered later 
 from __future__ import annotations
 
 import hashlib
-import io
 import itertools
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,27 +17,41 @@ import torch
 from PIL import Image
 
 from naflexclip.batch import EXAMPLE_INPUTS, TEACHER_INPUTS
-from naflexclip.data.regions import DecoderExamples, Region, parse_regions
+from naflexclip.data.sample_inputs import DecodedSample, SampleInputs
 from naflexclip.data.samples import JsonCaption, SkipSample, decode_captions, decode_image, one_caption
 from naflexclip.data.schedule import PatchSizes, ScheduledBatch, even_sizes
 from naflexclip.data.source import RawSample, skip_record
 from naflexclip.processing.naflex_transform import Processing
-from naflexclip.processing.view_seeds import VIEW_SEED, sample_view_seed
 
 # where a sample is, for the skip log: (source, key, line)
 Where = tuple[str, str | None, int | None]
 
 
 @dataclass(frozen=True)
-class TeacherInputs:
+class TeacherInputs(SampleInputs):
     """How a distillation teacher whose inputs differ from the student's processes the same samples: its processing
     (its transform, collation and tokenizer; cropping like the student's with --augment), patch size and context
     length. Each image is resized at the microbatch's sequence length on the teacher's own patch grid (as many
-    patches as the student gets at most; larger pixels when its patches are larger)."""
+    patches as the student gets at most; larger pixels when its patches are larger); a sample its transform skips
+    is left out for the student too. In each microbatch's `teacher_inputs`: its patches and tokens of the same
+    samples and captions."""
 
     processing: Processing
     patch_size: int
     context_length: int
+
+    def target_hw(self, hw: tuple[int, int], seq_len: int) -> tuple[int, int] | None:
+        return self.processing.transform.target_hw(hw, seq_len)
+
+    def of_sample(self, sample: DecodedSample) -> Any:
+        own = self.processing.transform
+        if sample.draws is None:
+            return own(sample.image, sample.seq_len)
+        return own(sample.image, sample.seq_len, _replayed(sample.draws))  # the same crop: the student's draws
+
+    def of_microbatch(self, values: list[Any], texts: list[str], seq_len: int) -> dict[str, dict[str, Any]]:
+        return {TEACHER_INPUTS: {"image": self.processing.collate(values, seq_len, self.patch_size),
+                                 "text": self.processing.tokenize(texts, self.context_length)}}
 
 
 class MicrobatchBuilder:
@@ -60,28 +74,19 @@ class MicrobatchBuilder:
     rank, microbatch index), its images transformed and patched at it into `[B, N, P, P, 3]` patches (timm's
     unflattened layout, which the model's patch interpolator resamples its embedding to), with the item's
     "patch_size"; None: `patch_size` for every microbatch, patches flattened.
-    `decoder` (a run with a LocCa term): each sample's decoder example (`naflexclip.data.regions`) from its caption
-    and regions, collated into the item's `example_inputs`; a bad region is a skip record of its own, not the
-    sample's.
-    `teacher` (distillation from a teacher that reads other inputs): the item's `teacher_inputs` too, the teacher's
-    patches and tokens of the same samples and captions, its crop the student's (the same draws from the same rng).
-    `view_seeds` (a run with self-distillation or masked prediction): each sample's `view_seed` (its local crops and
-    mask, `naflexclip.processing.view_seeds.sample_view_seed`) from (seed, epoch, key), in the item's `example_inputs`.
+    `inputs`: what the objectives' examples need besides (`naflexclip.data.sample_inputs.SampleInputs`: a LocCa
+    decoder's example from each sample's caption and regions, a teacher's own patches and tokens, a view seed),
+    each built from every sample the student's transform keeps and collated into the item in their order; a sample
+    one of them skips is left out of the microbatch.
     """
 
     def __init__(self, *, patch_size: int, context_length: int, processing: Processing, augment: bool = False,
                  json_caption: JsonCaption | None = None, max_image_pixels: int = 0,
                  multi_caption: bool = False, caption_per_line: bool = False,
-                 decoder: DecoderExamples | None = None, patch_sizes: PatchSizes | None = None,
-                 teacher: TeacherInputs | None = None, view_seeds: bool = False) -> None:
-        if decoder is not None and (augment or multi_caption):
-            raise ValueError("a LocCa term (--recipe siglip2 / --locca-loss-weight) with "
-                             f"{'--augment' if augment else '--multi-positive'} is not supported: "
-                             + ("a crop would move the regions' boxes" if augment else "one decoder example per "
-                                "image needs one caption"))
-        if view_seeds and multi_caption:
-            raise ValueError("self-distillation or masked prediction with --multi-positive is not supported yet")
-        self.decoder, self.teacher, self.view_seeds = decoder, teacher, view_seeds
+                 patch_sizes: PatchSizes | None = None, inputs: Sequence[SampleInputs] = ()) -> None:
+        for each in inputs:
+            each.check(augment, multi_caption)
+        self.inputs = tuple(inputs)
         self.patch_size, self.context_length, self.augment = patch_size, context_length, augment
         self.processing = processing
         self.patch_sizes = patch_sizes
@@ -100,13 +105,14 @@ class MicrobatchBuilder:
             patch_size = self.patch_sizes.draw(*seed_key)
             processing = self._at_size[patch_size]
         transform = processing.transform
-        transforms = [transform] if self.teacher is None else [transform, self.teacher.processing.transform]
         # a JPEG is decoded at the smallest scale that still covers every resize of it
-        draft = lambda hw: tuple(max(sizes) for sizes in zip(*(t.target_hw(hw, planned.seq_len) for t in transforms),
-                                                             strict=True))
+        draft = lambda hw: tuple(max(sizes) for sizes in zip(*(
+            size for size in (transform.target_hw(hw, planned.seq_len),
+                              *(each.target_hw(hw, planned.seq_len) for each in self.inputs)) if size is not None),
+            strict=True))
         records = list(records)
-        pixels, texts, labels, keys, captions_per_image, examples = [], [], [], [], [], []
-        teacher_pixels = []
+        pixels, texts, labels, keys, captions_per_image = [], [], [], [], []
+        inputs: list[list[Any]] = [[] for _ in self.inputs]  # each input's values of the samples kept
         for raw, (source, key, line) in samples:
             try:
                 if isinstance(raw, SkipSample):
@@ -118,23 +124,18 @@ class MicrobatchBuilder:
                 captions = [caption] if isinstance(caption, str) else caption
                 if not self.multi_caption:
                     captions = [one_caption(caption, seed_key[0], seed_key[1], raw.key)]
-                draws = None if rng is None or self.teacher is None else rng.getstate()
+                draws = None if rng is None or not self.inputs else rng.getstate()
                 patched = (transform(image, planned.seq_len) if rng is None
                            else transform(image, planned.seq_len, rng))
-                if self.teacher is not None:  # the same crop: the student's draws, replayed
-                    own = self.teacher.processing.transform
-                    teacher_pixels.append(own(image, planned.seq_len) if draws is None
-                                          else own(image, planned.seq_len, _replayed(draws)))
-                pixels.append(patched)  # after the teacher's: a sample either transform skips is in neither list
+                decoded = DecodedSample(raw, image, captions, seed_key, planned.seq_len, draws)
+                values = [each.of_sample(decoded) for each in self.inputs]
             except SkipSample as skip:
                 records.append(skip_record(source, key, line, skip.reason, str(skip)))
                 continue
-            if self.decoder is not None:
-                regions: list[Region] = []
-                if raw.regions is not None:
-                    regions, bad = parse_regions(raw.regions, *original_size(raw.image, image))
-                    records += [skip_record(source, key, line, reason, detail) for reason, detail in bad]
-                examples.append(self.decoder.example(captions[0], regions, seed_key[0], seed_key[1], raw.key))
+            pixels.append(patched)  # after every input's: a sample one of them skips is in no list
+            for kept, value in zip(inputs, values, strict=True):
+                kept.append(value)
+            records += [skip_record(source, key, line, reason, detail) for reason, detail in decoded.skips]
             texts.extend(captions)
             captions_per_image.append(len(captions))
             keys.append(raw.key)
@@ -150,15 +151,9 @@ class MicrobatchBuilder:
             item["patch_size"] = patch_size
         item["text"] = processing.tokenize(texts, self.context_length)
         item["keys"] = keys
-        if self.teacher is not None:
-            item[TEACHER_INPUTS] = {
-                "image": self.teacher.processing.collate(teacher_pixels, planned.seq_len, self.teacher.patch_size),
-                "text": self.teacher.processing.tokenize(texts, self.teacher.context_length)}
-        if self.decoder is not None:
-            item[EXAMPLE_INPUTS] = self.decoder.collate(examples)
-        if self.view_seeds:
-            seeds = [sample_view_seed(seed_key[0], seed_key[1], key) for key in keys]
-            item.setdefault(EXAMPLE_INPUTS, {})[VIEW_SEED] = torch.tensor(seeds, dtype=torch.int64)
+        for each, values in zip(self.inputs, inputs, strict=True):
+            for where, collated in each.of_microbatch(values, texts, planned.seq_len).items():
+                item.setdefault(where, {}).update(collated)
         if self.multi_caption:
             item["image_group"] = torch.tensor([group_id(key) for key in keys], dtype=torch.int64)
             item["text_group"] = torch.repeat_interleave(item["image_group"], torch.tensor(captions_per_image))
@@ -174,13 +169,6 @@ def _replayed(state: Any) -> random.Random:
     rng = random.Random()
     rng.setstate(state)
     return rng
-
-
-def original_size(data: bytes | Image.Image | None, decoded: Image.Image) -> tuple[int, int]:
-    """(width, height) of the stored image, from its header: a JPEG decoded in draft mode is smaller."""
-    if isinstance(data, bytes):
-        return Image.open(io.BytesIO(data)).size
-    return decoded.size
 
 
 def group_id(sample_key: str) -> int:

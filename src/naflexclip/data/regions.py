@@ -8,6 +8,7 @@ and any split of the data see the same examples. docs/data.md#regions-siglip-2s-
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import random
@@ -16,7 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from PIL import Image
 
+from naflexclip.batch import EXAMPLE_INPUTS
+from naflexclip.data.sample_inputs import DecodedSample, SampleInputs
 from naflexclip.processing.decoder_tokens import TASKS, Vocabulary, collate_decoder, decoder_example
 
 
@@ -104,9 +108,17 @@ class CaptionTokens:
         return words
 
 
+def original_size(data: bytes | Image.Image | None, decoded: Image.Image) -> tuple[int, int]:
+    """(width, height) of the stored image, from its header: a JPEG decoded in draft mode is smaller."""
+    if isinstance(data, bytes):
+        return Image.open(io.BytesIO(data)).size
+    return decoded.size
+
+
 @dataclass(frozen=True)
-class DecoderExamples:
-    """Each sample's decoder example, collated at the decoder's fixed width into a microbatch's `example_inputs`."""
+class DecoderExamples(SampleInputs):
+    """Each sample's decoder example from its caption and regions, collated at the decoder's fixed width into a
+    microbatch's `example_inputs`; a bad region is a skip record of its own, not the sample's."""
 
     vocab: Vocabulary
     max_length: int
@@ -137,3 +149,20 @@ class DecoderExamples:
         batch = collate_decoder(examples, self.vocab, length=self.max_length)
         return {"decoder_input_ids": batch.input_ids, "decoder_labels": batch.labels,
                 "decoder_parallel": batch.parallel}
+
+    def check(self, augment: bool, multi_caption: bool) -> None:
+        if augment or multi_caption:
+            raise ValueError("a LocCa term (--recipe siglip2 / --locca-loss-weight) with "
+                             f"{'--augment' if augment else '--multi-positive'} is not supported: "
+                             + ("a crop would move the regions' boxes" if augment else "one decoder example per "
+                                "image needs one caption"))
+
+    def of_sample(self, sample: DecodedSample) -> tuple[list[int], list[int], bool]:
+        raw, regions = sample.raw, list[Region]()
+        if raw.regions is not None:
+            regions, bad = parse_regions(raw.regions, *original_size(raw.image, sample.image))
+            sample.skips += bad
+        return self.example(sample.captions[0], regions, sample.seed_key[0], sample.seed_key[1], raw.key)
+
+    def of_microbatch(self, values: list[Any], texts: list[str], seq_len: int) -> dict[str, dict[str, Any]]:
+        return {EXAMPLE_INPUTS: self.collate(values)}

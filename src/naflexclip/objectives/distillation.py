@@ -19,6 +19,7 @@ from torch import nn
 from naflexclip.batch import TEACHER_INPUTS
 from naflexclip.checkpoints import storage
 from naflexclip.data.microbatch import TeacherInputs
+from naflexclip.data.sample_inputs import SampleInputs
 from naflexclip.families import data_processing, find_family, named_family
 from naflexclip.loss import DistillLoss, MultiPositiveDistillLoss, MultiPositiveLoss
 from naflexclip.models.factory import create_model
@@ -299,9 +300,9 @@ class Distillation(Objective):
                 f"(sha256 {current['weights_sha256'][:12]}); give the teacher its weights back, or name the folder "
                 f"of the teacher to go on with in --distill-pretrained (a changed flag is applied)")
 
-    def loader_inputs(self, student: nn.Module, processing: Any) -> dict[str, Any]:
+    def loader_inputs(self, student: nn.Module, processing: Any) -> list[SampleInputs]:
         # a teacher that reads other inputs than the student's gets its own of the same samples from the loader
-        return {"teacher": self.teacher_inputs}
+        return [] if self.teacher_inputs is None else [self.teacher_inputs]
 
     def terms(self) -> list[Term]:
         assert self.teacher is not None, "build the teacher first"

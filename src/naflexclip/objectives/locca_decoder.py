@@ -3,12 +3,16 @@ tower's un-pooled tokens.
 
 Owns the decoder (open_clip's `MultimodalTransformer` blocks, with per-example causal or parallel masks) and its
 per-example loss: a sum over each example's target tokens (`DecoderOutput.token_loss_sum`), which the window
-normalises by the whole window's target tokens. docs/siglip2_recipe.md; the objective: docs/accumulation.md.
+normalises by the whole window's target tokens; and its evaluation on the validation split (`decoder_metrics`).
+docs/siglip2_recipe.md; the objective: docs/accumulation.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import io
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +21,11 @@ import torch.nn.functional as F
 from open_clip.transformer import MultimodalTransformer
 from torch import nn
 
-from naflexclip.batch import EXAMPLE_INPUTS
+from naflexclip.batch import EXAMPLE_INPUTS, to_device
+from naflexclip.data.build import build_loader
+from naflexclip.data.data_config import DataConfig
+from naflexclip.data.regions import CaptionTokens, DecoderExamples
+from naflexclip.families import data_processing
 from naflexclip.processing.decoder_tokens import (  # the token language the data pipeline writes
     IGNORE,
     TASKS,
@@ -29,6 +37,7 @@ from naflexclip.processing.decoder_tokens import (  # the token language the dat
 from naflexclip.window import Term
 
 LOCCA = "locca"  # the term's name (logged as loss/locca)
+DECODER_EVAL_SAMPLES = 64  # validation samples per decoder task (greedy decoding is a forward per token)
 HEAD_SLOT = "decoder"  # where the model holds the decoder (`NaFlexClip.attach_head`)
 
 
@@ -224,3 +233,78 @@ class LoccaTerm(Term):
         decoder = getattr(model, "module", model).decoder
         return random_decoder_inputs(num_examples, decoder.vocab, decoder.config.max_length,
                                      torch.Generator().manual_seed(seed + 1))
+
+
+def box_iou(a: tuple[float, ...], b: tuple[float, ...]) -> float:
+    """Intersection over union of two `(x0, y0, x1, y1)` boxes (a degenerate union: 0)."""
+    w = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    h = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - w * h
+    return w * h / union if union > 0 else 0.0
+
+
+def decoder_metrics(model: nn.Module, data: DataConfig, device: torch.device,
+                    autocast: Callable[[], ContextManager[Any]], skip_records: list[dict[str, Any]],
+                    limit: int = DECODER_EVAL_SAMPLES, bleu: bool = True) -> dict[str, float]:
+    """The LocCa decoder on the first `limit` samples of the validation split, greedy (`LoccaDecoder.generate`):
+    `decoder/caption_bleu4`, BLEU-4 (pycocoevalcap's) of the generated caption against the sample's caption, over
+    the text tower's tokens; and
+    `decoder/aref_acc` (with `decoder/aref_num` examples), the fraction of regions whose box generated from their
+    caption has IoU >= 0.5 with the true box (samples with regions only). A caption is generated up to 2 tokens past
+    its batch's longest reference (greedy decoding re-runs the decoder per token). `bleu=False` (pycocoevalcap not
+    installed): no captions are generated, no `decoder/caption_bleu4`."""
+    decoder = model.decoder
+    processing = data_processing(data.hf_processor, model.image_patch_size, **data.image_overrides())
+    tokens = CaptionTokens(processing.tokenize, model.context_length)
+    generated: dict[int, list[str]] = {}
+    references: dict[int, list[str]] = {}
+    hits, boxes = 0, 0
+    for task in ("caption", "aref") if bleu else ("aref",):
+        seen = 0
+        examples = DecoderExamples(decoder.vocab, decoder.config.max_length, tokens, task=task)
+        with build_loader(data, split="val", patch_size=model.image_patch_size, context_length=model.context_length,
+                          processing=processing, inputs=[examples]) as val:
+            for batch in val:
+                if seen >= limit:
+                    break
+                batch = to_device(batch, device)
+                with autocast():
+                    _, image_tokens, valid = model.encode_image_tokens(batch["image"])
+                ids, labels = batch[EXAMPLE_INPUTS]["decoder_input_ids"], batch[EXAMPLE_INPUTS]["decoder_labels"]
+                rows, prefixes, targets = [], [], []
+                for row in range(min(ids.shape[0], limit - seen)):
+                    seen += 1
+                    if int(ids[row, 0]) != decoder.vocab.task(task):
+                        continue  # a sample without regions (aref falls back to its caption)
+                    first = int((labels[row] != IGNORE).nonzero()[0])  # the start token's position
+                    rows.append(row)
+                    prefixes.append(ids[row, 1:first].tolist())
+                    targets.append([t for t in labels[row].tolist() if t != IGNORE])
+                if not rows:
+                    continue
+                with autocast():
+                    outputs = decoder.generate(image_tokens[rows], valid[rows], task, prefixes,
+                                               max_new_tokens=4 if task == "aref" else 2 + max(map(len, targets)),
+                                               stop_token=tokens.end)
+                for output, target in zip(outputs, targets, strict=True):
+                    if task == "aref":
+                        box, true_box = decoder.vocab.box_of(output), decoder.vocab.box_of(target)
+                        hits += int(box is not None and true_box is not None and box_iou(box, true_box) >= 0.5)
+                        boxes += 1
+                    else:
+                        words = [str(t) for t in output if t != tokens.end]
+                        key = len(generated)
+                        generated[key] = [" ".join(words) or "<empty>"]
+                        references[key] = [" ".join(str(t) for t in target if t != tokens.end)]
+        skip_records.extend(val.skip_records)
+    metrics: dict[str, float] = {}
+    if generated:
+        from pycocoevalcap.bleu.bleu import Bleu
+
+        with contextlib.redirect_stdout(io.StringIO()):  # pycocoevalcap prints its counts
+            scores, _ = Bleu(4).compute_score(references, generated)
+        metrics["decoder/caption_bleu4"] = float(scores[3])
+    if boxes:
+        metrics["decoder/aref_acc"] = hits / boxes
+        metrics["decoder/aref_num"] = float(boxes)
+    return metrics

@@ -5,19 +5,22 @@ iterate the registry and never name an objective.
 An objective declares its flags (a dataclass of `naflexclip.settings.setting` fields), checks them against the
 rest of a run's settings, attaches the modules it trains to the model, changes the pair loss where it enters it
 (several captions per image, a teacher's logits), builds what it reads without training (a frozen teacher), asks
-the loader for the inputs its examples need, and contributes its terms of the window objective
-(`naflexclip.window.Term`), fixed or scheduled over the run (`TermSchedule`).
+the loader for the inputs its examples need (`naflexclip.data.sample_inputs.SampleInputs`), contributes its terms
+of the window objective (`naflexclip.window.Term`), fixed or scheduled over the run (`TermSchedule`), and adds its
+evaluations (`EvalTask`) to the run's and to `naflexclip eval`'s.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
 
+from naflexclip.data.sample_inputs import SampleInputs
 from naflexclip.settings import settings_of, shown_value
 from naflexclip.window import Term
 
@@ -41,6 +44,33 @@ class BuildContext:
     resumed_run: dict[str, Any] | None = None
 
 
+@dataclass(frozen=True)
+class EvalTask:
+    """One evaluation: `run(model, skip_records)` -> metrics (`group/name`), every `frequency` epochs (0: only
+    before training and at the end). `skip_records` receives the samples it left out. `brief`: its metrics in the
+    one-line message after each evaluation; `unsharded`: what it is, when it runs modules outside the model's
+    forward (FSDP gathers a sharded model's parameters only around that), so it is left out under --fsdp;
+    `note`: a line said once where it is evaluated (what it leaves out)."""
+
+    name: str
+    frequency: int
+    run: Callable[[nn.Module, list[dict[str, Any]]], dict[str, float]]
+    brief: tuple[str, ...] = ()
+    unsharded: str = ""
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class EvalContext:
+    """What an objective's evaluations run against: the run's data settings (`naflexclip.data.DataConfig`: its
+    validation split), the device, the autocast, and how often (--val-frequency)."""
+
+    data: Any
+    device: torch.device
+    autocast: Callable[[], AbstractContextManager[Any]]
+    frequency: int = 1
+
+
 class TermSchedule(Protocol):
     """An objective's terms over a run's steps, with state a checkpoint saves (an EMA teacher)."""
 
@@ -57,7 +87,9 @@ class Objective:
     name: ClassVar[str]
     flags: ClassVar[type]  # its settings, a dataclass whose fields are `setting(...)`s
     state_name: ClassVar[str | None] = None  # the run state its `TermSchedule` is saved as
-    head_slots: ClassVar[tuple[str, ...]] = ()  # the model's slots it attaches modules to (`NaFlexClip.attach_head`)
+    # the model's slots it attaches modules to (`NaFlexClip.attach_head`), each with the flags that shape its modules
+    # and what they are (a resume that finds other modules there than the checkpoint's names them)
+    head_slots: ClassVar[dict[str, str]] = {}
     switch_flags: ClassVar[str] = ""  # the flags that turn it on, as messages name them
     switch_fields: ClassVar[tuple[str, ...]] = ()  # the fields of those flags
     # it compares the student's data processing with its own (a teacher's inputs): an OpenCLIP name's is resolved
@@ -112,9 +144,10 @@ class Objective:
         line), or None."""
         return None
 
-    def loader_inputs(self, student: nn.Module, processing: Any) -> dict[str, Any]:
-        """The keyword arguments of `naflexclip.data.build_loader` its examples need."""
-        return {}
+    def loader_inputs(self, student: nn.Module, processing: Any) -> list[SampleInputs]:
+        """What its examples need from the training data besides the student's image and text, built per sample
+        into each microbatch (`naflexclip.data.build.build_loader`'s `inputs`; `processing`: the student's)."""
+        return []
 
     def terms(self) -> list[Term]:
         """Its terms of every window of a run (terms that change over the run come from `schedule`)."""
@@ -145,6 +178,11 @@ class Objective:
                           seed: int) -> None:
         """Add to a random window the inputs it reads besides its terms' (`Term.random_inputs`), such as a
         teacher's own processing of the same examples (`draw` as for `random_window`)."""
+
+    def eval_tasks(self, model: nn.Module, context: EvalContext) -> list[EvalTask]:
+        """Its evaluations of `model` (the plain module: a run's after `prepare`, or a checkpoint's for
+        `naflexclip eval`), run after the run's own (retrieval, zero-shot, the dense probe)."""
+        return []
 
     def describe(self) -> list[str]:
         """The lines that say what it adds to the objective (a run's opening, verify's report)."""

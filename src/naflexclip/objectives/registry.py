@@ -1,25 +1,61 @@
 """The registered objectives, in the order they enter a run (the pair loss is changed in this order: several
 captions per image before a teacher's logits), and their flags as one settings dataclass that a training config
-extends. Registering an objective: its module's `Objective` in `OBJECTIVES`, its flags among `ObjectiveFlags`'s
-bases (docs/code_map.md, "Adding an objective")."""
+extends.
+
+Registering an objective: its module's `Objective` in `BUILT_IN`, or, from a package of its own, an entry point in
+the group `naflexclip.objectives` (`[project.entry-points."naflexclip.objectives"] name = "module:Class"`), loaded
+after the built-in ones in the order of the entry points' names (docs/code_map.md, "Adding an objective").
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+import dataclasses
+from collections.abc import Mapping
+from importlib.metadata import entry_points
+from types import SimpleNamespace
 from typing import Any
 
-from naflexclip.objectives.distillation import Distillation, DistillFlags
-from naflexclip.objectives.multi_positive import MultiPositive, MultiPositiveFlags
+from naflexclip.objectives.distillation import Distillation
+from naflexclip.objectives.multi_positive import MultiPositive
 from naflexclip.objectives.objective import Objective
-from naflexclip.objectives.siglip2_recipe import RecipeFlags, Siglip2Recipe
+from naflexclip.objectives.siglip2_recipe import Siglip2Recipe
+from naflexclip.settings import settings_of
 
-OBJECTIVES: tuple[type[Objective], ...] = (MultiPositive, Siglip2Recipe, Distillation)
+BUILT_IN: tuple[type[Objective], ...] = (MultiPositive, Siglip2Recipe, Distillation)
+ENTRY_POINT_GROUP = "naflexclip.objectives"
 
 
-# a dataclass's fields come from its bases last to first: distillation's flags, the recipe's, several captions'
-@dataclass
-class ObjectiveFlags(MultiPositiveFlags, RecipeFlags, DistillFlags):
-    """Every registered objective's flags (`Objective.flags`), the fields a training config takes from them."""
+def _plugins() -> tuple[type[Objective], ...]:
+    """The objectives other packages register (entry points of `ENTRY_POINT_GROUP`), by entry point name."""
+    found = sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda point: point.name)
+    plugins = tuple(point.load() for point in found)
+    for point, plugin in zip(found, plugins, strict=True):
+        if not (isinstance(plugin, type) and issubclass(plugin, Objective)):
+            raise TypeError(f"entry point {point.name} = {point.value} ({ENTRY_POINT_GROUP}) is not an Objective class")
+    return plugins
+
+
+OBJECTIVES: tuple[type[Objective], ...] = BUILT_IN + _plugins()
+
+
+def _flags_of(objectives: tuple[type[Objective], ...]) -> type:
+    """One dataclass of the objectives' flags: each objective's in the registry's order, each in the order its
+    flags dataclass declares them (whatever the classes' bases), a name declared twice refused."""
+    fields: dict[str, tuple[type[Objective], dataclasses.Field]] = {}
+    for objective in objectives:
+        for f in dataclasses.fields(objective.flags):
+            if f.name in fields:
+                raise TypeError(f"objective {objective.name!r} declares the setting {f.name!r}, which objective "
+                                f"{fields[f.name][0].name!r} declares too")
+            fields[f.name] = (objective, f)
+    return dataclasses.make_dataclass(
+        "ObjectiveFlags", [(name, f.type, copy.copy(f)) for name, (_, f) in fields.items()],
+        namespace={"__module__": __name__})
+
+
+# every registered objective's flags (`Objective.flags`), the fields a training config takes from them, after its own
+ObjectiveFlags = _flags_of(OBJECTIVES)
 
 
 def objectives_of(values: Any, check: bool = True, training: bool = True) -> list[Objective]:
@@ -29,6 +65,14 @@ def objectives_of(values: Any, check: bool = True, training: bool = True) -> lis
     for objective in objectives if check else ():
         objective.check(values, training=training)
     return objectives
+
+
+def saved_objectives(config: Mapping[str, Any]) -> list[Objective]:
+    """The objectives a run's saved config (`TrainConfig.to_dict()`, as a checkpoint holds it) turned on, unchecked;
+    a flag it lacks (a pretrained directory's config, a config saved before the flag) at its default."""
+    defaults = {key: d.default for objective in OBJECTIVES for key, d in settings_of(objective.flags).items()}
+    values = SimpleNamespace(**{**defaults, **{key: config[key] for key in defaults if key in config}})
+    return [objective for objective in objectives_of(values, check=False) if objective.enabled]
 
 
 def unused_settings(values: Any) -> list[str]:

@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from naflexclip.batch import EXAMPLE_INPUTS, batch_size
+from naflexclip.data.sample_inputs import DecodedSample, SampleInputs
 from naflexclip.parallel.wrapping import is_fsdp
-from naflexclip.processing.view_seeds import VIEW_SEED
+from naflexclip.processing.view_seeds import VIEW_SEED, sample_view_seed
 from naflexclip.window import Term
 
 SELF_DISTILL = "self_distill"
@@ -236,6 +237,21 @@ def attach_heads(model: nn.Module, config: SelfDistillConfig | Mapping[str, Any]
     (`NaFlexClip.attach_head`) with the weights a loaded checkpoint held for them, if any."""
     config = SelfDistillConfig(**config) if isinstance(config, Mapping) else config
     return model.attach_head(HEAD_SLOT, SelfDistillHeads(model.config.image.width, config), config)
+
+
+class ViewSeeds(SampleInputs):
+    """Each sample's `view_seed` (its local crops and mask, `sample_view_seed`) from (seed, epoch, key), in each
+    microbatch's `example_inputs`."""
+
+    def check(self, augment: bool, multi_caption: bool) -> None:
+        if multi_caption:
+            raise ValueError("self-distillation or masked prediction with --multi-positive is not supported yet")
+
+    def of_sample(self, sample: DecodedSample) -> int:
+        return sample_view_seed(sample.seed_key[0], sample.seed_key[1], sample.raw.key)
+
+    def of_microbatch(self, values: list[Any], texts: list[str], seq_len: int) -> dict[str, dict[str, Any]]:
+        return {EXAMPLE_INPUTS: {VIEW_SEED: torch.tensor(values, dtype=torch.int64)}}
 
 
 class SelfDistillTerm(Term):

@@ -18,14 +18,23 @@ import torch
 from torch import nn
 
 from naflexclip.data.regions import CaptionTokens, DecoderExamples
+from naflexclip.data.sample_inputs import SampleInputs
 from naflexclip.models.naflex_clip import PRESETS, ModelConfig, NaFlexClip
-from naflexclip.objectives.locca_decoder import DECODER_SIZES, LOCCA, DecoderConfig, LoccaTerm, attach_decoder
-from naflexclip.objectives.objective import Objective, TermSchedule
+from naflexclip.objectives.locca_decoder import (
+    DECODER_SIZES,
+    LOCCA,
+    DecoderConfig,
+    LoccaTerm,
+    attach_decoder,
+    decoder_metrics,
+)
+from naflexclip.objectives.objective import EvalContext, EvalTask, Objective, TermSchedule
 from naflexclip.objectives.self_distillation import (
     MASKED_PREDICTION,
     SELF_DISTILL,
     EmaTeacher,
     SelfDistillTerm,
+    ViewSeeds,
     attach_heads,
     head_config,
 )
@@ -251,7 +260,8 @@ class Siglip2Recipe(Objective):
     name = "siglip2_recipe"
     flags = RecipeFlags
     state_name = "ema_teacher"
-    head_slots = ("decoder", "self_distill")
+    head_slots = {"decoder": "--recipe / --locca-loss-weight (the LocCa decoder)",
+                  "self_distill": "--local-crops / --mask-ratio (SigLIP 2's self-distillation heads)"}
     switch_flags = ("--recipe siglip2 / --locca-loss-weight / --self-distill-loss-weight / "
                     "--masked-prediction-loss-weight")
     switch_fields = ("recipe", "locca_loss_weight", "self_distill_loss_weight", "masked_prediction_loss_weight")
@@ -316,9 +326,26 @@ class Siglip2Recipe(Objective):
         self.decoder = model.config.decoder
         return [image_side_off] if image_side_off else []
 
-    def loader_inputs(self, student: nn.Module, processing: Any) -> dict[str, Any]:
-        return {"decoder": decoder_examples(student, processing) if self.recipe.locca_weight > 0 else None,
-                "view_seeds": self.recipe.self_distill_enabled}
+    def loader_inputs(self, student: nn.Module, processing: Any) -> list[SampleInputs]:
+        return ([decoder_examples(student, processing)] if self.recipe.locca_weight > 0 else []) + (
+            [ViewSeeds()] if self.recipe.self_distill_enabled else [])
+
+    def eval_tasks(self, model: nn.Module, context: EvalContext) -> list[EvalTask]:
+        """The LocCa decoder's metrics on the validation split (`locca_decoder.decoder_metrics`), where the model
+        has a decoder."""
+        if getattr(model, "decoder", None) is None or context.data.source("val") is None:
+            return []
+        try:  # not a core dependency (~100 MB): the siglip2 and benchmark extras bring it
+            import pycocoevalcap  # noqa: F401
+
+            bleu = True
+        except ImportError:
+            bleu = False
+        return [EvalTask("decoder", context.frequency, lambda model, skips: decoder_metrics(
+            model, context.data, context.device, context.autocast, skips, bleu=bleu),
+            brief=("decoder/caption_bleu4", "decoder/aref_acc"), unsharded="the LocCa decoder",
+            note="" if bleu else ("decoder/caption_bleu4 needs pycocoevalcap (pip install 'naflexclip[siglip2]'); "
+                                  "the LocCa decoder is evaluated on aref only"))]
 
     def terms(self) -> list[Term]:
         # with self-distillation the schedule hands each window all of the recipe's terms

@@ -1,5 +1,6 @@
 """Evaluation: image↔text retrieval on the validation split, zero-shot classification of the built-in dataset's
-attributes (shape, colour) and of ImageFolders, the dense probe and the LocCa decoder's metrics.
+attributes (shape, colour) and of ImageFolders, the dense probe, and each objective's own (`Objective.eval_tasks`:
+the LocCa decoder's metrics).
 
 During training an `Evaluator` built from the config runs them (each an `EvalTask` with its own frequency) and
 keeps their history. What each metric measures: docs/training.md#outputs.
@@ -7,9 +8,8 @@ keeps their history. What each metric measures: docs/training.md#outputs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager as ContextManager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,18 +31,17 @@ from naflexclip.evaluation.zero_shot import (
     zero_shot_classify,
 )
 from naflexclip.families import data_processing
-from naflexclip.objectives.siglip2_recipe import Recipe
+from naflexclip.objectives.objective import EvalContext, EvalTask, Objective
 from naflexclip.parallel.process_group import DistributedEnv, barrier, run_on_main
 from naflexclip.parallel.wrapping import unwrap_model
 from naflexclip.train.report import Reporter, folder_zeroshot_keys
 from naflexclip.train.train_config import TrainConfig
 
 RECALL_AT = (1, 5, 10)
-DECODER_EVAL_SAMPLES = 64  # validation samples per decoder task (greedy decoding is a forward per token)
 ZERO_SHOT_ATTRIBUTES = ("shape", "colour")
-# the metrics of the one-line message after each evaluation
+# the metrics of the one-line message after each evaluation (then each task's own, `EvalTask.brief`)
 BRIEF_KEYS = ("val/image_to_text_R@1", "val/text_to_image_R@1", "val/image_to_text_R@10", "zeroshot/shape_top1",
-              "zeroshot/colour_top1", "decoder/caption_bleu4", "decoder/aref_acc", "probe/miou")
+              "zeroshot/colour_top1", "probe/miou")
 
 
 def _features(model: nn.Module, loader: Iterable[dict[str, Any]], device: torch.device,
@@ -85,25 +84,16 @@ def has_builtin_tasks(data: DataConfig) -> bool:
     return data.source("train") == ("synthetic", None)
 
 
-@dataclass(frozen=True)
-class EvalTask:
-    """One evaluation: `run(model, skip_records)` -> metrics (`group/name`), every `frequency` epochs (0: only
-    before training and at the end). `skip_records` receives the samples it left out."""
-
-    name: str
-    frequency: int
-    run: Callable[[nn.Module, list[dict[str, Any]]], dict[str, float]]
-
-
 def evaluation_tasks(data: DataConfig, device: torch.device, autocast: Callable[[], ContextManager[Any]], *,
                      zero_shot_samples: int = 0, frequency: int = 1, dense_probe: bool = False,
-                     decoder: bool = False, notify: Callable[[str], None] = print) -> list[EvalTask]:
+                     model: nn.Module | None = None, objectives: Sequence[Objective] = (), sharded: bool = False,
+                     notify: Callable[[str], None] = print) -> list[EvalTask]:
     """Retrieval on the validation split (`val/...`) when there is one; with `zero_shot_samples` > 0, zero-shot
     accuracy on that many built-in single-object images (`zeroshot/{attribute}_top1`); with `dense_probe`, the
     linear segmentation probe of the patch tokens on the built-in scenes (`probe/miou`,
-    `naflexclip.evaluation.dense_probe`);
-    with `decoder` and a validation split, the LocCa decoder's `decoder_metrics` (`notify` says, in one line, when
-    pycocoevalcap is missing and BLEU-4 is left out)."""
+    `naflexclip.evaluation.dense_probe`); then the `objectives`' own of `model` (`Objective.eval_tasks`: the LocCa
+    decoder's metrics). `sharded` (--fsdp): the tasks that run modules outside the model's forward are left out,
+    and `notify` says which in one line; it says each kept task's note (pycocoevalcap missing)."""
     tasks = []
     if data.source("val") is not None:
         tasks.append(EvalTask("retrieval", frequency,
@@ -115,18 +105,19 @@ def evaluation_tasks(data: DataConfig, device: torch.device, autocast: Callable[
         from naflexclip.evaluation.dense_probe import dense_probe_metrics
 
         tasks.append(EvalTask("dense_probe", frequency,
-                              lambda model, skips: dense_probe_metrics(model, data, device, autocast)))
-    if decoder and data.source("val") is not None:
-        try:  # not a core dependency (~100 MB): the siglip2 and benchmark extras bring it
-            import pycocoevalcap  # noqa: F401
-
-            bleu = True
-        except ImportError:
-            bleu = False
-            notify("decoder/caption_bleu4 needs pycocoevalcap (pip install 'naflexclip[siglip2]'); the LocCa decoder "
-                   "is evaluated on aref only")
-        tasks.append(EvalTask("decoder", frequency, lambda model, skips: decoder_metrics(
-            model, data, device, autocast, skips, bleu=bleu)))
+                              lambda model, skips: dense_probe_metrics(model, data, device, autocast),
+                              unsharded="the dense probe"))
+    context = EvalContext(data, device, autocast, frequency)
+    tasks += [task for objective in objectives for task in objective.eval_tasks(model, context)]
+    if sharded:
+        left_out = [task.unsharded for task in tasks if task.unsharded]
+        if left_out:
+            # greedy decoding and the probe's token features run modules outside the root forward FSDP gathers
+            notify(f"{' and '.join(left_out)} not evaluated under --fsdp (run outside the sharded forward)")
+        tasks = [task for task in tasks if not task.unsharded]
+    for task in tasks:
+        if task.note:
+            notify(task.note)
     return tasks
 
 
@@ -188,12 +179,13 @@ def run_tasks(model: nn.Module, tasks: list[EvalTask], skip_records: list[dict[s
 
 def evaluate(model: nn.Module, data: DataConfig, device: torch.device,
              autocast: Callable[[], ContextManager[Any]], *, zero_shot_samples: int = 0, dense_probe: bool = False,
-             decoder: bool = False, skip_records: list[dict[str, Any]] | None = None,
+             objectives: Sequence[Objective] = (), skip_records: list[dict[str, Any]] | None = None,
              notify: Callable[[str], None] = print) -> dict[str, float]:
     """`evaluation_tasks`' evaluations (retrieval on the validation split; the built-in zero-shot tasks with
-    `zero_shot_samples` > 0; the dense probe; the LocCa decoder's metrics), once."""
+    `zero_shot_samples` > 0; the dense probe; the `objectives`' own), once."""
     return run_tasks(model, evaluation_tasks(data, device, autocast, zero_shot_samples=zero_shot_samples,
-                                             dense_probe=dense_probe, decoder=decoder, notify=notify), skip_records)
+                                             dense_probe=dense_probe, model=model, objectives=objectives,
+                                             notify=notify), skip_records)
 
 
 def validation_retrieval(model: nn.Module, data: DataConfig, device: torch.device,
@@ -210,119 +202,33 @@ def validation_retrieval(model: nn.Module, data: DataConfig, device: torch.devic
     return metrics
 
 
-def box_iou(a: tuple[float, ...], b: tuple[float, ...]) -> float:
-    """Intersection over union of two `(x0, y0, x1, y1)` boxes (a degenerate union: 0)."""
-    w = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
-    h = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
-    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - w * h
-    return w * h / union if union > 0 else 0.0
-
-
-def decoder_metrics(model: nn.Module, data: DataConfig, device: torch.device,
-                    autocast: Callable[[], ContextManager[Any]], skip_records: list[dict[str, Any]],
-                    limit: int = DECODER_EVAL_SAMPLES, bleu: bool = True) -> dict[str, float]:
-    """The LocCa decoder on the first `limit` samples of the validation split, greedy (`LoccaDecoder.generate`):
-    `decoder/caption_bleu4`, BLEU-4 (pycocoevalcap's) of the generated caption against the sample's caption, over
-    the text tower's tokens; and
-    `decoder/aref_acc` (with `decoder/aref_num` examples), the fraction of regions whose box generated from their
-    caption has IoU >= 0.5 with the true box (samples with regions only). A caption is generated up to 2 tokens past
-    its batch's longest reference (greedy decoding re-runs the decoder per token). `bleu=False` (pycocoevalcap not
-    installed): no captions are generated, no `decoder/caption_bleu4`."""
-    import contextlib
-    import io
-
-    from naflexclip.batch import EXAMPLE_INPUTS
-    from naflexclip.data.regions import CaptionTokens, DecoderExamples
-    from naflexclip.processing.decoder_tokens import IGNORE
-
-    decoder = model.decoder
-    processing = data_processing(data.hf_processor, model.image_patch_size, **data.image_overrides())
-    tokens = CaptionTokens(processing.tokenize, model.context_length)
-    generated: dict[int, list[str]] = {}
-    references: dict[int, list[str]] = {}
-    hits, boxes = 0, 0
-    for task in ("caption", "aref") if bleu else ("aref",):
-        seen = 0
-        examples = DecoderExamples(decoder.vocab, decoder.config.max_length, tokens, task=task)
-        with build_loader(data, split="val", patch_size=model.image_patch_size, context_length=model.context_length,
-                          processing=processing, decoder=examples) as val:
-            for batch in val:
-                if seen >= limit:
-                    break
-                batch = to_device(batch, device)
-                with autocast():
-                    _, image_tokens, valid = model.encode_image_tokens(batch["image"])
-                ids, labels = batch[EXAMPLE_INPUTS]["decoder_input_ids"], batch[EXAMPLE_INPUTS]["decoder_labels"]
-                rows, prefixes, targets = [], [], []
-                for row in range(min(ids.shape[0], limit - seen)):
-                    seen += 1
-                    if int(ids[row, 0]) != decoder.vocab.task(task):
-                        continue  # a sample without regions (aref falls back to its caption)
-                    first = int((labels[row] != IGNORE).nonzero()[0])  # the start token's position
-                    rows.append(row)
-                    prefixes.append(ids[row, 1:first].tolist())
-                    targets.append([t for t in labels[row].tolist() if t != IGNORE])
-                if not rows:
-                    continue
-                with autocast():
-                    outputs = decoder.generate(image_tokens[rows], valid[rows], task, prefixes,
-                                               max_new_tokens=4 if task == "aref" else 2 + max(map(len, targets)),
-                                               stop_token=tokens.end)
-                for output, target in zip(outputs, targets, strict=True):
-                    if task == "aref":
-                        box, true_box = decoder.vocab.box_of(output), decoder.vocab.box_of(target)
-                        hits += int(box is not None and true_box is not None and box_iou(box, true_box) >= 0.5)
-                        boxes += 1
-                    else:
-                        words = [str(t) for t in output if t != tokens.end]
-                        key = len(generated)
-                        generated[key] = [" ".join(words) or "<empty>"]
-                        references[key] = [" ".join(str(t) for t in target if t != tokens.end)]
-        skip_records.extend(val.skip_records)
-    metrics: dict[str, float] = {}
-    if generated:
-        from pycocoevalcap.bleu.bleu import Bleu
-
-        with contextlib.redirect_stdout(io.StringIO()):  # pycocoevalcap prints its counts
-            scores, _ = Bleu(4).compute_score(references, generated)
-        metrics["decoder/caption_bleu4"] = float(scores[3])
-    if boxes:
-        metrics["decoder/aref_acc"] = hits / boxes
-        metrics["decoder/aref_num"] = float(boxes)
-    return metrics
-
-
-def brief(metrics: dict[str, float]) -> str:
-    """The headline metrics of an evaluation, in one line."""
-    keys = [*BRIEF_KEYS, *(k for k in folder_zeroshot_keys(metrics) if k.endswith("/top1"))]
+def brief(metrics: dict[str, float], task_keys: Sequence[str] = ()) -> str:
+    """The headline metrics of an evaluation, in one line (`task_keys`: its tasks' own, `EvalTask.brief`)."""
+    keys = [*BRIEF_KEYS, *task_keys, *(k for k in folder_zeroshot_keys(metrics) if k.endswith("/top1"))]
     return ", ".join(f"{k.split('/', 1)[1]}={metrics[k]:.3f}" for k in keys if k in metrics)
 
 
 class Evaluator:
-    """Evaluation during training, built from the config: retrieval on the validation data, the LocCa decoder's
-    metrics (with the recipe's decoder) and, for a model trained on the built-in dataset, its zero-shot tasks (none
-    with --zeroshot-frequency 0) and the dense probe, every --val-frequency epochs (0: before training and
-    at the end only); zero-shot classification of --zeroshot-data every --zeroshot-frequency epochs. Logs each
-    evaluation and keeps the history (`state_dict`: the summary's "before" column survives a resume).
+    """Evaluation during training, built from the config: retrieval on the validation data, the enabled
+    objectives' own (`Objective.eval_tasks`: the LocCa decoder's metrics with the recipe's decoder) and, for a
+    model trained on the built-in dataset, its zero-shot tasks (none with --zeroshot-frequency 0) and the dense
+    probe, every --val-frequency epochs (0: before training and at the end only); zero-shot classification of
+    --zeroshot-data every --zeroshot-frequency epochs. Logs each evaluation and keeps the history (`state_dict`:
+    the summary's "before" column survives a resume).
 
     The main rank evaluates while the others wait without a collective timeout, learning of an error at once
     (`run_on_main`); a sharded (FSDP) model is evaluated by every rank, since its forwards need every shard."""
 
     def __init__(self, cfg: TrainConfig, env: DistributedEnv, autocast: Callable[[], ContextManager[Any]],
-                 reporter: Reporter) -> None:
+                 reporter: Reporter, model: nn.Module | None = None, objectives: Sequence[Objective] = ()) -> None:
         self.env, self.reporter, self.sharded = env, reporter, cfg.fsdp
         builtin = has_builtin_tasks(cfg.data)
-        decoder = Recipe.pick(cfg).locca_weight > 0 and cfg.data.source("val") is not None
-        unsharded = [name for name, on in (("the LocCa decoder", decoder), ("the dense probe", builtin)) if on]
-        if cfg.fsdp and unsharded:
-            # greedy decoding and the probe's token features run modules outside the root forward FSDP gathers around
-            reporter.message(f"{' and '.join(unsharded)} not evaluated under --fsdp (run outside the sharded forward)")
         # --zeroshot-frequency 0: no zero-shot at all, as in OpenCLIP (the built-in data's shape/colour tasks too)
         self.tasks = evaluation_tasks(cfg.data, env.device, autocast,
                                       zero_shot_samples=cfg.zero_shot_samples if builtin and cfg.zeroshot_frequency
                                       else 0,
-                                      frequency=cfg.val_frequency, dense_probe=builtin and not cfg.fsdp,
-                                      decoder=decoder and not cfg.fsdp, notify=reporter.message)
+                                      frequency=cfg.val_frequency, dense_probe=builtin, model=model,
+                                      objectives=objectives, sharded=cfg.fsdp, notify=reporter.message)
         self.tasks += folder_zero_shot_tasks(cfg, env.device, autocast, reporter.message)
         self.history: list[dict[str, float]] = []  # [0]: the evaluation before the run's first step
 
@@ -346,7 +252,8 @@ class Evaluator:
                 if metrics:
                     self.history.append(metrics)
                     self.reporter.log("eval", step, epoch, metrics)
-                    self.reporter.message(f"eval after step {step}: " + brief(metrics))
+                    self.reporter.message(f"eval after step {step}: "
+                                          + brief(metrics, [key for task in tasks for key in task.brief]))
             return metrics
 
         if self.sharded:

@@ -120,8 +120,8 @@ class Trainer:
                                    context_length=self.module.context_length, rank=env.rank,
                                    world_size=env.world_size, device_pin=env.device.type == "cuda",
                                    processing=processing,
-                                   **{key: value for objective in self.objectives
-                                      for key, value in objective.loader_inputs(self.module, processing).items()})
+                                   inputs=[inputs for objective in self.objectives
+                                           for inputs in objective.loader_inputs(self.module, processing)])
         self.batches_per_epoch = self._plan_batches()
         self.schedule = LrSchedule(self.optimizer, cfg.lr, cfg.warmup, 1, kind=cfg.lr_scheduler)
         self.schedule.load_state_dict(self.schedule_plan(0, 0, 0))
@@ -138,7 +138,7 @@ class Trainer:
                                                         self.reporter.message)) is not None}
         self.window_step = WindowStep(cfg, env, self.model, loss_fn, self.optimizer, self.schedule, self.precision,
                                       self.exchange, terms, list(schedules.values()))
-        self.evaluator = Evaluator(cfg, env, self.precision.autocast, self.reporter)
+        self.evaluator = Evaluator(cfg, env, self.precision.autocast, self.reporter, self.module, self.objectives)
         optimizer_state = OptimizerState(self.model, self.optimizer, env)
         components = {"model": ModelState(self.model, env), "optimizer": optimizer_state,
                       "lr_schedule": self.schedule, "scaler": self.precision, "progress": self.progress,

@@ -19,7 +19,7 @@ from naflexclip.checkpoints.manager import CheckpointManager
 from naflexclip.models.naflex_clip import weights_mismatch
 from naflexclip.models.run_weights import architecture_changes
 from naflexclip.objectives.objective import Objective
-from naflexclip.objectives.registry import objectives_of
+from naflexclip.objectives.registry import OBJECTIVES, objectives_of
 from naflexclip.parallel.process_group import DistributedEnv, barrier, check_consistency, run_on_main
 from naflexclip.settings import APPLY, IGNORE, REFUSE, RESCHEDULE, default_with_data, flat_config, switches_with_data
 from naflexclip.train.components import Progress
@@ -119,11 +119,6 @@ def changed_flags(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
                               for key in _changed(saved, current) if _rule(key) in (APPLY, RESCHEDULE)))
 
 
-# heads the run's flags add to the preset, and those flags: a change there is the flags', not the preset's
-_HEAD_FLAGS = {"self_distill": "--local-crops / --mask-ratio (SigLIP 2's self-distillation heads)",
-               "decoder": "--recipe / --locca-loss-weight (the LocCa decoder)"}
-
-
 def architecture_error(model: str | None, saved: dict[str, Any], current: dict[str, Any]) -> str | None:
     """One line naming what made this run's architecture differ from the checkpoint's, or None."""
     changed = architecture_changes(saved, current)
@@ -131,8 +126,10 @@ def architecture_error(model: str | None, saved: dict[str, Any], current: dict[s
         return None
     shown = ", ".join(changed[:3]) + (", ..." if len(changed) > 3 else "")
     heads = {name.split(".", 1)[0] for name in changed}
-    if heads <= set(_HEAD_FLAGS):
-        flags = "; ".join(_HEAD_FLAGS[head] for head in sorted(heads))
+    # modules an objective's flags add to the preset: a change there is those flags', not the preset's
+    head_flags = {slot: flags for objective in OBJECTIVES for slot, flags in objective.head_slots.items()}
+    if heads <= set(head_flags):
+        flags = "; ".join(head_flags[head] for head in sorted(heads))
         return f"{flags}: not the checkpoint's (checkpoint -> this run: {shown}); resume with the checkpoint's values"
     return f"--model {model}: the preset's architecture is not the checkpoint's (checkpoint -> preset: {shown})"
 

@@ -17,6 +17,7 @@ import torch
 from naflexclip.data import DataConfig, DataError
 from naflexclip.evaluation.evaluated_model import evaluated_model
 from naflexclip.models.precision import PRECISIONS, check_precision
+from naflexclip.objectives.registry import saved_objectives
 from naflexclip.parallel.launchers import launched_world_size
 from naflexclip.parallel.process_group import DistributedFault, check_device
 from naflexclip.settings import add_arguments
@@ -152,7 +153,7 @@ def run_eval(args: argparse.Namespace) -> int:
                                   "--val-data (or --zero-shot for the built-in zero-shot tasks)")
         metrics = evaluate(model, data, device, precision.autocast,
                            zero_shot_samples=config["zero_shot_samples"] if on_builtin else 0, dense_probe=on_builtin,
-                           decoder=getattr(model, "decoder", None) is not None,
+                           objectives=saved_objectives(config),
                            notify=lambda line: _say(f"naflexclip eval: {line}"))
     except (ValueError, DataError, FileNotFoundError) as error:
         return _error("eval", str(error).splitlines()[0])
