@@ -13,7 +13,9 @@ shards of the same number of samples (`streaming.MDSWriter`, every member's byte
 compression), uploaded beside them and read by `StreamingDataset(remote="s3://...", local=<a fresh cache>)` (boto3,
 its endpoint from `S3_ENDPOINT_URL`: the proxy), shuffled (its default algorithm, seed 0), decoded and resized as the
 WebDataset rows are; its ranks are the processes of one node (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
-a gloo process group, which it needs to agree on its shared memory), sharing one cache as torchrun's ranks would.
+a gloo process group, which it needs to agree on its shared memory), sharing one cache as torchrun's ranks would;
+`--readers ... mosaicml-fresh-clients` reads it with each DataLoader worker dropping the S3 client it inherits from
+its rank (forked workers share that client's open connection, and collide on it).
 Each reader's bytes are divided by its own shards' bytes. Each run starts with an empty index cache (startup included);
 `--indexed` runs `naflexclip data index` on the bucket first. `--reader-option NAME=VALUE` passes a `DataConfig`
 setting to the naflexclip reader (for readers still to come: `--reader-option fetch_chunk_mib=16`).
