@@ -22,15 +22,15 @@ def setup_venv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[ModuleT
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\ndependencies = ['torch>=2.7']\n")
     monkeypatch.setattr(module, "ROOT", tmp_path)
     monkeypatch.setattr(module, "VENV", tmp_path / ".venv")
+    monkeypatch.setattr(module, "OLDEST_TORCH_VENV", tmp_path / ".venv-oldest")
     monkeypatch.setattr(module, "LOCK", tmp_path / ".venv.lock")
-    monkeypatch.setattr(module, "STAMP", tmp_path / ".venv" / "naflexclip-install.json")
 
     def create(path: Path, with_pip: bool) -> None:
-        module.venv_python().parent.mkdir(parents=True)
-        module.venv_python().write_text("")
+        module.venv_python(path).parent.mkdir(parents=True)
+        module.venv_python(path).write_text("")
 
     pip_runs: list[list[str]] = []
 
@@ -54,13 +54,33 @@ def test_the_second_command_installs_only_what_the_first_did_not(setup_venv) -> 
 def test_a_changed_pyproject_or_a_failed_install_installs_again(setup_venv) -> None:
     module, pip_runs = setup_venv
     assert module.main(["test"]) == 0
-    (module.ROOT / "pyproject.toml").write_text("[project]\nname = 'y'\n")
+    (module.ROOT / "pyproject.toml").write_text("[project]\nname = 'y'\ndependencies = ['torch>=2.7']\n")
     assert module.main(["test"]) == 0
     module.subprocess.run = lambda argv, cwd: (pip_runs.append(argv[-1:]), subprocess.CompletedProcess(argv, 1))[1]
-    module.STAMP.unlink()
+    stamp = module.VENV / module.STAMP
+    stamp.unlink()
     assert module.main(["test"]) == 1  # pip's failure is the command's
-    assert not module.STAMP.exists()  # so the next run tries again
+    assert not stamp.exists()  # so the next run tries again
     assert pip_runs == [[".[test]"], [".[test]"], [".[test]"]]
+
+
+def test_oldest_torch_installs_the_floor_of_pyproject_into_its_own_venv(setup_venv) -> None:
+    module, pip_runs = setup_venv
+    pyproject = module.ROOT / "pyproject.toml"
+    pyproject.write_text("[project]\nname = 'x'\ndependencies = ['numpy', 'torch >= 2.5.1, <3', 'torchvision']\n")
+    assert module.main(["test"]) == 0
+    assert module.main(["--oldest-torch", "test"]) == 0
+    assert module.main(["--oldest-torch", "test"]) == 0  # up to date
+    assert pip_runs == [[".[test]"], [".[test]", "torch==2.5.1"]]
+    assert (module.OLDEST_TORCH_VENV / module.STAMP).is_file() and (module.VENV / module.STAMP).is_file()
+
+
+def test_oldest_torch_without_a_floor_says_so(setup_venv) -> None:
+    module, pip_runs = setup_venv
+    (module.ROOT / "pyproject.toml").write_text("[project]\nname = 'x'\ndependencies = ['torch']\n")
+    with pytest.raises(SystemExit, match="'torch' names no lowest torch"):
+        module.main(["--oldest-torch"])
+    assert pip_runs == [] and not module.OLDEST_TORCH_VENV.exists()
 
 
 def test_two_setups_at_once_take_turns(tmp_path: Path) -> None:
