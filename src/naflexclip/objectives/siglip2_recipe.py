@@ -21,6 +21,7 @@ from naflexclip.data.regions import CaptionTokens, DecoderExamples
 from naflexclip.models.naflex_clip import PRESETS, ModelConfig, NaFlexClip
 from naflexclip.objectives.locca_decoder import DECODER_SIZES, LOCCA, DecoderConfig, LoccaTerm, attach_decoder
 from naflexclip.objectives.objective import Objective, TermSchedule
+from naflexclip.objectives.self_distill_schedule import SelfDistillation
 from naflexclip.objectives.self_distillation import (
     MASKED_PREDICTION,
     SELF_DISTILL,
@@ -328,8 +329,6 @@ class Siglip2Recipe(Objective):
                  notify: Callable[[str], None]) -> TermSchedule | None:
         if not self.recipe.self_distill_enabled:
             return None
-        from naflexclip.objectives.self_distill_schedule import SelfDistillation
-
         return SelfDistillation(self.recipe, model, env, sum_over_ranks, notify)
 
     def verify_terms(self, model: nn.Module) -> list[Term]:
