@@ -142,7 +142,7 @@ def test_no_two_files_share_a_name():
 def test_the_layer_checks_catch_an_upward_import(tmp_path):
     """Teeth: a data module importing an objective, and a circle, are found."""
     assert layer_of("naflexclip.objectives.locca_decoder") not in allowed(layer_of("naflexclip.data.regions"))
-    assert layer_of("naflexclip.train.loop") not in allowed(layer_of("naflexclip.models.factory"))
+    assert layer_of("naflexclip.train.loop") not in allowed(layer_of("naflexclip.families.factory"))
     assert layer_of("naflexclip.data.loader") not in allowed(layer_of("naflexclip.models.naflex_clip"))
 
 

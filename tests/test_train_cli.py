@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from naflexclip.cli import build_parser, main
-from naflexclip.models.factory import create_model
+from naflexclip.families.factory import create_model
 from naflexclip.models.lock import Locks
 from naflexclip.objectives.distillation import Distill
 from naflexclip.objectives.registry import ObjectiveFlags

@@ -12,7 +12,7 @@ import torch
 from test_train_loop import tiny_config
 
 from naflexclip.cli import build_parser
-from naflexclip.models.factory import create_model
+from naflexclip.families.factory import create_model
 from naflexclip.models.lock import image_groups, text_groups
 from naflexclip.train.flags import config_from_args
 from naflexclip.train.loop import train

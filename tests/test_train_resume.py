@@ -20,7 +20,7 @@ from test_train_loop import TINY_DATA_FLAGS, tiny_config
 from naflexclip.checkpoints import storage as ckpt
 from naflexclip.cli import main
 from naflexclip.data import DataConfig
-from naflexclip.models.factory import create_model
+from naflexclip.families.factory import create_model
 from naflexclip.models.naflex_clip import PRESETS, config_to_dict
 from naflexclip.parallel.process_group import init_distributed
 from naflexclip.train import components

@@ -15,7 +15,7 @@ from PIL import Image
 
 from naflexclip.cli import main
 from naflexclip.evaluation.zero_shot import zero_shot_classify
-from naflexclip.models.factory import create_model
+from naflexclip.families.factory import create_model
 from naflexclip.train.evaluator import folder_zero_shot_metrics
 from naflexclip.train.report import summary_table
 

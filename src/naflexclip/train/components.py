@@ -20,7 +20,7 @@ from torch import nn
 
 from naflexclip.checkpoints import sharded
 from naflexclip.checkpoints.manager import Ranks
-from naflexclip.models.factory import create_model
+from naflexclip.families.factory import create_model
 from naflexclip.parallel.process_group import (
     DistributedEnv,
     DistributedFault,
