@@ -533,8 +533,8 @@ def scenario_agree(env: Any, out_dir: Path) -> dict[str, Any]:
     from naflexclip.loss import create_loss
     from naflexclip.parallel.feature_exchange import RanksDisagree, window_exchange
     from naflexclip.parallel.wrapping import no_sync_context, unwrap_model, wrap_model
+    from naflexclip.train.config.train_config import TrainConfig
     from naflexclip.train.loop import Trainer
-    from naflexclip.train.train_config import TrainConfig
     from naflexclip.window import accumulate_gradients
 
     batch = random_naflex_batch(8, patch_size=4, context_length=16, generator=torch.Generator().manual_seed(1))
@@ -592,7 +592,7 @@ def scenario_trainer_faults(env: Any, out_dir: Path) -> dict[str, Any]:
     from naflexclip.data import DataConfig
     from naflexclip.parallel.process_group import barrier
     from naflexclip.train import loop
-    from naflexclip.train.train_config import TrainConfig
+    from naflexclip.train.config.train_config import TrainConfig
 
     cfg = TrainConfig(data=DataConfig(synthetic_train_size=16, synthetic_val_size=8, naflex_seq_lens=(16,),
                                       naflex_max_tokens_per_batch=32, workers=0),
@@ -779,8 +779,8 @@ def scenario_loop(env: Any, out_dir: Path, counts: dict[str, int]) -> dict[str, 
     from naflexclip.data import DataConfig
     from naflexclip.parallel.process_group import barrier
     from naflexclip.train import loop
+    from naflexclip.train.config.train_config import TrainConfig
     from naflexclip.train.stop import TrainingInterrupted
-    from naflexclip.train.train_config import TrainConfig
 
     results: dict[str, Any] = {}
     for fsdp in (False, True):
@@ -1039,7 +1039,7 @@ def scenario_self_distill_train(env: Any, out_dir: Path) -> dict[str, Any]:
     from naflexclip.objectives.self_distill_schedule import SelfDistillation
     from naflexclip.objectives.self_distillation import EmaTeacher
     from naflexclip.train import loop
-    from naflexclip.train.train_config import TrainConfig
+    from naflexclip.train.config.train_config import TrainConfig
 
     results: dict[str, Any] = {}
     forwards: list[int] = []

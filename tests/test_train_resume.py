@@ -24,9 +24,9 @@ from naflexclip.families.factory import create_model
 from naflexclip.models.naflex_clip import PRESETS, config_to_dict
 from naflexclip.parallel.process_group import init_distributed
 from naflexclip.train import components
+from naflexclip.train.config.train_config import TrainConfig
 from naflexclip.train.loop import Trainer, train
 from naflexclip.train.resume import changed_flags
-from naflexclip.train.train_config import TrainConfig
 
 CLI_FLAGS = ["--model", "tiny", "--epochs", "2", "--warmup", "2", "--device", "cpu", "--zero-shot-samples", "16",
              "--val-frequency", "0", "--no-plot", *TINY_DATA_FLAGS]

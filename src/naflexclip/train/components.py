@@ -38,7 +38,7 @@ from naflexclip.parallel.wrapping import (
     sharded_optimizer_state_dict,
     sharded_state_dict,
 )
-from naflexclip.train.train_config import TrainConfig
+from naflexclip.train.config.train_config import TrainConfig
 
 
 @dataclass

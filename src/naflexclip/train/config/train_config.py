@@ -38,7 +38,7 @@ from naflexclip.settings import (
     settings_of,
     switches_with_data,
 )
-from naflexclip.train import config_checks
+from naflexclip.train.config import config_checks
 from naflexclip.window import METHODS, SCALE_MODES
 
 __all__ = ["DEFAULT_MODEL", "DEMO_DEFAULTS", "FLAG_NAMES", "OPENCLIP_DEFAULTS", "SETTINGS", "TrainConfig", "flag_name"]
@@ -316,7 +316,7 @@ class TrainConfig(ObjectiveFlags, RunSettings):
     (`naflexclip.objectives.registry.ObjectiveFlags`)."""
 
     def __post_init__(self) -> None:
-        # the checks that are not about objectives are in `train.config_checks`; the order is the errors' order
+        # the checks that are not about objectives are in `train.config.config_checks`; the order is the errors' order
         self._from_run = config_checks.check_run_checkpoint(self, DEFAULT_MODEL)
         if self.model is None:
             self.model = DEFAULT_MODEL
