@@ -171,8 +171,8 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out_
     torch.set_num_threads(1)
     from naflexclip.audit.random_windows import random_naflex_batch
     from naflexclip.batch import split_batch
+    from naflexclip.families.factory import create_model
     from naflexclip.loss import create_loss
-    from naflexclip.models.factory import create_model
     from naflexclip.parallel.feature_exchange import window_exchange
     from naflexclip.parallel.process_group import cleanup, init_distributed
     from naflexclip.parallel.wrapping import no_sync_context, wrap_model

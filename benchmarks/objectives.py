@@ -89,7 +89,7 @@ def train_flags() -> set[str]:
     subparsers = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
     train = subparsers.choices["train"]
     try:
-        from naflexclip.train.openclip_flags import status
+        from naflexclip.train.config.openclip_flags import status
     except ImportError:  # a version without OpenCLIP's flag table: every flag it has, it accepts
         return set(train._option_string_actions)
     return {flag for flag in train._option_string_actions if status(flag, train) == "accepted"}

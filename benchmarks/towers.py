@@ -41,7 +41,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from naflexclip import accumulate_gradients, create_loss
 from naflexclip.audit.random_windows import random_naflex_batch
 from naflexclip.batch import split_batch, to_device
-from naflexclip.models.factory import create_model
+from naflexclip.families.factory import create_model
 from naflexclip.models.naflex_clip import NaFlexClip
 from naflexclip.models.precision import create_precision
 

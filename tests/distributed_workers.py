@@ -288,8 +288,8 @@ def scenario_exact(env: Any) -> dict[str, Any]:
     from naflexclip.audit.gradient_audit import full_batch_gradients
     from naflexclip.audit.random_windows import random_naflex_batch
     from naflexclip.batch import concat_microbatches, split_batch
+    from naflexclip.families.factory import create_model
     from naflexclip.loss import create_loss
-    from naflexclip.models.factory import create_model
     from naflexclip.parallel.feature_exchange import window_exchange
     from naflexclip.parallel.process_group import check_consistency
     from naflexclip.parallel.wrapping import (
@@ -486,8 +486,8 @@ def _consistency(env: Any, check_consistency: Any) -> dict[str, Any]:
 def scenario_fault(env: Any, how: str) -> dict[str, Any]:
     """Rank 1 dies or raises inside the second microbatch's replay forward; rank 0 must name it."""
     from naflexclip.audit.random_windows import random_naflex_batch
+    from naflexclip.families.factory import create_model
     from naflexclip.loss import create_loss
-    from naflexclip.models.factory import create_model
     from naflexclip.parallel.feature_exchange import window_exchange
     from naflexclip.parallel.process_group import fault_guard
     from naflexclip.parallel.wrapping import no_sync_context, wrap_model
@@ -529,12 +529,12 @@ def scenario_agree(env: Any, out_dir: Path) -> dict[str, Any]:
     """Every case meets in one size exchange; each rank records what it raised and how long it took."""
     from naflexclip.audit.random_windows import random_naflex_batch
     from naflexclip.data import DataConfig
+    from naflexclip.families.factory import create_model
     from naflexclip.loss import create_loss
-    from naflexclip.models.factory import create_model
     from naflexclip.parallel.feature_exchange import RanksDisagree, window_exchange
     from naflexclip.parallel.wrapping import no_sync_context, unwrap_model, wrap_model
+    from naflexclip.train.config.train_config import TrainConfig
     from naflexclip.train.loop import Trainer
-    from naflexclip.train.train_config import TrainConfig
     from naflexclip.window import accumulate_gradients
 
     batch = random_naflex_batch(8, patch_size=4, context_length=16, generator=torch.Generator().manual_seed(1))
@@ -592,7 +592,7 @@ def scenario_trainer_faults(env: Any, out_dir: Path) -> dict[str, Any]:
     from naflexclip.data import DataConfig
     from naflexclip.parallel.process_group import barrier
     from naflexclip.train import loop
-    from naflexclip.train.train_config import TrainConfig
+    from naflexclip.train.config.train_config import TrainConfig
 
     cfg = TrainConfig(data=DataConfig(synthetic_train_size=16, synthetic_val_size=8, naflex_seq_lens=(16,),
                                       naflex_max_tokens_per_batch=32, workers=0),
@@ -664,8 +664,8 @@ def scenario_shard(env: Any) -> dict[str, Any]:
     from naflexclip.audit.gradient_audit import full_batch_gradients
     from naflexclip.audit.random_windows import random_naflex_batch
     from naflexclip.batch import concat_microbatches, split_batch
+    from naflexclip.families.factory import create_model
     from naflexclip.loss import clip_loss_dense, create_loss, siglip_loss_dense
-    from naflexclip.models.factory import create_model
     from naflexclip.parallel.feature_exchange import ProcessGroupExchange, window_exchange
     from naflexclip.parallel.wrapping import no_sync_context, wrap_model
     from naflexclip.window import accumulate_gradients, window_loss_scale
@@ -779,8 +779,8 @@ def scenario_loop(env: Any, out_dir: Path, counts: dict[str, int]) -> dict[str, 
     from naflexclip.data import DataConfig
     from naflexclip.parallel.process_group import barrier
     from naflexclip.train import loop
+    from naflexclip.train.config.train_config import TrainConfig
     from naflexclip.train.stop import TrainingInterrupted
-    from naflexclip.train.train_config import TrainConfig
 
     results: dict[str, Any] = {}
     for fsdp in (False, True):
@@ -841,8 +841,8 @@ def scenario_fsdp_uneven(env: Any) -> dict[str, Any]:
     """Every rank records what the window raised (or None) and how long it took."""
     from naflexclip.audit.random_windows import random_naflex_batch
     from naflexclip.batch import split_batch
+    from naflexclip.families.factory import create_model
     from naflexclip.loss import create_loss
-    from naflexclip.models.factory import create_model
     from naflexclip.parallel.feature_exchange import window_exchange
     from naflexclip.parallel.wrapping import no_sync_context, wrap_model
     from naflexclip.window import accumulate_gradients
@@ -872,8 +872,8 @@ def scenario_locked(env: Any) -> dict[str, Any]:
     from naflexclip.audit.gradient_audit import full_batch_gradients
     from naflexclip.audit.random_windows import random_naflex_batch
     from naflexclip.batch import concat_microbatches, split_batch
+    from naflexclip.families.factory import create_model
     from naflexclip.loss import create_loss
-    from naflexclip.models.factory import create_model
     from naflexclip.models.lock import Locks
     from naflexclip.parallel.feature_exchange import window_exchange
     from naflexclip.parallel.wrapping import no_sync_context, unwrap_model, wrap_model
@@ -918,8 +918,8 @@ def scenario_distill(env: Any) -> dict[str, Any]:
     from naflexclip.audit.gradient_audit import full_batch_gradients
     from naflexclip.audit.random_windows import random_naflex_batch
     from naflexclip.batch import TEACHER_INPUTS, concat_microbatches, split_batch
+    from naflexclip.families.factory import create_model
     from naflexclip.loss import DistillLoss, create_loss
-    from naflexclip.models.factory import create_model
     from naflexclip.parallel.feature_exchange import window_exchange
     from naflexclip.parallel.wrapping import no_sync_context, wrap_model
     from naflexclip.window import TeacherFeatures, accumulate_gradients, window_loss_scale
@@ -1039,7 +1039,7 @@ def scenario_self_distill_train(env: Any, out_dir: Path) -> dict[str, Any]:
     from naflexclip.objectives.self_distill_schedule import SelfDistillation
     from naflexclip.objectives.self_distillation import EmaTeacher
     from naflexclip.train import loop
-    from naflexclip.train.train_config import TrainConfig
+    from naflexclip.train.config.train_config import TrainConfig
 
     results: dict[str, Any] = {}
     forwards: list[int] = []
@@ -1094,8 +1094,8 @@ def scenario_multi_positive(env: Any) -> dict[str, Any]:
     from naflexclip.audit.gradient_audit import full_batch_gradients
     from naflexclip.audit.random_windows import random_grouped_batch
     from naflexclip.batch import concat_microbatches, split_batch
+    from naflexclip.families.factory import create_model
     from naflexclip.loss import MultiPositiveDistillLoss, MultiPositiveLoss
-    from naflexclip.models.factory import create_model
     from naflexclip.parallel.feature_exchange import window_exchange
     from naflexclip.parallel.wrapping import no_sync_context, wrap_model
     from naflexclip.window import TeacherFeatures, accumulate_gradients, window_loss_scale

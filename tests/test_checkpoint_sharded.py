@@ -24,7 +24,7 @@ from naflexclip.checkpoints import storage
 from naflexclip.checkpoints.manager import CheckpointManager, Ranks
 from naflexclip.checkpoints.sharded import DCP_METADATA, read_whole, write_shards
 from naflexclip.cli import main
-from naflexclip.models.factory import create_model
+from naflexclip.families.factory import create_model
 from naflexclip.models.naflex_clip import PRESETS, config_to_dict
 from naflexclip.models.run_weights import load_checkpoint_model
 from naflexclip.parallel.process_group import DistributedEnv

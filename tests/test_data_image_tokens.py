@@ -83,9 +83,9 @@ def test_an_image_token_budget_beyond_the_data_is_one_line(tmp_path) -> None:
 def test_openclips_image_token_flag_is_accepted_saved_and_refused_on_resume_change() -> None:
     """OpenCLIP main's own NaFlex parse test passes `--naflex-num-train-image-tokens 1024`."""
     from naflexclip.cli import build_parser
-    from naflexclip.train.flags import config_from_args
+    from naflexclip.train.config.flags import config_from_args
+    from naflexclip.train.config.train_config import OPENCLIP_DEFAULTS, TrainConfig
     from naflexclip.train.resume import POLICY, refusal
-    from naflexclip.train.train_config import OPENCLIP_DEFAULTS, TrainConfig
 
     def config(tokens: str) -> TrainConfig:
         return config_from_args(build_parser().parse_args(["train", "--model", "tiny",

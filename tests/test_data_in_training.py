@@ -85,8 +85,8 @@ def test_resume_with_other_workers_trains_the_same_weights(tmp_path):
 
     from naflexclip.checkpoints.storage import find_latest, load_checkpoint
     from naflexclip.data import DataConfig
+    from naflexclip.train.config.train_config import TrainConfig
     from naflexclip.train.loop import train
-    from naflexclip.train.train_config import TrainConfig
 
     rows = ["filepath\ttitle"]
     for i in range(16):
@@ -227,7 +227,7 @@ def _broken_rows_table(root: Path) -> str:
 
 def _counting_config(root: Path, name: str, **overrides):
     from naflexclip.data import DataConfig
-    from naflexclip.train.train_config import TrainConfig
+    from naflexclip.train.config.train_config import TrainConfig
 
     data = DataConfig(train_data=_broken_rows_table(root), naflex_seq_lens=(16,), naflex_max_tokens_per_batch=32,
                       workers=0)

@@ -21,10 +21,10 @@ from naflexclip.data import DataConfig, build_loader
 from naflexclip.data.microbatch import MicrobatchBuilder
 from naflexclip.data.schedule import PatchSizes
 from naflexclip.processing.naflex_transform import Processing, collate, default_processing
-from naflexclip.train.flags import config_from_args
-from naflexclip.train.openclip_flags import status
+from naflexclip.train.config.flags import config_from_args
+from naflexclip.train.config.openclip_flags import status
+from naflexclip.train.config.train_config import TrainConfig
 from naflexclip.train.resume import POLICY, refusal
-from naflexclip.train.train_config import TrainConfig
 
 TINY_PATCH = 4  # the tiny preset's own patch size
 

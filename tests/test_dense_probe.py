@@ -18,7 +18,7 @@ from naflexclip.checkpoints.storage import save_checkpoint
 from naflexclip.cli import main
 from naflexclip.data.synthetic import COLOUR_RGB, COLOURS, SEGMENTATION_CLASSES, _scene, synthetic_segmentation
 from naflexclip.evaluation import dense_probe as probe
-from naflexclip.models.factory import create_model
+from naflexclip.families.factory import create_model
 from naflexclip.models.naflex_clip import config_to_dict
 from naflexclip.objectives.siglip2_recipe import Recipe
 

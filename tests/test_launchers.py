@@ -30,7 +30,7 @@ from naflexclip.parallel.launchers import (
     read_launch,
 )
 from naflexclip.parallel.process_group import _resolve_device
-from naflexclip.train.flags import config_from_args
+from naflexclip.train.config.flags import config_from_args
 
 # ---------------------------------------------------------------------------------------- host lists
 

@@ -132,7 +132,7 @@ def scenario(tmp: Path) -> dict[str, Any]:
 
     from naflexclip.cli import main
     from naflexclip.evaluation import dense_probe
-    from naflexclip.train.train_config import TrainConfig
+    from naflexclip.train.config.train_config import TrainConfig
 
     dense_probe.PROBE_SCENES.update(train=12, val=6)  # as conftest.py's small_dense_probe
     said: dict[str, Any] = {}

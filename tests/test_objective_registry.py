@@ -16,7 +16,7 @@ from naflexclip.cli import build_parser, main
 from naflexclip.objectives import registry
 from naflexclip.objectives.objective import Objective
 from naflexclip.settings import APPLY, setting
-from naflexclip.train.train_config import TrainConfig
+from naflexclip.train.config.train_config import TrainConfig
 from naflexclip.window import Term
 
 
@@ -113,7 +113,7 @@ def test_an_objectives_setting_without_the_flag_that_turns_it_on_is_said_to_chan
     ]
     parser = build_parser()
     for flags, line in cases:
-        from naflexclip.train.flags import config_from_args
+        from naflexclip.train.config.flags import config_from_args
 
         (said,) = registry.unused_settings(config_from_args(parser.parse_args(["train", *flags])))
         assert said.startswith(line), said

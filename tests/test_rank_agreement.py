@@ -393,7 +393,7 @@ def _started_with(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rank_0: dict[
     from test_train_loop import tiny_config
 
     from naflexclip.data import DataConfig
-    from naflexclip.train.rank_agreement import check_ranks_agree, settings_every_rank_shares
+    from naflexclip.train.config.rank_agreement import check_ranks_agree, settings_every_rank_shares
 
     def config(overrides: dict[str, Any]) -> Any:
         data = {"synthetic_train_size": 96, "synthetic_val_size": 24, "naflex_seq_lens": (16, 32),

@@ -14,16 +14,16 @@ import pytest
 
 from naflexclip.cli import build_parser
 from naflexclip.data.data_config import DataConfig
-from naflexclip.models.factory import ModelSettings
+from naflexclip.families.factory import ModelSettings
 from naflexclip.models.lock import Locks
 from naflexclip.objectives.distillation import Distill
 from naflexclip.objectives.siglip2_recipe import Recipe
 from naflexclip.parallel.process_group import DeviceSettings
 from naflexclip.rng import Seed
 from naflexclip.settings import RULES, declared, flat_config, setting, settings_of, undeclared_destinations
-from naflexclip.train.flags import config_from_args
+from naflexclip.train.config.flags import config_from_args
+from naflexclip.train.config.train_config import TrainConfig
 from naflexclip.train.resume import POLICY, changed_flags, refusal
-from naflexclip.train.train_config import TrainConfig
 from naflexclip.window.window_settings import WindowSettings
 
 # what `train` reads itself besides the settings: the refused OpenCLIP flags (the first one stops the run)
@@ -157,5 +157,5 @@ def test_the_code_maps_example_declaration_is_train_configs_own() -> None:
     """docs/code_map.md shows how a flag is declared with a field of `TrainConfig`: that field, as it is written."""
     root = Path(__file__).resolve().parents[1]
     example = (root / "docs" / "code_map.md").read_text().split("```python\n")[1].split("```")[0]
-    source = (root / "src" / "naflexclip" / "train" / "train_config.py").read_text()
+    source = (root / "src" / "naflexclip" / "train" / "config" / "train_config.py").read_text()
     assert "".join(example.split()) in "".join(source.split()), example

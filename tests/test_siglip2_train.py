@@ -139,7 +139,7 @@ def test_train_pretrained_that_is_not_siglip2_is_a_flag_error(tmp_path: Path, ca
 
 
 def test_pretrained_trains_with_its_own_loss(tmp_path: Path) -> None:
-    from naflexclip.train.train_config import TrainConfig
+    from naflexclip.train.config.train_config import TrainConfig
 
     source = make_checkpoint(tmp_path / "siglip2")
     assert TrainConfig(pretrained=str(source)).loss == "siglip"
@@ -190,7 +190,7 @@ def test_export_of_a_preset_run_is_refused_in_one_line(tmp_path: Path, capsys: p
     from naflexclip import create_model
     from naflexclip.checkpoints.storage import save_checkpoint
     from naflexclip.models.naflex_clip import config_to_dict
-    from naflexclip.train.train_config import TrainConfig
+    from naflexclip.train.config.train_config import TrainConfig
 
     model = create_model("small", loss="siglip")
     config = TrainConfig(model="small", loss="siglip", logs=str(tmp_path), name="run")

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from naflexclip.cli import build_parser, main
-from naflexclip.models.factory import create_model
+from naflexclip.families.factory import create_model
 from naflexclip.models.lock import Locks
 from naflexclip.objectives.distillation import Distill
 from naflexclip.objectives.registry import ObjectiveFlags
 from naflexclip.objectives.siglip2_recipe import Recipe
-from naflexclip.train.flags import config_from_args
+from naflexclip.train.config.flags import config_from_args
+from naflexclip.train.config.train_config import TrainConfig
 from naflexclip.train.optim import LrSchedule, create_optimizer, param_groups
-from naflexclip.train.train_config import TrainConfig
 
 
 @pytest.mark.parametrize(

@@ -12,9 +12,9 @@ from PIL import Image
 
 from naflexclip.cli import build_parser, main
 from naflexclip.train.components import create_run_model
+from naflexclip.train.config.flags import config_from_args
 from naflexclip.train.evaluate_only import evaluation_only
 from naflexclip.train.evaluator import evaluate
-from naflexclip.train.flags import config_from_args
 
 FLAGS = ["--model", "tiny", "--device", "cpu", "--precision", "fp32", "--naflex-seq-lens", "16",
          "--naflex-max-tokens-per-batch", "64", "--workers", "0", "--seed", "5"]

@@ -15,10 +15,10 @@ from naflexclip.cli import main
 from naflexclip.data import DataConfig
 from naflexclip.models.run_weights import load_checkpoint_model
 from naflexclip.parallel.process_group import init_distributed
+from naflexclip.train.config.train_config import TrainConfig
 from naflexclip.train.loop import Trainer, train
 from naflexclip.train.step import windows
 from naflexclip.train.stop import TrainingStopped
-from naflexclip.train.train_config import TrainConfig
 
 TINY_DATA_FLAGS = [
     "--synthetic-train-size", "96", "--synthetic-val-size", "24", "--naflex-seq-lens", "16", "32",

@@ -12,11 +12,11 @@ import pytest
 from naflexclip.cli import build_parser, main
 from naflexclip.data.data_config import DataConfig
 from naflexclip.settings import flat_config
-from naflexclip.train.flags import config_from_args
-from naflexclip.train.openclip_defaults import openclip_differences
-from naflexclip.train.openclip_flags import BUILT_IN, OPENCLIP_FLAGS, first_lines, status
+from naflexclip.train.config.flags import config_from_args
+from naflexclip.train.config.openclip_flags import BUILT_IN, OPENCLIP_FLAGS, first_lines, status
+from naflexclip.train.config.settings_display import openclip_differences
+from naflexclip.train.config.train_config import DEMO_DEFAULTS, OPENCLIP_DEFAULTS, TrainConfig, flag_name
 from naflexclip.train.resume import POLICY, changed_flags
-from naflexclip.train.train_config import DEMO_DEFAULTS, OPENCLIP_DEFAULTS, TrainConfig, flag_name
 
 
 def _train_parser() -> argparse.ArgumentParser:

@@ -12,13 +12,13 @@ import torch
 from test_train_loop import tiny_config
 
 from naflexclip.cli import build_parser
-from naflexclip.models.factory import create_model
+from naflexclip.families.factory import create_model
 from naflexclip.models.lock import image_groups, text_groups
-from naflexclip.train.flags import config_from_args
+from naflexclip.train.config.flags import config_from_args
+from naflexclip.train.config.train_config import TrainConfig
 from naflexclip.train.loop import train
 from naflexclip.train.optim import LrSchedule, create_optimizer, scheduled_lr
 from naflexclip.train.resume import refusal
-from naflexclip.train.train_config import TrainConfig
 
 BETAS = (0.9, 0.98)
 

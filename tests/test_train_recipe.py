@@ -14,7 +14,7 @@ from test_train_loop import TINY_DATA_FLAGS, tiny_config
 from naflexclip.checkpoints.storage import find_latest, load_checkpoint, save_checkpoint
 from naflexclip.cli import main
 from naflexclip.families import export_family
-from naflexclip.models.factory import create_model
+from naflexclip.families.factory import create_model
 from naflexclip.models.naflex_clip import config_to_dict
 from naflexclip.models.run_weights import load_checkpoint_model, load_run_model
 from naflexclip.objectives.siglip2_recipe import RECIPES, Recipe

@@ -20,13 +20,13 @@ from test_train_loop import TINY_DATA_FLAGS, tiny_config
 from naflexclip.checkpoints import storage as ckpt
 from naflexclip.cli import main
 from naflexclip.data import DataConfig
-from naflexclip.models.factory import create_model
+from naflexclip.families.factory import create_model
 from naflexclip.models.naflex_clip import PRESETS, config_to_dict
 from naflexclip.parallel.process_group import init_distributed
 from naflexclip.train import components
+from naflexclip.train.config.train_config import TrainConfig
 from naflexclip.train.loop import Trainer, train
 from naflexclip.train.resume import changed_flags
-from naflexclip.train.train_config import TrainConfig
 
 CLI_FLAGS = ["--model", "tiny", "--epochs", "2", "--warmup", "2", "--device", "cpu", "--zero-shot-samples", "16",
              "--val-frequency", "0", "--no-plot", *TINY_DATA_FLAGS]

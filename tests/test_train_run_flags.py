@@ -15,7 +15,7 @@ from test_train_loop import tiny_config
 
 from naflexclip.checkpoints import storage as ckpt
 from naflexclip.cli import build_parser
-from naflexclip.train.flags import config_from_args
+from naflexclip.train.config.flags import config_from_args
 from naflexclip.train.loop import train
 from naflexclip.train.remote_sync import RemoteSync, restore_from_backup, sync_fsspec
 from naflexclip.train.resume import POLICY
@@ -275,8 +275,8 @@ def test_save_every_n_steps_0_means_off(tmp_path: Path) -> None:
 
 def test_accum_method_with_accum_freq_1_is_said_to_change_nothing() -> None:
     """Each window is one microbatch: --accum-method has nothing to do, and the run's start says so."""
-    from naflexclip.train.config_checks import unused_settings
-    from naflexclip.train.train_config import TrainConfig
+    from naflexclip.train.config.config_checks import unused_settings
+    from naflexclip.train.config.train_config import TrainConfig
 
     (said,) = unused_settings(TrainConfig(accum_freq=1, accum_method="replay"))
     assert said.startswith("--accum-method replay: changes nothing with --accum-freq 1"), said

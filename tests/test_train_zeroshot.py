@@ -15,7 +15,7 @@ from PIL import Image
 
 from naflexclip.cli import main
 from naflexclip.evaluation.zero_shot import zero_shot_classify
-from naflexclip.models.factory import create_model
+from naflexclip.families.factory import create_model
 from naflexclip.train.evaluator import folder_zero_shot_metrics
 from naflexclip.train.report import summary_table
 
@@ -230,8 +230,8 @@ def _imagenet_layout(root: Path, names: list[str], with_images: dict[int, tuple[
 def test_imagenet_val_and_v2_classify_with_openclip_s_class_names_and_templates(tmp_path: Path) -> None:
     from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES
 
+    from naflexclip.train.config.train_config import TrainConfig
     from naflexclip.train.evaluator import folder_zero_shot_tasks
-    from naflexclip.train.train_config import TrainConfig
 
     colours = {1: (230, 30, 30), 2: (20, 40, 230), 10: (30, 200, 40)}  # goldfish, great white shark, brambling
     val = _imagenet_layout(tmp_path / "val", [f"n{i:08d}" for i in range(1000)], colours)
@@ -262,7 +262,7 @@ def test_imagenet_val_and_v2_classify_with_openclip_s_class_names_and_templates(
     ("imagenet_v2", [f"c{i}" for i in range(1000)], "named 0..999"),
 ])
 def test_imagenet_folders_are_checked_before_the_run(tmp_path: Path, flag, layout, message) -> None:
-    from naflexclip.train.train_config import TrainConfig
+    from naflexclip.train.config.train_config import TrainConfig
 
     root = _imagenet_layout(tmp_path / "in", layout, {0: (1, 2, 3), 1: (4, 5, 6)})
     with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} .*{message}"):
@@ -274,8 +274,8 @@ def test_zeroshot_frequency_without_anything_to_classify_is_accepted_with_one_li
     """OpenCLIP's README drops --imagenet-val to skip ImageNet zero-shot and keeps --zeroshot-frequency; OpenCLIP then
     classifies nothing. Here too: the flag is saved as given and the run's first lines say zero-shot does not run."""
     from naflexclip.cli import build_parser
-    from naflexclip.train.flags import config_from_args
-    from naflexclip.train.openclip_flags import first_lines
+    from naflexclip.train.config.flags import config_from_args
+    from naflexclip.train.config.openclip_flags import first_lines
 
     args = build_parser().parse_args(["train", "--model", "tiny", "--zeroshot-frequency", frequency])
     cfg = config_from_args(args)
@@ -291,7 +291,7 @@ def test_zeroshot_frequency_without_anything_to_classify_is_accepted_with_one_li
 def test_zeroshot_frequency_0_without_zeroshot_data_is_accepted() -> None:
     """Turning zero-shot off is consistent with having no zero-shot data (an OpenCLIP command may say it)."""
     from naflexclip.cli import build_parser
-    from naflexclip.train.flags import config_from_args
+    from naflexclip.train.config.flags import config_from_args
 
     args = build_parser().parse_args(["train", "--model", "tiny", "--zeroshot-frequency", "0"])
     assert config_from_args(args).zeroshot_frequency == 0

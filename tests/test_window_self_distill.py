@@ -197,8 +197,8 @@ def test_the_recipe_switches_the_terms_on_at_self_distill_start():
 def test_train_takes_the_recipe_flags_and_refuses_what_it_cannot_combine_in_one_line(capsys):
     # failed before the TrainConfig fields: every `naflexclip train` stopped on TrainConfig(**Recipe.as_dict())
     from naflexclip.cli import build_parser, main
-    from naflexclip.train.flags import config_from_args, with_defaults
-    from naflexclip.train.train_config import TrainConfig
+    from naflexclip.train.config.flags import config_from_args, with_defaults
+    from naflexclip.train.config.train_config import TrainConfig
 
     config = config_from_args(with_defaults(build_parser().parse_args(["train", "--model", "tiny", "--recipe",
                                                                         "siglip2"])))

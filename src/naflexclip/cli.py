@@ -17,7 +17,7 @@ COMMAND_MODULES = (
     "naflexclip.train.train_command",
     "naflexclip.audit.verify_command",
     "naflexclip.data.data_command",
-    "naflexclip.models.export_command",
+    "naflexclip.families.export_command",
     "naflexclip.checkpoints.checkpoint_command",
     "naflexclip.evaluation.benchmark_tasks",
 )

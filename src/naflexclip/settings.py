@@ -78,7 +78,7 @@ class Setting:
     # more flags for the same destination, each (option strings, add_argument's kwargs): `--siglip` of --loss
     also: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = ()
     # why each rank of a job may have its own value (its device, its loader processes); "": every rank must agree,
-    # checked before the first step (`train.rank_agreement.check_ranks_agree`)
+    # checked before the first step (`train.config.rank_agreement.check_ranks_agree`)
     per_rank: str = ""
     # how this job runs on its hardware, not what it trains (--fsdp: exact either way): a resume takes the command
     # line's value, not the run's saved one (a flag that is only switched on could not be switched off)

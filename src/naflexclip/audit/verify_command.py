@@ -29,8 +29,8 @@ from naflexclip.batch import EXAMPLE_INPUTS, batch_size, concat_microbatches, to
 from naflexclip.data import DataError, add_data_args, build_loader, data_config_from_args
 from naflexclip.data.data_config import VERIFY_DATA_DEFAULTS
 from naflexclip.families import data_processing
+from naflexclip.families.factory import ModelSettings, create_model
 from naflexclip.loss import create_loss
-from naflexclip.models.factory import ModelSettings, create_model
 from naflexclip.models.lock import Locks, lock_summary
 from naflexclip.models.run_weights import load_checkpoint_model
 from naflexclip.objectives import registry

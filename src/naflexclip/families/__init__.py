@@ -2,9 +2,10 @@
 
 A family is one module with the members of `PretrainedFamily` (recognise its directory or processor spec, build and
 load our model, export it, the tokenizer and patching its models expect), registered in `FAMILIES`: `siglip2`
-(transformers SigLIP 2 directories) and `openclip` (a `NamedFamily` of OpenCLIP's model names). `create_model`,
-`train --model`/`--pretrained`, `eval` and `export` ask this table; `data_processing` hands the data pipeline,
-which imports no family, the processing of the model it feeds.
+(transformers SigLIP 2 directories) and `openclip` (a `NamedFamily` of OpenCLIP's model names). `create_model`
+(`factory`, which picks among presets, families and run checkpoints), `train --model`/`--pretrained`, `eval` and
+`export` (`export_command`) ask this table; `data_processing` hands the data pipeline, which imports no family, the
+processing of the model it feeds. Families build `naflexclip.models`' model: they import it, never the reverse.
 """
 
 from __future__ import annotations

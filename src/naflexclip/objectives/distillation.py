@@ -21,8 +21,8 @@ from naflexclip.checkpoints import storage
 from naflexclip.data.microbatch import TeacherInputs
 from naflexclip.data.sample_inputs import SampleInputs
 from naflexclip.families import data_processing, find_family, named_family
+from naflexclip.families.factory import create_model
 from naflexclip.loss import DistillLoss, MultiPositiveDistillLoss, MultiPositiveLoss
-from naflexclip.models.factory import create_model
 from naflexclip.models.naflex_clip import PRESETS
 from naflexclip.models.run_weights import is_run_checkpoint, weights_digest
 from naflexclip.objectives.objective import BuildContext, Objective

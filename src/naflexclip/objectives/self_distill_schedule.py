@@ -12,14 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from naflexclip.checkpoints import sharded
 from naflexclip.objectives.self_distillation import EmaTeacher, attach_heads
-from naflexclip.objectives.siglip2_recipe import Recipe
 from naflexclip.parallel.process_group import DistributedEnv
 from naflexclip.parallel.wrapping import (
     full_state_dict,
@@ -32,11 +31,23 @@ from naflexclip.parallel.wrapping import (
 from naflexclip.window import Term
 
 
+class ScheduledRecipe(Protocol):
+    """What the schedule reads of the recipe that builds it (`objectives.siglip2_recipe.Recipe`, which imports this
+    module)."""
+
+    @property
+    def self_distill_enabled(self) -> bool: ...
+    def self_distill_active(self, progress: float) -> bool: ...
+    def value(self, name: str) -> Any: ...
+    def ema_teacher(self, model: nn.Module) -> EmaTeacher: ...
+    def terms(self, progress: float | None = None, teacher: EmaTeacher | None = None) -> list[Term]: ...
+
+
 class SelfDistillation:
     """The EMA teacher of a run whose recipe has a self-distillation or masked-prediction weight > 0 (`model`: the
     student as wrapped for training; `sum_over_ranks`: the window exchange's; `notify`: the run's message line)."""
 
-    def __init__(self, recipe: Recipe, model: nn.Module, env: DistributedEnv,
+    def __init__(self, recipe: ScheduledRecipe, model: nn.Module, env: DistributedEnv,
                  sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None,
                  notify: Callable[[str], None] = lambda _: None) -> None:
         if not recipe.self_distill_enabled:

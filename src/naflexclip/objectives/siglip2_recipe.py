@@ -29,6 +29,7 @@ from naflexclip.objectives.locca_decoder import (
     decoder_metrics,
 )
 from naflexclip.objectives.objective import EvalContext, EvalTask, Objective, TermSchedule
+from naflexclip.objectives.self_distill_schedule import SelfDistillation
 from naflexclip.objectives.self_distillation import (
     MASKED_PREDICTION,
     SELF_DISTILL,
@@ -355,8 +356,6 @@ class Siglip2Recipe(Objective):
                  notify: Callable[[str], None]) -> TermSchedule | None:
         if not self.recipe.self_distill_enabled:
             return None
-        from naflexclip.objectives.self_distill_schedule import SelfDistillation
-
         return SelfDistillation(self.recipe, model, env, sum_over_ranks, notify)
 
     def verify_terms(self, model: nn.Module) -> list[Term]:

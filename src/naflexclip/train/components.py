@@ -20,7 +20,7 @@ from torch import nn
 
 from naflexclip.checkpoints import sharded
 from naflexclip.checkpoints.manager import Ranks
-from naflexclip.models.factory import create_model
+from naflexclip.families.factory import create_model
 from naflexclip.parallel.process_group import (
     DistributedEnv,
     DistributedFault,
@@ -38,7 +38,7 @@ from naflexclip.parallel.wrapping import (
     sharded_optimizer_state_dict,
     sharded_state_dict,
 )
-from naflexclip.train.train_config import TrainConfig
+from naflexclip.train.config.train_config import TrainConfig
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from naflexclip.train.components import create_run_model
-from naflexclip.train.train_config import TrainConfig
+from naflexclip.train.config.train_config import TrainConfig
 
 
 def evaluation_only(cfg: TrainConfig) -> bool:

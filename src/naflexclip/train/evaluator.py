@@ -34,8 +34,8 @@ from naflexclip.families import data_processing
 from naflexclip.objectives.objective import EvalContext, EvalTask, Objective
 from naflexclip.parallel.process_group import DistributedEnv, barrier, run_on_main
 from naflexclip.parallel.wrapping import unwrap_model
+from naflexclip.train.config.train_config import TrainConfig
 from naflexclip.train.report import Reporter, folder_zeroshot_keys
-from naflexclip.train.train_config import TrainConfig
 
 RECALL_AT = (1, 5, 10)
 ZERO_SHOT_ATTRIBUTES = ("shape", "colour")

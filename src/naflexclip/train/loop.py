@@ -46,18 +46,18 @@ from naflexclip.train.components import (
     create_run_model,
     seed_everything,
 )
-from naflexclip.train.config_checks import unused_settings as unused_train_settings
+from naflexclip.train.config.config_checks import unused_settings as unused_train_settings
+from naflexclip.train.config.openclip_flags import first_lines
+from naflexclip.train.config.rank_agreement import check_ranks_agree
+from naflexclip.train.config.train_config import TrainConfig
 from naflexclip.train.evaluator import Evaluator
 from naflexclip.train.grouping import window_sizes
-from naflexclip.train.openclip_flags import first_lines
 from naflexclip.train.optim import LrSchedule, create_optimizer, describe_param_groups
-from naflexclip.train.rank_agreement import check_ranks_agree
 from naflexclip.train.remote_sync import RemoteSync
 from naflexclip.train.report import Reporter, refuse_existing_run
 from naflexclip.train.resume import nothing_left, resume, resumed_run_state
 from naflexclip.train.step import StepResult, WindowStep, step_metrics, token_counts, windows
 from naflexclip.train.stop import StopSignals, TrainingStopped
-from naflexclip.train.train_config import TrainConfig
 
 
 class Trainer:

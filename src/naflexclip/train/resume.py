@@ -23,11 +23,11 @@ from naflexclip.objectives.registry import OBJECTIVES, objectives_of
 from naflexclip.parallel.process_group import DistributedEnv, barrier, check_consistency, run_on_main
 from naflexclip.settings import APPLY, IGNORE, REFUSE, RESCHEDULE, default_with_data, flat_config, switches_with_data
 from naflexclip.train.components import Progress
-from naflexclip.train.openclip_defaults import shown_setting, shown_setting_value
+from naflexclip.train.config.settings_display import shown_setting, shown_setting_value
+from naflexclip.train.config.train_config import SETTINGS, TrainConfig, flag_name
 from naflexclip.train.optim import scheduled_lr
 from naflexclip.train.remote_sync import restore_from_backup
 from naflexclip.train.report import Reporter, run_exists
-from naflexclip.train.train_config import SETTINGS, TrainConfig, flag_name
 
 # every setting of TrainConfig (data fields as `data.<name>`) -> (rule, what a refused change would change), as
 # declared with it (`naflexclip.settings`: APPLY, REFUSE, RESCHEDULE, IGNORE)

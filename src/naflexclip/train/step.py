@@ -21,9 +21,9 @@ from naflexclip.models.precision import Precision
 from naflexclip.objectives.objective import TermSchedule
 from naflexclip.parallel.process_group import DistributedEnv, fault_guard
 from naflexclip.parallel.wrapping import no_sync_context, unwrap_model
+from naflexclip.train.config.train_config import TrainConfig
 from naflexclip.train.grouping import window_sizes
 from naflexclip.train.optim import LrSchedule
-from naflexclip.train.train_config import TrainConfig
 from naflexclip.window import Term, WindowStats, accumulate_gradients
 
 

@@ -1,4 +1,4 @@
-"""`naflexclip train` and `naflexclip eval`: the handlers and the parsers (the training flags: `train.flags`).
+"""`naflexclip train` and `naflexclip eval`: the handlers and the parsers (the training flags: `train.config.flags`).
 
 Flag errors are reported as one line, `naflexclip train: error: <flag>: <what is wrong>`, exit code 2.
 """
@@ -22,9 +22,9 @@ from naflexclip.parallel.launchers import launched_world_size
 from naflexclip.parallel.process_group import DistributedFault, check_device
 from naflexclip.settings import add_arguments
 
-from .flags import add_train_args, config_from_args
-from .openclip_flags import HelpFormatter, add_openclip_flags, group_by_origin
-from .train_config import TrainConfig
+from .config.flags import add_train_args, config_from_args
+from .config.openclip_flags import HelpFormatter, add_openclip_flags, group_by_origin
+from .config.train_config import TrainConfig
 
 __all__ = ["add_parser", "run_eval", "run_train"]
 

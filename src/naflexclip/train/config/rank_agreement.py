@@ -7,8 +7,8 @@ from typing import Any
 
 from naflexclip.parallel import process_group
 from naflexclip.settings import flat_config
-from naflexclip.train.openclip_defaults import shown_setting_value
-from naflexclip.train.train_config import SETTINGS, TrainConfig, flag_name
+from naflexclip.train.config.settings_display import shown_setting_value
+from naflexclip.train.config.train_config import SETTINGS, TrainConfig, flag_name
 
 __all__ = ["check_ranks_agree", "settings_every_rank_shares"]
 

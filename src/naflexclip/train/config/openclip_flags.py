@@ -202,7 +202,7 @@ def group_by_origin(parser: argparse.ArgumentParser) -> None:
 def first_lines(config: dict[str, Any]) -> list[str]:
     """The run's first lines (`config`: `TrainConfig.to_dict()`): its settings that differ from OpenCLIP's defaults
     (on the built-in dataset: the demo's), then what each built-in OpenCLIP flag given means here."""
-    from .openclip_defaults import openclip_differences
+    from .settings_display import openclip_differences
 
     differences = openclip_differences(config)
     builtin_data = not config["data"].get("train_data")

@@ -1,6 +1,6 @@
 """How a setting is shown: its value as typed (`shown_setting`), the settings that differ from OpenCLIP's defaults
 (`openclip_differences`). The declarations' tables (`OPENCLIP_DEFAULTS`, `DEMO_DEFAULTS`, `flag_name`) are generated
-from `TrainConfig` in `train.train_config`.
+from `TrainConfig` in `train.config.train_config`.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from naflexclip.settings import flat_config, shown_value
-from naflexclip.train.train_config import OPENCLIP_DEFAULTS, SETTINGS, flag_name
+from naflexclip.train.config.train_config import OPENCLIP_DEFAULTS, SETTINGS, flag_name
 
 __all__ = ["openclip_differences", "shown_setting", "shown_setting_value"]
 

@@ -19,8 +19,8 @@ from naflexclip.evaluation.zero_shot import (
     read_templates,
 )
 from naflexclip.families import family_of
+from naflexclip.families.factory import check_preset_pretrained
 from naflexclip.loss import LOSSES
-from naflexclip.models.factory import check_preset_pretrained
 from naflexclip.models.naflex_clip import PRESETS
 from naflexclip.models.precision import check_precision
 from naflexclip.models.run_weights import is_run_checkpoint, model_name_conflict, read_run_weights

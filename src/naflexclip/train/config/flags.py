@@ -9,8 +9,8 @@ import argparse
 from naflexclip.parallel.process_group import check_device
 from naflexclip.settings import add_arguments, resolve_defaults, values_from_args
 
+from ..resume import resumed_settings
 from .openclip_flags import refused_message
-from .resume import resumed_settings
 from .train_config import TrainConfig
 
 __all__ = ["add_train_args", "config_from_args", "with_defaults"]

@@ -17,7 +17,7 @@ from typing import Any
 
 from naflexclip.data import DataConfig
 from naflexclip.families import family_of, named_family
-from naflexclip.models.factory import DEFAULT_MODEL, ModelSettings
+from naflexclip.families.factory import DEFAULT_MODEL, ModelSettings
 from naflexclip.models.lock import Locks
 from naflexclip.models.naflex_clip import PRESETS
 from naflexclip.models.precision import PRECISIONS
@@ -41,7 +41,7 @@ from naflexclip.settings import (
     settings_of,
     switches_with_data,
 )
-from naflexclip.train import config_checks
+from naflexclip.train.config import config_checks
 from naflexclip.window.window_settings import WindowSettings
 
 __all__ = ["DEMO_DEFAULTS", "FLAG_NAMES", "OPENCLIP_DEFAULTS", "SETTINGS", "TrainConfig", "flag_name"]
@@ -285,7 +285,7 @@ class TrainConfig(ObjectiveFlags, RunSettings):
     (`naflexclip.objectives.registry.ObjectiveFlags`)."""
 
     def __post_init__(self) -> None:
-        # the checks that are not about objectives are in `train.config_checks`; the order is the errors' order
+        # the checks that are not about objectives are in `train.config.config_checks`; the order is the errors' order
         self._from_run = config_checks.check_run_checkpoint(self, DEFAULT_MODEL)
         if self.model is None:
             self.model = DEFAULT_MODEL

@@ -1,6 +1,7 @@
 """Building and exporting models: a preset by name, a pretrained directory or a naflexclip run's checkpoint in
 (`create_model`), a pretrained family's directory out (`export_model`). The families are asked through their
-registry, `naflexclip.families`; a run's checkpoint is read by `naflexclip.models.run_weights`."""
+registry, `naflexclip.families`; a run's checkpoint is read by `naflexclip.models.run_weights`. It picks among the
+families, so it lives above the model side with them (`naflexclip.models` imports no family)."""
 
 from __future__ import annotations
 
