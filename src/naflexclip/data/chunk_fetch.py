@@ -61,7 +61,7 @@ class ChunkFetcher:
 
     def __init__(self, source: Any, order: ChunkOrder, batches: list[ScheduledBatch], memory: int) -> None:
         self.source, self.order, self.memory = source, order, memory
-        self.batch_chunks = [np.unique(order.chunk_of(_positions(b))).tolist() for b in batches]
+        self.batch_chunks = [np.unique(order.chunk_of(b.positions())).tolist() for b in batches]
         self.uses = Counter(c for chunks in self.batch_chunks for c in chunks)
         self.first_use = list(dict.fromkeys(c for chunks in self.batch_chunks for c in chunks))
         self.ranges = {c: chunk_range(source, order, c) for c in self.first_use}
@@ -146,10 +146,6 @@ def _peak_bytes(batch_chunks: list[list[int]], sizes: dict[int, int]) -> int:
         change[k] += sizes[c]
         change[last[c] + 1] -= sizes[c]
     return int(np.cumsum(change).max(initial=0))
-
-
-def _positions(b: ScheduledBatch) -> np.ndarray:
-    return b.offset + b.stride * np.arange(b.batch_size, dtype=np.int64)
 
 
 def fetched_tasks(fetcher: ChunkFetcher, tasks: Iterator[tuple[ScheduledBatch, list[int], tuple[int, ...]]],

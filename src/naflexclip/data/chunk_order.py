@@ -188,11 +188,6 @@ def same_chunk_pairs(chunks: np.ndarray) -> float:
     return float((counts * (counts - 1)).sum() / (n * (n - 1)))
 
 
-def stride_positions(offset: int, size: int, stride: int) -> np.ndarray:
-    """A microbatch's positions in the epoch order: `size` of them from `offset`, `stride` apart."""
-    return offset + stride * np.arange(size, dtype=np.int64)
-
-
 def source_shard_bytes(source: Any) -> np.ndarray:
     """Bytes of each shard of a tar shard source, as chunks are cut from them: an indexed shard's up to its last
     sample's data, a listed one's size (the listing's, or the file's), -1 where unknown."""

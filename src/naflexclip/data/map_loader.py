@@ -159,21 +159,22 @@ class MapLoader(NaFlexLoader):
             self._map_tasks = MapTasks(self.source, self.builder)
             self._loader = self.data_loader(self._map_tasks, self._tasks, persistent=True)
         order, key = self.order, (self.seed, self.epoch, self.rank)
-        batches = worker_batches(self.schedule, 0, 1, first)
-        tasks = ((b, order[b.offset: b.offset + b.batch_size * b.stride: b.stride].tolist(), (*key, b.index))
-                 for b in batches)
-        if self.is_chunked and self.chunked is not None and self.chunked.memory and \
-                getattr(self.source, "parallel_reads", 1) > 1:  # remote shards: read by chunk, here
-            batches = list(worker_batches(self.schedule, 0, 1, first))
+        batches = worker_batches(self.schedule, 0, 1, first)  # (lazily: an epoch may hold millions)
+        fetch = self.is_chunked and self.chunked is not None and self.chunked.memory and \
+            getattr(self.source, "parallel_reads", 1) > 1  # remote shards: read by chunk, here
+        if fetch:
+            batches = list(batches)  # the fetcher plans the whole epoch's chunks
+        tasks = ((b, b.samples(order), (*key, b.index)) for b in batches)
+        if fetch:
+            assert self.chunked is not None
             fetcher = ChunkFetcher(self.source, order, batches, self.chunked.memory)
             if fetcher.peak > fetcher.memory:
+                need = -(-fetcher.peak >> 20)
                 logger.warning("data %s (%s) epoch %d rank %d: the chunked order keeps up to %d MiB of chunks in use "
                                "at once, over --fetch-memory %d MiB: a chunk that does not fit is read sample by "
                                "sample (a request each); raise --fetch-memory to %d", self.split, self.name,
-                               self.epoch + 1, self.rank, -(-fetcher.peak >> 20), fetcher.memory >> 20,
-                               -(-fetcher.peak >> 20))
-            tasks = fetched_tasks(fetcher, ((b, order[b.offset: b.offset + b.batch_size * b.stride: b.stride]
-                                             .tolist(), (*key, b.index)) for b in batches), self._map_tasks._loads)
+                               self.epoch + 1, self.rank, need, fetcher.memory >> 20, need)
+            tasks = fetched_tasks(fetcher, tasks, self._map_tasks._loads)
         self._tasks.tasks = tasks
         return self._loader
 

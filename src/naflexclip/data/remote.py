@@ -401,13 +401,21 @@ def _list_folder(folder: str) -> list[dict[str, Any]] | None:
         raise
 
 
+def _listings(urls: Sequence[str]) -> Iterator[dict[str, dict[str, Any]] | None]:
+    """The objects of each folder `urls` are in, by URL (one listing per folder, retried); None for a folder that
+    cannot be listed (plain `https://`)."""
+    for folder in sorted({u.rpartition("/")[0] for u in urls}):
+        entries = _list_folder(folder)
+        yield None if entries is None else {
+            f"{folder}/{entry['name'].rstrip('/').rpartition('/')[2]}": entry for entry in entries}
+
+
 def list_objects(urls: Sequence[str]) -> dict[str, dict[str, Any]]:
     """The objects of the folders `urls` are in, by URL (one listing per folder, retried): which shards exist, and
     their sizes, before any worker reads. Folders that cannot be listed (plain `https://`) are left out."""
     found: dict[str, dict[str, Any]] = {}
-    for folder in sorted({u.rpartition("/")[0] for u in urls}):
-        for entry in _list_folder(folder) or []:
-            found[f"{folder}/{entry['name'].rstrip('/').rpartition('/')[2]}"] = entry
+    for listed in _listings(urls):
+        found.update(listed or {})
     return found
 
 
@@ -419,11 +427,10 @@ def check_remote_shards(urls: Sequence[str], spec: str) -> None:
         return
     found: dict[str, dict[str, Any]] = {}
     try:
-        for folder in sorted({u.rpartition("/")[0] for u in wanted}):
-            entries = _list_folder(folder)
-            if entries is None:
+        for listed in _listings(wanted):
+            if listed is None:
                 return  # a folder that cannot be listed: its shards are known when read
-            found.update({f"{folder}/{e['name'].rstrip('/').rpartition('/')[2]}": e for e in entries})
+            found.update(listed)
     except Unreachable as error:
         raise DataError(f"{EITHER_DATA_FLAG} {spec!r}: cannot list its shards: {error}") from None
     if not any(u in found for u in wanted):

@@ -13,6 +13,7 @@ import functools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -132,6 +133,14 @@ class ScheduledBatch:
     batch_size: int
     offset: int
     stride: int = 1
+
+    def positions(self) -> np.ndarray:
+        """Its samples' positions in the epoch's sample order (int64)."""
+        return self.offset + self.stride * np.arange(self.batch_size, dtype=np.int64)
+
+    def samples(self, order: Any) -> list[int]:
+        """Its samples' ids in `order` (an epoch's order, sliceable)."""
+        return order[self.offset: self.offset + self.batch_size * self.stride: self.stride].tolist()
 
 
 def _rng(seed: int, epoch: int, tag: int, *more: int) -> np.random.Generator:
